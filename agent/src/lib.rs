@@ -1,0 +1,1 @@
+//! The Proteus agent as a library; `src/main.rs` is a thin CLI over it.

@@ -1,0 +1,1 @@
+//! The Proteus broker as a library; `src/main.rs` is a thin CLI over it.
