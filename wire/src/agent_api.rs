@@ -1,0 +1,765 @@
+//! The agent control protocol: what `proteus-agent` and the broker say to each other over HTTP.
+//!
+//! The agent always initiates (it may sit behind NAT), so every exchange is a request from the
+//! agent:
+//!
+//! | method | path (see [`paths`]) | body | answer |
+//! |---|---|---|---|
+//! | `POST` | `/v1/agents/register` | [`RegisterRequest`] | [`RegisterResponse`] |
+//! | `POST` | `/v1/agents/{instance_id}/heartbeat` | [`Heartbeat`] | `204` |
+//! | `GET`  | `/v1/agents/{instance_id}/commands?after=<seq>&wait_ms=<n>` | — | `Vec<`[`CommandEnvelope`]`>` (empty on timeout) |
+//! | `POST` | `/v1/agents/{instance_id}/events` | [`AgentEvent`] | `204` |
+//!
+//! Every request carries `Authorization: Bearer <per-instance token>`. Errors are JSON
+//! [`ApiError`] with status 401 (token missing or unknown), 403 (token belongs to another
+//! instance), 404 (unknown instance), 409 (the job is over), 400 (malformed body).
+//!
+//! All enums are tagged `{"type": "...", ...}` in `snake_case`; every optional field has a
+//! `#[serde(default)]` so an older peer that omits it still parses.
+
+use crate::ids::{InstanceId, JobId, Tier};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Header carrying the per-instance bearer token.
+pub const AUTHORIZATION: &str = "authorization";
+
+/// URL paths of the agent API, written once for the broker's router and the agent's client.
+pub mod paths {
+    use crate::ids::InstanceId;
+
+    /// `POST`: an agent announces itself.
+    pub const REGISTER: &str = "/v1/agents/register";
+    /// The axum route pattern for [`heartbeat`].
+    pub const HEARTBEAT_ROUTE: &str = "/v1/agents/{instance_id}/heartbeat";
+    /// The axum route pattern for [`commands`].
+    pub const COMMANDS_ROUTE: &str = "/v1/agents/{instance_id}/commands";
+    /// The axum route pattern for [`events`].
+    pub const EVENTS_ROUTE: &str = "/v1/agents/{instance_id}/events";
+
+    /// `POST`: progress report, also the liveness signal.
+    pub fn heartbeat(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/heartbeat")
+    }
+
+    /// `GET` with query [`super::CommandsQuery`]: long poll for commands.
+    pub fn commands(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/commands")
+    }
+
+    /// `POST`: something happened on the agent (warning, exit, ...).
+    pub fn events(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/events")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration
+// ---------------------------------------------------------------------------------------------
+
+/// First message of an agent. The broker already knows the instance's tier (it bought it), so
+/// the agent does not claim one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    /// The cloud's name for this VM (from `--instance-id` or IMDS `instance-id`).
+    pub instance_id: InstanceId,
+    /// `host:port` on which this agent accepts data-plane TCP from its peers.
+    pub data_addr: String,
+    /// CPUs the agent may use; lets the broker weigh work per machine.
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+    /// Length of the flattened model (number of f32 parameters) the agent computed from its
+    /// data. Every agent of a job must agree; the coordinator splits this key space into shards.
+    pub model_len: u64,
+    /// `proteus-agent` version, for the broker's logs.
+    #[serde(default)]
+    pub agent_version: String,
+}
+
+fn default_vcpus() -> u32 {
+    1
+}
+
+/// What the broker tells a newly registered agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterResponse {
+    pub job_id: JobId,
+    pub instance_id: InstanceId,
+    /// The tier the broker bought this instance in.
+    pub tier: Tier,
+    /// What to train and how.
+    pub training: TrainingConfig,
+    /// How often to send [`Heartbeat`]s; silence for `training.dead_member_timeout_ms` is death.
+    #[serde(default = "default_heartbeat_interval_ms")]
+    pub heartbeat_interval_ms: u64,
+    /// Longest `wait_ms` the broker honours on the commands long poll.
+    #[serde(default = "default_command_wait_ms")]
+    pub command_wait_ms: u64,
+}
+
+pub fn default_heartbeat_interval_ms() -> u64 {
+    1_000
+}
+pub fn default_command_wait_ms() -> u64 {
+    20_000
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training configuration
+// ---------------------------------------------------------------------------------------------
+
+/// Everything the agents of one job must agree on to train together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingConfig {
+    /// The application, its data set and hyperparameters.
+    pub app: AppConfig,
+    /// When training ends.
+    #[serde(default)]
+    pub stop: StopCondition,
+    /// How workers wait for each other.
+    #[serde(default)]
+    pub sync: SyncModel,
+    /// Number of parameter-server shards the model is split into (by key range).
+    #[serde(default = "default_num_shards")]
+    pub num_shards: u32,
+    /// Number of input partitions; workers get contiguous runs of them. Fixed for the job so
+    /// that a partition's data (and so the training trajectory) does not depend on how many
+    /// workers there are.
+    #[serde(default = "default_num_partitions")]
+    pub num_partitions: u32,
+    /// Clocks (BSP iterations) per pass over the input; one clock processes 1/`clocks_per_epoch`
+    /// of every partition.
+    #[serde(default = "default_clocks_per_epoch")]
+    pub clocks_per_epoch: u32,
+    /// How often an ActivePS copies its shards to their BackupPS. Work lost to a crash without
+    /// warning is bounded by this.
+    #[serde(default = "default_backup_sync_interval_ms")]
+    pub backup_sync_interval_ms: u64,
+    /// AgileML stage thresholds on transient:reliable.
+    #[serde(default)]
+    pub stages: StageThresholds,
+    /// A member silent for this long is declared dead.
+    #[serde(default = "default_dead_member_timeout_ms")]
+    pub dead_member_timeout_ms: u64,
+    /// Training starts once this many workers are placed; shards are placed before that.
+    #[serde(default = "default_min_workers")]
+    pub min_workers: u32,
+    /// Seed for initialisation and data shuffling: same seed, same trajectory.
+    #[serde(default)]
+    pub seed: u64,
+    /// Evaluate the test metric every this many epochs (0: only at the end).
+    #[serde(default = "default_eval_every_epochs")]
+    pub eval_every_epochs: u32,
+}
+
+pub fn default_num_shards() -> u32 {
+    2
+}
+pub fn default_num_partitions() -> u32 {
+    32
+}
+pub fn default_clocks_per_epoch() -> u32 {
+    20
+}
+pub fn default_backup_sync_interval_ms() -> u64 {
+    1_000
+}
+pub fn default_dead_member_timeout_ms() -> u64 {
+    10_000
+}
+pub fn default_min_workers() -> u32 {
+    1
+}
+pub fn default_eval_every_epochs() -> u32 {
+    1
+}
+
+impl TrainingConfig {
+    /// A configuration with every default, for `app`.
+    pub fn new(app: AppConfig) -> Self {
+        TrainingConfig {
+            app,
+            stop: StopCondition::default(),
+            sync: SyncModel::default(),
+            num_shards: default_num_shards(),
+            num_partitions: default_num_partitions(),
+            clocks_per_epoch: default_clocks_per_epoch(),
+            backup_sync_interval_ms: default_backup_sync_interval_ms(),
+            stages: StageThresholds::default(),
+            dead_member_timeout_ms: default_dead_member_timeout_ms(),
+            min_workers: default_min_workers(),
+            seed: 0,
+            eval_every_epochs: default_eval_every_epochs(),
+        }
+    }
+
+    /// Total number of clocks the job runs.
+    pub fn total_clocks(&self) -> u64 {
+        match self.stop {
+            StopCondition::Epochs { epochs } => {
+                u64::from(epochs) * u64::from(self.clocks_per_epoch)
+            }
+            StopCondition::Clocks { clocks } => clocks,
+        }
+    }
+
+    /// Reject configurations that would divide by zero or place nothing.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.num_shards == 0 {
+            return Err("num_shards must be at least 1".into());
+        }
+        if self.num_partitions == 0 {
+            return Err("num_partitions must be at least 1".into());
+        }
+        if self.clocks_per_epoch == 0 {
+            return Err("clocks_per_epoch must be at least 1".into());
+        }
+        if self.total_clocks() == 0 {
+            return Err("the stop condition allows no training at all".into());
+        }
+        if !(self.stages.stage2_ratio <= self.stages.stage3_ratio) {
+            return Err(format!(
+                "stage2_ratio ({}) must not exceed stage3_ratio ({})",
+                self.stages.stage2_ratio, self.stages.stage3_ratio
+            ));
+        }
+        self.app.validate()
+    }
+}
+
+/// The training application. Data files are looked up in the agent's `--data-dir`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AppConfig {
+    /// Multinomial (softmax) logistic regression on image data, minibatch SGD.
+    Mlr {
+        #[serde(default)]
+        dataset: ImageDataset,
+        /// Step size applied to the minibatch-mean gradient.
+        #[serde(default = "default_mlr_learning_rate")]
+        learning_rate: f32,
+        /// L2 penalty on the weights (not the biases).
+        #[serde(default)]
+        l2: f32,
+    },
+    /// Matrix factorisation with biases, trained by SGD on rating data.
+    Mf {
+        /// Ratings file (`user,item,rating,timestamp`, gzip or plain).
+        #[serde(default = "default_ratings_file")]
+        ratings_file: String,
+        /// Latent factors per user and item.
+        #[serde(default = "default_mf_rank")]
+        rank: u32,
+        #[serde(default = "default_mf_learning_rate")]
+        learning_rate: f32,
+        #[serde(default = "default_mf_l2")]
+        l2: f32,
+        /// Fraction of each user's ratings, latest by time, held out for evaluation.
+        #[serde(default = "default_holdout_fraction")]
+        holdout_fraction: f32,
+    },
+    /// No learning: a dense model of `model_len` floats whose workers push zeros. For
+    /// benchmarks of the parameter server and of hand-over.
+    Synthetic { model_len: u64 },
+}
+
+pub fn default_mlr_learning_rate() -> f32 {
+    0.5
+}
+pub fn default_ratings_file() -> String {
+    "movietweetings-100k.csv.gz".into()
+}
+pub fn default_mf_rank() -> u32 {
+    10
+}
+pub fn default_mf_learning_rate() -> f32 {
+    0.01
+}
+pub fn default_mf_l2() -> f32 {
+    0.05
+}
+pub fn default_holdout_fraction() -> f32 {
+    0.1
+}
+
+impl AppConfig {
+    fn validate(&self) -> Result<(), String> {
+        match self {
+            AppConfig::Mlr {
+                learning_rate, l2, ..
+            } => {
+                if !(*learning_rate > 0.0) || !(*l2 >= 0.0) {
+                    return Err("mlr needs learning_rate > 0 and l2 >= 0".into());
+                }
+            }
+            AppConfig::Mf {
+                rank,
+                learning_rate,
+                l2,
+                holdout_fraction,
+                ..
+            } => {
+                if *rank == 0 || !(*learning_rate > 0.0) || !(*l2 >= 0.0) {
+                    return Err("mf needs rank >= 1, learning_rate > 0 and l2 >= 0".into());
+                }
+                if !(0.0..1.0).contains(holdout_fraction) {
+                    return Err("mf holdout_fraction must be in [0, 1)".into());
+                }
+            }
+            AppConfig::Synthetic { model_len } => {
+                if *model_len == 0 {
+                    return Err("synthetic model_len must be at least 1".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Short name for logs and status pages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AppConfig::Mlr { .. } => "mlr",
+            AppConfig::Mf { .. } => "mf",
+            AppConfig::Synthetic { .. } => "synthetic",
+        }
+    }
+}
+
+/// Image data sets shipped in `data/ml`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageDataset {
+    /// 60,000 training and 10,000 test images of 28×28.
+    #[default]
+    Mnist,
+    /// 1,797 images of 8×8; the last 20% (by file order) are the test set.
+    Digits,
+}
+
+/// When a job's training is finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StopCondition {
+    /// Passes over the training input.
+    Epochs { epochs: u32 },
+    /// Raw clock count, for tests and benchmarks.
+    Clocks { clocks: u64 },
+}
+
+impl Default for StopCondition {
+    fn default() -> Self {
+        StopCondition::Epochs { epochs: 5 }
+    }
+}
+
+/// How far workers may run ahead of each other.
+///
+/// Only BSP exists today; SSP and FlexRR's rapid reassignment will be further variants (that is
+/// why this is an enum and not a flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum SyncModel {
+    /// Bulk synchronous: nobody starts clock `c` before every update of clock `c - 1` is in.
+    #[default]
+    Bsp,
+}
+
+/// Switch points between the AgileML stages, on the ratio transient:reliable members.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StageThresholds {
+    /// At or above this ratio, active shards move to transient machines (stage 2).
+    #[serde(default = "default_stage2_ratio")]
+    pub stage2_ratio: f64,
+    /// At or above this ratio, reliable machines hold only backups and do no work (stage 3).
+    #[serde(default = "default_stage3_ratio")]
+    pub stage3_ratio: f64,
+}
+
+pub fn default_stage2_ratio() -> f64 {
+    1.0
+}
+pub fn default_stage3_ratio() -> f64 {
+    15.0
+}
+
+impl Default for StageThresholds {
+    fn default() -> Self {
+        StageThresholds {
+            stage2_ratio: default_stage2_ratio(),
+            stage3_ratio: default_stage3_ratio(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Heartbeats and progress
+// ---------------------------------------------------------------------------------------------
+
+/// Periodic report of an agent; its arrival is also what keeps the agent alive in the view.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The newest [`ClusterView::epoch`] the agent has applied.
+    #[serde(default)]
+    pub applied_epoch: u64,
+    #[serde(default)]
+    pub progress: Progress,
+}
+
+/// Training progress as seen by one agent (its worker, if it has one).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Progress {
+    /// Clocks this worker has completed; the next clock it works on.
+    #[serde(default)]
+    pub clock: u64,
+    /// Fractional passes over the input at `clock`.
+    #[serde(default)]
+    pub epoch: f64,
+    /// Training samples processed by this agent since it started.
+    #[serde(default)]
+    pub samples_processed: u64,
+    /// Mean training loss over this agent's last clock.
+    #[serde(default)]
+    pub loss: Option<f64>,
+    /// Latest evaluation on held-out data, if this agent made one.
+    #[serde(default)]
+    pub metric: Option<Metric>,
+    /// Training samples per second over the last few clocks.
+    #[serde(default)]
+    pub samples_per_sec: f64,
+    /// Parameter-server shards this agent serves (active) and holds (backup).
+    #[serde(default)]
+    pub active_shards: Vec<u32>,
+    #[serde(default)]
+    pub backup_shards: Vec<u32>,
+}
+
+/// A held-out evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Metric {
+    pub kind: MetricKind,
+    pub value: f64,
+    /// The same metric for a trivial predictor (majority class; global mean rating), so a
+    /// reader can tell whether the model learned anything.
+    #[serde(default)]
+    pub baseline: Option<f64>,
+    /// Clock of the model that was evaluated.
+    #[serde(default)]
+    pub clock: u64,
+}
+
+/// What [`Metric::value`] measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MetricKind {
+    /// Fraction of test samples classified correctly (higher is better).
+    Accuracy,
+    /// Root mean squared error of held-out ratings (lower is better).
+    Rmse,
+}
+
+impl fmt::Display for MetricKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MetricKind::Accuracy => "accuracy",
+            MetricKind::Rmse => "rmse",
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commands
+// ---------------------------------------------------------------------------------------------
+
+/// Query of the commands long poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CommandsQuery {
+    /// Return only commands with `seq > after` (0 for "everything").
+    #[serde(default)]
+    pub after: u64,
+    /// Hold the request up to this long when there is nothing new.
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// A command with its per-agent sequence number (strictly increasing, starting at 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommandEnvelope {
+    pub seq: u64,
+    pub command: Command,
+}
+
+/// What the control plane asks an agent to do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Command {
+    /// Adopt this layout. A newer epoch supersedes older ones entirely; an agent absent from
+    /// `members` hands over whatever it holds and exits.
+    Configure(ClusterView),
+    /// Leave: training is done or the job was cancelled.
+    Stop { reason: String },
+}
+
+/// AgileML stage (see PAPERS.md §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Few transient machines: all shards on reliable machines, workers everywhere.
+    Stage1,
+    /// Active shards on transient machines, backups on reliable ones, workers everywhere.
+    Stage2,
+    /// Reliable machines hold only backups; only transient machines work.
+    Stage3,
+}
+
+impl Stage {
+    pub fn number(self) -> u8 {
+        match self {
+            Stage::Stage1 => 1,
+            Stage::Stage2 => 2,
+            Stage::Stage3 => 3,
+        }
+    }
+}
+
+/// Half-open range `[start, end)` of flattened model indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KeyRange {
+    pub start: u64,
+    pub end: u64,
+}
+
+impl KeyRange {
+    pub fn len(&self) -> u64 {
+        self.end - self.start
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+}
+
+/// Half-open range `[start, end)` of input partition numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PartitionRange {
+    pub start: u32,
+    pub end: u32,
+}
+
+impl PartitionRange {
+    pub fn len(&self) -> u32 {
+        self.end - self.start
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+    pub fn contains(&self, p: u32) -> bool {
+        self.start <= p && p < self.end
+    }
+    pub fn iter(&self) -> std::ops::Range<u32> {
+        self.start..self.end
+    }
+}
+
+/// One member of the job in a view.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    pub instance_id: InstanceId,
+    pub tier: Tier,
+    /// Where peers reach it over TCP.
+    pub data_addr: String,
+    /// A rebalance recommendation was received: it keeps working but holds no shard.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+/// Where the active owner of a shard gets the shard's state when it does not hold it yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ShardSource {
+    /// A new job: initialise from the application's seed.
+    Fresh,
+    /// The previous active owner is alive and pushes its final state; if it does not arrive in
+    /// time, restore from `fallback` (a backup holder) instead.
+    Handover {
+        from: InstanceId,
+        #[serde(default)]
+        fallback: Option<InstanceId>,
+    },
+    /// The previous owner is gone without hand-over: the copy held by `from` (a BackupPS, or the
+    /// new owner itself) is promoted; updates after its last background sync are lost.
+    Restore { from: InstanceId },
+    /// The owner died and there was no backup: the shard is re-initialised (logged loudly).
+    Lost,
+}
+
+/// Placement of one shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardPlacement {
+    pub shard: u32,
+    pub keys: KeyRange,
+    /// The ActivePS: serves pulls and pushes.
+    pub active: InstanceId,
+    /// The BackupPS, kept current in the background; none in stage 1.
+    #[serde(default)]
+    pub backup: Option<InstanceId>,
+    /// How `active` obtains the state if it does not have it (unchanged while `active` is).
+    pub source: ShardSource,
+}
+
+/// One worker's share of the input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerAssignment {
+    pub instance_id: InstanceId,
+    /// Position among the workers (0-based); rank 0 evaluates the test metric during training.
+    pub rank: u32,
+    pub partitions: PartitionRange,
+}
+
+/// The whole layout of a job at one epoch. Every agent gets the same view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// Strictly increasing; a change of anything below gives a new epoch.
+    pub epoch: u64,
+    pub stage: Stage,
+    /// Members in instance-id order. Members that were warned are no longer here.
+    pub members: Vec<MemberInfo>,
+    /// One placement per shard, in shard order; key ranges tile `[0, model_len)`.
+    pub shards: Vec<ShardPlacement>,
+    /// Workers in rank order; partition ranges tile `[0, num_partitions)`. Empty until
+    /// `min_workers` are available.
+    pub workers: Vec<WorkerAssignment>,
+    pub num_partitions: u32,
+    pub model_len: u64,
+}
+
+impl ClusterView {
+    pub fn member(&self, id: &InstanceId) -> Option<&MemberInfo> {
+        self.members.iter().find(|m| &m.instance_id == id)
+    }
+    pub fn worker(&self, id: &InstanceId) -> Option<&WorkerAssignment> {
+        self.workers.iter().find(|w| &w.instance_id == id)
+    }
+    pub fn shard(&self, shard: u32) -> Option<&ShardPlacement> {
+        self.shards.iter().find(|s| s.shard == shard)
+    }
+    /// Who works on partition `p`.
+    pub fn partition_owner(&self, p: u32) -> Option<&InstanceId> {
+        self.workers
+            .iter()
+            .find(|w| w.partitions.contains(p))
+            .map(|w| &w.instance_id)
+    }
+    pub fn data_addr(&self, id: &InstanceId) -> Option<&str> {
+        self.member(id).map(|m| m.data_addr.as_str())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events
+// ---------------------------------------------------------------------------------------------
+
+/// Something that happened on an agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AgentEvent {
+    /// IMDS announced that the instance will be stopped/terminated at `action_time`.
+    InterruptionWarning {
+        /// `terminate`, `stop` or `hibernate`, as IMDS said.
+        action: String,
+        /// RFC 3339, as IMDS said.
+        action_time: String,
+    },
+    /// IMDS published a rebalance recommendation: the instance is at elevated risk.
+    RebalanceRecommendation {
+        #[serde(default)]
+        notice_time: Option<String>,
+    },
+    /// This agent finished moving `shard` to `to` (its state up to `seq`).
+    HandoverComplete {
+        shard: u32,
+        to: InstanceId,
+        seq: u64,
+    },
+    /// A worker completed the last clock and evaluated the final model.
+    TrainingComplete { metric: Metric },
+    /// The agent is about to exit.
+    Exit { reason: ExitReason },
+}
+
+/// Why an agent leaves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExitReason {
+    /// It received [`Command::Stop`].
+    Stopped,
+    /// It handed over after an interruption warning.
+    Interrupted,
+    /// Something broke; the message says what.
+    Failed { message: String },
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+/// JSON body of every non-2xx answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `job_over`, `bad_request`.
+    pub code: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn training_config_fills_defaults_from_minimal_json() {
+        let cfg: TrainingConfig = serde_json::from_str(r#"{"app":{"type":"mlr"}}"#).unwrap();
+        assert_eq!(cfg.num_shards, 2);
+        assert_eq!(cfg.sync, SyncModel::Bsp);
+        assert_eq!(cfg.stop, StopCondition::Epochs { epochs: 5 });
+        assert_eq!(
+            cfg.app,
+            AppConfig::Mlr {
+                dataset: ImageDataset::Mnist,
+                learning_rate: 0.5,
+                l2: 0.0
+            }
+        );
+        assert!(cfg.validate().is_ok());
+        assert_eq!(cfg.total_clocks(), 100);
+    }
+
+    #[test]
+    fn commands_are_tagged_snake_case() {
+        let c = Command::Stop {
+            reason: "done".into(),
+        };
+        let s = serde_json::to_string(&c).unwrap();
+        assert_eq!(s, r#"{"type":"stop","reason":"done"}"#);
+        let e = AgentEvent::InterruptionWarning {
+            action: "terminate".into(),
+            action_time: "2026-01-01T00:00:00Z".into(),
+        };
+        let s = serde_json::to_value(&e).unwrap();
+        assert_eq!(s["type"], "interruption_warning");
+    }
+
+    #[test]
+    fn paths_embed_instance_id() {
+        let id = InstanceId("i-1".into());
+        assert_eq!(paths::heartbeat(&id), "/v1/agents/i-1/heartbeat");
+        assert_eq!(paths::commands(&id), "/v1/agents/i-1/commands");
+        assert_eq!(paths::events(&id), "/v1/agents/i-1/events");
+    }
+
+    #[test]
+    fn validation_rejects_inverted_stage_thresholds() {
+        let mut cfg = TrainingConfig::new(AppConfig::Synthetic { model_len: 10 });
+        cfg.stages.stage2_ratio = 5.0;
+        cfg.stages.stage3_ratio = 2.0;
+        assert!(cfg.validate().is_err());
+    }
+}

@@ -1,0 +1,1387 @@
+//! The control plane of one job: a pure, deterministic state machine.
+//!
+//! The broker wraps it in its HTTP routes (and calls [`Coordinator::remove`] when the cloud says
+//! an instance is gone); the agent's tests wrap the very same type in a small test server. It
+//! does no I/O and reads no clock: every call that depends on time takes `now_ms`, so the same
+//! sequence of calls always yields the same views, byte for byte.
+//!
+//! A long-poll server notifies its waiters after every mutating call and re-reads
+//! [`Coordinator::commands_after`]; [`Coordinator::latest_seq`] tells whether anything is new.
+
+use crate::agent_api::{
+    AgentEvent, ClusterView, Command, CommandEnvelope, Heartbeat, KeyRange, MemberInfo, Metric,
+    PartitionRange, Progress, RegisterRequest, RegisterResponse, ShardPlacement, ShardSource,
+    Stage, StageThresholds, TrainingConfig, WorkerAssignment,
+};
+use crate::agent_api::{ApiError, ExitReason};
+use crate::ids::{InstanceId, JobId, Tier};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Why a call was refused. [`CoordinatorError::http_status`] maps it onto the agent API.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CoordinatorError {
+    #[error("instance {0} is not a member of this job")]
+    UnknownInstance(InstanceId),
+    #[error("job {0} is over")]
+    JobOver(JobId),
+    #[error("agent reports a model of {got} parameters, the job's model has {expected}")]
+    ModelMismatch { expected: u64, got: u64 },
+    #[error("invalid training configuration: {0}")]
+    InvalidConfig(String),
+}
+
+impl CoordinatorError {
+    /// The status code of the agent API for this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            CoordinatorError::UnknownInstance(_) => 404,
+            CoordinatorError::JobOver(_) => 409,
+            CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => 400,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            CoordinatorError::UnknownInstance(_) => "not_found",
+            CoordinatorError::JobOver(_) => "job_over",
+            CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => {
+                "bad_request"
+            }
+        }
+    }
+
+    pub fn to_api_error(&self) -> ApiError {
+        ApiError {
+            code: self.code().into(),
+            message: self.to_string(),
+        }
+    }
+}
+
+/// Where a member is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberState {
+    /// Eligible for every role.
+    Active,
+    /// Rebalance recommendation: keeps working, holds no shard.
+    Draining,
+    /// Interruption warning: out of the view, handing over, about to exit.
+    Leaving,
+}
+
+/// Why a member is no longer part of the job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum DepartureReason {
+    /// It said it exits.
+    Exited { reason: ExitReason },
+    /// Silent for longer than the dead-member timeout.
+    TimedOut,
+    /// The cloud reported the instance gone ([`Coordinator::remove`]).
+    Removed { reason: String },
+    /// It registered again (its process restarted and lost its state).
+    Restarted,
+}
+
+/// Overall state of the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Fewer than `min_workers` have joined so far.
+    Waiting,
+    Running,
+    /// A worker finished the last clock.
+    Completed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn is_over(self) -> bool {
+        matches!(self, JobState::Completed | JobState::Cancelled)
+    }
+}
+
+/// Roles of one member in the current view.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Roles {
+    pub worker: Option<PartitionRange>,
+    pub active_shards: Vec<u32>,
+    pub backup_shards: Vec<u32>,
+}
+
+/// A member as the job's status page shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberStatus {
+    pub instance_id: InstanceId,
+    pub tier: Tier,
+    pub state: MemberState,
+    pub data_addr: String,
+    pub roles: Roles,
+    pub joined_at_ms: u64,
+    pub last_seen_ms: u64,
+    pub applied_epoch: u64,
+    pub progress: Progress,
+}
+
+/// A member that left.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DepartedMember {
+    pub instance_id: InstanceId,
+    pub tier: Tier,
+    pub at_ms: u64,
+    pub reason: DepartureReason,
+}
+
+/// Job-wide progress.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct AggregateProgress {
+    /// Furthest clock any worker reached.
+    pub clock: u64,
+    pub total_clocks: u64,
+    /// `clock / clocks_per_epoch`.
+    pub epoch: f64,
+    /// Samples processed by all members ever, departed ones included.
+    pub samples_processed: u64,
+    /// Sum over current members.
+    pub samples_per_sec: f64,
+    /// Mean of the members' latest training loss.
+    pub loss: Option<f64>,
+}
+
+/// What the broker's `GET /jobs/{id}` shows about training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub job_id: JobId,
+    pub state: JobState,
+    pub epoch: u64,
+    pub stage: Option<Stage>,
+    pub progress: AggregateProgress,
+    /// Most recent evaluation (highest clock) reported by any member.
+    pub latest_metric: Option<Metric>,
+    /// Evaluation of the final model, once training completed.
+    pub final_metric: Option<Metric>,
+    pub members: Vec<MemberStatus>,
+    pub departed: Vec<DepartedMember>,
+    /// Why the job ended, when it did.
+    pub end_reason: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+struct Member {
+    tier: Tier,
+    data_addr: String,
+    state: MemberState,
+    joined_at_ms: u64,
+    last_seen_ms: u64,
+    applied_epoch: u64,
+    progress: Progress,
+    commands: Vec<CommandEnvelope>,
+    next_seq: u64,
+}
+
+impl Member {
+    fn push(&mut self, command: Command) {
+        // A newer layout supersedes older ones, so the log keeps only the latest Configure: a
+        // slow agent jumps straight to the current view and memory stays bounded.
+        if matches!(command, Command::Configure(_)) {
+            self.commands
+                .retain(|c| !matches!(c.command, Command::Configure(_)));
+        }
+        self.commands.push(CommandEnvelope {
+            seq: self.next_seq,
+            command,
+        });
+        self.next_seq += 1;
+    }
+}
+
+/// The control-plane state of one job. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    job_id: JobId,
+    training: TrainingConfig,
+    heartbeat_interval_ms: u64,
+    command_wait_ms: u64,
+    model_len: Option<u64>,
+    members: BTreeMap<InstanceId, Member>,
+    departed: Vec<DepartedMember>,
+    /// Current shard placement; empty until the first view.
+    shards: Vec<ShardPlacement>,
+    view: Option<ClusterView>,
+    started: bool,
+    state: JobState,
+    end_reason: Option<String>,
+    final_metric: Option<Metric>,
+    latest_metric: Option<Metric>,
+    /// Samples processed by members that departed, so the job total never goes down.
+    departed_samples: u64,
+}
+
+impl Coordinator {
+    /// A coordinator for a job that trains with `training`.
+    pub fn new(job_id: JobId, training: TrainingConfig) -> Result<Self, CoordinatorError> {
+        training
+            .validate()
+            .map_err(CoordinatorError::InvalidConfig)?;
+        Ok(Coordinator {
+            job_id,
+            training,
+            heartbeat_interval_ms: crate::agent_api::default_heartbeat_interval_ms(),
+            command_wait_ms: crate::agent_api::default_command_wait_ms(),
+            model_len: None,
+            members: BTreeMap::new(),
+            departed: Vec::new(),
+            shards: Vec::new(),
+            view: None,
+            started: false,
+            state: JobState::Waiting,
+            end_reason: None,
+            final_metric: None,
+            latest_metric: None,
+            departed_samples: 0,
+        })
+    }
+
+    /// Override the heartbeat interval and the longest long-poll wait told to agents.
+    pub fn with_intervals(mut self, heartbeat_interval_ms: u64, command_wait_ms: u64) -> Self {
+        self.heartbeat_interval_ms = heartbeat_interval_ms.max(1);
+        self.command_wait_ms = command_wait_ms;
+        self
+    }
+
+    pub fn job_id(&self) -> JobId {
+        self.job_id
+    }
+
+    pub fn training(&self) -> &TrainingConfig {
+        &self.training
+    }
+
+    /// The current layout, if one was published.
+    pub fn view(&self) -> Option<&ClusterView> {
+        self.view.as_ref()
+    }
+
+    pub fn is_member(&self, id: &InstanceId) -> bool {
+        self.members.contains_key(id)
+    }
+
+    pub fn is_over(&self) -> bool {
+        self.state.is_over()
+    }
+
+    /// Admit an agent. `tier` comes from the broker's own records, not from the agent. A second
+    /// registration of a known instance means its process restarted: the old incarnation's state
+    /// is gone and is treated as a crash.
+    pub fn register(
+        &mut self,
+        req: RegisterRequest,
+        tier: Tier,
+        now_ms: u64,
+    ) -> Result<RegisterResponse, CoordinatorError> {
+        self.ensure_not_over()?;
+        match self.model_len {
+            Some(expected) if expected != req.model_len => {
+                return Err(CoordinatorError::ModelMismatch {
+                    expected,
+                    got: req.model_len,
+                });
+            }
+            _ => {}
+        }
+        if req.model_len == 0 {
+            return Err(CoordinatorError::InvalidConfig(
+                "model_len must be at least 1".into(),
+            ));
+        }
+        self.model_len = Some(req.model_len);
+        if self.members.contains_key(&req.instance_id) {
+            self.depart(&req.instance_id, DepartureReason::Restarted, now_ms);
+        }
+        self.members.insert(
+            req.instance_id.clone(),
+            Member {
+                tier,
+                data_addr: req.data_addr,
+                state: MemberState::Active,
+                joined_at_ms: now_ms,
+                last_seen_ms: now_ms,
+                applied_epoch: 0,
+                progress: Progress::default(),
+                commands: Vec::new(),
+                next_seq: 1,
+            },
+        );
+        self.relayout();
+        // A member joining an existing layout still needs the current view even if the layout
+        // did not change because of it (e.g. a reliable machine in stage 3 with enough backups).
+        if let Some(view) = &self.view
+            && let Some(m) = self.members.get_mut(&req.instance_id)
+            && m.commands.is_empty()
+        {
+            m.push(Command::Configure(view.clone()));
+        }
+        Ok(RegisterResponse {
+            job_id: self.job_id,
+            instance_id: req.instance_id,
+            tier,
+            training: self.training.clone(),
+            heartbeat_interval_ms: self.heartbeat_interval_ms,
+            command_wait_ms: self.command_wait_ms,
+        })
+    }
+
+    /// Record a heartbeat: liveness and progress.
+    pub fn heartbeat(
+        &mut self,
+        id: &InstanceId,
+        hb: Heartbeat,
+        now_ms: u64,
+    ) -> Result<(), CoordinatorError> {
+        self.ensure_not_over()?;
+        let member = self.member_mut(id)?;
+        member.last_seen_ms = now_ms;
+        member.applied_epoch = member.applied_epoch.max(hb.applied_epoch);
+        if let Some(metric) = hb.progress.metric {
+            self.note_metric(metric);
+        }
+        let member = self.member_mut(id)?;
+        member.progress = hb.progress;
+        Ok(())
+    }
+
+    /// Apply an agent's event. Events are accepted after the job is over (an agent saying it
+    /// exits is news the broker wants either way).
+    pub fn event(
+        &mut self,
+        id: &InstanceId,
+        event: AgentEvent,
+        now_ms: u64,
+    ) -> Result<(), CoordinatorError> {
+        let member = self.member_mut(id)?;
+        member.last_seen_ms = now_ms;
+        match event {
+            AgentEvent::InterruptionWarning { .. } => {
+                member.state = MemberState::Leaving;
+                self.relayout();
+            }
+            AgentEvent::RebalanceRecommendation { .. } => {
+                if member.state == MemberState::Active {
+                    member.state = MemberState::Draining;
+                    self.relayout();
+                }
+            }
+            AgentEvent::HandoverComplete { .. } => {}
+            AgentEvent::TrainingComplete { metric } => {
+                self.note_metric(metric);
+                if !self.state.is_over() {
+                    self.final_metric = Some(metric);
+                    self.finish(
+                        JobState::Completed,
+                        format!("training complete: {metric:?}"),
+                    );
+                }
+            }
+            AgentEvent::Exit { reason } => {
+                self.depart(id, DepartureReason::Exited { reason }, now_ms);
+                self.relayout();
+            }
+        }
+        Ok(())
+    }
+
+    /// The cloud reports the instance gone (terminated, evicted): it is dead now, whatever it
+    /// was doing. Unknown instances are ignored, so the broker may call this unconditionally.
+    pub fn remove(&mut self, id: &InstanceId, reason: &str, now_ms: u64) -> bool {
+        if !self.members.contains_key(id) {
+            return false;
+        }
+        self.depart(
+            id,
+            DepartureReason::Removed {
+                reason: reason.into(),
+            },
+            now_ms,
+        );
+        self.relayout();
+        true
+    }
+
+    /// Declare members silent for longer than the dead-member timeout dead. Returns them.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<InstanceId> {
+        let timeout = self.training.dead_member_timeout_ms;
+        let dead: Vec<InstanceId> = self
+            .members
+            .iter()
+            .filter(|(_, m)| now_ms.saturating_sub(m.last_seen_ms) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &dead {
+            self.depart(id, DepartureReason::TimedOut, now_ms);
+        }
+        if !dead.is_empty() {
+            self.relayout();
+        }
+        dead
+    }
+
+    /// End the job: every member is told to stop.
+    pub fn cancel(&mut self, reason: &str) {
+        if !self.state.is_over() {
+            self.finish(JobState::Cancelled, reason.to_string());
+        }
+    }
+
+    /// Commands for `id` with `seq > after`.
+    pub fn commands_after(
+        &self,
+        id: &InstanceId,
+        after: u64,
+    ) -> Result<Vec<CommandEnvelope>, CoordinatorError> {
+        let member = self
+            .members
+            .get(id)
+            .ok_or_else(|| CoordinatorError::UnknownInstance(id.clone()))?;
+        Ok(member
+            .commands
+            .iter()
+            .filter(|c| c.seq > after)
+            .cloned()
+            .collect())
+    }
+
+    /// Sequence number of the newest command for `id` (0: none yet).
+    pub fn latest_seq(&self, id: &InstanceId) -> Option<u64> {
+        self.members.get(id).map(|m| m.next_seq - 1)
+    }
+
+    /// Everything the broker's status API shows.
+    pub fn status(&self) -> JobStatus {
+        let members = self
+            .members
+            .iter()
+            .map(|(id, m)| MemberStatus {
+                instance_id: id.clone(),
+                tier: m.tier,
+                state: m.state,
+                data_addr: m.data_addr.clone(),
+                roles: self.roles_of(id),
+                joined_at_ms: m.joined_at_ms,
+                last_seen_ms: m.last_seen_ms,
+                applied_epoch: m.applied_epoch,
+                progress: m.progress.clone(),
+            })
+            .collect();
+        JobStatus {
+            job_id: self.job_id,
+            state: self.state,
+            epoch: self.view.as_ref().map_or(0, |v| v.epoch),
+            stage: self.view.as_ref().map(|v| v.stage),
+            progress: self.aggregate_progress(),
+            latest_metric: self.latest_metric,
+            final_metric: self.final_metric,
+            members,
+            departed: self.departed.clone(),
+            end_reason: self.end_reason.clone(),
+        }
+    }
+
+    /// Roles of `id` in the current view.
+    pub fn roles_of(&self, id: &InstanceId) -> Roles {
+        let Some(view) = &self.view else {
+            return Roles::default();
+        };
+        Roles {
+            worker: view.worker(id).map(|w| w.partitions),
+            active_shards: view
+                .shards
+                .iter()
+                .filter(|s| &s.active == id)
+                .map(|s| s.shard)
+                .collect(),
+            backup_shards: view
+                .shards
+                .iter()
+                .filter(|s| s.backup.as_ref() == Some(id))
+                .map(|s| s.shard)
+                .collect(),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+
+    fn ensure_not_over(&self) -> Result<(), CoordinatorError> {
+        if self.state.is_over() {
+            Err(CoordinatorError::JobOver(self.job_id))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn member_mut(&mut self, id: &InstanceId) -> Result<&mut Member, CoordinatorError> {
+        self.members
+            .get_mut(id)
+            .ok_or_else(|| CoordinatorError::UnknownInstance(id.clone()))
+    }
+
+    fn note_metric(&mut self, metric: Metric) {
+        if self.latest_metric.is_none_or(|m| metric.clock >= m.clock) {
+            self.latest_metric = Some(metric);
+        }
+    }
+
+    fn finish(&mut self, state: JobState, reason: String) {
+        self.state = state;
+        for m in self.members.values_mut() {
+            m.push(Command::Stop {
+                reason: reason.clone(),
+            });
+        }
+        self.end_reason = Some(reason);
+    }
+
+    fn depart(&mut self, id: &InstanceId, reason: DepartureReason, now_ms: u64) {
+        if let Some(m) = self.members.remove(id) {
+            self.departed_samples += m.progress.samples_processed;
+            self.departed.push(DepartedMember {
+                instance_id: id.clone(),
+                tier: m.tier,
+                at_ms: now_ms,
+                reason,
+            });
+        }
+    }
+
+    fn aggregate_progress(&self) -> AggregateProgress {
+        let total_clocks = self.training.total_clocks();
+        let clock = self
+            .members
+            .values()
+            .map(|m| m.progress.clock)
+            .max()
+            .unwrap_or(0);
+        let losses: Vec<f64> = self
+            .members
+            .values()
+            .filter_map(|m| m.progress.loss)
+            .collect();
+        AggregateProgress {
+            clock,
+            total_clocks,
+            epoch: clock as f64 / f64::from(self.training.clocks_per_epoch),
+            samples_processed: self.departed_samples
+                + self
+                    .members
+                    .values()
+                    .map(|m| m.progress.samples_processed)
+                    .sum::<u64>(),
+            samples_per_sec: self
+                .members
+                .values()
+                .map(|m| m.progress.samples_per_sec)
+                .sum(),
+            loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
+        }
+    }
+
+    /// Recompute the layout; publish it as a new epoch if it differs from the current one.
+    fn relayout(&mut self) {
+        if self.state.is_over() {
+            return;
+        }
+        let Some(model_len) = self.model_len else {
+            return;
+        };
+        let eligible: Vec<(&InstanceId, Tier)> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.state == MemberState::Active)
+            .map(|(id, m)| (id, m.tier))
+            .collect();
+        if eligible.is_empty() {
+            // Nobody can hold shards: keep the old placement so that the sources computed when
+            // someone joins still refer to who held what.
+            return;
+        }
+        let stage = choose_stage(&eligible, &self.training.stages);
+        let shards = self.place_shards(stage, &eligible, model_len);
+        let mut workers = self.place_workers(stage);
+        if !self.started {
+            if workers.len() >= self.training.min_workers as usize {
+                self.started = true;
+                self.state = JobState::Running;
+            } else {
+                workers.clear();
+            }
+        }
+        let members: Vec<MemberInfo> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.state != MemberState::Leaving)
+            .map(|(id, m)| MemberInfo {
+                instance_id: id.clone(),
+                tier: m.tier,
+                data_addr: m.data_addr.clone(),
+                draining: m.state == MemberState::Draining,
+            })
+            .collect();
+        let epoch = self.view.as_ref().map_or(0, |v| v.epoch) + 1;
+        let view = ClusterView {
+            epoch,
+            stage,
+            members,
+            shards: shards.clone(),
+            workers,
+            num_partitions: self.training.num_partitions,
+            model_len,
+        };
+        let unchanged = self.view.as_ref().is_some_and(|old| {
+            old.stage == view.stage
+                && old.members == view.members
+                && old.shards == view.shards
+                && old.workers == view.workers
+        });
+        self.shards = shards;
+        if unchanged {
+            return;
+        }
+        for m in self.members.values_mut() {
+            m.push(Command::Configure(view.clone()));
+        }
+        self.view = Some(view);
+    }
+
+    /// Sticky placement: a shard stays where it is while its holder remains a valid choice, so a
+    /// membership change moves as little state as possible.
+    fn place_shards(
+        &self,
+        stage: Stage,
+        eligible: &[(&InstanceId, Tier)],
+        model_len: u64,
+    ) -> Vec<ShardPlacement> {
+        let n = self.training.num_shards;
+        let of_tier = |t: Tier| -> Vec<InstanceId> {
+            eligible
+                .iter()
+                .filter(|(_, tier)| *tier == t)
+                .map(|(id, _)| (*id).clone())
+                .collect()
+        };
+        let (reliable, transient) = (of_tier(Tier::Reliable), of_tier(Tier::Transient));
+        let active_pool = match stage {
+            Stage::Stage1 if !reliable.is_empty() => reliable.clone(),
+            Stage::Stage1 => transient.clone(),
+            _ if !transient.is_empty() => transient.clone(),
+            _ => reliable.clone(),
+        };
+        // Stage 1 keeps state on machines that are never revoked, so no backups; stages 2 and 3
+        // back transient actives up on reliable machines (or, lacking any, on other transients).
+        let backup_pool = match stage {
+            Stage::Stage1 => Vec::new(),
+            _ if !reliable.is_empty() => reliable.clone(),
+            _ => transient.clone(),
+        };
+        let previous = |s: u32| self.shards.iter().find(|p| p.shard == s);
+
+        let mut actives: Vec<Option<InstanceId>> = (0..n)
+            .map(|s| {
+                previous(s)
+                    .map(|p| p.active.clone())
+                    .filter(|a| active_pool.contains(a))
+            })
+            .collect();
+        release_overloaded(&mut actives, &active_pool);
+        fill_least_loaded(&mut actives, &active_pool, |_, _| true);
+
+        let mut backups: Vec<Option<InstanceId>> = (0..n)
+            .map(|s| {
+                let active = actives[s as usize].as_ref();
+                previous(s)
+                    .and_then(|p| p.backup.clone())
+                    .filter(|b| backup_pool.contains(b) && Some(b) != active)
+            })
+            .collect();
+        if !backup_pool.is_empty() {
+            let act = actives.clone();
+            fill_least_loaded(&mut backups, &backup_pool, |s, cand| {
+                act[s].as_ref() != Some(cand)
+            });
+        }
+
+        (0..n)
+            .map(|s| {
+                let i = s as usize;
+                let active = actives[i].clone().unwrap_or_else(|| active_pool[0].clone());
+                let source = match previous(s) {
+                    None => ShardSource::Fresh,
+                    Some(p) if p.active == active => p.source.clone(),
+                    Some(p) => self.transfer_source(p, &active),
+                };
+                ShardPlacement {
+                    shard: s,
+                    keys: split_range(model_len, n, s),
+                    active,
+                    backup: backups[i].clone(),
+                    source,
+                }
+            })
+            .collect()
+    }
+
+    /// How a shard's new active owner gets the state that `prev` describes.
+    fn transfer_source(&self, prev: &ShardPlacement, new_active: &InstanceId) -> ShardSource {
+        let alive = |id: &InstanceId| self.members.contains_key(id);
+        let backup = prev.backup.clone().filter(|b| alive(b));
+        if alive(&prev.active) {
+            ShardSource::Handover {
+                from: prev.active.clone(),
+                fallback: backup,
+            }
+        } else if let Some(b) = backup {
+            ShardSource::Restore { from: b }
+        } else if prev.backup.as_ref() == Some(new_active) {
+            ShardSource::Restore {
+                from: new_active.clone(),
+            }
+        } else {
+            ShardSource::Lost
+        }
+    }
+
+    fn place_workers(&self, stage: Stage) -> Vec<WorkerAssignment> {
+        let ids: Vec<&InstanceId> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.state != MemberState::Leaving)
+            .filter(|(_, m)| stage != Stage::Stage3 || m.tier == Tier::Transient)
+            .map(|(id, _)| id)
+            .collect();
+        let n = ids.len() as u64;
+        let p = u64::from(self.training.num_partitions);
+        ids.into_iter()
+            .enumerate()
+            .map(|(rank, id)| {
+                let r = rank as u64;
+                WorkerAssignment {
+                    instance_id: id.clone(),
+                    rank: rank as u32,
+                    partitions: PartitionRange {
+                        start: (r * p / n) as u32,
+                        end: ((r + 1) * p / n) as u32,
+                    },
+                }
+            })
+            .collect()
+    }
+}
+
+/// AgileML's stage from the transient:reliable ratio among eligible members.
+pub fn choose_stage(eligible: &[(&InstanceId, Tier)], thresholds: &StageThresholds) -> Stage {
+    let transient = eligible
+        .iter()
+        .filter(|(_, t)| *t == Tier::Transient)
+        .count();
+    let reliable = eligible.len() - transient;
+    let ratio = match (transient, reliable) {
+        (0, _) => 0.0,
+        (_, 0) => f64::INFINITY,
+        (t, r) => t as f64 / r as f64,
+    };
+    if ratio >= thresholds.stage3_ratio {
+        Stage::Stage3
+    } else if ratio >= thresholds.stage2_ratio {
+        Stage::Stage2
+    } else {
+        Stage::Stage1
+    }
+}
+
+/// Shard `s` of `n` over `[0, len)`: contiguous, covering, sizes differing by at most one.
+pub fn split_range(len: u64, n: u32, s: u32) -> KeyRange {
+    let (n, s) = (u128::from(n), u128::from(s));
+    let len = u128::from(len);
+    KeyRange {
+        start: (s * len / n) as u64,
+        end: ((s + 1) * len / n) as u64,
+    }
+}
+
+/// Free slots of the most loaded pool members until loads differ by at most one once refilled,
+/// so that a machine joining takes its share of shards (and only its share moves).
+fn release_overloaded(slots: &mut [Option<InstanceId>], pool: &[InstanceId]) {
+    if pool.is_empty() {
+        return;
+    }
+    let fair_max = slots.len().div_ceil(pool.len());
+    for member in pool {
+        let mut held: Vec<usize> = (0..slots.len())
+            .filter(|&i| slots[i].as_ref() == Some(member))
+            .collect();
+        while held.len() > fair_max {
+            if let Some(i) = held.pop() {
+                slots[i] = None;
+            }
+        }
+    }
+}
+
+/// Give every empty slot the pool member with the fewest slots so far (first in pool order on
+/// ties) among those `allowed` for that slot.
+fn fill_least_loaded(
+    slots: &mut [Option<InstanceId>],
+    pool: &[InstanceId],
+    allowed: impl Fn(usize, &InstanceId) -> bool,
+) {
+    for i in 0..slots.len() {
+        if slots[i].is_some() {
+            continue;
+        }
+        let load = |c: &InstanceId| slots.iter().filter(|s| s.as_ref() == Some(c)).count();
+        let choice = pool
+            .iter()
+            .filter(|c| allowed(i, c))
+            .min_by_key(|c| load(c))
+            .cloned();
+        slots[i] = choice;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent_api::{AppConfig, MetricKind, StopCondition};
+
+    fn id(s: &str) -> InstanceId {
+        InstanceId(s.into())
+    }
+
+    fn config() -> TrainingConfig {
+        let mut c = TrainingConfig::new(AppConfig::Synthetic { model_len: 1000 });
+        c.num_shards = 4;
+        c.num_partitions = 30;
+        c.stages = StageThresholds {
+            stage2_ratio: 1.0,
+            stage3_ratio: 3.0,
+        };
+        c.dead_member_timeout_ms = 5_000;
+        c
+    }
+
+    fn join(c: &mut Coordinator, name: &str, tier: Tier, now: u64) {
+        let req = RegisterRequest {
+            instance_id: id(name),
+            data_addr: format!("{name}:1"),
+            vcpus: 1,
+            model_len: 1000,
+            agent_version: String::new(),
+        };
+        c.register(req, tier, now).unwrap();
+    }
+
+    fn view(c: &Coordinator) -> ClusterView {
+        c.view().cloned().unwrap()
+    }
+
+    fn tier_of(v: &ClusterView, i: &InstanceId) -> Tier {
+        v.member(i).unwrap().tier
+    }
+
+    /// Every partition is worked on by exactly one worker, every key by exactly one shard.
+    fn assert_covering(v: &ClusterView) {
+        for p in 0..v.num_partitions {
+            let owners = v
+                .workers
+                .iter()
+                .filter(|w| w.partitions.contains(p))
+                .count();
+            assert_eq!(
+                owners,
+                if v.workers.is_empty() { 0 } else { 1 },
+                "partition {p}"
+            );
+        }
+        let mut next = 0;
+        for s in &v.shards {
+            assert_eq!(s.keys.start, next);
+            next = s.keys.end;
+            assert_ne!(
+                Some(&s.active),
+                s.backup.as_ref(),
+                "active and backup on one machine"
+            );
+            assert!(
+                v.member(&s.active).is_some(),
+                "active owner must be a member"
+            );
+        }
+        assert_eq!(next, v.model_len);
+    }
+
+    #[test]
+    fn stage_follows_ratio() {
+        let t = StageThresholds {
+            stage2_ratio: 1.0,
+            stage3_ratio: 3.0,
+        };
+        let (r, tr) = (id("r"), id("t"));
+        assert_eq!(choose_stage(&[(&r, Tier::Reliable)], &t), Stage::Stage1);
+        assert_eq!(
+            choose_stage(&[(&r, Tier::Reliable), (&tr, Tier::Transient)], &t),
+            Stage::Stage2
+        );
+        assert_eq!(
+            choose_stage(
+                &[
+                    (&r, Tier::Reliable),
+                    (&tr, Tier::Transient),
+                    (&tr, Tier::Transient),
+                    (&tr, Tier::Transient)
+                ],
+                &t
+            ),
+            Stage::Stage3
+        );
+        assert_eq!(choose_stage(&[(&tr, Tier::Transient)], &t), Stage::Stage3);
+    }
+
+    #[test]
+    fn stage1_places_all_shards_on_reliable_without_backups() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        join(&mut c, "t1", Tier::Transient, 0);
+        let v = view(&c);
+        assert_eq!(v.stage, Stage::Stage1);
+        for s in &v.shards {
+            assert_eq!(tier_of(&v, &s.active), Tier::Reliable);
+            assert_eq!(s.backup, None);
+            // Shards first placed on r1 move to r2 when it joins, by hand-over from r1.
+            assert!(matches!(
+                &s.source,
+                ShardSource::Fresh | ShardSource::Handover { .. }
+            ));
+        }
+        assert_eq!(v.workers.len(), 3);
+        assert_covering(&v);
+        // Load is balanced across the reliable machines.
+        let on_r1 = v.shards.iter().filter(|s| s.active == id("r1")).count();
+        assert_eq!(on_r1, 2);
+    }
+
+    #[test]
+    fn stage2_puts_actives_on_transient_and_backups_on_reliable() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "t1", Tier::Transient, 0);
+        join(&mut c, "t2", Tier::Transient, 0);
+        let v = view(&c);
+        assert_eq!(v.stage, Stage::Stage2);
+        for s in &v.shards {
+            assert_eq!(tier_of(&v, &s.active), Tier::Transient);
+            assert_eq!(
+                s.backup.as_ref().map(|b| tier_of(&v, b)),
+                Some(Tier::Reliable)
+            );
+        }
+        assert_eq!(v.workers.len(), 3, "stage 2: workers everywhere");
+        assert_covering(&v);
+    }
+
+    #[test]
+    fn stage3_reliable_hold_only_backups() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        for t in ["t1", "t2", "t3"] {
+            join(&mut c, t, Tier::Transient, 0);
+        }
+        let v = view(&c);
+        assert_eq!(v.stage, Stage::Stage3);
+        assert!(v.worker(&id("r1")).is_none());
+        assert_eq!(v.workers.len(), 3);
+        assert!(v.shards.iter().all(|s| s.active != id("r1")));
+        assert!(v.shards.iter().all(|s| s.backup == Some(id("r1"))));
+        assert_covering(&v);
+    }
+
+    #[test]
+    fn stage_switches_live_and_shards_hand_over() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        let v1 = view(&c);
+        assert_eq!(v1.stage, Stage::Stage1);
+        join(&mut c, "t1", Tier::Transient, 10);
+        let v2 = view(&c);
+        assert_eq!(v2.stage, Stage::Stage2);
+        assert!(v2.epoch > v1.epoch);
+        for s in &v2.shards {
+            assert_eq!(s.active, id("t1"));
+            assert_eq!(s.backup, Some(id("r1")));
+            assert_eq!(
+                s.source,
+                ShardSource::Handover {
+                    from: id("r1"),
+                    fallback: None
+                },
+                "the reliable holder is alive and hands over"
+            );
+        }
+        // t1 leaves by warning: back to stage 1, shards hand over from t1 to r1 (r1 holds backup).
+        c.event(
+            &id("t1"),
+            AgentEvent::InterruptionWarning {
+                action: "terminate".into(),
+                action_time: "x".into(),
+            },
+            20,
+        )
+        .unwrap();
+        let v3 = view(&c);
+        assert_eq!(v3.stage, Stage::Stage1);
+        assert!(
+            v3.member(&id("t1")).is_none(),
+            "a warned member leaves the next view"
+        );
+        assert!(v3.worker(&id("t1")).is_none());
+        for s in &v3.shards {
+            assert_eq!(s.active, id("r1"));
+            assert_eq!(
+                s.source,
+                ShardSource::Handover {
+                    from: id("t1"),
+                    fallback: Some(id("r1"))
+                }
+            );
+        }
+        // The leaving member still gets the view that tells it to hand over.
+        let cmds = c.commands_after(&id("t1"), 0).unwrap();
+        assert!(
+            matches!(&cmds.last().unwrap().command, Command::Configure(v) if v.epoch == v3.epoch)
+        );
+        assert_covering(&v3);
+    }
+
+    #[test]
+    fn dead_member_restores_from_backup() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "t1", Tier::Transient, 0);
+        join(&mut c, "t2", Tier::Transient, 0);
+        let before = view(&c);
+        let on_t1: Vec<u32> = before
+            .shards
+            .iter()
+            .filter(|s| s.active == id("t1"))
+            .map(|s| s.shard)
+            .collect();
+        assert!(!on_t1.is_empty());
+        // Everyone but t1 keeps heartbeating.
+        for who in ["r1", "t2"] {
+            c.heartbeat(&id(who), Heartbeat::default(), 4_000).unwrap();
+        }
+        assert!(c.tick(4_000).is_empty());
+        let dead = c.tick(5_001);
+        assert_eq!(dead, vec![id("t1")]);
+        let after = view(&c);
+        for s in on_t1 {
+            let p = after.shard(s).unwrap();
+            assert_eq!(p.active, id("t2"));
+            assert_eq!(p.source, ShardSource::Restore { from: id("r1") });
+        }
+        // Shards that did not move keep their source.
+        for p in after
+            .shards
+            .iter()
+            .filter(|p| before.shard(p.shard).unwrap().active == p.active)
+        {
+            assert_eq!(p.source, before.shard(p.shard).unwrap().source);
+        }
+        assert_covering(&after);
+        assert!(matches!(
+            c.status().departed[0].reason,
+            DepartureReason::TimedOut
+        ));
+    }
+
+    #[test]
+    fn shard_without_backup_is_lost_when_owner_dies() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        c.remove(&id("r1"), "terminated", 10);
+        let v = view(&c);
+        for s in &v.shards {
+            assert_eq!(s.active, id("r2"));
+        }
+        assert!(v.shards.iter().any(|s| s.source == ShardSource::Lost));
+    }
+
+    #[test]
+    fn partitions_resplit_on_join_and_leave() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        for n in 1..=5 {
+            join(&mut c, &format!("r{}", n + 1), Tier::Reliable, 0);
+            let v = view(&c);
+            assert_eq!(v.workers.len(), n + 1);
+            assert_covering(&v);
+            let sizes: Vec<u32> = v.workers.iter().map(|w| w.partitions.len()).collect();
+            assert!(
+                sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1,
+                "{sizes:?}"
+            );
+        }
+        c.event(
+            &id("r3"),
+            AgentEvent::Exit {
+                reason: ExitReason::Stopped,
+            },
+            5,
+        )
+        .unwrap();
+        let v = view(&c);
+        assert_eq!(v.workers.len(), 5);
+        assert_covering(&v);
+    }
+
+    #[test]
+    fn min_workers_holds_back_workers_but_places_shards() {
+        let mut cfg = config();
+        cfg.min_workers = 3;
+        let mut c = Coordinator::new(JobId(1), cfg).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        assert!(view(&c).workers.is_empty());
+        assert_eq!(c.status().state, JobState::Waiting);
+        join(&mut c, "r3", Tier::Reliable, 0);
+        assert_eq!(view(&c).workers.len(), 3);
+        assert_eq!(c.status().state, JobState::Running);
+        // Once started, fewer workers keep going.
+        c.remove(&id("r3"), "gone", 1);
+        assert_eq!(view(&c).workers.len(), 2);
+    }
+
+    #[test]
+    fn rebalance_drains_shards_but_keeps_worker() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "t1", Tier::Transient, 0);
+        join(&mut c, "t2", Tier::Transient, 0);
+        c.event(
+            &id("t1"),
+            AgentEvent::RebalanceRecommendation { notice_time: None },
+            1,
+        )
+        .unwrap();
+        let v = view(&c);
+        assert!(v.member(&id("t1")).unwrap().draining);
+        assert!(v.worker(&id("t1")).is_some());
+        assert!(
+            v.shards
+                .iter()
+                .all(|s| s.active != id("t1") && s.backup != Some(id("t1")))
+        );
+    }
+
+    #[test]
+    fn commands_are_sequenced_and_compacted() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        join(&mut c, "r3", Tier::Reliable, 0);
+        let cmds = c.commands_after(&id("r1"), 0).unwrap();
+        assert_eq!(cmds.len(), 1, "older layouts are superseded");
+        assert_eq!(cmds[0].seq, 3);
+        assert!(c.commands_after(&id("r1"), 3).unwrap().is_empty());
+        assert_eq!(c.latest_seq(&id("r1")), Some(3));
+        // r3 joined last and gets exactly the current view.
+        let r3 = c.commands_after(&id("r3"), 0).unwrap();
+        assert!(matches!(&r3[0].command, Command::Configure(v) if v.epoch == view(&c).epoch));
+        assert!(matches!(
+            c.commands_after(&id("nobody"), 0),
+            Err(CoordinatorError::UnknownInstance(_))
+        ));
+    }
+
+    #[test]
+    fn training_complete_stops_everyone_and_ends_job() {
+        let mut c = Coordinator::new(JobId(7), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        let metric = Metric {
+            kind: MetricKind::Accuracy,
+            value: 0.92,
+            baseline: Some(0.11),
+            clock: 100,
+        };
+        c.event(&id("r2"), AgentEvent::TrainingComplete { metric }, 5)
+            .unwrap();
+        let st = c.status();
+        assert_eq!(st.state, JobState::Completed);
+        assert_eq!(st.final_metric, Some(metric));
+        for who in ["r1", "r2"] {
+            let cmds = c.commands_after(&id(who), 0).unwrap();
+            assert!(matches!(cmds.last().unwrap().command, Command::Stop { .. }));
+        }
+        let err = c.heartbeat(&id("r1"), Heartbeat::default(), 6).unwrap_err();
+        assert_eq!(err.http_status(), 409);
+        let req = RegisterRequest {
+            instance_id: id("late"),
+            data_addr: "x".into(),
+            vcpus: 1,
+            model_len: 1000,
+            agent_version: String::new(),
+        };
+        assert_eq!(
+            c.register(req, Tier::Reliable, 7)
+                .unwrap_err()
+                .http_status(),
+            409
+        );
+    }
+
+    #[test]
+    fn model_len_must_agree() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        let req = RegisterRequest {
+            instance_id: id("r2"),
+            data_addr: "x".into(),
+            vcpus: 1,
+            model_len: 999,
+            agent_version: String::new(),
+        };
+        assert_eq!(
+            c.register(req, Tier::Reliable, 0)
+                .unwrap_err()
+                .http_status(),
+            400
+        );
+    }
+
+    #[test]
+    fn aggregate_progress_keeps_departed_samples() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "r2", Tier::Reliable, 0);
+        for (who, samples, clock) in [("r1", 100, 4), ("r2", 50, 5)] {
+            let hb = Heartbeat {
+                applied_epoch: 1,
+                progress: Progress {
+                    clock,
+                    samples_processed: samples,
+                    loss: Some(1.0),
+                    ..Default::default()
+                },
+            };
+            c.heartbeat(&id(who), hb, 1).unwrap();
+        }
+        c.remove(&id("r2"), "gone", 2);
+        let p = c.status().progress;
+        assert_eq!(p.samples_processed, 150);
+        assert_eq!(p.clock, 4);
+    }
+
+    #[test]
+    fn same_calls_same_views() {
+        let run = || {
+            let mut c = Coordinator::new(JobId(1), config()).unwrap();
+            for (i, n) in ["t3", "r1", "t1", "r2", "t2", "t4", "t5"]
+                .iter()
+                .enumerate()
+            {
+                let tier = if n.starts_with('r') {
+                    Tier::Reliable
+                } else {
+                    Tier::Transient
+                };
+                join(&mut c, n, tier, i as u64);
+            }
+            c.event(
+                &id("t1"),
+                AgentEvent::InterruptionWarning {
+                    action: "terminate".into(),
+                    action_time: "x".into(),
+                },
+                9,
+            )
+            .unwrap();
+            c.remove(&id("t4"), "evicted", 10);
+            serde_json::to_string(&c.commands_after(&id("r1"), 0).unwrap()).unwrap()
+        };
+        assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn placement_invariants_hold_under_random_churn() {
+        // A small deterministic pseudo-random walk over joins, warnings, exits and deaths.
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut names = 0;
+        let mut prev_epoch = 0;
+        for step in 0..400u64 {
+            let members: Vec<InstanceId> = c
+                .status()
+                .members
+                .iter()
+                .map(|m| m.instance_id.clone())
+                .collect();
+            match next() % 5 {
+                0 | 1 => {
+                    names += 1;
+                    let tier = if next() % 3 == 0 {
+                        Tier::Reliable
+                    } else {
+                        Tier::Transient
+                    };
+                    join(&mut c, &format!("m{names}"), tier, step);
+                }
+                2 if !members.is_empty() => {
+                    let m = &members[(next() as usize) % members.len()];
+                    let _ = c.event(
+                        m,
+                        AgentEvent::InterruptionWarning {
+                            action: "terminate".into(),
+                            action_time: "x".into(),
+                        },
+                        step,
+                    );
+                }
+                3 if !members.is_empty() => {
+                    let m = &members[(next() as usize) % members.len()];
+                    c.remove(m, "evicted", step);
+                }
+                _ if !members.is_empty() => {
+                    let m = &members[(next() as usize) % members.len()];
+                    let _ = c.event(
+                        m,
+                        AgentEvent::RebalanceRecommendation { notice_time: None },
+                        step,
+                    );
+                }
+                _ => {}
+            }
+            if let Some(v) = c.view() {
+                assert!(v.epoch >= prev_epoch);
+                prev_epoch = v.epoch;
+                if v.members.iter().any(|m| !m.draining) {
+                    assert_covering(v);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stop_condition_clocks() {
+        let mut cfg = config();
+        cfg.stop = StopCondition::Clocks { clocks: 7 };
+        assert_eq!(cfg.total_clocks(), 7);
+    }
+}
