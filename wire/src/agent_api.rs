@@ -58,7 +58,8 @@ pub mod paths {
 // ---------------------------------------------------------------------------------------------
 
 /// First message of an agent. The broker already knows the instance's tier (it bought it), so
-/// the agent does not claim one.
+/// the agent does not claim one. The agent learns what to train from the answer, loads its data
+/// and then sends [`AgentEvent::Ready`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegisterRequest {
     /// The cloud's name for this VM (from `--instance-id` or IMDS `instance-id`).
@@ -68,9 +69,6 @@ pub struct RegisterRequest {
     /// CPUs the agent may use; lets the broker weigh work per machine.
     #[serde(default = "default_vcpus")]
     pub vcpus: u32,
-    /// Length of the flattened model (number of f32 parameters) the agent computed from its
-    /// data. Every agent of a job must agree; the coordinator splits this key space into shards.
-    pub model_len: u64,
     /// `proteus-agent` version, for the broker's logs.
     #[serde(default)]
     pub agent_version: String,
@@ -679,6 +677,11 @@ pub enum AgentEvent {
         to: InstanceId,
         seq: u64,
     },
+    /// The agent loaded its data and can take roles. Until then it is registered but gets no
+    /// role. `model_len` is the number of f32 parameters of the model it computed from the data:
+    /// every agent of a job must agree (else 400); the coordinator splits this key space into
+    /// shards.
+    Ready { model_len: u64 },
     /// A worker completed the last clock and evaluated the final model.
     TrainingComplete { metric: Metric },
     /// The agent is about to exit.

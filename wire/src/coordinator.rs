@@ -63,6 +63,8 @@ impl CoordinatorError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemberState {
+    /// Registered, still loading its data: no role yet.
+    Joining,
     /// Eligible for every role.
     Active,
     /// Rebalance recommendation: keeps working, holds no shard.
@@ -282,21 +284,6 @@ impl Coordinator {
         now_ms: u64,
     ) -> Result<RegisterResponse, CoordinatorError> {
         self.ensure_not_over()?;
-        match self.model_len {
-            Some(expected) if expected != req.model_len => {
-                return Err(CoordinatorError::ModelMismatch {
-                    expected,
-                    got: req.model_len,
-                });
-            }
-            _ => {}
-        }
-        if req.model_len == 0 {
-            return Err(CoordinatorError::InvalidConfig(
-                "model_len must be at least 1".into(),
-            ));
-        }
-        self.model_len = Some(req.model_len);
         if self.members.contains_key(&req.instance_id) {
             self.depart(&req.instance_id, DepartureReason::Restarted, now_ms);
         }
@@ -305,7 +292,7 @@ impl Coordinator {
             Member {
                 tier,
                 data_addr: req.data_addr,
-                state: MemberState::Active,
+                state: MemberState::Joining,
                 joined_at_ms: now_ms,
                 last_seen_ms: now_ms,
                 applied_epoch: 0,
@@ -315,14 +302,6 @@ impl Coordinator {
             },
         );
         self.relayout();
-        // A member joining an existing layout still needs the current view even if the layout
-        // did not change because of it (e.g. a reliable machine in stage 3 with enough backups).
-        if let Some(view) = &self.view
-            && let Some(m) = self.members.get_mut(&req.instance_id)
-            && m.commands.is_empty()
-        {
-            m.push(Command::Configure(view.clone()));
-        }
         Ok(RegisterResponse {
             job_id: self.job_id,
             instance_id: req.instance_id,
@@ -360,9 +339,13 @@ impl Coordinator {
         event: AgentEvent,
         now_ms: u64,
     ) -> Result<(), CoordinatorError> {
+        if let AgentEvent::Ready { model_len } = event {
+            return self.ready(id, model_len, now_ms);
+        }
         let member = self.member_mut(id)?;
         member.last_seen_ms = now_ms;
         match event {
+            AgentEvent::Ready { .. } => {}
             AgentEvent::InterruptionWarning { .. } => {
                 member.state = MemberState::Leaving;
                 self.relayout();
@@ -388,6 +371,46 @@ impl Coordinator {
                 self.depart(id, DepartureReason::Exited { reason }, now_ms);
                 self.relayout();
             }
+        }
+        Ok(())
+    }
+
+    fn ready(
+        &mut self,
+        id: &InstanceId,
+        model_len: u64,
+        now_ms: u64,
+    ) -> Result<(), CoordinatorError> {
+        self.ensure_not_over()?;
+        match self.model_len {
+            Some(expected) if expected != model_len => {
+                return Err(CoordinatorError::ModelMismatch {
+                    expected,
+                    got: model_len,
+                });
+            }
+            _ if model_len == 0 => {
+                return Err(CoordinatorError::InvalidConfig(
+                    "model_len must be at least 1".into(),
+                ));
+            }
+            _ => {}
+        }
+        let member = self.member_mut(id)?;
+        member.last_seen_ms = now_ms;
+        if member.state != MemberState::Joining {
+            return Ok(());
+        }
+        member.state = MemberState::Active;
+        self.model_len = Some(model_len);
+        self.relayout();
+        // A member joining an existing layout still needs the current view even if the layout
+        // did not change because of it (e.g. a reliable machine in stage 3 with enough backups).
+        if let Some(view) = &self.view
+            && let Some(m) = self.members.get_mut(id)
+            && m.commands.is_empty()
+        {
+            m.push(Command::Configure(view.clone()));
         }
         Ok(())
     }
@@ -619,7 +642,7 @@ impl Coordinator {
         let members: Vec<MemberInfo> = self
             .members
             .iter()
-            .filter(|(_, m)| m.state != MemberState::Leaving)
+            .filter(|(_, m)| matches!(m.state, MemberState::Active | MemberState::Draining))
             .map(|(id, m)| MemberInfo {
                 instance_id: id.clone(),
                 tier: m.tier,
@@ -754,7 +777,7 @@ impl Coordinator {
         let ids: Vec<&InstanceId> = self
             .members
             .iter()
-            .filter(|(_, m)| m.state != MemberState::Leaving)
+            .filter(|(_, m)| matches!(m.state, MemberState::Active | MemberState::Draining))
             .filter(|(_, m)| stage != Stage::Stage3 || m.tier == Tier::Transient)
             .map(|(id, _)| id)
             .collect();
@@ -874,10 +897,11 @@ mod tests {
             instance_id: id(name),
             data_addr: format!("{name}:1"),
             vcpus: 1,
-            model_len: 1000,
             agent_version: String::new(),
         };
         c.register(req, tier, now).unwrap();
+        c.event(&id(name), AgentEvent::Ready { model_len: 1000 }, now)
+            .unwrap();
     }
 
     fn view(c: &Coordinator) -> ClusterView {
@@ -1230,7 +1254,6 @@ mod tests {
             instance_id: id("late"),
             data_addr: "x".into(),
             vcpus: 1,
-            model_len: 1000,
             agent_version: String::new(),
         };
         assert_eq!(
@@ -1249,15 +1272,17 @@ mod tests {
             instance_id: id("r2"),
             data_addr: "x".into(),
             vcpus: 1,
-            model_len: 999,
             agent_version: String::new(),
         };
-        assert_eq!(
-            c.register(req, Tier::Reliable, 0)
-                .unwrap_err()
-                .http_status(),
-            400
+        c.register(req, Tier::Reliable, 0).unwrap();
+        assert!(
+            c.view().unwrap().member(&id("r2")).is_none(),
+            "joining members get no role"
         );
+        let err = c
+            .event(&id("r2"), AgentEvent::Ready { model_len: 999 }, 0)
+            .unwrap_err();
+        assert_eq!(err.http_status(), 400);
     }
 
     #[test]
