@@ -1,0 +1,110 @@
+//! The `proteus` command line: argument parsing and one handler per command.
+//!
+//! Every flag can also come from a `PROTEUS_*` environment variable, so the same settings work
+//! in a shell, a systemd unit and CI.
+
+mod demo;
+mod prices;
+
+use crate::store::{Store, default_database_url};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::process::ExitCode;
+
+/// Proteus: ML training on cloud spot capacity at the lowest cost per unit of work.
+#[derive(Debug, Parser)]
+#[command(
+    name = "proteus",
+    version,
+    about,
+    after_help = "Examples:\n  \
+      proteus demo                                   # the whole system on an embedded database\n  \
+      proteus prices ingest --file data/spot/aws-us-east-1-2015-03-to-06.csv.gz \\\n      \
+        --on-demand data/spot/on-demand-us-east-1-2015.csv\n  \
+      proteus prices stats --instance-type c3.xlarge --output json\n  \
+      PROTEUS_DATABASE_URL=postgres://localhost/proteus proteus db migrate"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Database URL (`postgres://…` or `sqlite://…`). Default: a SQLite file under your data
+    /// directory (e.g. ~/.local/share/proteus/proteus.db).
+    #[arg(long, env = "PROTEUS_DATABASE_URL", global = true)]
+    pub database_url: Option<String>,
+    /// Log format on stderr.
+    #[arg(long, env = "PROTEUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    /// Log filter, e.g. `info`, `proteus_broker=debug` (RUST_LOG syntax).
+    #[arg(long, env = "PROTEUS_LOG", default_value = "warn,proteus_broker=info", global = true)]
+    pub log: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Show the system working end to end on an embedded database.
+    Demo(demo::DemoArgs),
+    /// Database maintenance.
+    #[command(subcommand)]
+    Db(DbCommand),
+    /// Spot and on-demand price history.
+    #[command(subcommand)]
+    Prices(prices::PricesCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DbCommand {
+    /// Apply pending schema migrations.
+    Migrate,
+}
+
+impl GlobalArgs {
+    pub fn database_url(&self) -> String {
+        self.database_url.clone().unwrap_or_else(default_database_url)
+    }
+
+    /// Opens the store and applies pending migrations.
+    pub async fn open_store(&self) -> Result<Store> {
+        let url = self.database_url();
+        Store::open(&url)
+            .await
+            .with_context(|| format!("opening the database {}", crate::store::redact(&url)))
+    }
+}
+
+pub fn init_tracing(global: &GlobalArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&global.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match global.log_format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Runs a parsed command line. Exit codes: 0 success, 1 failure (the message says why),
+/// 2 bad usage (printed by clap).
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Demo(args) => demo::run(&cli.global, args).await,
+        Command::Db(DbCommand::Migrate) => {
+            let store = cli.global.open_store().await?;
+            println!("migrations applied to {}", store.url());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Prices(cmd) => prices::run(&cli.global, cmd).await,
+    }
+}

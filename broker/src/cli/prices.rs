@@ -1,0 +1,294 @@
+//! `proteus prices …`: ingest price history and summarise it.
+
+use super::GlobalArgs;
+use crate::market::{InstanceType, Region, Timestamp, Zone};
+use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::prices::{MarketStats, files, stats};
+use crate::store::{IngestCounts, MarketFilter, Store};
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(Debug, Subcommand)]
+pub enum PricesCommand {
+    /// Load spot price history (CSV or DescribeSpotPriceHistory JSON, plain or .gz), on-demand
+    /// prices, or live history from EC2. Idempotent; all-or-nothing per file.
+    #[command(after_help = "Examples:\n  \
+        proteus prices ingest --file data/spot/aws-us-east-1-2015-03-to-06.csv.gz\n  \
+        proteus prices ingest --on-demand data/spot/on-demand-us-east-1-2015.csv --region us-east-1\n  \
+        aws ec2 describe-spot-price-history > h.json && proteus prices ingest --file h.json\n  \
+        proteus prices ingest --from-ec2 --region us-east-1 --instance-types c5.large,m5.large")]
+    Ingest(IngestArgs),
+    /// Per-market statistics: changes, min/median/max, time-weighted mean, time above on-demand.
+    #[command(after_help = "Examples:\n  \
+        proteus prices stats\n  \
+        proteus prices stats --instance-type c3.xlarge --az us-east-1a --from 2015-04-01 --to 2015-05-01\n  \
+        proteus prices stats --output json")]
+    Stats(StatsArgs),
+    /// List stored markets and how much history each has.
+    Markets(MarketsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// Spot price file(s): CSV with columns timestamp, availability_zone, instance_type,
+    /// product_description, spot_price; or the JSON of `aws ec2 describe-spot-price-history`.
+    #[arg(long = "file", value_name = "FILE")]
+    pub files: Vec<PathBuf>,
+    /// On-demand price table(s): instance_type, on_demand_usd_per_hour and optionally vcpus,
+    /// memory_gib, region.
+    #[arg(long = "on-demand", value_name = "FILE")]
+    pub on_demand: Vec<PathBuf>,
+    /// Fetch history from EC2 (default credential chain; AWS_ENDPOINT_URL for LocalStack),
+    /// resuming from the newest stored change of each market.
+    #[arg(long)]
+    pub from_ec2: bool,
+    /// Region for --from-ec2 and for on-demand rows without a region column.
+    #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
+    pub region: String,
+    /// Instance types to fetch with --from-ec2 (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub instance_types: Vec<String>,
+    /// With --from-ec2: fetch from this time (RFC 3339 or YYYY-MM-DD) instead of resuming.
+    #[arg(long)]
+    pub since: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    #[arg(long)]
+    pub instance_type: Option<String>,
+    /// Availability zone, e.g. us-east-1a.
+    #[arg(long)]
+    pub az: Option<String>,
+    #[arg(long)]
+    pub region: Option<String>,
+    /// Window start (RFC 3339 or YYYY-MM-DD). Default: the first stored change.
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Window end, exclusive. Default: just after the last stored change in any market.
+    #[arg(long)]
+    pub to: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct MarketsArgs {
+    #[arg(long)]
+    pub instance_type: Option<String>,
+    #[arg(long)]
+    pub region: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+pub async fn run(global: &GlobalArgs, cmd: PricesCommand) -> Result<ExitCode> {
+    let store = global.open_store().await?;
+    match cmd {
+        PricesCommand::Ingest(args) => ingest(&store, args).await,
+        PricesCommand::Stats(args) => {
+            let filter = filter(args.region.as_deref(), args.az.as_deref(), args.instance_type.as_deref())?;
+            let from = parse_time("--from", args.from.as_deref())?;
+            let to = parse_time("--to", args.to.as_deref())?;
+            let rows = compute_stats(&store, &filter, from, to).await?;
+            if rows.is_empty() {
+                eprintln!("no price history matches; ingest some with `proteus prices ingest`");
+            }
+            emit(args.output, &rows, || stats_table(&rows))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        PricesCommand::Markets(args) => {
+            let filter = filter(args.region.as_deref(), None, args.instance_type.as_deref())?;
+            let markets = store.markets(&filter).await?;
+            emit(args.output, &markets, || {
+                let mut t = Table::new(&["market", "region", "price changes", "first", "last"]);
+                for m in &markets {
+                    t.push(vec![
+                        m.market.to_string(),
+                        m.region.to_string(),
+                        m.price_rows.to_string(),
+                        m.first.map(|t| t.to_string()).unwrap_or_default(),
+                        m.last.map(|t| t.to_string()).unwrap_or_default(),
+                    ]);
+                }
+                t
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn parse_time(flag: &str, value: Option<&str>) -> Result<Option<Timestamp>> {
+    value
+        .map(|v| Timestamp::parse(v).with_context(|| format!("{flag}")))
+        .transpose()
+}
+
+fn filter(region: Option<&str>, zone: Option<&str>, itype: Option<&str>) -> Result<MarketFilter> {
+    Ok(MarketFilter {
+        region: region.map(Region::parse).transpose().context("--region")?,
+        zone: zone.map(Zone::parse).transpose().context("--az")?,
+        instance_type: itype.map(InstanceType::parse).transpose().context("--instance-type")?,
+    })
+}
+
+/// Statistics of every matching market, computed from the stored history.
+pub async fn compute_stats(
+    store: &Store,
+    filter: &MarketFilter,
+    from: Option<Timestamp>,
+    to: Option<Timestamp>,
+) -> Result<Vec<MarketStats>> {
+    let history = store.load_history(filter, from, to).await?;
+    let end = match to {
+        Some(t) => t,
+        None => match store.latest_price_time().await? {
+            Some(t) => Timestamp(t.0 + 1),
+            None => return Ok(Vec::new()),
+        },
+    };
+    let start = from.unwrap_or(Timestamp::MIN);
+    Ok(history
+        .series()
+        .filter_map(|s| {
+            let od = history.on_demand().for_market(s.market()).map(|o| o.on_demand.get());
+            stats::market_stats(s, start, end, od)
+        })
+        .collect())
+}
+
+pub(super) fn stats_table(rows: &[MarketStats]) -> Table {
+    let mut t = Table::new(&[
+        "market", "changes", "first", "last", "min", "median", "max", "tw-mean", "on-demand", "above od", "spells",
+    ]);
+    for s in rows {
+        t.push(vec![
+            s.market.clone(),
+            s.changes.to_string(),
+            s.first.map(|t| t.to_string()).unwrap_or_default(),
+            s.last.map(|t| t.to_string()).unwrap_or_default(),
+            usd(s.min_usd),
+            usd(s.median_usd),
+            usd(s.max_usd),
+            usd(s.time_weighted_mean_usd),
+            s.on_demand_usd.map(usd).unwrap_or_else(|| "?".into()),
+            s.fraction_above_on_demand.map(pct).unwrap_or_else(|| "?".into()),
+            s.spells_above_on_demand.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
+        ]);
+    }
+    t
+}
+
+/// One source's outcome, as printed.
+#[derive(Debug, Serialize)]
+pub struct IngestReport {
+    pub source: String,
+    #[serde(flatten)]
+    pub counts: IngestCounts,
+    pub seconds: f64,
+}
+
+async fn ingest(store: &Store, args: IngestArgs) -> Result<ExitCode> {
+    if args.files.is_empty() && args.on_demand.is_empty() && !args.from_ec2 {
+        bail!("nothing to ingest: give --file, --on-demand or --from-ec2 (see --help)");
+    }
+    let region = Region::parse(&args.region).context("--region")?;
+    let mut reports = Vec::new();
+    for path in &args.on_demand {
+        let started = Instant::now();
+        let offers = files::read_on_demand_file(path, &region)?;
+        let counts = store
+            .ingest_on_demand(&offers)
+            .await
+            .with_context(|| format!("storing {}", path.display()))?;
+        reports.push(report(path.display().to_string(), counts, started));
+    }
+    for path in &args.files {
+        let started = Instant::now();
+        let rows = files::read_spot_file(path)?;
+        let counts = store
+            .ingest_spot_prices(&rows)
+            .await
+            .with_context(|| format!("storing {}", path.display()))?;
+        reports.push(report(path.display().to_string(), counts, started));
+    }
+    if args.from_ec2 {
+        reports.push(ingest_from_ec2(store, &region, &args).await?);
+    }
+    emit(args.output, &reports, || {
+        let mut t = Table::new(&["source", "read", "inserted", "updated", "already present", "seconds"]);
+        for r in &reports {
+            t.push(vec![
+                r.source.clone(),
+                r.counts.read.to_string(),
+                r.counts.inserted.to_string(),
+                r.counts.updated.to_string(),
+                r.counts.already_present.to_string(),
+                format!("{:.2}", r.seconds),
+            ]);
+        }
+        t
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report(source: String, counts: IngestCounts, started: Instant) -> IngestReport {
+    let seconds = started.elapsed().as_secs_f64();
+    tracing::info!(%source, read = counts.read, inserted = counts.inserted, seconds, "ingested");
+    IngestReport {
+        source,
+        counts,
+        seconds,
+    }
+}
+
+#[cfg(feature = "ec2")]
+async fn ingest_from_ec2(store: &Store, region: &Region, args: &IngestArgs) -> Result<IngestReport> {
+    use crate::prices::ec2;
+    let started = Instant::now();
+    let instance_types = args
+        .instance_types
+        .iter()
+        .map(|t| InstanceType::parse(t))
+        .collect::<Result<Vec<_>, _>>()
+        .context("--instance-types")?;
+    let since = match parse_time("--since", args.since.as_deref())? {
+        Some(t) => t,
+        None => {
+            // Resume from the oldest of the newest stored changes of the requested markets, so
+            // that no market misses anything; rows already stored are skipped on insert.
+            let newest = store.newest_price_times(region).await?;
+            newest
+                .iter()
+                .filter(|(m, _)| instance_types.is_empty() || instance_types.contains(&m.instance_type))
+                .map(|(_, t)| *t)
+                .min()
+                .unwrap_or_else(|| Timestamp(Timestamp::now().0 - 90 * 86_400_000))
+        }
+    };
+    let client = ec2::client(region).await;
+    let request = ec2::FetchRequest {
+        region: region.clone(),
+        instance_types,
+        product: crate::market::Product::linux(),
+        since,
+    };
+    let fetched = ec2::fetch(&client, &request).await?;
+    let counts = store.ingest_spot_prices(&fetched.rows).await.context("storing EC2 price history")?;
+    Ok(report(
+        format!("ec2:{region} since {since} ({} pages)", fetched.pages),
+        counts,
+        started,
+    ))
+}
+
+#[cfg(not(feature = "ec2"))]
+async fn ingest_from_ec2(_: &Store, _: &Region, _: &IngestArgs) -> Result<IngestReport> {
+    bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
+}

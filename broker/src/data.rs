@@ -1,0 +1,29 @@
+//! Data sets the project carries: the small spot trace is compiled into the binary so that
+//! `proteus demo` works from any directory; the larger files are found on disk.
+
+use std::path::{Path, PathBuf};
+
+/// The 2015 us-east-1 spot trace of the papers (15 markets, 156,005 changes). See `data/SOURCES.md`.
+pub const TRACE_2015: &[u8] = include_bytes!("../../data/spot/aws-us-east-1-2015-03-to-06.csv.gz");
+pub const TRACE_2015_NAME: &str = "aws-us-east-1-2015-03-to-06.csv.gz";
+/// On-demand prices of the five 2015 types.
+pub const ON_DEMAND_2015: &[u8] = include_bytes!("../../data/spot/on-demand-us-east-1-2015.csv");
+pub const ON_DEMAND_2015_NAME: &str = "on-demand-us-east-1-2015.csv";
+
+/// The project's `data/` directory: `$PROTEUS_DATA_DIR`, else a `data/` beside or above the
+/// running binary (an installed tree), else the one in the source tree this binary was built from.
+pub fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PROTEUS_DATA_DIR") {
+        return PathBuf::from(dir);
+    }
+    let has_data = |d: &Path| d.join("SOURCES.md").is_file();
+    if let Ok(exe) = std::env::current_exe() {
+        for ancestor in exe.ancestors().skip(1).take(4) {
+            let candidate = ancestor.join("data");
+            if has_data(&candidate) {
+                return candidate;
+            }
+        }
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data")
+}

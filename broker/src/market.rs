@@ -1,0 +1,376 @@
+//! The vocabulary of the spot market: where capacity is sold, what it costs, and when.
+//!
+//! Every value here is validated once, at the edge (a file, a flag, a request), so the rest of
+//! the broker never has to wonder whether a zone is empty or a price is negative.
+
+use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use thiserror::Error;
+
+/// Why a value was refused. The caller adds where it came from (file and line, flag, field).
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum InvalidValue {
+    #[error("empty {0}")]
+    Empty(&'static str),
+    #[error("`{value}` is not a valid {what}: {why}")]
+    Malformed {
+        what: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    #[error("price `{0}` is not a number")]
+    NotANumber(String),
+    #[error("price {0} is negative")]
+    NegativePrice(f64),
+    #[error("`{0}` is not an RFC 3339 timestamp (e.g. 2015-03-11T10:34:42Z)")]
+    Timestamp(String),
+}
+
+/// A point in time, in milliseconds since the Unix epoch (UTC).
+///
+/// Milliseconds as a plain integer because that is what both Postgres and SQLite store without
+/// a driver-specific type, and what the simulator compares millions of times per sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Timestamp(pub i64);
+
+impl Timestamp {
+    pub const MIN: Timestamp = Timestamp(i64::MIN);
+    pub const MAX: Timestamp = Timestamp(i64::MAX);
+
+    pub fn from_millis(ms: i64) -> Self {
+        Timestamp(ms)
+    }
+    pub fn from_secs(s: i64) -> Self {
+        Timestamp(s * 1000)
+    }
+    pub fn millis(self) -> i64 {
+        self.0
+    }
+    pub fn secs_f64(self) -> f64 {
+        self.0 as f64 / 1000.0
+    }
+    pub fn now() -> Self {
+        Timestamp(Utc::now().timestamp_millis())
+    }
+
+    /// Accepts RFC 3339 (`2015-03-11T10:34:42Z`, `2015-03-11T10:34:42.000+00:00`) and, because
+    /// people type them on the command line, a bare date (`2015-04-01`, midnight UTC).
+    pub fn parse(text: &str) -> Result<Self, InvalidValue> {
+        let text = text.trim();
+        if let Ok(dt) = DateTime::parse_from_rfc3339(text) {
+            return Ok(Timestamp(dt.timestamp_millis()));
+        }
+        if let Ok(date) = chrono::NaiveDate::parse_from_str(text, "%Y-%m-%d") {
+            let dt = date.and_hms_opt(0, 0, 0).expect("midnight exists");
+            return Ok(Timestamp(Utc.from_utc_datetime(&dt).timestamp_millis()));
+        }
+        Err(InvalidValue::Timestamp(text.to_string()))
+    }
+
+    pub fn to_datetime(self) -> DateTime<Utc> {
+        Utc.timestamp_millis_opt(self.0)
+            .single()
+            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    }
+
+    pub fn plus_secs(self, secs: f64) -> Timestamp {
+        Timestamp(self.0 + (secs * 1000.0).round() as i64)
+    }
+
+    /// Seconds from `earlier` to `self` (negative if `earlier` is later).
+    pub fn secs_since(self, earlier: Timestamp) -> f64 {
+        (self.0 - earlier.0) as f64 / 1000.0
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_datetime().to_rfc3339_opts(SecondsFormat::Secs, true))
+    }
+}
+
+impl std::str::FromStr for Timestamp {
+    type Err = InvalidValue;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Timestamp::parse(s)
+    }
+}
+
+/// A price in US dollars per instance-hour: finite and never negative.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct UsdPerHour(f64);
+
+impl UsdPerHour {
+    pub fn new(value: f64) -> Result<Self, InvalidValue> {
+        if !value.is_finite() {
+            return Err(InvalidValue::NotANumber(value.to_string()));
+        }
+        if value < 0.0 {
+            return Err(InvalidValue::NegativePrice(value));
+        }
+        Ok(UsdPerHour(value))
+    }
+
+    pub fn parse(text: &str) -> Result<Self, InvalidValue> {
+        let value: f64 = text
+            .trim()
+            .parse()
+            .map_err(|_| InvalidValue::NotANumber(text.to_string()))?;
+        Self::new(value)
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+impl TryFrom<f64> for UsdPerHour {
+    type Error = InvalidValue;
+    fn try_from(v: f64) -> Result<Self, Self::Error> {
+        UsdPerHour::new(v)
+    }
+}
+
+impl From<UsdPerHour> for f64 {
+    fn from(p: UsdPerHour) -> f64 {
+        p.0
+    }
+}
+
+impl fmt::Display for UsdPerHour {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "${:.4}/h", self.0)
+    }
+}
+
+macro_rules! name_type {
+    ($(#[$doc:meta])* $name:ident, $what:literal, $check:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            pub fn parse(text: &str) -> Result<Self, InvalidValue> {
+                let text = text.trim();
+                if text.is_empty() {
+                    return Err(InvalidValue::Empty($what));
+                }
+                let check: fn(&str) -> Result<(), &'static str> = $check;
+                check(text).map_err(|why| InvalidValue::Malformed {
+                    what: $what,
+                    value: text.to_string(),
+                    why,
+                })?;
+                Ok($name(text.to_string()))
+            }
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = InvalidValue;
+            fn try_from(s: String) -> Result<Self, Self::Error> {
+                $name::parse(&s)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(v: $name) -> String {
+                v.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = InvalidValue;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                $name::parse(s)
+            }
+        }
+    };
+}
+
+fn no_whitespace(s: &str) -> Result<(), &'static str> {
+    if s.chars().any(char::is_whitespace) {
+        Err("contains whitespace")
+    } else {
+        Ok(())
+    }
+}
+
+name_type!(
+    /// An AWS region such as `us-east-1`.
+    Region,
+    "region",
+    no_whitespace
+);
+
+name_type!(
+    /// An availability zone such as `us-east-1a`; its region is the name without the last letter.
+    Zone,
+    "availability zone",
+    |s| {
+        no_whitespace(s)?;
+        if s.ends_with(|c: char| c.is_ascii_lowercase()) && s.len() > 1 {
+            Ok(())
+        } else {
+            Err("expected a region followed by a zone letter, e.g. us-east-1a")
+        }
+    }
+);
+
+name_type!(
+    /// An EC2 instance type such as `c3.xlarge`: a family and a size separated by a dot.
+    InstanceType,
+    "instance type",
+    |s| {
+        no_whitespace(s)?;
+        match s.split_once('.') {
+            Some((family, size)) if !family.is_empty() && !size.is_empty() => Ok(()),
+            _ => Err("expected family.size, e.g. c3.xlarge"),
+        }
+    }
+);
+
+name_type!(
+    /// The product description of a spot market, e.g. `Linux/UNIX`.
+    Product,
+    "product description",
+    |_| Ok(())
+);
+
+impl Zone {
+    pub fn region(&self) -> Region {
+        Region(self.0[..self.0.len() - 1].to_string())
+    }
+}
+
+impl InstanceType {
+    pub fn family(&self) -> &str {
+        self.0.split_once('.').map(|(f, _)| f).unwrap_or(&self.0)
+    }
+}
+
+impl Product {
+    pub fn linux() -> Self {
+        Product("Linux/UNIX".to_string())
+    }
+}
+
+/// One spot market: capacity of one instance type, in one zone, for one product.
+/// Prices, evictions and bids are all per market.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Market {
+    pub zone: Zone,
+    pub instance_type: InstanceType,
+    pub product: Product,
+}
+
+impl Market {
+    pub fn new(zone: Zone, instance_type: InstanceType, product: Product) -> Self {
+        Market {
+            zone,
+            instance_type,
+            product,
+        }
+    }
+
+    pub fn region(&self) -> Region {
+        self.zone.region()
+    }
+
+    /// Parses the short form people write: `us-east-1a/c3.xlarge` (Linux/UNIX implied) or
+    /// `us-east-1a/c3.xlarge/Linux/UNIX`.
+    pub fn parse(text: &str) -> Result<Self, InvalidValue> {
+        let mut parts = text.trim().splitn(3, '/');
+        let zone = Zone::parse(parts.next().unwrap_or(""))?;
+        let instance_type = InstanceType::parse(parts.next().unwrap_or(""))?;
+        let product = match parts.next() {
+            Some(p) => Product::parse(p)?,
+            None => Product::linux(),
+        };
+        Ok(Market::new(zone, instance_type, product))
+    }
+}
+
+impl fmt::Display for Market {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.zone, self.instance_type)?;
+        if self.product != Product::linux() {
+            write!(f, "/{}", self.product)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for Market {
+    type Err = InvalidValue;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Market::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_parse_rfc3339_and_dates() {
+        let t = Timestamp::parse("2015-03-11T10:34:42Z").unwrap();
+        assert_eq!(t.millis(), 1_426_070_082_000);
+        assert_eq!(t.to_string(), "2015-03-11T10:34:42Z");
+        assert_eq!(
+            Timestamp::parse("2015-03-11T11:34:42+01:00").unwrap(),
+            t,
+            "offsets are normalised to UTC"
+        );
+        assert_eq!(
+            Timestamp::parse("2015-03-12").unwrap().millis(),
+            1_426_118_400_000
+        );
+        assert!(Timestamp::parse("yesterday").is_err());
+        assert!(Timestamp::parse("2015-13-01T00:00:00Z").is_err());
+    }
+
+    #[test]
+    fn prices_refuse_negative_and_non_numbers() {
+        assert_eq!(UsdPerHour::parse("0.1131").unwrap().get(), 0.1131);
+        assert!(matches!(
+            UsdPerHour::parse("-0.1"),
+            Err(InvalidValue::NegativePrice(_))
+        ));
+        assert!(matches!(
+            UsdPerHour::parse("abc"),
+            Err(InvalidValue::NotANumber(_))
+        ));
+        assert!(UsdPerHour::parse("NaN").is_err());
+        assert!(UsdPerHour::parse("inf").is_err());
+    }
+
+    #[test]
+    fn names_are_validated() {
+        assert_eq!(
+            Zone::parse("us-east-1a").unwrap().region().as_str(),
+            "us-east-1"
+        );
+        assert!(Zone::parse("").is_err());
+        assert!(Zone::parse("us-east-1").is_err());
+        assert!(InstanceType::parse("c3xlarge").is_err());
+        assert_eq!(InstanceType::parse("c3.xlarge").unwrap().family(), "c3");
+        let m = Market::parse("us-east-1b/r3.large").unwrap();
+        assert_eq!(m.product, Product::linux());
+        assert_eq!(m.to_string(), "us-east-1b/r3.large");
+        let w = Market::parse("us-east-1b/r3.large/Windows").unwrap();
+        assert_eq!(w.to_string(), "us-east-1b/r3.large/Windows");
+    }
+}

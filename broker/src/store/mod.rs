@@ -1,0 +1,236 @@
+//! The broker's database: Postgres in production, SQLite as the embedded default.
+//!
+//! Both backends share one schema (see `migrations/`) and, wherever the dialects agree, one
+//! query text: [`with_db!`] expands a block once per backend, so a query is written once yet
+//! runs on each driver's native types. Backend-specific code is confined to where it pays, such
+//! as `COPY` for bulk price loads on Postgres.
+
+mod prices;
+
+pub use prices::{IngestCounts, MarketFilter, MarketRow};
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Errors from the store. Each carries what the store was doing, so a log line is actionable.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("database URL `{url}` is not supported: use postgres://… or sqlite://…")]
+    UnsupportedUrl { url: String },
+    #[error("cannot connect to {url}: {source}")]
+    Connect {
+        url: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("cannot create the database directory {dir}: {source}")]
+    CreateDir {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("applying migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("{context}: {source}")]
+    Query {
+        context: &'static str,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Adds what the store was doing to a driver error.
+pub(crate) trait Context<T> {
+    fn context(self, context: &'static str) -> Result<T, StoreError>;
+}
+
+impl<T> Context<T> for Result<T, sqlx::Error> {
+    fn context(self, context: &'static str) -> Result<T, StoreError> {
+        self.map_err(|source| StoreError::Query { context, source })
+    }
+}
+
+/// Which database the store runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Db {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+/// Runs `$body` with `$pool` bound to the backend's native pool. The body is compiled once per
+/// backend, so it must use only SQL and Rust types both drivers understand.
+macro_rules! with_db {
+    ($store:expr, |$pool:ident| $body:expr) => {
+        match &$store.db {
+            $crate::store::Db::Postgres($pool) => $body,
+            $crate::store::Db::Sqlite($pool) => $body,
+        }
+    };
+}
+pub(crate) use with_db;
+
+/// The store: a connection pool on one of the two backends.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pub(crate) db: Db,
+    url: String,
+}
+
+impl Store {
+    /// Connects to `url` (`postgres://…` or `sqlite://…`; a SQLite file is created if missing).
+    pub async fn connect(url: &str) -> Result<Store, StoreError> {
+        let redacted = redact(url);
+        let connect_err = |source| StoreError::Connect {
+            url: redacted.clone(),
+            source,
+        };
+        let db = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options = PgConnectOptions::from_str(url).map_err(connect_err)?;
+            let pool = PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options)
+                .await
+                .map_err(connect_err)?;
+            Db::Postgres(pool)
+        } else if url.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(url)
+                .map_err(connect_err)?
+                .create_if_missing(true)
+                .foreign_keys(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Normal)
+                .busy_timeout(Duration::from_secs(10));
+            if let Some(dir) = options.get_filename().parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|source| StoreError::CreateDir {
+                    dir: dir.to_path_buf(),
+                    source,
+                })?;
+            }
+            // Each in-memory connection would be its own empty database.
+            let max = if url.contains(":memory:") { 1 } else { 8 };
+            let pool = SqlitePoolOptions::new()
+                .max_connections(max)
+                .connect_with(options)
+                .await
+                .map_err(connect_err)?;
+            Db::Sqlite(pool)
+        } else {
+            return Err(StoreError::UnsupportedUrl { url: redacted });
+        };
+        Ok(Store { db, url: redacted })
+    }
+
+    /// Connects and applies any pending migrations: what `serve` and `demo` do at start.
+    pub async fn open(url: &str) -> Result<Store, StoreError> {
+        let store = Store::connect(url).await?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        match &self.db {
+            Db::Postgres(pool) => sqlx::migrate!("../migrations/postgres").run(pool).await?,
+            Db::Sqlite(pool) => sqlx::migrate!("../migrations/sqlite").run(pool).await?,
+        }
+        Ok(())
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self.db {
+            Db::Postgres(_) => Backend::Postgres,
+            Db::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
+    /// The URL with any password masked: safe to print.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Runs one statement outside any transaction, e.g. `CREATE DATABASE` from test tooling.
+    pub async fn execute_admin(&self, sql: &str) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
+                .execute(pool)
+                .await
+                .context("running an administrative statement")?;
+        });
+        Ok(())
+    }
+
+    /// Every (table, column) of the application schema, sorted: how a test proves that the two
+    /// backends' migrations build the same schema.
+    pub async fn schema(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let mut cols: Vec<(String, String)> = match &self.db {
+            Db::Postgres(pool) => sqlx::query_as(
+                "SELECT table_name::TEXT, column_name::TEXT FROM information_schema.columns \
+                 WHERE table_schema = 'public'",
+            )
+            .fetch_all(pool)
+            .await
+            .context("reading the schema")?,
+            Db::Sqlite(pool) => sqlx::query_as(
+                "SELECT m.name, p.name FROM sqlite_master m JOIN pragma_table_info(m.name) p \
+                 WHERE m.type = 'table'",
+            )
+            .fetch_all(pool)
+            .await
+            .context("reading the schema")?,
+        };
+        cols.retain(|(t, _)| !t.starts_with("_sqlx") && !t.starts_with("sqlite_"));
+        cols.sort();
+        Ok(cols)
+    }
+
+    pub async fn close(&self) {
+        with_db!(self, |pool| pool.close().await)
+    }
+}
+
+/// The embedded default: a SQLite file under the user's data directory.
+pub fn default_database_url() -> String {
+    let base = dirs::data_dir()
+        .or_else(dirs::home_dir)
+        .unwrap_or_else(std::env::temp_dir);
+    let path = base.join("proteus").join("proteus.db");
+    format!("sqlite://{}", path.display())
+}
+
+/// Masks the password of a URL such as `postgres://user:secret@host/db`.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_masked() {
+        assert_eq!(redact("postgres://u:pw@h:5/db"), "postgres://u:***@h:5/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite:///tmp/x.db"), "sqlite:///tmp/x.db");
+    }
+}

@@ -1,0 +1,389 @@
+//! Price history in the store: idempotent bulk ingestion and the reads behind stats, the market
+//! model and the simulator.
+
+use super::{Context, Db, Store, StoreError, with_db};
+use crate::market::{InstanceType, Market, Product, Region, Timestamp, UsdPerHour, Zone};
+use crate::prices::files::SpotPriceRow;
+use crate::prices::history::{InstanceOffer, OnDemandCatalog, PriceHistory, PriceSeries};
+use serde::Serialize;
+use sqlx::AssertSqlSafe;
+use std::collections::{BTreeSet, HashMap};
+use std::fmt::Write as _;
+
+/// What an ingestion did: every row read is either inserted or was already stored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct IngestCounts {
+    pub read: u64,
+    pub inserted: u64,
+    /// On-demand rows whose price or size changed.
+    pub updated: u64,
+    pub already_present: u64,
+}
+
+impl std::ops::AddAssign for IngestCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.read += o.read;
+        self.inserted += o.inserted;
+        self.updated += o.updated;
+        self.already_present += o.already_present;
+    }
+}
+
+/// Narrows reads to some markets; `None` fields match everything.
+#[derive(Debug, Clone, Default)]
+pub struct MarketFilter {
+    pub region: Option<Region>,
+    pub zone: Option<Zone>,
+    pub instance_type: Option<InstanceType>,
+}
+
+/// A stored market and how much history it has.
+#[derive(Debug, Clone, Serialize)]
+pub struct MarketRow {
+    pub id: i64,
+    pub market: Market,
+    pub region: Region,
+    pub price_rows: i64,
+    pub first: Option<Timestamp>,
+    pub last: Option<Timestamp>,
+}
+
+const INSERT_MARKET: &str = "INSERT INTO markets (region, availability_zone, instance_type, product) \
+     VALUES ($1, $2, $3, $4) ON CONFLICT (availability_zone, instance_type, product) DO NOTHING";
+const SELECT_MARKET_IDS: &str = "SELECT id, availability_zone, instance_type, product FROM markets";
+
+/// Makes sure every market exists and returns the id of each. Expanded per backend so that it can
+/// run inside the caller's transaction.
+macro_rules! upsert_markets {
+    ($conn:expr, $markets:expr) => {{
+        for m in $markets {
+            sqlx::query(INSERT_MARKET)
+                .bind(m.region().as_str())
+                .bind(m.zone.as_str())
+                .bind(m.instance_type.as_str())
+                .bind(m.product.as_str())
+                .execute(&mut *$conn)
+                .await
+                .context("creating markets")?;
+        }
+        let rows: Vec<(i64, String, String, String)> = sqlx::query_as(SELECT_MARKET_IDS)
+            .fetch_all(&mut *$conn)
+            .await
+            .context("reading market ids")?;
+        rows_to_market_ids(rows)
+    }};
+}
+
+fn rows_to_market_ids(rows: Vec<(i64, String, String, String)>) -> Result<HashMap<Market, i64>, StoreError> {
+    rows.into_iter()
+        .map(|(id, zone, itype, product)| Ok((market_from_columns(&zone, &itype, &product)?, id)))
+        .collect()
+}
+
+fn market_from_columns(zone: &str, itype: &str, product: &str) -> Result<Market, StoreError> {
+    let bad = |e| StoreError::Invalid(format!("stored market {zone}/{itype}/{product} is invalid: {e}"));
+    Ok(Market::new(
+        Zone::parse(zone).map_err(bad)?,
+        InstanceType::parse(itype).map_err(bad)?,
+        Product::parse(product).map_err(bad)?,
+    ))
+}
+
+/// Rows per multi-row INSERT on SQLite: 3 parameters each, well under its 32,766 limit.
+const SQLITE_BATCH: usize = 1000;
+
+impl Store {
+    /// Stores price changes in one transaction: either all new rows are stored or none.
+    /// A row whose market and timestamp are already stored counts as already present.
+    pub async fn ingest_spot_prices(&self, rows: &[SpotPriceRow]) -> Result<IngestCounts, StoreError> {
+        let markets: BTreeSet<&Market> = rows.iter().map(|r| &r.market).collect();
+        let inserted = match &self.db {
+            Db::Postgres(pool) => {
+                let mut tx = pool.begin().await.context("starting ingestion")?;
+                let ids = upsert_markets!(tx, &markets)?;
+                let n = copy_prices_pg(&mut tx, rows, &ids).await?;
+                tx.commit().await.context("committing ingestion")?;
+                n
+            }
+            Db::Sqlite(pool) => {
+                let mut tx = pool.begin().await.context("starting ingestion")?;
+                let ids = upsert_markets!(tx, &markets)?;
+                let mut n = 0;
+                for chunk in rows.chunks(SQLITE_BATCH) {
+                    n += insert_prices_batch(&mut tx, chunk, &ids).await?;
+                }
+                tx.commit().await.context("committing ingestion")?;
+                n
+            }
+        };
+        let read = rows.len() as u64;
+        Ok(IngestCounts {
+            read,
+            inserted,
+            updated: 0,
+            already_present: read - inserted,
+        })
+    }
+
+    /// Stores on-demand offers, updating a type's price or size when it changed.
+    pub async fn ingest_on_demand(&self, offers: &[InstanceOffer]) -> Result<IngestCounts, StoreError> {
+        let mut counts = IngestCounts {
+            read: offers.len() as u64,
+            ..Default::default()
+        };
+        with_db!(self, |pool| {
+            let mut tx = pool.begin().await.context("starting on-demand ingestion")?;
+            for o in offers {
+                let existing: Option<(Option<i64>, Option<f64>, f64)> = sqlx::query_as(
+                    "SELECT vcpus, memory_gib, on_demand_usd_per_hour FROM instance_types \
+                     WHERE region = $1 AND instance_type = $2",
+                )
+                .bind(o.region.as_str())
+                .bind(o.instance_type.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .context("reading on-demand prices")?;
+                let wanted = (o.vcpus.map(i64::from), o.memory_gib, o.on_demand.get());
+                let sql = match existing {
+                    Some(row) if row == wanted => {
+                        counts.already_present += 1;
+                        continue;
+                    }
+                    Some(_) => {
+                        counts.updated += 1;
+                        "UPDATE instance_types SET vcpus = $3, memory_gib = $4, on_demand_usd_per_hour = $5 \
+                         WHERE region = $1 AND instance_type = $2"
+                    }
+                    None => {
+                        counts.inserted += 1;
+                        "INSERT INTO instance_types (region, instance_type, vcpus, memory_gib, on_demand_usd_per_hour) \
+                         VALUES ($1, $2, $3, $4, $5)"
+                    }
+                };
+                sqlx::query(sql)
+                    .bind(o.region.as_str())
+                    .bind(o.instance_type.as_str())
+                    .bind(wanted.0)
+                    .bind(wanted.1)
+                    .bind(wanted.2)
+                    .execute(&mut *tx)
+                    .await
+                    .context("writing on-demand prices")?;
+            }
+            tx.commit().await.context("committing on-demand prices")?;
+        });
+        Ok(counts)
+    }
+
+    /// Every stored market matching the filter, with the extent of its history.
+    pub async fn markets(&self, filter: &MarketFilter) -> Result<Vec<MarketRow>, StoreError> {
+        let rows: Vec<(i64, String, String, String, String, i64, Option<i64>, Option<i64>)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT m.id, m.region, m.availability_zone, m.instance_type, m.product, \
+                        COUNT(p.ts_ms), MIN(p.ts_ms), MAX(p.ts_ms) \
+                 FROM markets m LEFT JOIN spot_prices p ON p.market_id = m.id \
+                 WHERE (CAST($1 AS TEXT) IS NULL OR m.region = $1) \
+                   AND (CAST($2 AS TEXT) IS NULL OR m.availability_zone = $2) \
+                   AND (CAST($3 AS TEXT) IS NULL OR m.instance_type = $3) \
+                 GROUP BY m.id, m.region, m.availability_zone, m.instance_type, m.product \
+                 ORDER BY m.instance_type, m.availability_zone, m.product",
+            )
+            .bind(filter.region.as_ref().map(Region::as_str))
+            .bind(filter.zone.as_ref().map(Zone::as_str))
+            .bind(filter.instance_type.as_ref().map(InstanceType::as_str))
+            .fetch_all(pool)
+            .await
+            .context("listing markets")?
+        });
+        rows.into_iter()
+            .map(|(id, region, zone, itype, product, n, first, last)| {
+                Ok(MarketRow {
+                    id,
+                    market: market_from_columns(&zone, &itype, &product)?,
+                    region: Region::parse(&region)
+                        .map_err(|e| StoreError::Invalid(format!("stored region: {e}")))?,
+                    price_rows: n,
+                    first: first.map(Timestamp),
+                    last: last.map(Timestamp),
+                })
+            })
+            .collect()
+    }
+
+    /// The number of stored price changes.
+    pub async fn price_row_count(&self) -> Result<i64, StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query_scalar("SELECT COUNT(*) FROM spot_prices")
+                .fetch_one(pool)
+                .await
+                .context("counting prices")
+        })
+    }
+
+    /// The newest stored change of each market in a region: where an incremental fetch resumes.
+    pub async fn newest_price_times(&self, region: &Region) -> Result<HashMap<Market, Timestamp>, StoreError> {
+        let rows: Vec<(String, String, String, Option<i64>)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT m.availability_zone, m.instance_type, m.product, MAX(p.ts_ms) \
+                 FROM markets m JOIN spot_prices p ON p.market_id = m.id WHERE m.region = $1 \
+                 GROUP BY m.id, m.availability_zone, m.instance_type, m.product",
+            )
+            .bind(region.as_str())
+            .fetch_all(pool)
+            .await
+            .context("reading newest prices")?
+        });
+        rows.into_iter()
+            .filter_map(|(z, t, p, ts)| ts.map(|ts| (z, t, p, ts)))
+            .map(|(z, t, p, ts)| Ok((market_from_columns(&z, &t, &p)?, Timestamp(ts))))
+            .collect()
+    }
+
+    /// The latest stored price change in any market: where observation of the market ends.
+    pub async fn latest_price_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        let ts: Option<i64> = with_db!(self, |pool| {
+            sqlx::query_scalar("SELECT MAX(ts_ms) FROM spot_prices")
+                .fetch_one(pool)
+                .await
+                .context("reading the latest price time")?
+        });
+        Ok(ts.map(Timestamp))
+    }
+
+    /// Every stored on-demand offer.
+    pub async fn on_demand_catalog(&self) -> Result<OnDemandCatalog, StoreError> {
+        let rows: Vec<(String, String, Option<i64>, Option<f64>, f64)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT region, instance_type, vcpus, memory_gib, on_demand_usd_per_hour FROM instance_types",
+            )
+            .fetch_all(pool)
+            .await
+            .context("reading on-demand prices")?
+        });
+        let offers = rows
+            .into_iter()
+            .map(|(region, itype, vcpus, memory_gib, price)| {
+                let bad = |e| StoreError::Invalid(format!("stored on-demand row {region}/{itype}: {e}"));
+                Ok(InstanceOffer {
+                    region: Region::parse(&region).map_err(bad)?,
+                    instance_type: InstanceType::parse(&itype).map_err(bad)?,
+                    vcpus: vcpus.and_then(|v| u32::try_from(v).ok()),
+                    memory_gib,
+                    on_demand: UsdPerHour::new(price).map_err(bad)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(OnDemandCatalog::new(offers))
+    }
+
+    /// Loads the history of matching markets over `[from, to)`, plus, for each market, the
+    /// change in force at `from` (so the price at every instant of the window is known).
+    pub async fn load_history(
+        &self,
+        filter: &MarketFilter,
+        from: Option<Timestamp>,
+        to: Option<Timestamp>,
+    ) -> Result<PriceHistory, StoreError> {
+        let markets: HashMap<i64, Market> = self
+            .markets(filter)
+            .await?
+            .into_iter()
+            .map(|m| (m.id, m.market))
+            .collect();
+        let from_ms = from.map_or(i64::MIN, |t| t.0);
+        let to_ms = to.map_or(i64::MAX, |t| t.0);
+        let rows: Vec<(i64, i64, f64)> = with_db!(self, |pool| {
+            let mut rows: Vec<(i64, i64, f64)> = sqlx::query_as(
+                "SELECT p.market_id, p.ts_ms, p.usd_per_hour FROM spot_prices p \
+                 WHERE p.ts_ms >= $1 AND p.ts_ms < $2 ORDER BY p.market_id, p.ts_ms",
+            )
+            .bind(from_ms)
+            .bind(to_ms)
+            .fetch_all(pool)
+            .await
+            .context("loading price history")?;
+            if from.is_some() {
+                let carried: Vec<(i64, i64, f64)> = sqlx::query_as(
+                    "SELECT p.market_id, p.ts_ms, p.usd_per_hour FROM spot_prices p \
+                     JOIN (SELECT market_id, MAX(ts_ms) AS ts FROM spot_prices WHERE ts_ms < $1 \
+                           GROUP BY market_id) c ON c.market_id = p.market_id AND c.ts = p.ts_ms",
+                )
+                .bind(from_ms)
+                .fetch_all(pool)
+                .await
+                .context("loading prices in force at the window start")?;
+                rows.extend(carried);
+            }
+            rows
+        });
+        let mut points: HashMap<i64, Vec<(Timestamp, UsdPerHour)>> = HashMap::new();
+        for (id, ts, price) in rows {
+            if markets.contains_key(&id) {
+                let price = UsdPerHour::new(price).map_err(|e| StoreError::Invalid(format!("stored price: {e}")))?;
+                points.entry(id).or_default().push((Timestamp(ts), price));
+            }
+        }
+        let series = points
+            .into_iter()
+            .map(|(id, pts)| PriceSeries::new(markets[&id].clone(), pts));
+        Ok(PriceHistory::new(series, self.on_demand_catalog().await?))
+    }
+}
+
+/// Streams the rows into a temporary table with `COPY` and moves the new ones across in one
+/// statement: the one fast path that needs Postgres's own protocol.
+async fn copy_prices_pg(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    rows: &[SpotPriceRow],
+    ids: &HashMap<Market, i64>,
+) -> Result<u64, StoreError> {
+    sqlx::query(
+        "CREATE TEMP TABLE incoming_prices (market_id BIGINT, ts_ms BIGINT, usd_per_hour DOUBLE PRECISION) \
+         ON COMMIT DROP",
+    )
+    .execute(&mut **tx)
+    .await
+    .context("creating the staging table")?;
+    let mut copy = tx
+        .copy_in_raw("COPY incoming_prices (market_id, ts_ms, usd_per_hour) FROM STDIN")
+        .await
+        .context("starting COPY")?;
+    let mut buf = String::with_capacity(1 << 20);
+    for row in rows {
+        let _ = writeln!(buf, "{}\t{}\t{}", ids[&row.market], row.time.0, row.price.get());
+        if buf.len() > (1 << 20) - 64 {
+            copy.send(buf.as_bytes()).await.context("sending COPY data")?;
+            buf.clear();
+        }
+    }
+    if !buf.is_empty() {
+        copy.send(buf.as_bytes()).await.context("sending COPY data")?;
+    }
+    copy.finish().await.context("finishing COPY")?;
+    let done = sqlx::query(
+        "INSERT INTO spot_prices (market_id, ts_ms, usd_per_hour) \
+         SELECT market_id, ts_ms, usd_per_hour FROM incoming_prices ON CONFLICT DO NOTHING",
+    )
+    .execute(&mut **tx)
+    .await
+    .context("moving staged prices")?;
+    Ok(done.rows_affected())
+}
+
+async fn insert_prices_batch(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    rows: &[SpotPriceRow],
+    ids: &HashMap<Market, i64>,
+) -> Result<u64, StoreError> {
+    let mut sql = String::from("INSERT INTO spot_prices (market_id, ts_ms, usd_per_hour) VALUES ");
+    for i in 0..rows.len() {
+        let _ = write!(sql, "{}(${}, ${}, ${})", if i == 0 { "" } else { "," }, 3 * i + 1, 3 * i + 2, 3 * i + 3);
+    }
+    sql.push_str(" ON CONFLICT DO NOTHING");
+    let mut query = sqlx::query(AssertSqlSafe(sql));
+    for row in rows {
+        query = query.bind(ids[&row.market]).bind(row.time.0).bind(row.price.get());
+    }
+    let done = query.execute(&mut **tx).await.context("inserting prices")?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,10 @@
+//! The broker's integration tests: one binary (it links once), one module per area.
+//! They need a real Postgres (`PROTEUS_TEST_PG_URL`) and LocalStack (`PROTEUS_TEST_LOCALSTACK_URL`);
+//! `scripts/test` starts both.
+
+mod support;
+
+mod cli_prices;
+mod store_prices;
+#[cfg(feature = "ec2")]
+mod ec2_prices;
