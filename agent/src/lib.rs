@@ -1,7 +1,23 @@
 //! The Proteus agent as a library; `src/main.rs` is a thin CLI over it.
+//!
+//! - [`agent`]: the control loop (registration, views, heartbeats, interruption handling);
+//! - [`control`]: client of the broker's agent API; [`imds`]: instance metadata (IMDSv2);
+//! - [`transport`]: the peer-to-peer data plane; [`ps`]: ActivePS/BackupPS shards;
+//! - [`worker`] and [`sync`]: the worker loop under a synchronisation model;
+//! - [`apps`] and [`data`]: MLR and MF on ndarray, data loaders;
+//! - `testing` (feature `testing`): a coordinator HTTP server and an IMDS mock.
 
+pub mod agent;
 pub mod apps;
+pub mod control;
 pub mod data;
 pub mod error;
+pub mod imds;
+pub mod ps;
+pub mod sync;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod transport;
+pub mod worker;
 
 pub use error::{AgentError, Result};

@@ -1,0 +1,414 @@
+//! The agent's control loop: register, load data, follow views, report, and leave in time.
+
+use crate::apps::App;
+use crate::control::Broker;
+use crate::error::{AgentError, Result};
+use crate::imds::{self, Imds, Notice};
+use crate::ps::{self, PsEvent, PsNode};
+use crate::sync::SyncPolicy;
+use crate::transport::Peers;
+use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
+use proteus_wire::InstanceId;
+use proteus_wire::agent_api::{
+    AgentEvent, ClusterView, Command, ExitReason, Heartbeat, Metric, MetricKind, RegisterRequest, RegisterResponse,
+};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// How the agent is started.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    pub broker: String,
+    pub token: String,
+    /// From the command line; otherwise IMDS `instance-id`.
+    pub instance_id: Option<String>,
+    /// IMDS base URL; `None` disables interruption polling.
+    pub imds_endpoint: Option<String>,
+    pub imds_poll: Duration,
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// `host:port` peers should dial, when it differs from the bound address (NAT, 0.0.0.0).
+    pub advertise: Option<String>,
+    pub vcpus: u32,
+    /// Exit at the latest this long before an interruption's action time.
+    pub exit_margin: Duration,
+}
+
+/// How the agent ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Told to stop (training done, job cancelled or over).
+    Stopped(String),
+    /// Handed over and left after an interruption warning.
+    Interrupted,
+}
+
+enum Control {
+    Command(Command),
+    JobOver,
+    Forgotten,
+}
+
+fn now_unix() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
+/// Run the agent to its end.
+pub async fn run(opts: AgentOptions) -> Result<Outcome> {
+    let mut imds = match &opts.imds_endpoint {
+        Some(url) => Some(Imds::new(url)?),
+        None => None,
+    };
+    let instance_id = resolve_instance_id(&opts, imds.as_mut()).await?;
+    let listener = TcpListener::bind(opts.listen).await?;
+    let data_addr = match &opts.advertise {
+        Some(a) => a.clone(),
+        None => listener.local_addr()?.to_string(),
+    };
+    let broker = Broker::new(&opts.broker, &opts.token)?;
+    tracing::info!(instance = %instance_id, broker = %broker.url(), data_addr = %data_addr, "registering");
+    let reg = broker
+        .register(&RegisterRequest {
+            instance_id: instance_id.clone(),
+            data_addr: data_addr.clone(),
+            vcpus: opts.vcpus,
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+        })
+        .await?;
+    tracing::info!(job = %reg.job_id, tier = %reg.tier, app = reg.training.app.name(), "registered");
+    let mut agent = match Agent::start(&opts, reg, broker.clone(), instance_id.clone(), data_addr, listener).await {
+        Ok(a) => a,
+        Err(e) => {
+            let reason = ExitReason::Failed { message: e.to_string() };
+            let _ = broker.event(&instance_id, &AgentEvent::Exit { reason }).await;
+            return Err(e);
+        }
+    };
+    if let Some(imds) = imds {
+        tokio::spawn(imds::watch(imds, opts.imds_poll, agent.notices_tx.clone()));
+    }
+    agent.main_loop(opts.exit_margin).await
+}
+
+async fn resolve_instance_id(opts: &AgentOptions, imds: Option<&mut Imds>) -> Result<InstanceId> {
+    if let Some(id) = &opts.instance_id {
+        return Ok(InstanceId(id.clone()));
+    }
+    let imds = imds.ok_or_else(|| {
+        AgentError::Config("no --instance-id and no instance metadata endpoint to read it from".into())
+    })?;
+    let mut delay = Duration::from_millis(200);
+    for _ in 0..6 {
+        match imds.instance_id().await {
+            Ok(id) => return Ok(InstanceId(id)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read instance-id from metadata; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+        }
+    }
+    Err(AgentError::Imds("instance-id unavailable".into()))
+}
+
+struct Agent {
+    me: InstanceId,
+    broker: Broker,
+    app: Arc<App>,
+    reg: RegisterResponse,
+    ps: Arc<PsNode>,
+    peers: Arc<Peers>,
+    views_tx: watch::Sender<Option<Arc<ClusterView>>>,
+    progress: SharedProgress,
+    applied_epoch: Arc<AtomicU64>,
+    control_rx: mpsc::UnboundedReceiver<Control>,
+    notices_tx: mpsc::UnboundedSender<Notice>,
+    notices_rx: mpsc::UnboundedReceiver<Notice>,
+    worker_tx: mpsc::UnboundedSender<WorkerEvent>,
+    worker_rx: mpsc::UnboundedReceiver<WorkerEvent>,
+    ps_rx: mpsc::UnboundedReceiver<PsEvent>,
+    worker: Option<JoinHandle<WorkerExit>>,
+    finished: bool,
+    /// Set by an interruption warning: leave by then.
+    leave_by: Option<Instant>,
+}
+
+impl Agent {
+    async fn start(
+        opts: &AgentOptions,
+        reg: RegisterResponse,
+        broker: Broker,
+        me: InstanceId,
+        data_addr: String,
+        listener: TcpListener,
+    ) -> Result<Agent> {
+        let t = Instant::now();
+        let cfg = reg.training.clone();
+        let dir = opts.data_dir.clone();
+        let app = tokio::task::spawn_blocking(move || App::load(&cfg, &dir))
+            .await
+            .map_err(|e| AgentError::Data(format!("loader crashed: {e}")))??;
+        let app = Arc::new(app);
+        tracing::info!(model_len = app.model_len(), ms = t.elapsed().as_millis() as u64, "data loaded");
+
+        let peers = Peers::new(data_addr);
+        let (ps_tx, ps_rx) = mpsc::unbounded_channel();
+        let ps = PsNode::new(me.clone(), app.clone(), reg.training.num_partitions, peers.clone(), ps_tx);
+        peers.set_handler(ps.clone());
+        tokio::spawn(peers.clone().serve(listener));
+        tokio::spawn(ps::run_backup_sync(ps.clone(), Duration::from_millis(reg.training.backup_sync_interval_ms)));
+
+        broker.event(&me, &AgentEvent::Ready { model_len: app.model_len() as u64 }).await?;
+
+        let (control_tx, control_rx) = mpsc::unbounded_channel();
+        tokio::spawn(poll_commands(broker.clone(), me.clone(), reg.command_wait_ms, control_tx.clone()));
+        let (notices_tx, notices_rx) = mpsc::unbounded_channel();
+        let (worker_tx, worker_rx) = mpsc::unbounded_channel();
+        let (views_tx, _) = watch::channel(None);
+        let progress: SharedProgress = Arc::new(Mutex::new(Default::default()));
+        let applied_epoch = Arc::new(AtomicU64::new(0));
+        tokio::spawn(heartbeats(
+            broker.clone(),
+            me.clone(),
+            Duration::from_millis(reg.heartbeat_interval_ms),
+            progress.clone(),
+            ps.clone(),
+            applied_epoch.clone(),
+            control_tx,
+        ));
+        Ok(Agent {
+            me,
+            broker,
+            app,
+            reg,
+            ps,
+            peers,
+            views_tx,
+            progress,
+            applied_epoch,
+            control_rx,
+            notices_tx,
+            notices_rx,
+            worker_tx,
+            worker_rx,
+            ps_rx,
+            worker: None,
+            finished: false,
+            leave_by: None,
+        })
+    }
+
+    async fn event(&self, ev: AgentEvent) {
+        if let Err(e) = self.broker.event(&self.me, &ev).await {
+            tracing::warn!(error = %e, ?ev, "could not report event");
+        }
+    }
+
+    async fn exit(&mut self, reason: ExitReason, outcome: Outcome) -> Result<Outcome> {
+        if let Some(w) = self.worker.take() {
+            w.abort();
+        }
+        self.event(AgentEvent::Exit { reason }).await;
+        tracing::info!(?outcome, "agent exiting");
+        Ok(outcome)
+    }
+
+    async fn main_loop(&mut self, exit_margin: Duration) -> Result<Outcome> {
+        let mut check = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                Some(c) = self.control_rx.recv() => match c {
+                    Control::Command(Command::Configure(view)) => self.configure(view),
+                    Control::Command(Command::Stop { reason }) => {
+                        tracing::info!(%reason, "stop command");
+                        return self.exit(ExitReason::Stopped, Outcome::Stopped(reason)).await;
+                    }
+                    Control::JobOver => {
+                        return self.exit(ExitReason::Stopped, Outcome::Stopped("job over".into())).await;
+                    }
+                    Control::Forgotten => {
+                        return Err(AgentError::Broker("the broker no longer knows this instance (declared dead?)".into()));
+                    }
+                },
+                Some(n) = self.notices_rx.recv() => self.on_notice(n, exit_margin).await,
+                Some(ev) = self.worker_rx.recv() => {
+                    let WorkerEvent::Finished(metric) = ev;
+                    self.finished = true;
+                    let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
+                    self.event(AgentEvent::TrainingComplete { metric }).await;
+                }
+                Some(PsEvent::HandedOver { shard, to, seq }) = self.ps_rx.recv() => {
+                    self.event(AgentEvent::HandoverComplete { shard, to, seq }).await;
+                }
+                _ = check.tick() => {
+                    if let Some(out) = self.check_leaving().await {
+                        return out;
+                    }
+                    self.reap_worker();
+                }
+            }
+        }
+    }
+
+    fn configure(&mut self, view: ClusterView) {
+        if view.epoch <= self.applied_epoch.load(Ordering::Relaxed) {
+            return;
+        }
+        let me = &self.me;
+        tracing::info!(
+            epoch = view.epoch,
+            stage = view.stage.number(),
+            members = view.members.len(),
+            workers = view.workers.len(),
+            worker = ?view.worker(me).map(|w| (w.partitions.start, w.partitions.end)),
+            active = ?view.shards.iter().filter(|s| &s.active == me).map(|s| s.shard).collect::<Vec<_>>(),
+            backup = ?view.shards.iter().filter(|s| s.backup.as_ref() == Some(me)).map(|s| s.shard).collect::<Vec<_>>(),
+            "new view"
+        );
+        self.applied_epoch.store(view.epoch, Ordering::Relaxed);
+        let view = Arc::new(view);
+        self.views_tx.send_replace(Some(view.clone()));
+        self.ps.apply_view(&view);
+        self.reap_worker();
+        if view.worker(&self.me).is_some() && self.worker.is_none() && !self.finished && self.leave_by.is_none() {
+            self.spawn_worker();
+        }
+    }
+
+    fn spawn_worker(&mut self) {
+        let t = &self.reg.training;
+        let ctx = WorkerCtx {
+            me: self.me.clone(),
+            app: self.app.clone(),
+            peers: self.peers.clone(),
+            views: self.views_tx.subscribe(),
+            progress: self.progress.clone(),
+            events: self.worker_tx.clone(),
+            total_clocks: t.total_clocks(),
+            clocks_per_epoch: u64::from(t.clocks_per_epoch),
+            eval_every_clocks: u64::from(t.eval_every_epochs) * u64::from(t.clocks_per_epoch),
+            sync: SyncPolicy::from(t.sync),
+        };
+        self.worker = Some(tokio::spawn(worker::run(ctx)));
+    }
+
+    fn reap_worker(&mut self) {
+        if self.worker.as_ref().is_some_and(|w| w.is_finished()) {
+            self.worker = None;
+            let assigned = self.views_tx.borrow().as_ref().is_some_and(|v| v.worker(&self.me).is_some());
+            if assigned && !self.finished && self.leave_by.is_none() {
+                self.spawn_worker();
+            }
+        }
+    }
+
+    async fn on_notice(&mut self, n: Notice, exit_margin: Duration) {
+        match n {
+            Notice::Interruption { action, time } => {
+                let left = imds::parse_rfc3339(&time).map_or(120, |t| t - now_unix());
+                let budget = Duration::from_secs(left.max(0) as u64).saturating_sub(exit_margin);
+                tracing::warn!(%action, %time, seconds_left = left, "interruption warning: handing over and leaving");
+                self.leave_by = Some(Instant::now() + budget);
+                let ps = self.ps.clone();
+                tokio::spawn(async move { ps.sync_backups().await });
+                self.event(AgentEvent::InterruptionWarning { action, action_time: time }).await;
+            }
+            Notice::Rebalance { notice_time } => {
+                tracing::warn!(?notice_time, "rebalance recommendation: moving shards off this machine early");
+                let ps = self.ps.clone();
+                tokio::spawn(async move { ps.sync_backups().await });
+                self.event(AgentEvent::RebalanceRecommendation { notice_time }).await;
+            }
+        }
+    }
+
+    /// After a warning: leave once the view no longer has us and every hand-over is done, or at
+    /// the deadline whatever happened.
+    async fn check_leaving(&mut self) -> Option<Result<Outcome>> {
+        let leave_by = self.leave_by?;
+        let out_of_view = self.views_tx.borrow().as_ref().is_none_or(|v| v.member(&self.me).is_none());
+        let (active, _) = self.ps.roles();
+        let handed_over = self.ps.handovers_in_flight() == 0 && active.is_empty();
+        if out_of_view && handed_over {
+            return Some(self.exit(ExitReason::Interrupted, Outcome::Interrupted).await);
+        }
+        if Instant::now() >= leave_by {
+            tracing::error!("interruption deadline reached before hand-over finished; leaving anyway");
+            return Some(self.exit(ExitReason::Interrupted, Outcome::Interrupted).await);
+        }
+        None
+    }
+}
+
+async fn poll_commands(broker: Broker, me: InstanceId, wait_ms: u64, tx: mpsc::UnboundedSender<Control>) {
+    let mut after = 0;
+    let mut failing = false;
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match broker.commands(&me, after, wait_ms).await {
+            Ok(cmds) => {
+                failing = false;
+                delay = Duration::from_millis(200);
+                for c in cmds {
+                    after = after.max(c.seq);
+                    if tx.send(Control::Command(c.command)).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(AgentError::BrokerStatus { status: 409, .. }) => {
+                let _ = tx.send(Control::JobOver);
+                return;
+            }
+            Err(AgentError::BrokerStatus { status: 404, .. }) => {
+                let _ = tx.send(Control::Forgotten);
+                return;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "cannot poll broker for commands; retrying with backoff");
+                    failing = true;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn heartbeats(
+    broker: Broker,
+    me: InstanceId,
+    interval: Duration,
+    progress: SharedProgress,
+    ps: Arc<PsNode>,
+    applied_epoch: Arc<AtomicU64>,
+    tx: mpsc::UnboundedSender<Control>,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut p = progress.lock().map(|p| p.clone()).unwrap_or_default();
+        (p.active_shards, p.backup_shards) = ps.roles();
+        let hb = Heartbeat { applied_epoch: applied_epoch.load(Ordering::Relaxed), progress: p };
+        match broker.heartbeat(&me, &hb).await {
+            Ok(()) => {}
+            Err(AgentError::BrokerStatus { status: 409, .. }) => {
+                let _ = tx.send(Control::JobOver);
+                return;
+            }
+            Err(AgentError::BrokerStatus { status: 404, .. }) => {
+                let _ = tx.send(Control::Forgotten);
+                return;
+            }
+            Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! HTTP client of the broker's agent API (see `proteus_wire::agent_api`).
+
+use crate::error::{AgentError, Result};
+use proteus_wire::InstanceId;
+use proteus_wire::agent_api::{
+    AgentEvent, ApiError, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+/// The broker as seen from one agent.
+#[derive(Clone)]
+pub struct Broker {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+/// Whether a failure is worth retrying.
+pub fn is_transient(e: &AgentError) -> bool {
+    match e {
+        AgentError::Broker(_) => true,
+        AgentError::BrokerStatus { status, .. } => *status >= 500 || *status == 429,
+        _ => false,
+    }
+}
+
+impl Broker {
+    pub fn new(base: &str, token: &str) -> Result<Broker> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| AgentError::Broker(e.to_string()))?;
+        Ok(Broker { http, base: base.trim_end_matches('/').to_string(), token: token.to_string() })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
+    async fn send<T: DeserializeOwned>(&self, req: reqwest::RequestBuilder, timeout: Duration) -> Result<Option<T>> {
+        let resp = req
+            .bearer_auth(&self.token)
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| AgentError::Broker(format!("{}: {e}", self.base)))?;
+        let status = resp.status();
+        if status.is_success() {
+            if status == reqwest::StatusCode::NO_CONTENT {
+                return Ok(None);
+            }
+            let bytes = resp.bytes().await.map_err(|e| AgentError::Broker(e.to_string()))?;
+            if bytes.is_empty() {
+                return Ok(None);
+            }
+            return serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| AgentError::Broker(format!("unexpected answer: {e}")));
+        }
+        let text = resp.text().await.unwrap_or_default();
+        let message = serde_json::from_str::<ApiError>(&text).map(|e| e.message).unwrap_or(text);
+        Err(AgentError::BrokerStatus { status: status.as_u16(), message })
+    }
+
+    async fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<Option<T>> {
+        let req = self.http.post(format!("{}{path}", self.base)).json(body);
+        self.send(req, Duration::from_secs(15)).await
+    }
+
+    /// Register, retrying with capped exponential backoff while the broker is unreachable or
+    /// failing; refusals (4xx) are returned at once.
+    pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse> {
+        let mut delay = Duration::from_millis(250);
+        loop {
+            match self.post::<_, RegisterResponse>(paths::REGISTER, req).await {
+                Ok(Some(r)) => return Ok(r),
+                Ok(None) => return Err(AgentError::Broker("empty registration answer".into())),
+                Err(e) if is_transient(&e) => {
+                    tracing::warn!(broker = %self.base, error = %e, retry_in_ms = delay.as_millis() as u64,
+                        "broker unreachable; retrying registration");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    pub async fn heartbeat(&self, id: &InstanceId, hb: &Heartbeat) -> Result<()> {
+        self.post::<_, serde_json::Value>(&paths::heartbeat(id), hb).await.map(|_| ())
+    }
+
+    /// Send an event, retrying transient failures a few times (events matter: a lost warning
+    /// delays the hand-over until the member times out).
+    pub async fn event(&self, id: &InstanceId, ev: &AgentEvent) -> Result<()> {
+        let mut delay = Duration::from_millis(100);
+        for attempt in 0.. {
+            match self.post::<_, serde_json::Value>(&paths::events(id), ev).await {
+                Ok(_) => return Ok(()),
+                Err(e) if is_transient(&e) && attempt < 5 => {
+                    tracing::warn!(error = %e, "event not delivered; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// One long poll.
+    pub async fn commands(&self, id: &InstanceId, after: u64, wait_ms: u64) -> Result<Vec<CommandEnvelope>> {
+        let q = CommandsQuery { after, wait_ms };
+        let req = self.http.get(format!("{}{}", self.base, paths::commands(id))).query(&q);
+        let timeout = Duration::from_millis(wait_ms) + Duration::from_secs(10);
+        Ok(self.send::<Vec<CommandEnvelope>>(req, timeout).await?.unwrap_or_default())
+    }
+}

@@ -1,0 +1,193 @@
+//! EC2 instance metadata (IMDSv2): instance id, spot interruption notices, rebalance
+//! recommendations.
+
+use crate::error::{AgentError, Result};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+const TOKEN_TTL_SECS: &str = "21600";
+
+/// A notice read from IMDS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// `spot/instance-action`: the instance goes away at `time` (RFC 3339).
+    Interruption { action: String, time: String },
+    /// `events/recommendations/rebalance`.
+    Rebalance { notice_time: Option<String> },
+}
+
+/// IMDSv2 client: a session token first (PUT), then GETs carrying it.
+pub struct Imds {
+    http: reqwest::Client,
+    endpoint: String,
+    token: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct InstanceAction {
+    action: String,
+    time: String,
+}
+
+#[derive(serde::Deserialize)]
+struct Rebalance {
+    #[serde(rename = "noticeTime", default)]
+    notice_time: Option<String>,
+}
+
+impl Imds {
+    pub fn new(endpoint: &str) -> Result<Imds> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .map_err(|e| AgentError::Imds(e.to_string()))?;
+        Ok(Imds { http, endpoint: endpoint.trim_end_matches('/').to_string(), token: None })
+    }
+
+    async fn refresh_token(&mut self) -> Result<String> {
+        let resp = self
+            .http
+            .put(format!("{}/latest/api/token", self.endpoint))
+            .header("x-aws-ec2-metadata-token-ttl-seconds", TOKEN_TTL_SECS)
+            .send()
+            .await
+            .map_err(|e| AgentError::Imds(format!("token: {e}")))?;
+        if !resp.status().is_success() {
+            return Err(AgentError::Imds(format!("token: HTTP {}", resp.status())));
+        }
+        let token = resp.text().await.map_err(|e| AgentError::Imds(format!("token: {e}")))?;
+        self.token = Some(token.clone());
+        Ok(token)
+    }
+
+    /// GET a metadata path; `None` on 404 (IMDS's way of saying "nothing").
+    pub async fn get(&mut self, path: &str) -> Result<Option<String>> {
+        for _ in 0..2 {
+            let token = match &self.token {
+                Some(t) => t.clone(),
+                None => self.refresh_token().await?,
+            };
+            let resp = self
+                .http
+                .get(format!("{}/latest/{path}", self.endpoint))
+                .header("x-aws-ec2-metadata-token", token)
+                .send()
+                .await
+                .map_err(|e| AgentError::Imds(format!("{path}: {e}")))?;
+            match resp.status().as_u16() {
+                404 => return Ok(None),
+                401 => {
+                    self.token = None; // expired: get a new one and try once more
+                    continue;
+                }
+                s if (200..300).contains(&s) => {
+                    return resp.text().await.map(Some).map_err(|e| AgentError::Imds(format!("{path}: {e}")));
+                }
+                s => return Err(AgentError::Imds(format!("{path}: HTTP {s}"))),
+            }
+        }
+        Err(AgentError::Imds(format!("{path}: token refused")))
+    }
+
+    pub async fn instance_id(&mut self) -> Result<String> {
+        self.get("meta-data/instance-id")
+            .await?
+            .map(|s| s.trim().to_string())
+            .ok_or_else(|| AgentError::Imds("no instance-id".into()))
+    }
+
+    /// One poll of both notices.
+    pub async fn poll(&mut self) -> Result<Vec<Notice>> {
+        let mut out = Vec::new();
+        if let Some(body) = self.get("meta-data/spot/instance-action").await? {
+            let a: InstanceAction = serde_json::from_str(&body)
+                .map_err(|e| AgentError::Imds(format!("spot/instance-action `{body}`: {e}")))?;
+            out.push(Notice::Interruption { action: a.action, time: a.time });
+        }
+        if let Some(body) = self.get("meta-data/events/recommendations/rebalance").await? {
+            let r: Rebalance = serde_json::from_str(&body).unwrap_or(Rebalance { notice_time: None });
+            out.push(Notice::Rebalance { notice_time: r.notice_time });
+        }
+        Ok(out)
+    }
+}
+
+/// Poll every `interval`, sending each kind of notice once. Errors are logged, never fatal: a
+/// flaky metadata service must not kill training.
+pub async fn watch(mut imds: Imds, interval: Duration, tx: mpsc::UnboundedSender<Notice>) {
+    let (mut warned, mut rebalanced, mut failing) = (false, false, false);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match imds.poll().await {
+            Ok(notices) => {
+                if failing {
+                    tracing::info!("instance metadata reachable again");
+                    failing = false;
+                }
+                for n in notices {
+                    let first = match &n {
+                        Notice::Interruption { .. } => !std::mem::replace(&mut warned, true),
+                        Notice::Rebalance { .. } => !std::mem::replace(&mut rebalanced, true),
+                    };
+                    if first && tx.send(n).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) if !failing => {
+                tracing::warn!(error = %e, "cannot poll instance metadata; will keep trying");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Seconds since the Unix epoch of an RFC 3339 UTC time such as `2026-11-30T10:35:00Z` (offsets
+/// and fractions accepted).
+pub fn parse_rfc3339(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let (date, rest) = s.split_once(['T', 't', ' '])?;
+    let mut d = date.split('-');
+    let (y, m, day): (i64, i64, i64) = (d.next()?.parse().ok()?, d.next()?.parse().ok()?, d.next()?.parse().ok()?);
+    let (clock, offset) = match rest.find(['Z', 'z', '+', '-']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    let mut c = clock.split(':');
+    let (hh, mm): (i64, i64) = (c.next()?.parse().ok()?, c.next()?.parse().ok()?);
+    let ss: f64 = c.next().unwrap_or("0").parse().ok()?;
+    let off = match offset.chars().next() {
+        Some(sign @ ('+' | '-')) => {
+            let mut o = offset[1..].split(':');
+            let (oh, om): (i64, i64) = (o.next()?.parse().ok()?, o.next().unwrap_or("0").parse().ok()?);
+            let v = oh * 3600 + om * 60;
+            if sign == '+' { v } else { -v }
+        }
+        _ => 0,
+    };
+    // Days from civil (Howard Hinnant's algorithm).
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hh * 3600 + mm * 60 + ss as i64 - off)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339() {
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_rfc3339("2026-11-30T10:35:00Z"), Some(1_796_034_900));
+        assert_eq!(parse_rfc3339("2026-11-30T11:35:00+01:00"), Some(1_796_034_900));
+        assert_eq!(parse_rfc3339("garbage"), None);
+    }
+}

@@ -1,0 +1,603 @@
+//! Data plane between agents: TCP, length-delimited frames, tensors as raw little-endian f32.
+//!
+//! One connection per peer pair, used in both directions: each side may send requests on it, so
+//! a connection accepted from a peer is reused when we need to call that peer. Every frame is
+//!
+//! ```text
+//! u32 LE  length of the rest
+//! u8      kind (0 hello, 1 request, 2 response)
+//! u64 LE  request id (0 for hello)
+//! ...     body (see Request / Response encode)
+//! ```
+
+use crate::error::{AgentError, Result};
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+/// Frames larger than this are refused: a corrupt length must not allocate gigabytes.
+pub const MAX_FRAME: usize = 1 << 30;
+
+const KIND_HELLO: u8 = 0;
+const KIND_REQUEST: u8 = 1;
+const KIND_RESPONSE: u8 = 2;
+
+/// Bookkeeping of which partitions of which clocks a shard has applied.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClockState {
+    /// Highest clock for which every partition's update is in (None: none yet).
+    pub done: Option<u64>,
+    /// Clocks after `done` with some partitions in.
+    pub partial: Vec<(u64, Vec<u32>)>,
+}
+
+/// A shard's full state: what a backup holds and what a hand-over moves.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    pub start: u64,
+    /// Number of updates applied since the shard was created; a copy at `seq` holds exactly
+    /// updates `1..=seq`.
+    pub seq: u64,
+    pub clocks: ClockState,
+    pub values: Vec<f32>,
+}
+
+/// A request between agents.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Parameters of `shard` once clock `need` is complete there (no wait when `None`).
+    Pull { shard: u32, need: Option<u64>, wait_ms: u32 },
+    /// The summed update of `partitions` at `clock`, for this shard's key range.
+    Push { shard: u32, clock: u64, partitions: Vec<u32>, delta: Vec<f32> },
+    /// Background copy from the ActivePS to the BackupPS.
+    BackupSync { shard: u32, snapshot: Snapshot },
+    /// Final state from a departing ActivePS to the new one.
+    Handover { shard: u32, snapshot: Snapshot },
+    /// Ask a BackupPS for its copy (the new active owner restores from it).
+    FetchBackup { shard: u32 },
+}
+
+/// Outcome of a push.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PushOutcome {
+    Applied,
+    /// Every partition of it was already in (or the clock is complete): ignored.
+    Duplicate,
+    /// Some partitions were in already: nothing applied; resend the others alone.
+    Conflict { already: Vec<u32> },
+}
+
+/// An answer between agents.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Response {
+    Params { seq: u64, done: Option<u64>, values: Vec<f32> },
+    /// Clock `need` is still incomplete; these partitions are missing.
+    NotReady { missing: Vec<u32> },
+    Pushed(PushOutcome),
+    /// This agent does not serve that shard (any more): refresh the view.
+    NotOwner,
+    /// This agent is becoming the shard's owner: retry shortly.
+    Busy,
+    Ack,
+    Snapshot(Option<Snapshot>),
+    Error(String),
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+// ---------------------------------------------------------------------------------------------
+
+/// Append-only little-endian writer.
+#[derive(Default)]
+pub struct Enc(pub Vec<u8>);
+
+impl Enc {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn opt_u64(&mut self, v: Option<u64>) {
+        match v {
+            None => self.u8(0),
+            Some(x) => {
+                self.u8(1);
+                self.u64(x);
+            }
+        }
+    }
+    fn u32s(&mut self, v: &[u32]) {
+        self.u32(v.len() as u32);
+        for x in v {
+            self.u32(*x);
+        }
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    /// Raw little-endian f32 array with a u64 count.
+    pub fn f32s(&mut self, v: &[f32]) {
+        self.u64(v.len() as u64);
+        self.0.reserve(v.len() * 4);
+        for x in v {
+            self.0.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    fn snapshot(&mut self, s: &Snapshot) {
+        self.u64(s.start);
+        self.u64(s.seq);
+        self.opt_u64(s.clocks.done);
+        self.u32(s.clocks.partial.len() as u32);
+        for (c, parts) in &s.clocks.partial {
+            self.u64(*c);
+            self.u32s(parts);
+        }
+        self.f32s(&s.values);
+    }
+}
+
+/// Little-endian reader over a frame body; every read checks bounds.
+pub struct Dec<'a>(pub &'a [u8]);
+
+impl<'a> Dec<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(AgentError::Frame(format!("truncated: wanted {n} bytes, have {}", self.0.len())));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn opt_u64(&mut self) -> Result<Option<u64>> {
+        Ok(match self.u8()? {
+            0 => None,
+            _ => Some(self.u64()?),
+        })
+    }
+    fn len(&mut self, elem: usize) -> Result<usize> {
+        let n = self.u64_or_u32(elem)?;
+        if n.saturating_mul(elem) > self.0.len() {
+            return Err(AgentError::Frame(format!("array of {n} exceeds frame")));
+        }
+        Ok(n)
+    }
+    fn u64_or_u32(&mut self, elem: usize) -> Result<usize> {
+        // f32 arrays carry a u64 count, the small u32 arrays a u32 count.
+        if elem == 4 { Ok(self.u64()? as usize) } else { Ok(self.u32()? as usize) }
+    }
+    fn u32s(&mut self) -> Result<Vec<u32>> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(4) > self.0.len() {
+            return Err(AgentError::Frame(format!("array of {n} exceeds frame")));
+        }
+        (0..n).map(|_| self.u32()).collect()
+    }
+    fn str(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| AgentError::Frame("string is not UTF-8".into()))
+    }
+    pub fn f32s(&mut self) -> Result<Vec<f32>> {
+        let n = self.len(4)?;
+        let b = self.take(n * 4)?;
+        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+    fn snapshot(&mut self) -> Result<Snapshot> {
+        let start = self.u64()?;
+        let seq = self.u64()?;
+        let done = self.opt_u64()?;
+        let n = self.u32()?;
+        let mut partial = Vec::new();
+        for _ in 0..n {
+            let c = self.u64()?;
+            partial.push((c, self.u32s()?));
+        }
+        let values = self.f32s()?;
+        Ok(Snapshot { start, seq, clocks: ClockState { done, partial }, values })
+    }
+}
+
+impl Request {
+    pub fn encode(&self, e: &mut Enc) {
+        match self {
+            Request::Pull { shard, need, wait_ms } => {
+                e.u8(1);
+                e.u32(*shard);
+                e.opt_u64(*need);
+                e.u32(*wait_ms);
+            }
+            Request::Push { shard, clock, partitions, delta } => {
+                e.u8(2);
+                e.u32(*shard);
+                e.u64(*clock);
+                e.u32s(partitions);
+                e.f32s(delta);
+            }
+            Request::BackupSync { shard, snapshot } => {
+                e.u8(3);
+                e.u32(*shard);
+                e.snapshot(snapshot);
+            }
+            Request::Handover { shard, snapshot } => {
+                e.u8(4);
+                e.u32(*shard);
+                e.snapshot(snapshot);
+            }
+            Request::FetchBackup { shard } => {
+                e.u8(5);
+                e.u32(*shard);
+            }
+        }
+    }
+
+    pub fn decode(d: &mut Dec) -> Result<Request> {
+        Ok(match d.u8()? {
+            1 => Request::Pull { shard: d.u32()?, need: d.opt_u64()?, wait_ms: d.u32()? },
+            2 => Request::Push { shard: d.u32()?, clock: d.u64()?, partitions: d.u32s()?, delta: d.f32s()? },
+            3 => Request::BackupSync { shard: d.u32()?, snapshot: d.snapshot()? },
+            4 => Request::Handover { shard: d.u32()?, snapshot: d.snapshot()? },
+            5 => Request::FetchBackup { shard: d.u32()? },
+            t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
+        })
+    }
+}
+
+impl Response {
+    pub fn encode(&self, e: &mut Enc) {
+        match self {
+            Response::Params { seq, done, values } => {
+                e.u8(1);
+                e.u64(*seq);
+                e.opt_u64(*done);
+                e.f32s(values);
+            }
+            Response::NotReady { missing } => {
+                e.u8(2);
+                e.u32s(missing);
+            }
+            Response::Pushed(o) => {
+                e.u8(3);
+                match o {
+                    PushOutcome::Applied => e.u8(0),
+                    PushOutcome::Duplicate => e.u8(1),
+                    PushOutcome::Conflict { already } => {
+                        e.u8(2);
+                        e.u32s(already);
+                    }
+                }
+            }
+            Response::NotOwner => e.u8(4),
+            Response::Busy => e.u8(5),
+            Response::Ack => e.u8(6),
+            Response::Snapshot(s) => {
+                e.u8(7);
+                match s {
+                    None => e.u8(0),
+                    Some(s) => {
+                        e.u8(1);
+                        e.snapshot(s);
+                    }
+                }
+            }
+            Response::Error(m) => {
+                e.u8(8);
+                e.str(m);
+            }
+        }
+    }
+
+    pub fn decode(d: &mut Dec) -> Result<Response> {
+        Ok(match d.u8()? {
+            1 => Response::Params { seq: d.u64()?, done: d.opt_u64()?, values: d.f32s()? },
+            2 => Response::NotReady { missing: d.u32s()? },
+            3 => Response::Pushed(match d.u8()? {
+                0 => PushOutcome::Applied,
+                1 => PushOutcome::Duplicate,
+                _ => PushOutcome::Conflict { already: d.u32s()? },
+            }),
+            4 => Response::NotOwner,
+            5 => Response::Busy,
+            6 => Response::Ack,
+            7 => Response::Snapshot(match d.u8()? {
+                0 => None,
+                _ => Some(d.snapshot()?),
+            }),
+            8 => Response::Error(d.str()?),
+            t => return Err(AgentError::Frame(format!("unknown response tag {t}"))),
+        })
+    }
+}
+
+fn frame(kind: u8, id: u64, body: impl FnOnce(&mut Enc)) -> Vec<u8> {
+    let mut e = Enc(Vec::with_capacity(64));
+    e.u32(0);
+    e.u8(kind);
+    e.u64(id);
+    body(&mut e);
+    let len = (e.0.len() - 4) as u32;
+    e.0[..4].copy_from_slice(&len.to_le_bytes());
+    e.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connections
+// ---------------------------------------------------------------------------------------------
+
+/// Serves requests that arrive from peers.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>>;
+}
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
+
+struct Conn {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    pending: Pending,
+}
+
+/// The agent's connections to its peers, keyed by the peer's data address.
+pub struct Peers {
+    my_addr: String,
+    conns: Mutex<HashMap<String, Arc<Conn>>>,
+    next_id: AtomicU64,
+    handler: Mutex<Option<Arc<dyn Handler>>>,
+}
+
+impl Peers {
+    /// `my_addr` is what peers use to reach us; it is sent in the hello so that they reuse the
+    /// connection we opened instead of opening a second one.
+    pub fn new(my_addr: String) -> Arc<Peers> {
+        Arc::new(Peers {
+            my_addr,
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            handler: Mutex::new(None),
+        })
+    }
+
+    pub fn set_handler(&self, h: Arc<dyn Handler>) {
+        if let Ok(mut g) = self.handler.lock() {
+            *g = Some(h);
+        }
+    }
+
+    fn handler(&self) -> Option<Arc<dyn Handler>> {
+        self.handler.lock().ok().and_then(|g| g.clone())
+    }
+
+    /// Accept peer connections until the listener fails.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let peers = self.clone();
+                    tokio::spawn(async move { peers.run_conn(stream, None).await });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// Call `addr` and wait up to `timeout` for the answer.
+    pub async fn call(self: &Arc<Self>, addr: &str, req: &Request, timeout: Duration) -> Result<Response> {
+        let conn = self.connect(addr).await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut p) = conn.pending.lock() {
+            p.insert(id, tx);
+        }
+        let bytes = frame(KIND_REQUEST, id, |e| req.encode(e));
+        let peer_err = |m: &str| AgentError::Peer { peer: addr.to_string(), message: m.to_string() };
+        if conn.tx.send(bytes).is_err() {
+            self.forget(addr, &conn);
+            return Err(peer_err("connection closed"));
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(_)) => {
+                self.forget(addr, &conn);
+                Err(peer_err("connection lost"))
+            }
+            Err(_) => {
+                if let Ok(mut p) = conn.pending.lock() {
+                    p.remove(&id);
+                }
+                Err(peer_err("timed out"))
+            }
+        }
+    }
+
+    fn forget(&self, addr: &str, conn: &Arc<Conn>) {
+        if let Ok(mut c) = self.conns.lock()
+            && c.get(addr).is_some_and(|x| Arc::ptr_eq(x, conn))
+        {
+            c.remove(addr);
+        }
+    }
+
+    async fn connect(self: &Arc<Self>, addr: &str) -> Result<Arc<Conn>> {
+        if let Some(c) = self.conns.lock().ok().and_then(|c| c.get(addr).cloned()) {
+            return Ok(c);
+        }
+        let stream = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+            .await
+            .map_err(|_| AgentError::Peer { peer: addr.into(), message: "connect timed out".into() })?
+            .map_err(|e| AgentError::Peer { peer: addr.into(), message: format!("connect: {e}") })?;
+        let _ = stream.set_nodelay(true);
+        let (conn, reader) = self.attach(stream, Some(addr.to_string()));
+        let hello = frame(KIND_HELLO, 0, |e| e.str(&self.my_addr));
+        let _ = conn.tx.send(hello);
+        let peers = self.clone();
+        let key = addr.to_string();
+        let c2 = conn.clone();
+        tokio::spawn(async move { peers.read_loop(reader, c2, Some(key)).await });
+        Ok(conn)
+    }
+
+    /// Split a stream into a registered connection (writer task running) and its read half.
+    fn attach(self: &Arc<Self>, stream: TcpStream, key: Option<String>) -> (Arc<Conn>, OwnedReadHalf) {
+        let (r, w) = stream.into_split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(write_loop(w, rx));
+        let conn = Arc::new(Conn { tx, pending: Arc::new(Mutex::new(HashMap::new())) });
+        if let Some(k) = key
+            && let Ok(mut c) = self.conns.lock()
+        {
+            c.entry(k).or_insert_with(|| conn.clone());
+        }
+        (conn, r)
+    }
+
+    async fn run_conn(self: Arc<Self>, stream: TcpStream, key: Option<String>) {
+        let (conn, reader) = self.attach(stream, key.clone());
+        self.read_loop(reader, conn, key).await;
+    }
+
+    async fn read_loop(self: Arc<Self>, reader: OwnedReadHalf, conn: Arc<Conn>, mut key: Option<String>) {
+        let mut reader = BufReader::with_capacity(1 << 16, reader);
+        loop {
+            let body = match read_frame(&mut reader).await {
+                Ok(b) => b,
+                Err(_) => break,
+            };
+            let mut d = Dec(&body);
+            let (Ok(kind), Ok(id)) = (d.u8(), d.u64()) else { break };
+            match kind {
+                KIND_HELLO => {
+                    if let Ok(addr) = d.str()
+                        && let Ok(mut c) = self.conns.lock()
+                    {
+                        c.entry(addr.clone()).or_insert_with(|| conn.clone());
+                        key = Some(addr);
+                    }
+                }
+                KIND_RESPONSE => {
+                    let resp = Response::decode(&mut d).unwrap_or_else(|e| Response::Error(e.to_string()));
+                    let waiter = conn.pending.lock().ok().and_then(|mut p| p.remove(&id));
+                    if let Some(w) = waiter {
+                        let _ = w.send(resp);
+                    }
+                }
+                KIND_REQUEST => {
+                    let req = Request::decode(&mut d);
+                    let handler = self.handler();
+                    let tx = conn.tx.clone();
+                    tokio::spawn(async move {
+                        let resp = match (req, handler) {
+                            (Ok(req), Some(h)) => h.handle(req).await,
+                            (Err(e), _) => Response::Error(e.to_string()),
+                            (_, None) => Response::Busy,
+                        };
+                        let _ = tx.send(frame(KIND_RESPONSE, id, |e| resp.encode(e)));
+                    });
+                }
+                _ => break,
+            }
+        }
+        // Fail every call still waiting on this connection, and stop offering it.
+        if let Ok(mut p) = conn.pending.lock() {
+            p.clear();
+        }
+        if let Some(k) = key {
+            self.forget(&k, &conn);
+        }
+    }
+}
+
+async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+    while let Some(buf) = rx.recv().await {
+        if w.write_all(&buf).await.is_err() {
+            break;
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>> {
+    let len = r.read_u32_le().await? as usize;
+    if len > MAX_FRAME {
+        return Err(AgentError::Frame(format!("frame of {len} bytes exceeds limit")));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip_req(r: Request) {
+        let mut e = Enc::default();
+        r.encode(&mut e);
+        assert_eq!(Request::decode(&mut Dec(&e.0)).unwrap(), r);
+    }
+
+    #[test]
+    fn messages_roundtrip() {
+        roundtrip_req(Request::Pull { shard: 3, need: Some(7), wait_ms: 100 });
+        roundtrip_req(Request::Push { shard: 1, clock: 9, partitions: vec![1, 2], delta: vec![1.5, -0.25] });
+        let snapshot = Snapshot {
+            start: 10,
+            seq: 4,
+            clocks: ClockState { done: Some(3), partial: vec![(4, vec![0, 5])] },
+            values: vec![0.5; 3],
+        };
+        roundtrip_req(Request::Handover { shard: 0, snapshot: snapshot.clone() });
+        for resp in [
+            Response::Params { seq: 1, done: None, values: vec![1.0, 2.0] },
+            Response::Pushed(PushOutcome::Conflict { already: vec![3] }),
+            Response::Snapshot(Some(snapshot)),
+            Response::Error("x".into()),
+        ] {
+            let mut e = Enc::default();
+            resp.encode(&mut e);
+            assert_eq!(Response::decode(&mut Dec(&e.0)).unwrap(), resp);
+        }
+    }
+
+    #[test]
+    fn truncated_frames_are_errors_not_panics() {
+        let mut e = Enc::default();
+        Request::Push { shard: 1, clock: 9, partitions: vec![1, 2], delta: vec![1.5; 100] }.encode(&mut e);
+        for cut in 0..e.0.len() {
+            assert!(Request::decode(&mut Dec(&e.0[..cut])).is_err());
+        }
+    }
+
+    #[test]
+    fn tensors_are_raw_little_endian() {
+        let mut e = Enc::default();
+        e.f32s(&[1.0]);
+        assert_eq!(e.0, [1, 0, 0, 0, 0, 0, 0, 0, 0x00, 0x00, 0x80, 0x3f]);
+    }
+}

@@ -1,0 +1,7 @@
+//! Multi-process tests: real `proteus-agent` processes on loopback, a test coordinator and one
+//! IMDS mock per agent. One test binary (modules below) so it links once.
+
+mod backup;
+mod faults;
+mod support;
+mod training;
