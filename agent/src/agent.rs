@@ -15,7 +15,7 @@ use proteus_wire::agent_api::{
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -148,6 +148,20 @@ impl Agent {
         data_addr: String,
         listener: TcpListener,
     ) -> Result<Agent> {
+        // Heartbeats start before the (slow) data load so the member is not declared dead.
+        let (control_tx, control_rx) = mpsc::unbounded_channel();
+        let progress: SharedProgress = Arc::new(Mutex::new(Default::default()));
+        let applied_epoch = Arc::new(AtomicU64::new(0));
+        let ps_cell = Arc::new(OnceLock::new());
+        tokio::spawn(heartbeats(
+            broker.clone(),
+            me.clone(),
+            Duration::from_millis(reg.heartbeat_interval_ms),
+            progress.clone(),
+            ps_cell.clone(),
+            applied_epoch.clone(),
+            control_tx.clone(),
+        ));
         let t = Instant::now();
         let cfg = reg.training.clone();
         let dir = opts.data_dir.clone();
@@ -161,27 +175,16 @@ impl Agent {
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
         let ps = PsNode::new(me.clone(), app.clone(), reg.training.num_partitions, peers.clone(), ps_tx);
         peers.set_handler(ps.clone());
+        let _ = ps_cell.set(ps.clone());
         tokio::spawn(peers.clone().serve(listener));
         tokio::spawn(ps::run_backup_sync(ps.clone(), Duration::from_millis(reg.training.backup_sync_interval_ms)));
 
         broker.event(&me, &AgentEvent::Ready { model_len: app.model_len() as u64 }).await?;
 
-        let (control_tx, control_rx) = mpsc::unbounded_channel();
-        tokio::spawn(poll_commands(broker.clone(), me.clone(), reg.command_wait_ms, control_tx.clone()));
+        tokio::spawn(poll_commands(broker.clone(), me.clone(), reg.command_wait_ms, control_tx));
         let (notices_tx, notices_rx) = mpsc::unbounded_channel();
         let (worker_tx, worker_rx) = mpsc::unbounded_channel();
         let (views_tx, _) = watch::channel(None);
-        let progress: SharedProgress = Arc::new(Mutex::new(Default::default()));
-        let applied_epoch = Arc::new(AtomicU64::new(0));
-        tokio::spawn(heartbeats(
-            broker.clone(),
-            me.clone(),
-            Duration::from_millis(reg.heartbeat_interval_ms),
-            progress.clone(),
-            ps.clone(),
-            applied_epoch.clone(),
-            control_tx,
-        ));
         Ok(Agent {
             me,
             broker,
@@ -387,7 +390,7 @@ async fn heartbeats(
     me: InstanceId,
     interval: Duration,
     progress: SharedProgress,
-    ps: Arc<PsNode>,
+    ps: Arc<OnceLock<Arc<PsNode>>>,
     applied_epoch: Arc<AtomicU64>,
     tx: mpsc::UnboundedSender<Control>,
 ) {
@@ -396,7 +399,9 @@ async fn heartbeats(
     loop {
         tick.tick().await;
         let mut p = progress.lock().map(|p| p.clone()).unwrap_or_default();
-        (p.active_shards, p.backup_shards) = ps.roles();
+        if let Some(ps) = ps.get() {
+            (p.active_shards, p.backup_shards) = ps.roles();
+        }
         let hb = Heartbeat { applied_epoch: applied_epoch.load(Ordering::Relaxed), progress: p };
         match broker.heartbeat(&me, &hb).await {
             Ok(()) => {}

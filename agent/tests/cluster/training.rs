@@ -14,7 +14,7 @@ pub fn mnist_config() -> TrainingConfig {
     let mut cfg = TrainingConfig::new(AppConfig::Mlr { dataset: ImageDataset::Mnist, learning_rate: 1.0, l2: 0.0 });
     cfg.num_shards = 2;
     cfg.num_partitions = 16;
-    cfg.clocks_per_epoch = 100;
+    cfg.clocks_per_epoch = 120;
     cfg.stop = StopCondition::Epochs { epochs: 3 };
     cfg.stages = StageThresholds { stage2_ratio: 1.0, stage3_ratio: 2.0 };
     cfg.backup_sync_interval_ms = 300;
