@@ -23,8 +23,10 @@ CREATE TABLE instance_types (
 );
 
 -- Each row is a price change: the price holds until the market's next row.
+-- No foreign key on market_id, on purpose: ingestion creates the markets it references in the
+-- same transaction, and the per-row check would triple the time of a bulk load.
 CREATE TABLE spot_prices (
-    market_id BIGINT NOT NULL REFERENCES markets (id),
+    market_id BIGINT NOT NULL,
     ts_ms BIGINT NOT NULL,
     usd_per_hour DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (market_id, ts_ms)

@@ -19,8 +19,9 @@ CREATE TABLE instance_types (
     PRIMARY KEY (region, instance_type)
 );
 
+-- No foreign key on market_id (see ../postgres/0001_prices.sql).
 CREATE TABLE spot_prices (
-    market_id BIGINT NOT NULL REFERENCES markets (id),
+    market_id BIGINT NOT NULL,
     ts_ms BIGINT NOT NULL,
     usd_per_hour DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (market_id, ts_ms)

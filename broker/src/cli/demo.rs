@@ -23,7 +23,11 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     let region = Region::parse("us-east-1").context("region")?;
     let raw = files::decompress_if_gzipped(data::TRACE_2015.to_vec()).context("embedded trace")?;
     let rows = files::parse_spot_bytes(Path::new(data::TRACE_2015_NAME), &raw)?;
-    let offers = files::parse_on_demand_bytes(Path::new(data::ON_DEMAND_2015_NAME), data::ON_DEMAND_2015, &region)?;
+    let offers = files::parse_on_demand_bytes(
+        Path::new(data::ON_DEMAND_2015_NAME),
+        data::ON_DEMAND_2015,
+        &region,
+    )?;
     let od = store.ingest_on_demand(&offers).await?;
     let counts = store.ingest_spot_prices(&rows).await?;
     eprintln!(

@@ -41,7 +41,12 @@ pub struct GlobalArgs {
     #[arg(long, env = "PROTEUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
     /// Log filter, e.g. `info`, `proteus_broker=debug` (RUST_LOG syntax).
-    #[arg(long, env = "PROTEUS_LOG", default_value = "warn,proteus_broker=info", global = true)]
+    #[arg(
+        long,
+        env = "PROTEUS_LOG",
+        default_value = "warn,proteus_broker=info",
+        global = true
+    )]
     pub log: String,
 }
 
@@ -71,7 +76,9 @@ pub enum DbCommand {
 
 impl GlobalArgs {
     pub fn database_url(&self) -> String {
-        self.database_url.clone().unwrap_or_else(default_database_url)
+        self.database_url
+            .clone()
+            .unwrap_or_else(default_database_url)
     }
 
     /// Opens the store and applies pending migrations.

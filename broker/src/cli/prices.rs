@@ -93,7 +93,11 @@ pub async fn run(global: &GlobalArgs, cmd: PricesCommand) -> Result<ExitCode> {
     match cmd {
         PricesCommand::Ingest(args) => ingest(&store, args).await,
         PricesCommand::Stats(args) => {
-            let filter = filter(args.region.as_deref(), args.az.as_deref(), args.instance_type.as_deref())?;
+            let filter = filter(
+                args.region.as_deref(),
+                args.az.as_deref(),
+                args.instance_type.as_deref(),
+            )?;
             let from = parse_time("--from", args.from.as_deref())?;
             let to = parse_time("--to", args.to.as_deref())?;
             let rows = compute_stats(&store, &filter, from, to).await?;
@@ -134,7 +138,10 @@ fn filter(region: Option<&str>, zone: Option<&str>, itype: Option<&str>) -> Resu
     Ok(MarketFilter {
         region: region.map(Region::parse).transpose().context("--region")?,
         zone: zone.map(Zone::parse).transpose().context("--az")?,
-        instance_type: itype.map(InstanceType::parse).transpose().context("--instance-type")?,
+        instance_type: itype
+            .map(InstanceType::parse)
+            .transpose()
+            .context("--instance-type")?,
     })
 }
 
@@ -157,7 +164,10 @@ pub async fn compute_stats(
     Ok(history
         .series()
         .filter_map(|s| {
-            let od = history.on_demand().for_market(s.market()).map(|o| o.on_demand.get());
+            let od = history
+                .on_demand()
+                .for_market(s.market())
+                .map(|o| o.on_demand.get());
             stats::market_stats(s, start, end, od)
         })
         .collect())
@@ -165,7 +175,17 @@ pub async fn compute_stats(
 
 pub(super) fn stats_table(rows: &[MarketStats]) -> Table {
     let mut t = Table::new(&[
-        "market", "changes", "first", "last", "min", "median", "max", "tw-mean", "on-demand", "above od", "spells",
+        "market",
+        "changes",
+        "first",
+        "last",
+        "min",
+        "median",
+        "max",
+        "tw-mean",
+        "on-demand",
+        "above od",
+        "spells",
     ]);
     for s in rows {
         t.push(vec![
@@ -178,8 +198,12 @@ pub(super) fn stats_table(rows: &[MarketStats]) -> Table {
             usd(s.max_usd),
             usd(s.time_weighted_mean_usd),
             s.on_demand_usd.map(usd).unwrap_or_else(|| "?".into()),
-            s.fraction_above_on_demand.map(pct).unwrap_or_else(|| "?".into()),
-            s.spells_above_on_demand.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
+            s.fraction_above_on_demand
+                .map(pct)
+                .unwrap_or_else(|| "?".into()),
+            s.spells_above_on_demand
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "?".into()),
         ]);
     }
     t
@@ -191,6 +215,10 @@ pub struct IngestReport {
     pub source: String,
     #[serde(flatten)]
     pub counts: IngestCounts,
+    /// Reading and validating the source.
+    pub parse_seconds: f64,
+    /// Writing to the database.
+    pub store_seconds: f64,
     pub seconds: f64,
 }
 
@@ -203,26 +231,35 @@ async fn ingest(store: &Store, args: IngestArgs) -> Result<ExitCode> {
     for path in &args.on_demand {
         let started = Instant::now();
         let offers = files::read_on_demand_file(path, &region)?;
+        let parsed = Instant::now();
         let counts = store
             .ingest_on_demand(&offers)
             .await
             .with_context(|| format!("storing {}", path.display()))?;
-        reports.push(report(path.display().to_string(), counts, started));
+        reports.push(report(path.display().to_string(), counts, started, parsed));
     }
     for path in &args.files {
         let started = Instant::now();
         let rows = files::read_spot_file(path)?;
+        let parsed = Instant::now();
         let counts = store
             .ingest_spot_prices(&rows)
             .await
             .with_context(|| format!("storing {}", path.display()))?;
-        reports.push(report(path.display().to_string(), counts, started));
+        reports.push(report(path.display().to_string(), counts, started, parsed));
     }
     if args.from_ec2 {
         reports.push(ingest_from_ec2(store, &region, &args).await?);
     }
     emit(args.output, &reports, || {
-        let mut t = Table::new(&["source", "read", "inserted", "updated", "already present", "seconds"]);
+        let mut t = Table::new(&[
+            "source",
+            "read",
+            "inserted",
+            "updated",
+            "already present",
+            "seconds",
+        ]);
         for r in &reports {
             t.push(vec![
                 r.source.clone(),
@@ -238,18 +275,25 @@ async fn ingest(store: &Store, args: IngestArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn report(source: String, counts: IngestCounts, started: Instant) -> IngestReport {
+fn report(source: String, counts: IngestCounts, started: Instant, parsed: Instant) -> IngestReport {
     let seconds = started.elapsed().as_secs_f64();
-    tracing::info!(%source, read = counts.read, inserted = counts.inserted, seconds, "ingested");
+    let parse_seconds = parsed.duration_since(started).as_secs_f64();
+    tracing::info!(%source, read = counts.read, inserted = counts.inserted, parse_seconds, seconds, "ingested");
     IngestReport {
         source,
         counts,
+        parse_seconds,
+        store_seconds: seconds - parse_seconds,
         seconds,
     }
 }
 
 #[cfg(feature = "ec2")]
-async fn ingest_from_ec2(store: &Store, region: &Region, args: &IngestArgs) -> Result<IngestReport> {
+async fn ingest_from_ec2(
+    store: &Store,
+    region: &Region,
+    args: &IngestArgs,
+) -> Result<IngestReport> {
     use crate::prices::ec2;
     let started = Instant::now();
     let instance_types = args
@@ -266,7 +310,9 @@ async fn ingest_from_ec2(store: &Store, region: &Region, args: &IngestArgs) -> R
             let newest = store.newest_price_times(region).await?;
             newest
                 .iter()
-                .filter(|(m, _)| instance_types.is_empty() || instance_types.contains(&m.instance_type))
+                .filter(|(m, _)| {
+                    instance_types.is_empty() || instance_types.contains(&m.instance_type)
+                })
                 .map(|(_, t)| *t)
                 .min()
                 .unwrap_or_else(|| Timestamp(Timestamp::now().0 - 90 * 86_400_000))
@@ -280,11 +326,16 @@ async fn ingest_from_ec2(store: &Store, region: &Region, args: &IngestArgs) -> R
         since,
     };
     let fetched = ec2::fetch(&client, &request).await?;
-    let counts = store.ingest_spot_prices(&fetched.rows).await.context("storing EC2 price history")?;
+    let parsed = Instant::now();
+    let counts = store
+        .ingest_spot_prices(&fetched.rows)
+        .await
+        .context("storing EC2 price history")?;
     Ok(report(
         format!("ec2:{region} since {since} ({} pages)", fetched.pages),
         counts,
         started,
+        parsed,
     ))
 }
 

@@ -16,7 +16,9 @@ pub enum Ec2PriceError {
         page: usize,
         message: String,
     },
-    #[error("DescribeSpotPriceHistory in {region}, page {page}, item {item}: field `{field}`: {problem}")]
+    #[error(
+        "DescribeSpotPriceHistory in {region}, page {page}, item {item}: field `{field}`: {problem}"
+    )]
     Item {
         region: String,
         page: usize,
@@ -53,7 +55,10 @@ pub async fn client(region: &Region) -> aws_sdk_ec2::Client {
 }
 
 /// Fetches every page of price history since `since` for the requested types.
-pub async fn fetch(client: &aws_sdk_ec2::Client, req: &FetchRequest) -> Result<Fetched, Ec2PriceError> {
+pub async fn fetch(
+    client: &aws_sdk_ec2::Client,
+    req: &FetchRequest,
+) -> Result<Fetched, Ec2PriceError> {
     let types: Vec<SdkInstanceType> = req
         .instance_types
         .iter()
@@ -79,26 +84,35 @@ pub async fn fetch(client: &aws_sdk_ec2::Client, req: &FetchRequest) -> Result<F
             message: aws_sdk_ec2::error::DisplayErrorContext(&e).to_string(),
         })?;
         for (i, item) in page.spot_price_history().iter().enumerate() {
-            rows.push(convert(item).map_err(|(field, problem)| Ec2PriceError::Item {
-                region: region.clone(),
-                page: page_no,
-                item: i + 1,
-                field,
-                problem,
-            })?);
+            rows.push(
+                convert(item).map_err(|(field, problem)| Ec2PriceError::Item {
+                    region: region.clone(),
+                    page: page_no,
+                    item: i + 1,
+                    field,
+                    problem,
+                })?,
+            );
         }
     }
-    Ok(Fetched { rows, pages: page_no })
+    Ok(Fetched {
+        rows,
+        pages: page_no,
+    })
 }
 
 fn convert(item: &aws_sdk_ec2::types::SpotPrice) -> Result<SpotPriceRow, (&'static str, String)> {
-    let zone = Zone::parse(item.availability_zone().unwrap_or("")).map_err(|e| ("AvailabilityZone", e.to_string()))?;
+    let zone = Zone::parse(item.availability_zone().unwrap_or(""))
+        .map_err(|e| ("AvailabilityZone", e.to_string()))?;
     let itype = InstanceType::parse(item.instance_type().map(|t| t.as_str()).unwrap_or(""))
         .map_err(|e| ("InstanceType", e.to_string()))?;
     let product = Product::parse(item.product_description().map(|p| p.as_str()).unwrap_or(""))
         .map_err(|e| ("ProductDescription", e.to_string()))?;
-    let price = UsdPerHour::parse(item.spot_price().unwrap_or("")).map_err(|e| ("SpotPrice", e.to_string()))?;
-    let ts = item.timestamp().ok_or(("Timestamp", "missing".to_string()))?;
+    let price = UsdPerHour::parse(item.spot_price().unwrap_or(""))
+        .map_err(|e| ("SpotPrice", e.to_string()))?;
+    let ts = item
+        .timestamp()
+        .ok_or(("Timestamp", "missing".to_string()))?;
     let millis = ts.to_millis().map_err(|e| ("Timestamp", e.to_string()))?;
     Ok(SpotPriceRow {
         market: Market::new(zone, itype, product),

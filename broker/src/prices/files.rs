@@ -4,11 +4,14 @@
 //! A file is parsed completely before anything is written, so one bad row refuses the whole
 //! file and the error can say exactly where it is: file, line and field.
 
-use crate::market::{InstanceType, InvalidValue, Market, Product, Region, Timestamp, UsdPerHour, Zone};
+use crate::market::{
+    InstanceType, InvalidValue, Market, Product, Region, Timestamp, UsdPerHour, Zone,
+};
 use crate::prices::history::InstanceOffer;
 use flate2::read::MultiGzDecoder;
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -117,7 +120,12 @@ fn column_indices<const N: usize>(
 ) -> Result<[Option<usize>; N], FileError> {
     let names: Vec<String> = header
         .iter()
-        .map(|h| String::from_utf8_lossy(h).trim().trim_start_matches('\u{feff}').to_ascii_lowercase())
+        .map(|h| {
+            String::from_utf8_lossy(h)
+                .trim()
+                .trim_start_matches('\u{feff}')
+                .to_ascii_lowercase()
+        })
         .collect();
     if names.iter().all(|n| n.is_empty()) {
         return Err(FileError::format(path, 1, "the header line is empty"));
@@ -160,9 +168,14 @@ fn parse_spot_csv(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileEr
         .byte_headers()
         .map_err(|e| FileError::format(path, 1, e))?
         .clone();
-    let cols = require(path, column_indices(path, &header, SPOT_COLUMNS)?, SPOT_COLUMNS)?;
+    let cols = require(
+        path,
+        column_indices(path, &header, SPOT_COLUMNS)?,
+        SPOT_COLUMNS,
+    )?;
     // Markets repeat on almost every row; parsing each name once keeps ingestion fast.
-    let mut markets: Vec<(Vec<u8>, Vec<u8>, Vec<u8>, Market)> = Vec::new();
+    let mut markets: HashMap<Vec<u8>, Market> = HashMap::new();
+    let mut key = Vec::with_capacity(64);
     let mut rows = Vec::with_capacity(bytes.len() / 60);
     let mut record = csv::ByteRecord::new();
     loop {
@@ -178,34 +191,52 @@ fn parse_spot_csv(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileEr
         }
         let field = |i: usize| -> Result<&str, FileError> {
             let name = SPOT_COLUMNS[i];
-            let raw = record
-                .get(cols[i])
-                .ok_or_else(|| FileError::field(path, line, name, "missing (row has too few fields)"))?;
+            let raw = record.get(cols[i]).ok_or_else(|| {
+                FileError::field(path, line, name, "missing (row has too few fields)")
+            })?;
             std::str::from_utf8(raw).map_err(|_| FileError::field(path, line, name, "not UTF-8"))
         };
-        let (time, zone, itype, product, price) = (field(0)?, field(1)?, field(2)?, field(3)?, field(4)?);
-        let time = Timestamp::parse(time).map_err(|e| FileError::field(path, line, SPOT_COLUMNS[0], e))?;
-        let cached = markets.iter().find(|(z, t, p, _)| {
-            z == zone.as_bytes() && t == itype.as_bytes() && p == product.as_bytes()
-        });
-        let market = match cached {
-            Some((_, _, _, m)) => m.clone(),
+        let (time, zone, itype, product, price) =
+            (field(0)?, field(1)?, field(2)?, field(3)?, field(4)?);
+        let time =
+            Timestamp::parse(time).map_err(|e| FileError::field(path, line, SPOT_COLUMNS[0], e))?;
+        key.clear();
+        for part in [zone, itype, product] {
+            key.extend_from_slice(part.as_bytes());
+            key.push(0);
+        }
+        let market = match markets.get(&key) {
+            Some(m) => m.clone(),
             None => {
                 let m = market_from_fields(path, line, zone, itype, product)?;
-                markets.push((zone.into(), itype.into(), product.into(), m.clone()));
+                markets.insert(key.clone(), m.clone());
                 m
             }
         };
-        let price = UsdPerHour::parse(price).map_err(|e| FileError::field(path, line, SPOT_COLUMNS[4], e))?;
-        rows.push(SpotPriceRow { market, time, price });
+        let price = UsdPerHour::parse(price)
+            .map_err(|e| FileError::field(path, line, SPOT_COLUMNS[4], e))?;
+        rows.push(SpotPriceRow {
+            market,
+            time,
+            price,
+        });
     }
     Ok(rows)
 }
 
-fn market_from_fields(path: &Path, line: u64, zone: &str, itype: &str, product: &str) -> Result<Market, FileError> {
-    let zone = Zone::parse(zone).map_err(|e| FileError::field(path, line, "availability_zone", e))?;
-    let itype = InstanceType::parse(itype).map_err(|e| FileError::field(path, line, "instance_type", e))?;
-    let product = Product::parse(product).map_err(|e| FileError::field(path, line, "product_description", e))?;
+fn market_from_fields(
+    path: &Path,
+    line: u64,
+    zone: &str,
+    itype: &str,
+    product: &str,
+) -> Result<Market, FileError> {
+    let zone =
+        Zone::parse(zone).map_err(|e| FileError::field(path, line, "availability_zone", e))?;
+    let itype =
+        InstanceType::parse(itype).map_err(|e| FileError::field(path, line, "instance_type", e))?;
+    let product = Product::parse(product)
+        .map_err(|e| FileError::field(path, line, "product_description", e))?;
     Ok(Market::new(zone, itype, product))
 }
 
@@ -246,7 +277,9 @@ fn parse_spot_json(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileE
     let entries: Vec<&RawValue> = if trimmed.starts_with('[') {
         serde_json::from_str(text).map_err(syntax)?
     } else {
-        serde_json::from_str::<JsonDocument>(text).map_err(syntax)?.history
+        serde_json::from_str::<JsonDocument>(text)
+            .map_err(syntax)?
+            .history
     };
     entries
         .into_iter()
@@ -263,9 +296,13 @@ fn json_row(path: &Path, line: u64, raw: &RawValue) -> Result<SpotPriceRow, File
     let entry: JsonEntry = serde_json::from_str(raw.get())
         .map_err(|e| FileError::format(path, line, format!("not a price entry: {e}")))?;
     let missing = |f: &str| FileError::field(path, line, f, "missing");
-    let zone = entry.availability_zone.ok_or_else(|| missing("AvailabilityZone"))?;
+    let zone = entry
+        .availability_zone
+        .ok_or_else(|| missing("AvailabilityZone"))?;
     let itype = entry.instance_type.ok_or_else(|| missing("InstanceType"))?;
-    let product = entry.product_description.ok_or_else(|| missing("ProductDescription"))?;
+    let product = entry
+        .product_description
+        .ok_or_else(|| missing("ProductDescription"))?;
     let time = entry.timestamp.ok_or_else(|| missing("Timestamp"))?;
     let price = match entry.spot_price.ok_or_else(|| missing("SpotPrice"))? {
         StringOrNumber::S(s) => UsdPerHour::parse(&s),
@@ -273,10 +310,12 @@ fn json_row(path: &Path, line: u64, raw: &RawValue) -> Result<SpotPriceRow, File
     }
     .map_err(|e| FileError::field(path, line, "SpotPrice", e))?;
     let time = Timestamp::parse(&time).map_err(|e| FileError::field(path, line, "Timestamp", e))?;
-    let zone = Zone::parse(&zone).map_err(|e| FileError::field(path, line, "AvailabilityZone", e))?;
-    let itype = InstanceType::parse(&itype).map_err(|e| FileError::field(path, line, "InstanceType", e))?;
-    let product =
-        Product::parse(&product).map_err(|e| FileError::field(path, line, "ProductDescription", e))?;
+    let zone =
+        Zone::parse(&zone).map_err(|e| FileError::field(path, line, "AvailabilityZone", e))?;
+    let itype =
+        InstanceType::parse(&itype).map_err(|e| FileError::field(path, line, "InstanceType", e))?;
+    let product = Product::parse(&product)
+        .map_err(|e| FileError::field(path, line, "ProductDescription", e))?;
     Ok(SpotPriceRow {
         market: Market::new(zone, itype, product),
         time,
@@ -302,7 +341,10 @@ const ON_DEMAND_COLUMNS: [&str; 5] = [
 
 /// Reads an on-demand price table. `default_region` applies to rows without a `region` column.
 /// vCPUs and memory may be absent; then the built-in catalog of well-known types fills them in.
-pub fn read_on_demand_file(path: &Path, default_region: &Region) -> Result<Vec<InstanceOffer>, FileError> {
+pub fn read_on_demand_file(
+    path: &Path,
+    default_region: &Region,
+) -> Result<Vec<InstanceOffer>, FileError> {
     let bytes = read_maybe_gzipped(path)?;
     parse_on_demand_bytes(path, &bytes, default_region)
 }
@@ -318,7 +360,11 @@ pub fn parse_on_demand_bytes(
         .map_err(|e| FileError::format(path, 1, e))?
         .clone();
     let found = column_indices(path, &header, ON_DEMAND_COLUMNS)?;
-    let [itype_col, price_col] = require(path, [found[0], found[1]], [ON_DEMAND_COLUMNS[0], ON_DEMAND_COLUMNS[1]])?;
+    let [itype_col, price_col] = require(
+        path,
+        [found[0], found[1]],
+        [ON_DEMAND_COLUMNS[0], ON_DEMAND_COLUMNS[1]],
+    )?;
     let mut offers = Vec::new();
     for record in reader.records() {
         let record = record.map_err(|e| FileError::format(path, line_of_error(&e), e))?;
@@ -326,7 +372,11 @@ pub fn parse_on_demand_bytes(
         if record.iter().all(str::is_empty) {
             continue;
         }
-        let get = |col: Option<usize>| col.and_then(|c| record.get(c)).map(str::trim).filter(|s| !s.is_empty());
+        let get = |col: Option<usize>| {
+            col.and_then(|c| record.get(c))
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+        };
         let err = |field: &str, e: InvalidValue| FileError::field(path, line, field, e);
         let instance_type = InstanceType::parse(get(Some(itype_col)).unwrap_or(""))
             .map_err(|e| err("instance_type", e))?;
@@ -339,14 +389,29 @@ pub fn parse_on_demand_bytes(
         let known = super::catalog::lookup(&instance_type);
         let vcpus = match get(found[2]) {
             Some(v) => Some(v.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                FileError::field(path, line, "vcpus", format!("`{v}` is not a positive whole number"))
+                FileError::field(
+                    path,
+                    line,
+                    "vcpus",
+                    format!("`{v}` is not a positive whole number"),
+                )
             })?),
             None => known.map(|k| k.vcpus),
         };
         let memory_gib = match get(found[3]) {
-            Some(v) => Some(v.parse::<f64>().ok().filter(|m| m.is_finite() && *m > 0.0).ok_or_else(|| {
-                FileError::field(path, line, "memory_gib", format!("`{v}` is not a positive number"))
-            })?),
+            Some(v) => Some(
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|m| m.is_finite() && *m > 0.0)
+                    .ok_or_else(|| {
+                        FileError::field(
+                            path,
+                            line,
+                            "memory_gib",
+                            format!("`{v}` is not a positive number"),
+                        )
+                    })?,
+            ),
             None => known.map(|k| k.memory_gib),
         };
         offers.push(InstanceOffer {
@@ -385,25 +450,50 @@ mod tests {
         let header = "timestamp,availability_zone,instance_type,product_description,spot_price\n";
         let good = "2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,0.5\n";
         let cases = [
-            ("2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,-1\n", "spot_price"),
-            ("2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,cheap\n", "spot_price"),
-            ("yesterday,us-east-1a,c3.xlarge,Linux/UNIX,0.5\n", "timestamp"),
-            ("2015-03-11T10:34:42Z,,c3.xlarge,Linux/UNIX,0.5\n", "availability_zone"),
-            ("2015-03-11T10:34:42Z,us-east-1a,,Linux/UNIX,0.5\n", "instance_type"),
-            ("2015-03-11T10:34:42Z,us-east-1a,c3.xlarge\n", "product_description"),
+            (
+                "2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,-1\n",
+                "spot_price",
+            ),
+            (
+                "2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,cheap\n",
+                "spot_price",
+            ),
+            (
+                "yesterday,us-east-1a,c3.xlarge,Linux/UNIX,0.5\n",
+                "timestamp",
+            ),
+            (
+                "2015-03-11T10:34:42Z,,c3.xlarge,Linux/UNIX,0.5\n",
+                "availability_zone",
+            ),
+            (
+                "2015-03-11T10:34:42Z,us-east-1a,,Linux/UNIX,0.5\n",
+                "instance_type",
+            ),
+            (
+                "2015-03-11T10:34:42Z,us-east-1a,c3.xlarge\n",
+                "product_description",
+            ),
         ];
         for (bad, field) in cases {
             let text = format!("{header}{good}{bad}{good}");
             let err = parse(&text).unwrap_err().to_string();
             assert!(err.starts_with("t.csv:3: field `"), "{err}");
-            assert!(err.contains(&format!("`{field}`")), "{err} should name {field}");
+            assert!(
+                err.contains(&format!("`{field}`")),
+                "{err} should name {field}"
+            );
         }
     }
 
     #[test]
     fn missing_column_is_reported() {
         let err = parse("timestamp,availability_zone,instance_type,spot_price\n").unwrap_err();
-        assert!(err.to_string().contains("missing column `product_description`"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("missing column `product_description`"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -427,12 +517,19 @@ mod tests {
     ]
 }"#;
         let err = parse(text).unwrap_err().to_string();
-        assert_eq!(err.lines().next().unwrap().split(": field").next(), Some("t.csv:10"), "{err}");
+        assert_eq!(
+            err.lines().next().unwrap().split(": field").next(),
+            Some("t.csv:10"),
+            "{err}"
+        );
         assert!(err.contains("`SpotPrice`"), "{err}");
         let ok = text.replace("oops", "0.035");
         let rows = parse(&ok).unwrap();
         assert_eq!(rows.len(), 2);
-        assert_eq!(rows[1].time, Timestamp::parse("2021-05-30T12:00:00Z").unwrap());
+        assert_eq!(
+            rows[1].time,
+            Timestamp::parse("2021-05-30T12:00:00Z").unwrap()
+        );
     }
 
     #[test]
@@ -462,6 +559,9 @@ mod tests {
             &region,
         )
         .unwrap_err();
-        assert_eq!(err.to_string(), "od.csv:2: field `vcpus`: `four` is not a positive whole number");
+        assert_eq!(
+            err.to_string(),
+            "od.csv:2: field `vcpus`: `four` is not a positive whole number"
+        );
     }
 }

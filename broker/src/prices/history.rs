@@ -204,9 +204,18 @@ mod tests {
     #[test]
     fn first_above_looks_strictly_after_and_up_to_until() {
         let s = series(&[(10, 1.0), (20, 5.0), (30, 1.0), (40, 6.0)]);
-        assert_eq!(s.first_above(Timestamp(10), 2.0, Timestamp(100)), Some(Timestamp(20)));
-        assert_eq!(s.first_above(Timestamp(20), 2.0, Timestamp(100)), Some(Timestamp(40)));
+        assert_eq!(
+            s.first_above(Timestamp(10), 2.0, Timestamp(100)),
+            Some(Timestamp(20))
+        );
+        assert_eq!(
+            s.first_above(Timestamp(20), 2.0, Timestamp(100)),
+            Some(Timestamp(40))
+        );
         assert_eq!(s.first_above(Timestamp(20), 2.0, Timestamp(39)), None);
-        assert_eq!(s.first_above(Timestamp(0), 5.0, Timestamp(100)), Some(Timestamp(40)));
+        assert_eq!(
+            s.first_above(Timestamp(0), 5.0, Timestamp(100)),
+            Some(Timestamp(40))
+        );
     }
 }

@@ -46,7 +46,11 @@ pub fn market_stats(
         .index_at(from)
         .filter(|&i| series.times()[i] < from)
         .map(|i| series.prices()[i]);
-    let start = if carried.is_some() { from } else { *times.first()? };
+    let start = if carried.is_some() {
+        from
+    } else {
+        *times.first()?
+    };
 
     let mut steps: Vec<(Timestamp, f64)> = Vec::with_capacity(times.len() + 1);
     if let Some(p) = carried {
@@ -95,7 +99,13 @@ pub fn market_stats(
             steps[0].1
         },
         on_demand_usd: on_demand,
-        fraction_above_on_demand: on_demand.map(|_| if total_ms > 0.0 { above_ms / total_ms } else { 0.0 }),
+        fraction_above_on_demand: on_demand.map(|_| {
+            if total_ms > 0.0 {
+                above_ms / total_ms
+            } else {
+                0.0
+            }
+        }),
         spells_above_on_demand: on_demand.map(|_| spells),
         hours: total_ms / 3_600_000.0,
     })

@@ -48,20 +48,45 @@ pub struct MarketRow {
     pub last: Option<Timestamp>,
 }
 
-const INSERT_MARKET: &str = "INSERT INTO markets (region, availability_zone, instance_type, product) \
-     VALUES ($1, $2, $3, $4) ON CONFLICT (availability_zone, instance_type, product) DO NOTHING";
+/// Markets per multi-row INSERT (4 parameters each).
+const MARKET_BATCH: usize = 500;
+
+fn insert_markets_sql(n: usize) -> String {
+    let mut sql = String::from(
+        "INSERT INTO markets (region, availability_zone, instance_type, product) VALUES ",
+    );
+    for i in 0..n {
+        let p = 4 * i;
+        let _ = write!(
+            sql,
+            "{}(${}, ${}, ${}, ${})",
+            if i == 0 { "" } else { "," },
+            p + 1,
+            p + 2,
+            p + 3,
+            p + 4
+        );
+    }
+    sql.push_str(" ON CONFLICT (availability_zone, instance_type, product) DO NOTHING");
+    sql
+}
 const SELECT_MARKET_IDS: &str = "SELECT id, availability_zone, instance_type, product FROM markets";
 
 /// Makes sure every market exists and returns the id of each. Expanded per backend so that it can
 /// run inside the caller's transaction.
 macro_rules! upsert_markets {
     ($conn:expr, $markets:expr) => {{
-        for m in $markets {
-            sqlx::query(INSERT_MARKET)
-                .bind(m.region().as_str())
-                .bind(m.zone.as_str())
-                .bind(m.instance_type.as_str())
-                .bind(m.product.as_str())
+        let all: Vec<&Market> = $markets.iter().copied().collect();
+        for chunk in all.chunks(MARKET_BATCH) {
+            let mut query = sqlx::query(AssertSqlSafe(insert_markets_sql(chunk.len())));
+            for m in chunk {
+                query = query
+                    .bind(m.region().as_str().to_string())
+                    .bind(m.zone.as_str())
+                    .bind(m.instance_type.as_str())
+                    .bind(m.product.as_str());
+            }
+            query
                 .execute(&mut *$conn)
                 .await
                 .context("creating markets")?;
@@ -74,14 +99,20 @@ macro_rules! upsert_markets {
     }};
 }
 
-fn rows_to_market_ids(rows: Vec<(i64, String, String, String)>) -> Result<HashMap<Market, i64>, StoreError> {
+fn rows_to_market_ids(
+    rows: Vec<(i64, String, String, String)>,
+) -> Result<HashMap<Market, i64>, StoreError> {
     rows.into_iter()
         .map(|(id, zone, itype, product)| Ok((market_from_columns(&zone, &itype, &product)?, id)))
         .collect()
 }
 
 fn market_from_columns(zone: &str, itype: &str, product: &str) -> Result<Market, StoreError> {
-    let bad = |e| StoreError::Invalid(format!("stored market {zone}/{itype}/{product} is invalid: {e}"));
+    let bad = |e| {
+        StoreError::Invalid(format!(
+            "stored market {zone}/{itype}/{product} is invalid: {e}"
+        ))
+    };
     Ok(Market::new(
         Zone::parse(zone).map_err(bad)?,
         InstanceType::parse(itype).map_err(bad)?,
@@ -95,7 +126,10 @@ const SQLITE_BATCH: usize = 1000;
 impl Store {
     /// Stores price changes in one transaction: either all new rows are stored or none.
     /// A row whose market and timestamp are already stored counts as already present.
-    pub async fn ingest_spot_prices(&self, rows: &[SpotPriceRow]) -> Result<IngestCounts, StoreError> {
+    pub async fn ingest_spot_prices(
+        &self,
+        rows: &[SpotPriceRow],
+    ) -> Result<IngestCounts, StoreError> {
         let markets: BTreeSet<&Market> = rows.iter().map(|r| &r.market).collect();
         let inserted = match &self.db {
             Db::Postgres(pool) => {
@@ -126,7 +160,10 @@ impl Store {
     }
 
     /// Stores on-demand offers, updating a type's price or size when it changed.
-    pub async fn ingest_on_demand(&self, offers: &[InstanceOffer]) -> Result<IngestCounts, StoreError> {
+    pub async fn ingest_on_demand(
+        &self,
+        offers: &[InstanceOffer],
+    ) -> Result<IngestCounts, StoreError> {
         let mut counts = IngestCounts {
             read: offers.len() as u64,
             ..Default::default()
@@ -177,7 +214,16 @@ impl Store {
 
     /// Every stored market matching the filter, with the extent of its history.
     pub async fn markets(&self, filter: &MarketFilter) -> Result<Vec<MarketRow>, StoreError> {
-        let rows: Vec<(i64, String, String, String, String, i64, Option<i64>, Option<i64>)> = with_db!(self, |pool| {
+        let rows: Vec<(
+            i64,
+            String,
+            String,
+            String,
+            String,
+            i64,
+            Option<i64>,
+            Option<i64>,
+        )> = with_db!(self, |pool| {
             sqlx::query_as(
                 "SELECT m.id, m.region, m.availability_zone, m.instance_type, m.product, \
                         COUNT(p.ts_ms), MIN(p.ts_ms), MAX(p.ts_ms) \
@@ -210,6 +256,29 @@ impl Store {
             .collect()
     }
 
+    /// Ids of the matching markets, without counting their history.
+    async fn market_ids(&self, filter: &MarketFilter) -> Result<HashMap<i64, Market>, StoreError> {
+        let rows: Vec<(i64, String, String, String)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT id, availability_zone, instance_type, product FROM markets \
+                 WHERE (CAST($1 AS TEXT) IS NULL OR region = $1) \
+                   AND (CAST($2 AS TEXT) IS NULL OR availability_zone = $2) \
+                   AND (CAST($3 AS TEXT) IS NULL OR instance_type = $3)",
+            )
+            .bind(filter.region.as_ref().map(Region::as_str))
+            .bind(filter.zone.as_ref().map(Zone::as_str))
+            .bind(filter.instance_type.as_ref().map(InstanceType::as_str))
+            .fetch_all(pool)
+            .await
+            .context("listing markets")?
+        });
+        rows.into_iter()
+            .map(|(id, zone, itype, product)| {
+                Ok((id, market_from_columns(&zone, &itype, &product)?))
+            })
+            .collect()
+    }
+
     /// The number of stored price changes.
     pub async fn price_row_count(&self) -> Result<i64, StoreError> {
         with_db!(self, |pool| {
@@ -221,7 +290,10 @@ impl Store {
     }
 
     /// The newest stored change of each market in a region: where an incremental fetch resumes.
-    pub async fn newest_price_times(&self, region: &Region) -> Result<HashMap<Market, Timestamp>, StoreError> {
+    pub async fn newest_price_times(
+        &self,
+        region: &Region,
+    ) -> Result<HashMap<Market, Timestamp>, StoreError> {
         let rows: Vec<(String, String, String, Option<i64>)> = with_db!(self, |pool| {
             sqlx::query_as(
                 "SELECT m.availability_zone, m.instance_type, m.product, MAX(p.ts_ms) \
@@ -242,7 +314,11 @@ impl Store {
     /// The latest stored price change in any market: where observation of the market ends.
     pub async fn latest_price_time(&self) -> Result<Option<Timestamp>, StoreError> {
         let ts: Option<i64> = with_db!(self, |pool| {
-            sqlx::query_scalar("SELECT MAX(ts_ms) FROM spot_prices")
+            // Per market through the primary key, instead of scanning every row.
+            sqlx::query_scalar(
+                "SELECT MAX(newest) FROM (SELECT (SELECT MAX(p.ts_ms) FROM spot_prices p WHERE p.market_id = m.id) \
+                 AS newest FROM markets m) AS per_market",
+            )
                 .fetch_one(pool)
                 .await
                 .context("reading the latest price time")?
@@ -263,7 +339,8 @@ impl Store {
         let offers = rows
             .into_iter()
             .map(|(region, itype, vcpus, memory_gib, price)| {
-                let bad = |e| StoreError::Invalid(format!("stored on-demand row {region}/{itype}: {e}"));
+                let bad =
+                    |e| StoreError::Invalid(format!("stored on-demand row {region}/{itype}: {e}"));
                 Ok(InstanceOffer {
                     region: Region::parse(&region).map_err(bad)?,
                     instance_type: InstanceType::parse(&itype).map_err(bad)?,
@@ -284,26 +361,39 @@ impl Store {
         from: Option<Timestamp>,
         to: Option<Timestamp>,
     ) -> Result<PriceHistory, StoreError> {
-        let markets: HashMap<i64, Market> = self
-            .markets(filter)
-            .await?
-            .into_iter()
-            .map(|m| (m.id, m.market))
-            .collect();
+        let markets = self.market_ids(filter).await?;
         let from_ms = from.map_or(i64::MIN, |t| t.0);
         let to_ms = to.map_or(i64::MAX, |t| t.0);
-        let rows: Vec<(i64, i64, f64)> = with_db!(self, |pool| {
-            let mut rows: Vec<(i64, i64, f64)> = sqlx::query_as(
-                "SELECT p.market_id, p.ts_ms, p.usd_per_hour FROM spot_prices p \
-                 WHERE p.ts_ms >= $1 AND p.ts_ms < $2 ORDER BY p.market_id, p.ts_ms",
+        let mut rows: Vec<(i64, i64, f64)> = match &self.db {
+            // One row per market with its changes as arrays: a tenth of the rows to decode.
+            Db::Postgres(pool) => {
+                let per_market: Vec<(i64, Vec<i64>, Vec<f64>)> = sqlx::query_as(
+                    "SELECT market_id, array_agg(ts_ms ORDER BY ts_ms), array_agg(usd_per_hour ORDER BY ts_ms) \
+                     FROM spot_prices WHERE ts_ms >= $1 AND ts_ms < $2 GROUP BY market_id",
+                )
+                .bind(from_ms)
+                .bind(to_ms)
+                .fetch_all(pool)
+                .await
+                .context("loading price history")?;
+                per_market
+                    .into_iter()
+                    .flat_map(|(m, ts, ps)| ts.into_iter().zip(ps).map(move |(t, p)| (m, t, p)))
+                    .collect()
+            }
+            Db::Sqlite(pool) => sqlx::query_as(
+                "SELECT market_id, ts_ms, usd_per_hour FROM spot_prices \
+                 WHERE ts_ms >= $1 AND ts_ms < $2 ORDER BY market_id, ts_ms",
             )
             .bind(from_ms)
             .bind(to_ms)
             .fetch_all(pool)
             .await
-            .context("loading price history")?;
-            if from.is_some() {
-                let carried: Vec<(i64, i64, f64)> = sqlx::query_as(
+            .context("loading price history")?,
+        };
+        if from.is_some() {
+            let carried: Vec<(i64, i64, f64)> = with_db!(self, |pool| {
+                sqlx::query_as(
                     "SELECT p.market_id, p.ts_ms, p.usd_per_hour FROM spot_prices p \
                      JOIN (SELECT market_id, MAX(ts_ms) AS ts FROM spot_prices WHERE ts_ms < $1 \
                            GROUP BY market_id) c ON c.market_id = p.market_id AND c.ts = p.ts_ms",
@@ -311,15 +401,15 @@ impl Store {
                 .bind(from_ms)
                 .fetch_all(pool)
                 .await
-                .context("loading prices in force at the window start")?;
-                rows.extend(carried);
-            }
-            rows
-        });
+                .context("loading prices in force at the window start")?
+            });
+            rows.extend(carried);
+        }
         let mut points: HashMap<i64, Vec<(Timestamp, UsdPerHour)>> = HashMap::new();
         for (id, ts, price) in rows {
             if markets.contains_key(&id) {
-                let price = UsdPerHour::new(price).map_err(|e| StoreError::Invalid(format!("stored price: {e}")))?;
+                let price = UsdPerHour::new(price)
+                    .map_err(|e| StoreError::Invalid(format!("stored price: {e}")))?;
                 points.entry(id).or_default().push((Timestamp(ts), price));
             }
         }
@@ -330,44 +420,95 @@ impl Store {
     }
 }
 
-/// Streams the rows into a temporary table with `COPY` and moves the new ones across in one
-/// statement: the one fast path that needs Postgres's own protocol.
+/// Bulk-loads rows with `COPY`, the one fast path that needs Postgres's own protocol.
+///
+/// Rows are sorted by (market, time) first, so the primary-key index grows at its right edge
+/// instead of being updated at random. Markets with no stored rows yet (a first ingestion) are
+/// copied straight into `spot_prices`; the rest go through a staging table and an
+/// `ON CONFLICT DO NOTHING` insert, which is what makes a repeated ingestion insert nothing.
 async fn copy_prices_pg(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     rows: &[SpotPriceRow],
     ids: &HashMap<Market, i64>,
 ) -> Result<u64, StoreError> {
-    sqlx::query(
-        "CREATE TEMP TABLE incoming_prices (market_id BIGINT, ts_ms BIGINT, usd_per_hour DOUBLE PRECISION) \
-         ON COMMIT DROP",
+    let mut keyed: Vec<(i64, i64, f64)> = rows
+        .iter()
+        .map(|r| (ids[&r.market], r.time.0, r.price.get()))
+        .collect();
+    keyed.sort_by_key(|&(m, t, _)| (m, t));
+    keyed.dedup_by_key(|&mut (m, t, _)| (m, t));
+    let file_markets: Vec<i64> = {
+        let mut v: Vec<i64> = keyed.iter().map(|r| r.0).collect();
+        v.dedup();
+        v
+    };
+    let stored: Vec<i64> =
+        sqlx::query_scalar("SELECT DISTINCT market_id FROM spot_prices WHERE market_id = ANY($1)")
+            .bind(&file_markets)
+            .fetch_all(&mut **tx)
+            .await
+            .context("checking which markets have history")?;
+    let (fresh, existing): (Vec<_>, Vec<_>) =
+        keyed.into_iter().partition(|r| !stored.contains(&r.0));
+
+    let mut inserted = copy_rows(
+        tx,
+        "COPY spot_prices (market_id, ts_ms, usd_per_hour) FROM STDIN",
+        &fresh,
     )
-    .execute(&mut **tx)
-    .await
-    .context("creating the staging table")?;
-    let mut copy = tx
-        .copy_in_raw("COPY incoming_prices (market_id, ts_ms, usd_per_hour) FROM STDIN")
+    .await?;
+    if !existing.is_empty() {
+        sqlx::query(
+            "CREATE TEMP TABLE incoming_prices (market_id BIGINT, ts_ms BIGINT, usd_per_hour DOUBLE PRECISION) \
+             ON COMMIT DROP",
+        )
+        .execute(&mut **tx)
         .await
-        .context("starting COPY")?;
+        .context("creating the staging table")?;
+        copy_rows(
+            tx,
+            "COPY incoming_prices (market_id, ts_ms, usd_per_hour) FROM STDIN",
+            &existing,
+        )
+        .await?;
+        let done = sqlx::query(
+            "INSERT INTO spot_prices (market_id, ts_ms, usd_per_hour) \
+             SELECT market_id, ts_ms, usd_per_hour FROM incoming_prices ORDER BY market_id, ts_ms \
+             ON CONFLICT DO NOTHING",
+        )
+        .execute(&mut **tx)
+        .await
+        .context("moving staged prices")?;
+        inserted += done.rows_affected();
+    }
+    Ok(inserted)
+}
+
+async fn copy_rows(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    statement: &str,
+    rows: &[(i64, i64, f64)],
+) -> Result<u64, StoreError> {
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let mut copy = tx.copy_in_raw(statement).await.context("starting COPY")?;
     let mut buf = String::with_capacity(1 << 20);
-    for row in rows {
-        let _ = writeln!(buf, "{}\t{}\t{}", ids[&row.market], row.time.0, row.price.get());
+    for (market, ts, price) in rows {
+        let _ = writeln!(buf, "{market}\t{ts}\t{price}");
         if buf.len() > (1 << 20) - 64 {
-            copy.send(buf.as_bytes()).await.context("sending COPY data")?;
+            copy.send(buf.as_bytes())
+                .await
+                .context("sending COPY data")?;
             buf.clear();
         }
     }
     if !buf.is_empty() {
-        copy.send(buf.as_bytes()).await.context("sending COPY data")?;
+        copy.send(buf.as_bytes())
+            .await
+            .context("sending COPY data")?;
     }
-    copy.finish().await.context("finishing COPY")?;
-    let done = sqlx::query(
-        "INSERT INTO spot_prices (market_id, ts_ms, usd_per_hour) \
-         SELECT market_id, ts_ms, usd_per_hour FROM incoming_prices ON CONFLICT DO NOTHING",
-    )
-    .execute(&mut **tx)
-    .await
-    .context("moving staged prices")?;
-    Ok(done.rows_affected())
+    copy.finish().await.context("finishing COPY")
 }
 
 async fn insert_prices_batch(
@@ -377,12 +518,22 @@ async fn insert_prices_batch(
 ) -> Result<u64, StoreError> {
     let mut sql = String::from("INSERT INTO spot_prices (market_id, ts_ms, usd_per_hour) VALUES ");
     for i in 0..rows.len() {
-        let _ = write!(sql, "{}(${}, ${}, ${})", if i == 0 { "" } else { "," }, 3 * i + 1, 3 * i + 2, 3 * i + 3);
+        let _ = write!(
+            sql,
+            "{}(${}, ${}, ${})",
+            if i == 0 { "" } else { "," },
+            3 * i + 1,
+            3 * i + 2,
+            3 * i + 3
+        );
     }
     sql.push_str(" ON CONFLICT DO NOTHING");
     let mut query = sqlx::query(AssertSqlSafe(sql));
     for row in rows {
-        query = query.bind(ids[&row.market]).bind(row.time.0).bind(row.price.get());
+        query = query
+            .bind(ids[&row.market])
+            .bind(row.time.0)
+            .bind(row.price.get());
     }
     let done = query.execute(&mut **tx).await.context("inserting prices")?;
     Ok(done.rows_affected())

@@ -27,15 +27,31 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn write_csv(dir: &std::path::Path, name: &str, rows: usize, bad_at: Option<(usize, &str)>) -> String {
+fn write_csv(
+    dir: &std::path::Path,
+    name: &str,
+    rows: usize,
+    bad_at: Option<(usize, &str)>,
+) -> String {
     let path = dir.join(name);
     let mut f = std::fs::File::create(&path).unwrap();
-    writeln!(f, "timestamp,availability_zone,instance_type,product_description,spot_price").unwrap();
+    writeln!(
+        f,
+        "timestamp,availability_zone,instance_type,product_description,spot_price"
+    )
+    .unwrap();
     for i in 0..rows {
         // data line i is file line i + 2
         match bad_at {
             Some((line, text)) if line == i + 2 => writeln!(f, "{text}").unwrap(),
-            _ => writeln!(f, "2016-01-01T00:{:02}:{:02}Z,us-east-1a,c4.large,Linux/UNIX,0.0{}", i / 60, i % 60, i % 10 + 1).unwrap(),
+            _ => writeln!(
+                f,
+                "2016-01-01T00:{:02}:{:02}Z,us-east-1a,c4.large,Linux/UNIX,0.0{}",
+                i / 60,
+                i % 60,
+                i % 10 + 1
+            )
+            .unwrap(),
         }
     }
     path.display().to_string()
@@ -44,29 +60,66 @@ fn write_csv(dir: &std::path::Path, name: &str, rows: usize, bad_at: Option<(usi
 async fn a_bad_row_refuses_the_whole_file_and_names_its_line(db: TestDb) {
     let dir = tempfile::tempdir().unwrap();
     let good = write_csv(dir.path(), "good.csv", 100, None);
-    let out = proteus(&db, &["prices", "ingest", "--file", &good, "--output", "json"]);
+    let out = proteus(
+        &db,
+        &["prices", "ingest", "--file", &good, "--output", "json"],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(db.store.price_row_count().await.unwrap(), 100);
 
     for (bad_text, field) in [
-        ("2016-02-01T00:00:00Z,us-east-1a,c4.large,Linux/UNIX,-0.5", "spot_price"),
-        ("2016-02-01T00:00:00Z,us-east-1a,c4.large,Linux/UNIX,lots", "spot_price"),
-        ("02/01/2016 00:00,us-east-1a,c4.large,Linux/UNIX,0.5", "timestamp"),
-        ("2016-02-01T00:00:00Z,,c4.large,Linux/UNIX,0.5", "availability_zone"),
-        ("2016-02-01T00:00:00Z,us-east-1a,,Linux/UNIX,0.5", "instance_type"),
+        (
+            "2016-02-01T00:00:00Z,us-east-1a,c4.large,Linux/UNIX,-0.5",
+            "spot_price",
+        ),
+        (
+            "2016-02-01T00:00:00Z,us-east-1a,c4.large,Linux/UNIX,lots",
+            "spot_price",
+        ),
+        (
+            "02/01/2016 00:00,us-east-1a,c4.large,Linux/UNIX,0.5",
+            "timestamp",
+        ),
+        (
+            "2016-02-01T00:00:00Z,,c4.large,Linux/UNIX,0.5",
+            "availability_zone",
+        ),
+        (
+            "2016-02-01T00:00:00Z,us-east-1a,,Linux/UNIX,0.5",
+            "instance_type",
+        ),
     ] {
         let bad = write_csv(dir.path(), "bad.csv", 1000, Some((501, bad_text)));
         let out = proteus(&db, &["prices", "ingest", "--file", &bad]);
-        assert_eq!(out.status.code(), Some(1), "bad file must fail: {}", stdout(&out));
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "bad file must fail: {}",
+            stdout(&out)
+        );
         let err = stderr(&out);
-        assert!(err.contains(&format!("bad.csv:501: field `{field}`")), "message must name line and field: {err}");
-        assert_eq!(db.store.price_row_count().await.unwrap(), 100, "nothing from the bad file is stored");
+        assert!(
+            err.contains(&format!("bad.csv:501: field `{field}`")),
+            "message must name line and field: {err}"
+        );
+        assert_eq!(
+            db.store.price_row_count().await.unwrap(),
+            100,
+            "nothing from the bad file is stored"
+        );
     }
 
     let missing = dir.path().join("nope.csv");
-    let out = proteus(&db, &["prices", "ingest", "--file", &missing.display().to_string()]);
+    let out = proteus(
+        &db,
+        &["prices", "ingest", "--file", &missing.display().to_string()],
+    );
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("nope.csv: cannot read"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nope.csv: cannot read"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 async fn stats_prints_every_market_as_json(db: TestDb) {
@@ -92,15 +145,36 @@ async fn stats_prints_every_market_as_json(db: TestDb) {
     let stats: Vec<serde_json::Value> = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(stats.len(), 15);
     let changes: u64 = stats.iter().map(|s| s["changes"].as_u64().unwrap()).sum();
-    assert_eq!(changes, 156_005, "every stored change falls in the default window");
+    assert_eq!(
+        changes, 156_005,
+        "every stored change falls in the default window"
+    );
     for s in &stats {
         assert!(s["on_demand_usd"].as_f64().is_some(), "{s}");
     }
 
-    let out = proteus(&db, &["prices", "stats", "--instance-type", "c3.xlarge", "--az", "us-east-1b", "--from", "2015-04-01", "--to", "2015-05-01"]);
+    let out = proteus(
+        &db,
+        &[
+            "prices",
+            "stats",
+            "--instance-type",
+            "c3.xlarge",
+            "--az",
+            "us-east-1b",
+            "--from",
+            "2015-04-01",
+            "--to",
+            "2015-05-01",
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let table = stdout(&out);
-    assert_eq!(table.lines().count(), 3, "header, rule and one market:\n{table}");
+    assert_eq!(
+        table.lines().count(),
+        3,
+        "header, rule and one market:\n{table}"
+    );
     assert!(table.contains("us-east-1b/c3.xlarge"));
 
     let out = proteus(&db, &["prices", "stats", "--from", "last tuesday"]);
@@ -127,5 +201,9 @@ async fn aws_cli_json_is_ingested(db: TestDb) {
     assert_eq!(db.store.price_row_count().await.unwrap(), 2);
     let out = proteus(&db, &["prices", "ingest", "--file", &p, "--output", "csv"]);
     assert!(out.status.success());
-    assert!(stdout(&out).contains(",2,0,0,2,"), "second ingest reports 2 already present: {}", stdout(&out));
+    assert!(
+        stdout(&out).contains(",2,0,0,2,"),
+        "second ingest reports 2 already present: {}",
+        stdout(&out)
+    );
 }

@@ -26,15 +26,26 @@ async fn every_page_is_fetched_and_parsed() {
     let client = ec2::client(&region).await;
     let request = ec2::FetchRequest {
         region: region.clone(),
-        instance_types: vec![InstanceType::parse("m5.large").unwrap(), InstanceType::parse("c5.large").unwrap()],
+        instance_types: vec![
+            InstanceType::parse("m5.large").unwrap(),
+            InstanceType::parse("c5.large").unwrap(),
+        ],
         product: Product::linux(),
         since: Timestamp::parse("2000-01-01").unwrap(),
     };
-    let fetched = ec2::fetch(&client, &request).await.expect("DescribeSpotPriceHistory against LocalStack");
+    let fetched = ec2::fetch(&client, &request)
+        .await
+        .expect("DescribeSpotPriceHistory against LocalStack");
     assert!(fetched.pages >= 1);
-    assert!(!fetched.rows.is_empty(), "LocalStack returns placeholder rows");
+    assert!(
+        !fetched.rows.is_empty(),
+        "LocalStack returns placeholder rows"
+    );
     for row in &fetched.rows {
-        assert!(["m5.large", "c5.large"].contains(&row.market.instance_type.as_str()), "{row:?}");
+        assert!(
+            ["m5.large", "c5.large"].contains(&row.market.instance_type.as_str()),
+            "{row:?}"
+        );
         assert_eq!(row.market.region(), region);
     }
 }
@@ -44,11 +55,25 @@ async fn the_cli_stores_ec2_history_and_resumes() {
     let db = TestDb::postgres().await;
     let run = || {
         let out = with_localstack(&mut Command::new(env!("CARGO_BIN_EXE_proteus")))
-            .args(["prices", "ingest", "--from-ec2", "--region", "us-east-1", "--instance-types", "m5.large", "--output", "json"])
+            .args([
+                "prices",
+                "ingest",
+                "--from-ec2",
+                "--region",
+                "us-east-1",
+                "--instance-types",
+                "m5.large",
+                "--output",
+                "json",
+            ])
             .env("PROTEUS_DATABASE_URL", &db.url)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         v[0].clone()
     };
@@ -57,6 +82,12 @@ async fn the_cli_stores_ec2_history_and_resumes() {
     assert!(inserted > 0, "{first}");
     assert_eq!(db.store.price_row_count().await.unwrap() as u64, inserted);
     let second = run();
-    assert_eq!(second["inserted"], 0, "a second fetch stores nothing new: {second}");
-    assert!(second["source"].as_str().unwrap().contains("since"), "{second}");
+    assert_eq!(
+        second["inserted"], 0,
+        "a second fetch stores nothing new: {second}"
+    );
+    assert!(
+        second["source"].as_str().unwrap().contains("since"),
+        "{second}"
+    );
 }

@@ -5,6 +5,6 @@
 mod support;
 
 mod cli_prices;
-mod store_prices;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
+mod store_prices;

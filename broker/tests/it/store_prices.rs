@@ -15,6 +15,7 @@ on_both_backends!(
     on_demand_prices_are_upserted,
     history_windows_carry_the_price_in_force,
     newest_times_are_per_market,
+    overlapping_ingests_insert_only_new_rows,
 );
 
 fn region() -> Region {
@@ -32,14 +33,20 @@ async fn the_2015_trace_is_stored_once(db: TestDb) {
     let rows = files::read_spot_file(&data(TRACE_2015)).unwrap();
     assert_eq!(rows.len(), 156_005);
     let first = db.store.ingest_spot_prices(&rows).await.unwrap();
-    assert_eq!((first.read, first.inserted, first.already_present), (156_005, 156_005, 0));
+    assert_eq!(
+        (first.read, first.inserted, first.already_present),
+        (156_005, 156_005, 0)
+    );
     assert_eq!(db.store.price_row_count().await.unwrap(), 156_005);
     let markets = db.store.markets(&MarketFilter::default()).await.unwrap();
     assert_eq!(markets.len(), 15);
     assert_eq!(markets.iter().map(|m| m.price_rows).sum::<i64>(), 156_005);
 
     let again = db.store.ingest_spot_prices(&rows).await.unwrap();
-    assert_eq!((again.read, again.inserted, again.already_present), (156_005, 0, 156_005));
+    assert_eq!(
+        (again.read, again.inserted, again.already_present),
+        (156_005, 0, 156_005)
+    );
     assert_eq!(db.store.price_row_count().await.unwrap(), 156_005);
 }
 
@@ -55,7 +62,9 @@ fn independent_mean(zone: &str, itype: &str) -> (f64, usize) {
     let mut end = i64::MIN;
     for line in text.lines().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
-        let t = chrono::DateTime::parse_from_rfc3339(f[0]).unwrap().timestamp_millis();
+        let t = chrono::DateTime::parse_from_rfc3339(f[0])
+            .unwrap()
+            .timestamp_millis();
         end = end.max(t);
         if f[1] == zone && f[2] == itype {
             mine.push((t, f[4].parse().unwrap()));
@@ -73,12 +82,21 @@ fn independent_mean(zone: &str, itype: &str) -> (f64, usize) {
 
 async fn stats_match_an_independent_time_weighted_mean(db: TestDb) {
     ingest_2015(&db).await;
-    let history = db.store.load_history(&MarketFilter::default(), None, None).await.unwrap();
+    let history = db
+        .store
+        .load_history(&MarketFilter::default(), None, None)
+        .await
+        .unwrap();
     let end = Timestamp(db.store.latest_price_time().await.unwrap().unwrap().0 + 1);
     for (zone, itype) in [("us-east-1a", "c3.xlarge"), ("us-east-1e", "r3.large")] {
         let market = Market::parse(&format!("{zone}/{itype}")).unwrap();
         let series = history.get(&market).expect("market loaded");
-        let od = history.on_demand().for_market(&market).unwrap().on_demand.get();
+        let od = history
+            .on_demand()
+            .for_market(&market)
+            .unwrap()
+            .on_demand
+            .get();
         let s = stats::market_stats(series, Timestamp::MIN, end, Some(od)).unwrap();
         let (expected, changes) = independent_mean(zone, itype);
         assert_eq!(s.changes, changes);
@@ -99,16 +117,31 @@ async fn on_demand_prices_are_upserted(db: TestDb) {
     let first = db.store.ingest_on_demand(&offers).await.unwrap();
     assert_eq!((first.read, first.inserted, first.updated), (5, 5, 0));
     let again = db.store.ingest_on_demand(&offers).await.unwrap();
-    assert_eq!((again.inserted, again.updated, again.already_present), (0, 0, 5));
+    assert_eq!(
+        (again.inserted, again.updated, again.already_present),
+        (0, 0, 5)
+    );
     let mut changed = offers.clone();
     changed[0].on_demand = UsdPerHour::new(9.0).unwrap();
     let third = db.store.ingest_on_demand(&changed).await.unwrap();
-    assert_eq!((third.inserted, third.updated, third.already_present), (0, 1, 4));
+    assert_eq!(
+        (third.inserted, third.updated, third.already_present),
+        (0, 1, 4)
+    );
     let catalog = db.store.on_demand_catalog().await.unwrap();
-    let c3 = catalog.get(&region(), &InstanceType::parse("c3.xlarge").unwrap()).unwrap();
+    let c3 = catalog
+        .get(&region(), &InstanceType::parse("c3.xlarge").unwrap())
+        .unwrap();
     assert_eq!(c3.vcpus, Some(4), "vCPUs filled from the built-in catalog");
     let changed_type = &changed[0].instance_type;
-    assert_eq!(catalog.get(&region(), changed_type).unwrap().on_demand.get(), 9.0);
+    assert_eq!(
+        catalog
+            .get(&region(), changed_type)
+            .unwrap()
+            .on_demand
+            .get(),
+        9.0
+    );
 }
 
 fn row(market: &str, t: i64, p: f64) -> SpotPriceRow {
@@ -129,12 +162,26 @@ async fn history_windows_carry_the_price_in_force(db: TestDb) {
     ];
     db.store.ingest_spot_prices(&rows).await.unwrap();
     let all = MarketFilter::default();
-    let h = db.store.load_history(&all, Some(Timestamp(2500)), Some(Timestamp(3000))).await.unwrap();
-    let a = h.get(&Market::parse("us-east-1a/c3.xlarge").unwrap()).unwrap();
-    assert_eq!(a.times(), &[Timestamp(2000)], "only the change in force at 2500; 3000 is past the end");
-    let b = h.get(&Market::parse("us-east-1b/c3.xlarge").unwrap()).unwrap();
+    let h = db
+        .store
+        .load_history(&all, Some(Timestamp(2500)), Some(Timestamp(3000)))
+        .await
+        .unwrap();
+    let a = h
+        .get(&Market::parse("us-east-1a/c3.xlarge").unwrap())
+        .unwrap();
+    assert_eq!(
+        a.times(),
+        &[Timestamp(2000)],
+        "only the change in force at 2500; 3000 is past the end"
+    );
+    let b = h
+        .get(&Market::parse("us-east-1b/c3.xlarge").unwrap())
+        .unwrap();
     assert_eq!(b.price_at(Timestamp(2500)), Some(7.0));
-    let m = h.get(&Market::parse("us-east-1b/m3.medium").unwrap()).unwrap();
+    let m = h
+        .get(&Market::parse("us-east-1b/m3.medium").unwrap())
+        .unwrap();
     assert_eq!(m.times(), &[Timestamp(2500)]);
 
     let only_m3 = MarketFilter {
@@ -159,9 +206,21 @@ async fn newest_times_are_per_market(db: TestDb) {
     db.store.ingest_spot_prices(&rows).await.unwrap();
     let newest = db.store.newest_price_times(&region()).await.unwrap();
     assert_eq!(newest.len(), 2);
-    assert_eq!(newest[&Market::parse("us-east-1a/c3.xlarge").unwrap()], Timestamp(4000));
-    assert_eq!(newest[&Market::parse("us-east-1b/c3.xlarge").unwrap()], Timestamp(3000));
-    assert!(db.store.newest_price_times(&Region::parse("eu-west-1").unwrap()).await.unwrap().is_empty());
+    assert_eq!(
+        newest[&Market::parse("us-east-1a/c3.xlarge").unwrap()],
+        Timestamp(4000)
+    );
+    assert_eq!(
+        newest[&Market::parse("us-east-1b/c3.xlarge").unwrap()],
+        Timestamp(3000)
+    );
+    assert!(
+        db.store
+            .newest_price_times(&Region::parse("eu-west-1").unwrap())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -170,6 +229,42 @@ async fn both_backends_build_the_same_schema() {
     let lite = TestDb::sqlite().await;
     let a = pg.store.schema().await.unwrap();
     let b = lite.store.schema().await.unwrap();
-    assert!(a.iter().any(|(t, c)| t == "spot_prices" && c == "usd_per_hour"));
-    assert_eq!(a, b, "Postgres and SQLite migrations must create the same tables and columns");
+    assert!(
+        a.iter()
+            .any(|(t, c)| t == "spot_prices" && c == "usd_per_hour")
+    );
+    assert_eq!(
+        a, b,
+        "Postgres and SQLite migrations must create the same tables and columns"
+    );
+}
+
+async fn overlapping_ingests_insert_only_new_rows(db: TestDb) {
+    let first = vec![
+        row("us-east-1a/c3.xlarge", 1000, 1.0),
+        row("us-east-1a/c3.xlarge", 2000, 2.0),
+    ];
+    db.store.ingest_spot_prices(&first).await.unwrap();
+    // An existing market with one old and one new change, a new market, and a duplicate row.
+    let second = vec![
+        row("us-east-1a/c3.xlarge", 2000, 2.0),
+        row("us-east-1a/c3.xlarge", 3000, 3.0),
+        row("us-east-1b/r3.large", 1500, 0.5),
+        row("us-east-1b/r3.large", 1500, 0.5),
+    ];
+    let counts = db.store.ingest_spot_prices(&second).await.unwrap();
+    assert_eq!(
+        (counts.read, counts.inserted, counts.already_present),
+        (4, 2, 2)
+    );
+    assert_eq!(db.store.price_row_count().await.unwrap(), 4);
+    let h = db
+        .store
+        .load_history(&MarketFilter::default(), None, None)
+        .await
+        .unwrap();
+    let a = h
+        .get(&Market::parse("us-east-1a/c3.xlarge").unwrap())
+        .unwrap();
+    assert_eq!(a.prices(), &[1.0, 2.0, 3.0]);
 }

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// The admin URL of the test Postgres cluster. Tests fail (not skip) without it: a green run
 /// must mean the Postgres paths were exercised.
 pub fn pg_admin_url() -> String {
-    std::env::var("PROTEUS_TEST_PG_URL")
-        .expect("PROTEUS_TEST_PG_URL is not set: run the suite through scripts/test, which starts Postgres")
+    std::env::var("PROTEUS_TEST_PG_URL").expect(
+        "PROTEUS_TEST_PG_URL is not set: run the suite through scripts/test, which starts Postgres",
+    )
 }
 
 pub fn localstack_url() -> String {
@@ -22,7 +23,12 @@ fn unique_name(prefix: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    format!("{prefix}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos)
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        nanos
+    )
 }
 
 /// A database that exists only for one test.
@@ -36,20 +42,37 @@ impl TestDb {
     pub async fn postgres() -> TestDb {
         let admin = pg_admin_url();
         let name = unique_name("proteus_test");
-        let admin_store = Store::connect(&admin).await.expect("connect to the test Postgres");
-        admin_store.execute_admin(&format!("CREATE DATABASE {name}")).await.expect("create test database");
+        let admin_store = Store::connect(&admin)
+            .await
+            .expect("connect to the test Postgres");
+        admin_store
+            .execute_admin(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
         admin_store.close().await;
-        let (base, _) = admin.rsplit_once('/').expect("admin URL has a database path");
+        let (base, _) = admin
+            .rsplit_once('/')
+            .expect("admin URL has a database path");
         let url = format!("{base}/{name}");
-        let store = Store::open(&url).await.expect("open fresh Postgres database");
-        TestDb { url, store, _dir: None }
+        let store = Store::open(&url)
+            .await
+            .expect("open fresh Postgres database");
+        TestDb {
+            url,
+            store,
+            _dir: None,
+        }
     }
 
     pub async fn sqlite() -> TestDb {
         let dir = tempfile::tempdir().expect("temp dir");
         let url = format!("sqlite://{}", dir.path().join("test.db").display());
         let store = Store::open(&url).await.expect("open fresh SQLite database");
-        TestDb { url, store, _dir: Some(dir) }
+        TestDb {
+            url,
+            store,
+            _dir: Some(dir),
+        }
     }
 }
 
@@ -78,7 +101,9 @@ macro_rules! on_both_backends {
 
 /// The repository's data directory.
 pub fn data(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data").join(path)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../data")
+        .join(path)
 }
 
 pub const TRACE_2015: &str = "spot/aws-us-east-1-2015-03-to-06.csv.gz";
