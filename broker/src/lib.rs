@@ -7,7 +7,10 @@
 //! - [`cli`]: the `proteus` commands.
 
 pub mod cli;
+pub mod clock;
+pub mod cloud;
 pub mod data;
+pub mod launcher;
 pub mod market;
 pub mod output;
 pub mod prices;

@@ -45,12 +45,17 @@ impl Table {
                 widths[i] = widths[i].max(cell.chars().count());
             }
         }
-        let is_number = |c: &str| c.starts_with(|c: char| c.is_ascii_digit() || c == '$' || c == '-' || c == '+');
+        let is_number = |c: &str| {
+            c.starts_with(|c: char| c.is_ascii_digit() || c == '$' || c == '-' || c == '+')
+        };
         let numeric: Vec<bool> = (0..cols)
             .map(|i| {
                 i > 0
                     && !self.rows.is_empty()
-                    && self.rows.iter().all(|r| r.get(i).is_none_or(|c| c.is_empty() || c == "?" || is_number(c)))
+                    && self.rows.iter().all(|r| {
+                        r.get(i)
+                            .is_none_or(|c| c.is_empty() || c == "?" || is_number(c))
+                    })
             })
             .collect();
         let mut out = String::new();
@@ -87,7 +92,11 @@ impl Table {
 }
 
 /// Prints `value` as JSON or `table` as a table or CSV, to stdout.
-pub fn emit<T: Serialize>(format: OutputFormat, value: &T, table: impl FnOnce() -> Table) -> anyhow::Result<()> {
+pub fn emit<T: Serialize>(
+    format: OutputFormat,
+    value: &T,
+    table: impl FnOnce() -> Table,
+) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     match format {
         OutputFormat::Json => {

@@ -5,12 +5,18 @@
 //! runs on each driver's native types. Backend-specific code is confined to where it pays, such
 //! as `COPY` for bulk price loads on Postgres.
 
+mod jobs;
 mod prices;
 
+pub use jobs::{
+    Cooldown, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob,
+};
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
@@ -113,7 +119,11 @@ impl Store {
                 .journal_mode(SqliteJournalMode::Wal)
                 .synchronous(SqliteSynchronous::Normal)
                 .busy_timeout(Duration::from_secs(10));
-            if let Some(dir) = options.get_filename().parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Some(dir) = options
+                .get_filename()
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+            {
                 std::fs::create_dir_all(dir).map_err(|source| StoreError::CreateDir {
                     dir: dir.to_path_buf(),
                     source,

@@ -12,6 +12,7 @@ pub fn pg_admin_url() -> String {
     )
 }
 
+#[cfg_attr(not(feature = "ec2"), allow(dead_code))]
 pub fn localstack_url() -> String {
     std::env::var("PROTEUS_TEST_LOCALSTACK_URL")
         .expect("PROTEUS_TEST_LOCALSTACK_URL is not set: run the suite through scripts/test, which starts LocalStack")

@@ -1,0 +1,314 @@
+//! The simulated cloud: a spot market that replays a price trace on the broker's clock.
+//!
+//! A spot instance runs while its bid is at least the market price. When the trace's price
+//! crosses the bid, the provider issues the two-minute warning and reclaims the instance two
+//! market minutes later, exactly as EC2 did in 2015. Because the clock may run hundreds of times
+//! faster than wall time, two market minutes can be a fraction of a wall second; the reclaim is
+//! therefore also held back until `min_notice` of *wall* time has passed since the warning, so
+//! that real agents get a real chance to hand over. Billing still uses the market time.
+
+use super::{Cloud, CloudError, CloudEvent, CloudInstance, CloudState, LaunchSpec};
+use crate::clock::SharedClock;
+use crate::market::{Market, Timestamp};
+use crate::prices::PriceHistory;
+use async_trait::async_trait;
+use proteus_wire::{JobId, Tier};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The notice EC2 gives before reclaiming a spot instance.
+pub const WARNING_SECS: f64 = 120.0;
+
+#[derive(Debug)]
+struct SimInstance {
+    instance_id: String,
+    job_id: JobId,
+    launched: Timestamp,
+    /// When the trace says the price crosses the bid (spot only).
+    warn_at: Option<Timestamp>,
+    warned_wall: Option<Instant>,
+    ended: Option<(Timestamp, bool)>,
+    ended_reported: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next: u64,
+    instances: BTreeMap<String, SimInstance>,
+}
+
+/// A cloud whose spot market is a trace.
+#[derive(Debug, Clone)]
+pub struct SimCloud {
+    trace: Arc<PriceHistory>,
+    clock: SharedClock,
+    min_notice: Duration,
+    state: Arc<Mutex<State>>,
+}
+
+impl SimCloud {
+    pub fn new(trace: Arc<PriceHistory>, clock: SharedClock, min_notice: Duration) -> Self {
+        SimCloud {
+            trace,
+            clock,
+            min_notice,
+            state: Arc::new(Mutex::new(State::default())),
+        }
+    }
+
+    pub fn trace(&self) -> &Arc<PriceHistory> {
+        &self.trace
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn price_now(&self, market: &Market, now: Timestamp) -> Result<f64, CloudError> {
+        self.trace
+            .get(market)
+            .and_then(|s| s.price_at(now))
+            .ok_or_else(|| CloudError::Call {
+                operation: "RunInstances",
+                message: format!("the simulated market {market} has no price at {now}"),
+            })
+    }
+}
+
+#[async_trait]
+impl Cloud for SimCloud {
+    fn kind(&self) -> &'static str {
+        "sim"
+    }
+
+    async fn launch(&self, spec: &LaunchSpec) -> Result<CloudInstance, CloudError> {
+        let now = self.clock.now();
+        let price = self.price_now(&spec.market, now)?;
+        let warn_at = match (spec.tier, spec.bid) {
+            (Tier::Reliable, _) => None,
+            (Tier::Transient, None) => {
+                return Err(CloudError::Call {
+                    operation: "RunInstances",
+                    message: "a spot launch needs a bid".into(),
+                });
+            }
+            (Tier::Transient, Some(bid)) => {
+                if bid.get() < price {
+                    return Err(CloudError::PriceTooLow {
+                        market: spec.market.to_string(),
+                        message: format!("bid {bid} is below the spot price ${price:.4}/h"),
+                    });
+                }
+                let series = self.trace.get(&spec.market).expect("priced above");
+                series.first_above(now, bid.get(), Timestamp::MAX)
+            }
+        };
+        let mut state = self.lock();
+        // Idempotent like EC2's ClientToken: the same broker id returns the same instance.
+        if let Some((cloud_id, i)) = state
+            .instances
+            .iter()
+            .find(|(_, i)| i.instance_id == spec.instance_id)
+        {
+            return Ok(describe_one(cloud_id, i));
+        }
+        state.next += 1;
+        let cloud_id = format!("sim-{:08x}", state.next);
+        let instance = SimInstance {
+            instance_id: spec.instance_id.clone(),
+            job_id: spec.job_id,
+            launched: now,
+            warn_at,
+            warned_wall: None,
+            ended: None,
+            ended_reported: false,
+        };
+        let described = describe_one(&cloud_id, &instance);
+        state.instances.insert(cloud_id, instance);
+        Ok(described)
+    }
+
+    async fn terminate(&self, cloud_ids: &[String]) -> Result<(), CloudError> {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        for id in cloud_ids {
+            if let Some(i) = state.instances.get_mut(id)
+                && i.ended.is_none()
+            {
+                i.ended = Some((now, false));
+            }
+        }
+        Ok(())
+    }
+
+    async fn describe(&self) -> Result<Vec<CloudInstance>, CloudError> {
+        let state = self.lock();
+        Ok(state
+            .instances
+            .iter()
+            .map(|(id, i)| describe_one(id, i))
+            .collect())
+    }
+
+    async fn events(&self) -> Result<Vec<CloudEvent>, CloudError> {
+        let now = self.clock.now();
+        let wall = Instant::now();
+        let mut state = self.lock();
+        let mut events = Vec::new();
+        for (cloud_id, i) in state.instances.iter_mut() {
+            if i.ended.is_none()
+                && let Some(warn_at) = i.warn_at
+                && warn_at <= now
+            {
+                let action_time = warn_at.plus_secs(WARNING_SECS);
+                let warned_wall = match i.warned_wall {
+                    Some(w) => w,
+                    None => {
+                        i.warned_wall = Some(wall);
+                        events.push(CloudEvent::Warning {
+                            cloud_id: cloud_id.clone(),
+                            at: warn_at,
+                            action_time,
+                        });
+                        wall
+                    }
+                };
+                if action_time <= now && wall.duration_since(warned_wall) >= self.min_notice {
+                    i.ended = Some((action_time, true));
+                }
+            }
+            if let Some((at, by_provider)) = i.ended
+                && !i.ended_reported
+            {
+                i.ended_reported = true;
+                events.push(CloudEvent::Ended {
+                    cloud_id: cloud_id.clone(),
+                    at,
+                    by_provider,
+                });
+            }
+        }
+        Ok(events)
+    }
+}
+
+fn describe_one(cloud_id: &str, i: &SimInstance) -> CloudInstance {
+    CloudInstance {
+        cloud_id: cloud_id.to_string(),
+        instance_id: Some(i.instance_id.clone()),
+        job_id: Some(i.job_id),
+        state: if i.ended.is_some() {
+            CloudState::Terminated
+        } else {
+            CloudState::Running
+        },
+        launched: Some(i.launched),
+        ended_by_provider: i.ended.is_some_and(|(_, p)| p),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::market::UsdPerHour;
+    use crate::prices::{OnDemandCatalog, PriceSeries};
+
+    fn cloud(clock: &ManualClock) -> SimCloud {
+        let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
+        let p = |v| UsdPerHour::new(v).unwrap();
+        let series = PriceSeries::new(
+            m,
+            vec![
+                (Timestamp(0), p(0.05)),
+                (Timestamp(3_600_000), p(0.5)),
+                (Timestamp(7_200_000), p(0.05)),
+            ],
+        );
+        let trace = PriceHistory::new(vec![series], OnDemandCatalog::default());
+        SimCloud::new(Arc::new(trace), Arc::new(clock.clone()), Duration::ZERO)
+    }
+
+    fn spec(id: &str, tier: Tier, bid: Option<f64>) -> LaunchSpec {
+        LaunchSpec {
+            instance_id: id.into(),
+            job_id: JobId(1),
+            market: Market::parse("us-east-1a/c3.xlarge").unwrap(),
+            tier,
+            bid: bid.map(|b| UsdPerHour::new(b).unwrap()),
+            agent_token: "t".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn spot_is_warned_then_reclaimed_when_the_price_crosses_the_bid() {
+        let clock = ManualClock::new(Timestamp(60_000));
+        let cloud = cloud(&clock);
+        let spot = cloud
+            .launch(&spec("a", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap();
+        let od = cloud
+            .launch(&spec("b", Tier::Reliable, None))
+            .await
+            .unwrap();
+        assert_eq!(
+            cloud
+                .launch(&spec("a", Tier::Transient, Some(0.1)))
+                .await
+                .unwrap()
+                .cloud_id,
+            spot.cloud_id
+        );
+        assert!(cloud.events().await.unwrap().is_empty());
+
+        clock.set(Timestamp(3_600_000));
+        let ev = cloud.events().await.unwrap();
+        assert_eq!(
+            ev,
+            vec![CloudEvent::Warning {
+                cloud_id: spot.cloud_id.clone(),
+                at: Timestamp(3_600_000),
+                action_time: Timestamp(3_720_000)
+            }]
+        );
+        clock.set(Timestamp(3_720_000));
+        let ev = cloud.events().await.unwrap();
+        assert_eq!(
+            ev,
+            vec![CloudEvent::Ended {
+                cloud_id: spot.cloud_id.clone(),
+                at: Timestamp(3_720_000),
+                by_provider: true
+            }]
+        );
+        assert!(cloud.events().await.unwrap().is_empty(), "reported once");
+
+        cloud
+            .terminate(std::slice::from_ref(&od.cloud_id))
+            .await
+            .unwrap();
+        let ev = cloud.events().await.unwrap();
+        assert_eq!(
+            ev,
+            vec![CloudEvent::Ended {
+                cloud_id: od.cloud_id.clone(),
+                at: Timestamp(3_720_000),
+                by_provider: false
+            }]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_bid_below_the_price_is_refused() {
+        let clock = ManualClock::new(Timestamp(3_700_000));
+        let cloud = cloud(&clock);
+        let err = cloud
+            .launch(&spec("a", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason(), "price-too-low");
+        assert!(err.cools_down_market());
+    }
+}

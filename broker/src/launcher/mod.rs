@@ -1,0 +1,299 @@
+//! The local launcher: where instances do not really boot (the simulated cloud, LocalStack), it
+//! starts one real `proteus-agent` process per instance and gives it an instance-metadata
+//! endpoint of its own, through which an interruption is announced exactly as EC2 would.
+//!
+//! Agents are the "VMs": they outlive a crash of the broker. Each agent's PID and metadata
+//! address are recorded (the PID in a file under the state directory, the address in the store),
+//! so a restarted broker re-adopts the agents that are still alive and serves their metadata on
+//! the same address again.
+
+pub mod metadata;
+
+use metadata::{InstanceFacts, MetadataServer};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum LaunchError {
+    #[error("cannot start the metadata endpoint for {instance}: {source}")]
+    Metadata {
+        instance: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start {bin} for {instance}: {source}")]
+    Spawn {
+        bin: PathBuf,
+        instance: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    State {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How agents are started.
+#[derive(Debug, Clone)]
+pub struct LauncherConfig {
+    /// The `proteus-agent` binary.
+    pub agent_bin: PathBuf,
+    /// The broker URL agents register with.
+    pub broker_url: String,
+    /// Where the agents find their data sets.
+    pub data_dir: PathBuf,
+    /// PID files and agent logs.
+    pub state_dir: PathBuf,
+    /// How often agents poll their metadata endpoint.
+    pub imds_poll_ms: u64,
+    /// How long before the announced action time agents leave.
+    pub exit_margin_secs: u64,
+    /// Log filter passed to agents.
+    pub agent_log: String,
+}
+
+impl LauncherConfig {
+    /// The agent binary next to the running `proteus` (as cargo and installs lay them out).
+    pub fn default_agent_bin() -> PathBuf {
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("proteus-agent")))
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("proteus-agent"))
+    }
+}
+
+#[derive(Debug)]
+struct LocalAgent {
+    pid: u32,
+    metadata: MetadataServer,
+}
+
+/// Starts, tracks and stops local agent processes.
+#[derive(Debug)]
+pub struct LocalLauncher {
+    config: LauncherConfig,
+    agents: Mutex<HashMap<String, LocalAgent>>,
+}
+
+impl LocalLauncher {
+    pub fn new(config: LauncherConfig) -> Result<Self, LaunchError> {
+        let dir = config.state_dir.join("agents");
+        std::fs::create_dir_all(&dir).map_err(|source| LaunchError::State { path: dir, source })?;
+        Ok(LocalLauncher {
+            config,
+            agents: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &LauncherConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, LocalAgent>> {
+        self.agents.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pid_file(&self, instance_id: &str) -> PathBuf {
+        self.config
+            .state_dir
+            .join("agents")
+            .join(format!("{instance_id}.pid"))
+    }
+
+    pub fn log_file(&self, instance_id: &str) -> PathBuf {
+        self.config
+            .state_dir
+            .join("agents")
+            .join(format!("{instance_id}.log"))
+    }
+
+    /// Starts the agent of an instance (or re-adopts it if its recorded process is still alive)
+    /// and returns its metadata address. `metadata_addr` reuses a recorded address.
+    pub async fn start(
+        &self,
+        instance_id: &str,
+        facts: InstanceFacts,
+        agent_token: &str,
+        metadata_addr: Option<SocketAddr>,
+    ) -> Result<SocketAddr, LaunchError> {
+        if let Some(a) = self.lock().get(instance_id) {
+            return Ok(a.metadata.addr());
+        }
+        let bind = metadata_addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+        let metadata = match MetadataServer::start(bind, facts.clone()).await {
+            Ok(m) => m,
+            // The recorded port may be taken by now; a fresh one only costs an adopted agent its
+            // notices, and a new agent nothing.
+            Err(_) if metadata_addr.is_some() => {
+                MetadataServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), facts)
+                    .await
+                    .map_err(|source| LaunchError::Metadata {
+                        instance: instance_id.to_string(),
+                        source,
+                    })?
+            }
+            Err(source) => {
+                return Err(LaunchError::Metadata {
+                    instance: instance_id.to_string(),
+                    source,
+                });
+            }
+        };
+        let addr = metadata.addr();
+        let pid = match self.recorded_live_pid(instance_id) {
+            Some(pid) => {
+                tracing::info!(instance = instance_id, pid, "re-adopted a running agent");
+                pid
+            }
+            None => self.spawn(instance_id, agent_token, &metadata.url())?,
+        };
+        self.lock()
+            .insert(instance_id.to_string(), LocalAgent { pid, metadata });
+        Ok(addr)
+    }
+
+    fn spawn(&self, instance_id: &str, agent_token: &str, imds: &str) -> Result<u32, LaunchError> {
+        let log_path = self.log_file(instance_id);
+        let state_err = |path: &Path, source| LaunchError::State {
+            path: path.to_path_buf(),
+            source,
+        };
+        let log = std::fs::File::create(&log_path).map_err(|e| state_err(&log_path, e))?;
+        let log2 = log.try_clone().map_err(|e| state_err(&log_path, e))?;
+        let mut cmd = std::process::Command::new(&self.config.agent_bin);
+        cmd.arg("--broker")
+            .arg(&self.config.broker_url)
+            .arg("--imds-endpoint")
+            .arg(imds)
+            .arg("--imds-poll-ms")
+            .arg(self.config.imds_poll_ms.to_string())
+            .arg("--exit-margin-secs")
+            .arg(self.config.exit_margin_secs.to_string())
+            .arg("--data-dir")
+            .arg(&self.config.data_dir)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--log")
+            .arg(&self.config.agent_log)
+            // The token goes by environment, not argv, so `ps` does not show it.
+            .env("PROTEUS_AGENT_TOKEN", agent_token)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        let child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            bin: self.config.agent_bin.clone(),
+            instance: instance_id.to_string(),
+            source,
+        })?;
+        let pid = child.id();
+        let pid_path = self.pid_file(instance_id);
+        std::fs::write(&pid_path, pid.to_string()).map_err(|e| state_err(&pid_path, e))?;
+        // Reap the child when it exits so it does not linger as a zombie.
+        std::thread::spawn(move || {
+            let mut child = child;
+            let _ = child.wait();
+        });
+        tracing::info!(instance = instance_id, pid, imds, "started agent");
+        Ok(pid)
+    }
+
+    fn recorded_live_pid(&self, instance_id: &str) -> Option<u32> {
+        let text = std::fs::read_to_string(self.pid_file(instance_id)).ok()?;
+        let pid: u32 = text.trim().parse().ok()?;
+        process_alive(pid).then_some(pid)
+    }
+
+    /// Sets the instance's `spot/instance-action` notice. Returns false for unknown instances.
+    pub fn announce_interruption(&self, instance_id: &str, time_rfc3339: &str) -> bool {
+        match self.lock().get(instance_id) {
+            Some(a) => {
+                a.metadata.announce_interruption(time_rfc3339);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn announce_rebalance(&self, instance_id: &str, time_rfc3339: &str) -> bool {
+        match self.lock().get(instance_id) {
+            Some(a) => {
+                a.metadata.announce_rebalance(time_rfc3339);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn metadata_url(&self, instance_id: &str) -> Option<String> {
+        self.lock().get(instance_id).map(|a| a.metadata.url())
+    }
+
+    pub fn is_running(&self, instance_id: &str) -> bool {
+        self.lock()
+            .get(instance_id)
+            .is_some_and(|a| process_alive(a.pid))
+    }
+
+    /// Stops an instance's agent: the VM is gone. SIGTERM, then SIGKILL after `grace`.
+    pub async fn stop(&self, instance_id: &str, grace: Duration) {
+        let agent = self.lock().remove(instance_id);
+        let pid = agent
+            .as_ref()
+            .map(|a| a.pid)
+            .or_else(|| self.recorded_live_pid(instance_id));
+        if let Some(pid) = pid {
+            terminate_process(pid, grace).await;
+        }
+        let _ = std::fs::remove_file(self.pid_file(instance_id));
+    }
+
+    /// Stops every agent this launcher knows about.
+    pub async fn stop_all(&self, grace: Duration) {
+        let ids: Vec<String> = self.lock().keys().cloned().collect();
+        for id in ids {
+            self.stop(&id, grace).await;
+        }
+    }
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    // A zombie (exited, not yet reaped) still "exists"; its /proc state says otherwise.
+    alive
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(true)
+}
+
+async fn terminate_process(pid: u32, grace: Duration) {
+    let Ok(raw) = i32::try_from(pid) else { return };
+    // SAFETY: sending a signal to a process id we started.
+    unsafe { libc::kill(raw, libc::SIGTERM) };
+    let deadline = tokio::time::Instant::now() + grace;
+    while tokio::time::Instant::now() < deadline {
+        if !process_alive(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(raw, libc::SIGKILL) };
+}

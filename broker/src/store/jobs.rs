@@ -1,0 +1,825 @@
+//! Jobs, instances, agents, events, ledger lines and market cool-downs: the live broker's state.
+//!
+//! The store is the broker's memory across crashes: an instance row is written before the cloud
+//! is asked for it, and every state change is written before it is acted on, so a restarted
+//! broker can rebuild its view from here and the cloud's tags.
+
+use super::{Context, Store, StoreError, with_db};
+use crate::market::{InstanceType, Market, Product, Timestamp, UsdPerHour, Zone};
+use proteus_wire::{JobId, Tier};
+use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
+
+macro_rules! string_enum {
+    ($(#[$doc:meta])* $name:ident { $($variant:ident => $text:literal),* $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($variant),* }
+
+        impl $name {
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),* }
+            }
+        }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result { f.write_str(self.as_str()) }
+        }
+        impl FromStr for $name {
+            type Err = StoreError;
+            fn from_str(s: &str) -> Result<Self, StoreError> {
+                match s {
+                    $($text => Ok($name::$variant),)*
+                    other => Err(StoreError::Invalid(format!(concat!("unknown ", stringify!($name), " `{}`"), other))),
+                }
+            }
+        }
+    };
+}
+
+string_enum!(
+    /// Where a job is in its life.
+    JobState {
+        Pending => "pending",
+        Running => "running",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Cancelled => "cancelled",
+    }
+);
+
+impl JobState {
+    pub fn is_over(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+}
+
+string_enum!(
+    /// Where an instance is in its life. `Requested` is the durable intent written before the
+    /// cloud call; only `Terminated` and `Failed` are final.
+    InstanceState {
+        Requested => "requested",
+        Running => "running",
+        Warned => "warned",
+        Terminating => "terminating",
+        Terminated => "terminated",
+        Failed => "failed",
+    }
+);
+
+impl InstanceState {
+    pub fn is_final(self) -> bool {
+        matches!(self, InstanceState::Terminated | InstanceState::Failed)
+    }
+}
+
+/// A job as stored.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobRow {
+    pub id: JobId,
+    pub name: String,
+    pub spec: String,
+    pub policy: String,
+    pub billing: String,
+    pub state: JobState,
+    pub state_reason: Option<String>,
+    pub budget_usd: Option<f64>,
+    pub deadline: Option<Timestamp>,
+    pub progress: f64,
+    pub metric: Option<String>,
+    pub control_state: Option<String>,
+    pub created: Timestamp,
+    pub started: Option<Timestamp>,
+    pub finished: Option<Timestamp>,
+}
+
+/// A new job to store.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    pub name: String,
+    pub spec: String,
+    pub policy: String,
+    pub billing: String,
+    pub budget_usd: Option<f64>,
+    pub deadline: Option<Timestamp>,
+    pub created: Timestamp,
+}
+
+/// An instance as stored.
+#[derive(Debug, Clone, Serialize)]
+pub struct InstanceRow {
+    /// The broker's own id: the cloud tag and idempotency token that ties a cloud instance back
+    /// to the decision that bought it.
+    pub id: String,
+    pub job_id: JobId,
+    pub cloud_id: Option<String>,
+    pub market: Market,
+    pub tier: Tier,
+    pub bid: Option<UsdPerHour>,
+    pub state: InstanceState,
+    #[serde(skip)]
+    pub token_hash: String,
+    pub requested: Timestamp,
+    pub launched: Option<Timestamp>,
+    pub warned: Option<Timestamp>,
+    pub ended: Option<Timestamp>,
+    pub end_reason: Option<String>,
+    pub ended_by_provider: bool,
+    pub launch_error: Option<String>,
+    /// The instance-metadata endpoint of a locally launched agent.
+    pub metadata_addr: Option<String>,
+}
+
+/// One event in a job's history.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventRow {
+    pub id: i64,
+    pub job_id: Option<JobId>,
+    pub instance_id: Option<String>,
+    pub time: Timestamp,
+    pub kind: String,
+    pub detail: String,
+}
+
+/// One billed segment of an instance.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LedgerLine {
+    pub instance_id: String,
+    pub start: Timestamp,
+    pub end: Timestamp,
+    pub usd_per_hour: f64,
+    pub amount_usd: f64,
+    pub free: bool,
+}
+
+/// A market the cloud refused recently.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Cooldown {
+    pub zone: Zone,
+    pub instance_type: InstanceType,
+    pub until: Timestamp,
+    pub reason: String,
+}
+
+type JobTuple = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<f64>,
+    Option<i64>,
+    f64,
+    Option<String>,
+    Option<String>,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
+
+const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
+     progress, metric, control_state, created_ms, started_ms, finished_ms";
+
+fn job_from(t: JobTuple) -> Result<JobRow, StoreError> {
+    Ok(JobRow {
+        id: JobId(t.0),
+        name: t.1,
+        spec: t.2,
+        policy: t.3,
+        billing: t.4,
+        state: t.5.parse()?,
+        state_reason: t.6,
+        budget_usd: t.7,
+        deadline: t.8.map(Timestamp),
+        progress: t.9,
+        metric: t.10,
+        control_state: t.11,
+        created: Timestamp(t.12),
+        started: t.13.map(Timestamp),
+        finished: t.14.map(Timestamp),
+    })
+}
+
+#[derive(sqlx::FromRow)]
+struct InstanceRecord {
+    id: String,
+    job_id: i64,
+    cloud_id: Option<String>,
+    availability_zone: String,
+    instance_type: String,
+    product: String,
+    tier: String,
+    bid_usd: Option<f64>,
+    state: String,
+    token_hash: String,
+    requested_ms: i64,
+    launched_ms: Option<i64>,
+    warned_ms: Option<i64>,
+    ended_ms: Option<i64>,
+    end_reason: Option<String>,
+    ended_by_provider: i64,
+    launch_error: Option<String>,
+    metadata_addr: Option<String>,
+}
+
+const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
+     state, token_hash, requested_ms, launched_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
+     metadata_addr";
+
+fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
+    let bad = |e: crate::market::InvalidValue| {
+        StoreError::Invalid(format!("stored instance {}: {e}", r.id))
+    };
+    Ok(InstanceRow {
+        market: Market::new(
+            Zone::parse(&r.availability_zone).map_err(bad)?,
+            InstanceType::parse(&r.instance_type).map_err(bad)?,
+            Product::parse(&r.product).map_err(bad)?,
+        ),
+        tier: r.tier.parse().map_err(StoreError::Invalid)?,
+        bid: r.bid_usd.map(UsdPerHour::new).transpose().map_err(bad)?,
+        state: r.state.parse()?,
+        id: r.id,
+        job_id: JobId(r.job_id),
+        cloud_id: r.cloud_id,
+        token_hash: r.token_hash,
+        requested: Timestamp(r.requested_ms),
+        launched: r.launched_ms.map(Timestamp),
+        warned: r.warned_ms.map(Timestamp),
+        ended: r.ended_ms.map(Timestamp),
+        end_reason: r.end_reason,
+        ended_by_provider: r.ended_by_provider != 0,
+        launch_error: r.launch_error,
+        metadata_addr: r.metadata_addr,
+    })
+}
+
+impl Store {
+    pub async fn create_job(&self, job: &NewJob) -> Result<JobId, StoreError> {
+        let id: i64 = with_db!(self, |pool| {
+            sqlx::query_scalar(
+                "INSERT INTO jobs (name, spec, policy, billing, state, budget_usd, deadline_ms, created_ms) \
+                 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7) RETURNING id",
+            )
+            .bind(&job.name)
+            .bind(&job.spec)
+            .bind(&job.policy)
+            .bind(&job.billing)
+            .bind(job.budget_usd)
+            .bind(job.deadline.map(|t| t.0))
+            .bind(job.created.0)
+            .fetch_one(pool)
+            .await
+            .context("creating a job")?
+        });
+        Ok(JobId(id))
+    }
+
+    pub async fn job(&self, id: JobId) -> Result<Option<JobRow>, StoreError> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
+        let row: Option<JobTuple> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(id.0)
+                .fetch_optional(pool)
+                .await
+                .context("reading a job")?
+        });
+        row.map(job_from).transpose()
+    }
+
+    /// Jobs, newest first; only unfinished ones when `active_only`.
+    pub async fn jobs(&self, active_only: bool) -> Result<Vec<JobRow>, StoreError> {
+        let filter = if active_only {
+            "WHERE state IN ('pending', 'running')"
+        } else {
+            ""
+        };
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs {filter} ORDER BY id DESC");
+        let rows: Vec<JobTuple> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(pool)
+                .await
+                .context("listing jobs")?
+        });
+        rows.into_iter().map(job_from).collect()
+    }
+
+    /// Moves a job to `state`. Final states are final: a finished job is never reopened, which
+    /// makes a racing cancel and completion harmless. Returns whether the row changed.
+    pub async fn set_job_state(
+        &self,
+        id: JobId,
+        state: JobState,
+        reason: Option<&str>,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE jobs SET state = $2, state_reason = COALESCE($3, state_reason), \
+                     started_ms = CASE WHEN $2 = 'running' AND started_ms IS NULL THEN $4 ELSE started_ms END, \
+                     finished_ms = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled') THEN $4 ELSE finished_ms END \
+                 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+            )
+            .bind(id.0)
+            .bind(state.as_str())
+            .bind(reason)
+            .bind(now.0)
+            .execute(pool)
+            .await
+            .context("changing a job's state")?
+            .rows_affected()
+        });
+        Ok(done > 0)
+    }
+
+    pub async fn set_job_progress(
+        &self,
+        id: JobId,
+        progress: f64,
+        metric: Option<&str>,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE jobs SET progress = $2, metric = COALESCE($3, metric) WHERE id = $1",
+            )
+            .bind(id.0)
+            .bind(progress)
+            .bind(metric)
+            .execute(pool)
+            .await
+            .context("recording job progress")?;
+        });
+        Ok(())
+    }
+
+    pub async fn save_control_state(&self, id: JobId, state: &str) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("UPDATE jobs SET control_state = $2 WHERE id = $1")
+                .bind(id.0)
+                .bind(state)
+                .execute(pool)
+                .await
+                .context("saving a job's control state")?;
+        });
+        Ok(())
+    }
+
+    /// Records the intent to buy an instance, before the cloud is asked.
+    pub async fn insert_instance(&self, i: &InstanceRow) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO instances (id, job_id, cloud_id, availability_zone, instance_type, product, tier, \
+                     bid_usd, state, token_hash, requested_ms, launched_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            )
+            .bind(&i.id)
+            .bind(i.job_id.0)
+            .bind(&i.cloud_id)
+            .bind(i.market.zone.as_str())
+            .bind(i.market.instance_type.as_str())
+            .bind(i.market.product.as_str())
+            .bind(i.tier.as_str())
+            .bind(i.bid.map(UsdPerHour::get))
+            .bind(i.state.as_str())
+            .bind(&i.token_hash)
+            .bind(i.requested.0)
+            .bind(i.launched.map(|t| t.0))
+            .execute(pool)
+            .await
+            .context("recording an instance")?;
+        });
+        Ok(())
+    }
+
+    pub async fn instance(&self, id: &str) -> Result<Option<InstanceRow>, StoreError> {
+        let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE id = $1");
+        let row: Option<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .fetch_optional(pool)
+                .await
+                .context("reading an instance")?
+        });
+        row.map(instance_from).transpose()
+    }
+
+    pub async fn instances_of_job(&self, job: JobId) -> Result<Vec<InstanceRow>, StoreError> {
+        let sql = format!(
+            "SELECT {INSTANCE_COLUMNS} FROM instances WHERE job_id = $1 ORDER BY requested_ms, id"
+        );
+        let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(job.0)
+                .fetch_all(pool)
+                .await
+                .context("listing a job's instances")?
+        });
+        rows.into_iter().map(instance_from).collect()
+    }
+
+    /// Every instance not yet in a final state, across jobs: what reconciliation checks.
+    pub async fn live_instances(&self) -> Result<Vec<InstanceRow>, StoreError> {
+        let sql = format!(
+            "SELECT {INSTANCE_COLUMNS} FROM instances WHERE state NOT IN ('terminated', 'failed') ORDER BY requested_ms, id"
+        );
+        let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(pool)
+                .await
+                .context("listing live instances")?
+        });
+        rows.into_iter().map(instance_from).collect()
+    }
+
+    pub async fn mark_launched(
+        &self,
+        id: &str,
+        cloud_id: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET cloud_id = $2, launched_ms = COALESCE(launched_ms, $3), \
+                     state = CASE WHEN state = 'requested' THEN 'running' ELSE state END WHERE id = $1",
+            )
+            .bind(id)
+            .bind(cloud_id)
+            .bind(at.0)
+            .execute(pool)
+            .await
+            .context("recording a launch")?;
+        });
+        Ok(())
+    }
+
+    pub async fn set_metadata_addr(&self, id: &str, addr: &str) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("UPDATE instances SET metadata_addr = $2 WHERE id = $1")
+                .bind(id)
+                .bind(addr)
+                .execute(pool)
+                .await
+                .context("recording a metadata endpoint")?;
+        });
+        Ok(())
+    }
+
+    pub async fn mark_launch_failed(
+        &self,
+        id: &str,
+        error: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET state = 'failed', launch_error = $2, ended_ms = $3, end_reason = 'launch failed' \
+                 WHERE id = $1 AND state = 'requested'",
+            )
+            .bind(id)
+            .bind(error)
+            .bind(at.0)
+            .execute(pool)
+            .await
+            .context("recording a failed launch")?;
+        });
+        Ok(())
+    }
+
+    pub async fn mark_warned(&self, id: &str, at: Timestamp) -> Result<bool, StoreError> {
+        let n = with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET state = 'warned', warned_ms = COALESCE(warned_ms, $2) \
+                 WHERE id = $1 AND state IN ('requested', 'running')",
+            )
+            .bind(id)
+            .bind(at.0)
+            .execute(pool)
+            .await
+            .context("recording a warning")?
+            .rows_affected()
+        });
+        Ok(n > 0)
+    }
+
+    /// Records that the broker asked the cloud to end an instance (the call may not have
+    /// completed; reconciliation finishes the job).
+    pub async fn mark_terminating(&self, id: &str, reason: &str) -> Result<bool, StoreError> {
+        let n = with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET state = 'terminating', end_reason = COALESCE(end_reason, $2) \
+                 WHERE id = $1 AND state IN ('requested', 'running', 'warned')",
+            )
+            .bind(id)
+            .bind(reason)
+            .execute(pool)
+            .await
+            .context("recording a termination request")?
+            .rows_affected()
+        });
+        Ok(n > 0)
+    }
+
+    /// Records the end of an instance. The first end recorded wins (times and who ended it).
+    pub async fn mark_ended(
+        &self,
+        id: &str,
+        at: Timestamp,
+        reason: &str,
+        by_provider: bool,
+    ) -> Result<bool, StoreError> {
+        let n = with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET state = 'terminated', ended_ms = $2, end_reason = COALESCE(end_reason, $3), \
+                     ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed')",
+            )
+            .bind(id)
+            .bind(at.0)
+            .bind(reason)
+            .bind(i64::from(by_provider))
+            .execute(pool)
+            .await
+            .context("recording the end of an instance")?
+            .rows_affected()
+        });
+        Ok(n > 0)
+    }
+
+    pub async fn upsert_agent(
+        &self,
+        instance_id: &str,
+        job: JobId,
+        data_addr: &str,
+        vcpus: u32,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO agents (instance_id, job_id, data_addr, vcpus, registered_ms, last_heartbeat_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $5) ON CONFLICT (instance_id) DO UPDATE SET \
+                 data_addr = excluded.data_addr, vcpus = excluded.vcpus, registered_ms = excluded.registered_ms",
+            )
+            .bind(instance_id)
+            .bind(job.0)
+            .bind(data_addr)
+            .bind(i64::from(vcpus))
+            .bind(at.0)
+            .execute(pool)
+            .await
+            .context("registering an agent")?;
+        });
+        Ok(())
+    }
+
+    pub async fn touch_agent(
+        &self,
+        instance_id: &str,
+        at: Timestamp,
+        samples_per_sec: f64,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("UPDATE agents SET last_heartbeat_ms = $2, samples_per_sec = $3 WHERE instance_id = $1")
+                .bind(instance_id)
+                .bind(at.0)
+                .bind(samples_per_sec)
+                .execute(pool)
+                .await
+                .context("recording a heartbeat")?;
+        });
+        Ok(())
+    }
+
+    pub async fn add_event(
+        &self,
+        job: Option<JobId>,
+        instance_id: Option<&str>,
+        at: Timestamp,
+        kind: &str,
+        detail: &str,
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("INSERT INTO events (job_id, instance_id, ts_ms, kind, detail) VALUES ($1, $2, $3, $4, $5)")
+                .bind(job.map(|j| j.0))
+                .bind(instance_id)
+                .bind(at.0)
+                .bind(kind)
+                .bind(detail)
+                .execute(pool)
+                .await
+                .context("recording an event")?;
+        });
+        Ok(())
+    }
+
+    pub async fn events_of_job(&self, job: JobId) -> Result<Vec<EventRow>, StoreError> {
+        let rows: Vec<(i64, Option<i64>, Option<String>, i64, String, String)> = with_db!(
+            self,
+            |pool| {
+                sqlx::query_as(
+                "SELECT id, job_id, instance_id, ts_ms, kind, detail FROM events WHERE job_id = $1 ORDER BY id",
+            )
+            .bind(job.0)
+            .fetch_all(pool)
+            .await
+            .context("listing a job's events")?
+            }
+        );
+        Ok(rows
+            .into_iter()
+            .map(|(id, job_id, instance_id, ts, kind, detail)| EventRow {
+                id,
+                job_id: job_id.map(JobId),
+                instance_id,
+                time: Timestamp(ts),
+                kind,
+                detail,
+            })
+            .collect())
+    }
+
+    /// Replaces an instance's ledger lines in one transaction: billing is recomputed from the
+    /// instance's whole life each time, so the ledger is always consistent with it.
+    pub async fn replace_ledger_lines(
+        &self,
+        job: JobId,
+        instance_id: &str,
+        lines: &[LedgerLine],
+    ) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            let mut tx = pool.begin().await.context("starting a ledger update")?;
+            sqlx::query("DELETE FROM ledger_lines WHERE instance_id = $1")
+                .bind(instance_id)
+                .execute(&mut *tx)
+                .await
+                .context("clearing ledger lines")?;
+            for l in lines {
+                sqlx::query(
+                    "INSERT INTO ledger_lines (job_id, instance_id, start_ms, end_ms, usd_per_hour, amount_usd, free) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                )
+                .bind(job.0)
+                .bind(instance_id)
+                .bind(l.start.0)
+                .bind(l.end.0)
+                .bind(l.usd_per_hour)
+                .bind(l.amount_usd)
+                .bind(i64::from(l.free))
+                .execute(&mut *tx)
+                .await
+                .context("writing ledger lines")?;
+            }
+            tx.commit().await.context("committing ledger lines")?;
+        });
+        Ok(())
+    }
+
+    pub async fn ledger_of_job(&self, job: JobId) -> Result<Vec<LedgerLine>, StoreError> {
+        let rows: Vec<(String, i64, i64, f64, f64, i64)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT instance_id, start_ms, end_ms, usd_per_hour, amount_usd, free FROM ledger_lines \
+                 WHERE job_id = $1 ORDER BY start_ms, instance_id",
+            )
+            .bind(job.0)
+            .fetch_all(pool)
+            .await
+            .context("reading a job's ledger")?
+        });
+        Ok(rows
+            .into_iter()
+            .map(|(instance_id, s, e, rate, amount, free)| LedgerLine {
+                instance_id,
+                start: Timestamp(s),
+                end: Timestamp(e),
+                usd_per_hour: rate,
+                amount_usd: amount,
+                free: free != 0,
+            })
+            .collect())
+    }
+
+    /// Total spend per job, from the ledger.
+    pub async fn spend_of_job(&self, job: JobId) -> Result<f64, StoreError> {
+        let total: Option<f64> = with_db!(self, |pool| {
+            sqlx::query_scalar("SELECT SUM(amount_usd) FROM ledger_lines WHERE job_id = $1")
+                .bind(job.0)
+                .fetch_one(pool)
+                .await
+                .context("summing a job's spend")?
+        });
+        Ok(total.unwrap_or(0.0))
+    }
+
+    pub async fn set_cooldown(&self, c: &Cooldown) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO market_cooldowns (availability_zone, instance_type, until_ms, reason) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (availability_zone, instance_type) DO UPDATE SET until_ms = excluded.until_ms, reason = excluded.reason",
+            )
+            .bind(c.zone.as_str())
+            .bind(c.instance_type.as_str())
+            .bind(c.until.0)
+            .bind(&c.reason)
+            .execute(pool)
+            .await
+            .context("recording a market cool-down")?;
+        });
+        Ok(())
+    }
+
+    pub async fn cooldowns(&self, now: Timestamp) -> Result<Vec<Cooldown>, StoreError> {
+        let rows: Vec<(String, String, i64, String)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT availability_zone, instance_type, until_ms, reason FROM market_cooldowns WHERE until_ms > $1",
+            )
+            .bind(now.0)
+            .fetch_all(pool)
+            .await
+            .context("reading market cool-downs")?
+        });
+        rows.into_iter()
+            .map(|(z, t, until, reason)| {
+                let bad = |e: crate::market::InvalidValue| {
+                    StoreError::Invalid(format!("stored cool-down: {e}"))
+                };
+                Ok(Cooldown {
+                    zone: Zone::parse(&z).map_err(bad)?,
+                    instance_type: InstanceType::parse(&t).map_err(bad)?,
+                    until: Timestamp(until),
+                    reason,
+                })
+            })
+            .collect()
+    }
+
+    /// The stored hash of a named API token, if one was generated.
+    pub async fn api_token_hash(&self, name: &str) -> Result<Option<String>, StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query_scalar("SELECT token_hash FROM api_tokens WHERE name = $1")
+                .bind(name)
+                .fetch_optional(pool)
+                .await
+                .context("reading the API token")
+        })
+    }
+
+    /// Stores a token hash unless one exists; returns the hash in force (a concurrent first
+    /// start keeps whichever was written first).
+    pub async fn init_api_token_hash(
+        &self,
+        name: &str,
+        hash: &str,
+        now: Timestamp,
+    ) -> Result<String, StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO api_tokens (name, token_hash, created_ms) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING",
+            )
+            .bind(name)
+            .bind(hash)
+            .bind(now.0)
+            .execute(pool)
+            .await
+            .context("storing the API token")?;
+        });
+        Ok(self
+            .api_token_hash(name)
+            .await?
+            .unwrap_or_else(|| hash.to_string()))
+    }
+
+    /// The instance whose agent token has this hash.
+    pub async fn instance_by_token_hash(
+        &self,
+        hash: &str,
+    ) -> Result<Option<InstanceRow>, StoreError> {
+        let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE token_hash = $1");
+        let row: Option<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(hash)
+                .fetch_optional(pool)
+                .await
+                .context("looking up an agent token")?
+        });
+        row.map(instance_from).transpose()
+    }
+
+    pub async fn instance_by_cloud_id(
+        &self,
+        cloud_id: &str,
+    ) -> Result<Option<InstanceRow>, StoreError> {
+        let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE cloud_id = $1");
+        let row: Option<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(cloud_id)
+                .fetch_optional(pool)
+                .await
+                .context("reading an instance by cloud id")?
+        });
+        row.map(instance_from).transpose()
+    }
+}
