@@ -5,6 +5,7 @@
 
 mod demo;
 mod prices;
+mod simulate;
 
 use crate::store::{Store, default_database_url};
 use anyhow::{Context, Result};
@@ -22,6 +23,7 @@ use std::process::ExitCode;
       proteus prices ingest --file data/spot/aws-us-east-1-2015-03-to-06.csv.gz \\\n      \
         --on-demand data/spot/on-demand-us-east-1-2015.csv\n  \
       proteus prices stats --instance-type c3.xlarge --output json\n  \
+      proteus simulate --job examples/jobs/reference-2015.toml --compare bidbrain standard-bidding on-demand\n  \
       PROTEUS_DATABASE_URL=postgres://localhost/proteus proteus db migrate"
 )]
 pub struct Cli {
@@ -66,6 +68,8 @@ pub enum Command {
     /// Spot and on-demand price history.
     #[command(subcommand)]
     Prices(prices::PricesCommand),
+    /// Replay a spot price trace against a job and policies; compare cost and runtime.
+    Simulate(simulate::SimulateArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,5 +117,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Prices(cmd) => prices::run(&cli.global, cmd).await,
+        Command::Simulate(args) => simulate::run(args),
     }
 }

@@ -1,0 +1,424 @@
+//! How an instance's life turns into money: the two billing models of AWS, as line items.
+//!
+//! Both the simulator and the live cost ledger call [`BillingModel::bill`], so a reported cost
+//! never depends on which of the two produced it.
+//!
+//! - [`BillingModel::Hourly2015`]: the spot market of the papers (until October 2017). Every
+//!   *started* instance-hour, counted from launch, is billed in full at the price in force at
+//!   the start of that hour. If the provider ends the instance (an eviction), the last, partial
+//!   hour is free; if the user ends it, the partial hour is charged in full. An hour that ran to
+//!   its end is always charged.
+//! - [`BillingModel::PerSecond`]: today's Linux billing. Every second is billed at the price in
+//!   force during it, with a minimum of 60 seconds per instance. Nothing is free.
+//!
+//! On-demand instances are billed by the same rules with a fixed price ([`PriceSource::Fixed`]);
+//! the provider never ends them, so the free partial hour does not arise in practice.
+
+use crate::market::{Timestamp, UsdPerHour};
+use crate::prices::PriceSeries;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+use thiserror::Error;
+
+/// One hour in milliseconds.
+pub const HOUR_MS: i64 = 3_600_000;
+/// The per-second model's minimum charge per instance, in milliseconds.
+pub const PER_SECOND_MINIMUM_MS: i64 = 60_000;
+
+/// A billing model, named in files and on the command line as `hourly-2015` or `per-second`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum BillingModel {
+    /// Per started hour at the price at the hour's start; the partial hour is free when the
+    /// provider ends the instance.
+    #[value(name = "hourly-2015")]
+    #[serde(rename = "hourly-2015")]
+    Hourly2015,
+    /// Per second at the price in force, 60 s minimum.
+    PerSecond,
+}
+
+impl BillingModel {
+    pub const ALL: [BillingModel; 2] = [BillingModel::Hourly2015, BillingModel::PerSecond];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BillingModel::Hourly2015 => "hourly-2015",
+            BillingModel::PerSecond => "per-second",
+        }
+    }
+
+    /// Whether an eviction makes the current billing period free. This is the lever BidBrain
+    /// pulls under `hourly-2015`: an allocation likely to be evicted is cheap in expectation.
+    pub fn provider_end_is_free(self) -> bool {
+        matches!(self, BillingModel::Hourly2015)
+    }
+
+    /// The end of the billing period that contains `now` for an instance launched at `launch`:
+    /// the next hour boundary (counted from launch) under `hourly-2015`; under `per-second`,
+    /// `now` itself, or the end of the 60 s minimum if that is later. A user who ends the
+    /// instance at or before this time pays for the period anyway, so a policy releases just
+    /// before it.
+    pub fn period_end(self, launch: Timestamp, now: Timestamp) -> Timestamp {
+        match self {
+            BillingModel::Hourly2015 => {
+                let elapsed = (now.0 - launch.0).max(0);
+                Timestamp(launch.0 + (elapsed / HOUR_MS + 1) * HOUR_MS)
+            }
+            BillingModel::PerSecond => Timestamp(now.0.max(launch.0 + PER_SECOND_MINIMUM_MS)),
+        }
+    }
+
+    /// The start of the billing period that contains `now` (the last hour boundary under
+    /// `hourly-2015`; `now` under `per-second`).
+    pub fn period_start(self, launch: Timestamp, now: Timestamp) -> Timestamp {
+        match self {
+            BillingModel::Hourly2015 => {
+                let elapsed = (now.0 - launch.0).max(0);
+                Timestamp(launch.0 + (elapsed / HOUR_MS) * HOUR_MS)
+            }
+            BillingModel::PerSecond => now,
+        }
+    }
+
+    /// Bills one instance: launched at `launch`, ended at `end` by `ended_by`, priced by `price`.
+    /// Returns the line items in time order. An instance that never ran (`end <= launch`) has
+    /// none, except under `per-second`, whose 60 s minimum applies to any launched instance
+    /// (`end == launch` still pays a minute).
+    pub fn bill(
+        self,
+        launch: Timestamp,
+        end: Timestamp,
+        ended_by: EndedBy,
+        price: PriceSource<'_>,
+    ) -> Result<Vec<LineItem>, BillingError> {
+        if end < launch {
+            return Err(BillingError::EndsBeforeLaunch { launch, end });
+        }
+        match self {
+            BillingModel::Hourly2015 => bill_hourly(launch, end, ended_by, price),
+            BillingModel::PerSecond => bill_per_second(launch, end, price),
+        }
+    }
+}
+
+impl fmt::Display for BillingModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for BillingModel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "hourly-2015" => Ok(BillingModel::Hourly2015),
+            "per-second" => Ok(BillingModel::PerSecond),
+            other => Err(format!(
+                "unknown billing model `{other}` (allowed: hourly-2015, per-second)"
+            )),
+        }
+    }
+}
+
+/// Who ended an instance. Under `hourly-2015` only the provider's ending makes the partial
+/// hour free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndedBy {
+    /// The cloud reclaimed the instance (a spot eviction or interruption).
+    Provider,
+    /// The user (or the broker on the user's behalf) terminated it.
+    User,
+}
+
+/// Where the price of an instance comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum PriceSource<'a> {
+    /// A price that never changes: on-demand.
+    Fixed(UsdPerHour),
+    /// The spot price of the instance's market, a step function of time.
+    Spot(&'a PriceSeries),
+}
+
+impl PriceSource<'_> {
+    fn at(&self, t: Timestamp) -> Result<f64, BillingError> {
+        match self {
+            PriceSource::Fixed(p) => Ok(p.get()),
+            PriceSource::Spot(series) => series.price_at(t).ok_or_else(|| BillingError::NoPrice {
+                market: series.market().to_string(),
+                at: t,
+            }),
+        }
+    }
+}
+
+/// One billed segment of an instance's life.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LineItem {
+    /// When the segment starts (an hour boundary counted from launch, or a price change).
+    pub start: Timestamp,
+    /// When the instance's use of the segment ends (the hour's end, a price change or the
+    /// instance's end). Under `hourly-2015` a partial last hour ends before `start + 1h`.
+    pub end: Timestamp,
+    /// The price the segment is billed at, USD per instance-hour.
+    pub price_usd_per_hour: f64,
+    /// Seconds charged: 3600 for every charged hour of `hourly-2015` (even a partial one), the
+    /// segment's length under `per-second` (topped up to the 60 s minimum), 0 when free.
+    pub billed_seconds: f64,
+    /// `price × billed_seconds / 3600`, never negative.
+    pub amount_usd: f64,
+    /// The provider ended the instance inside this hour, so it is not charged.
+    pub free: bool,
+}
+
+impl LineItem {
+    /// The instance-hours the segment covers (what the instance actually ran).
+    pub fn used_hours(&self) -> f64 {
+        self.end.secs_since(self.start) / 3600.0
+    }
+}
+
+/// Why an instance could not be billed.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum BillingError {
+    #[error("no spot price is known for {market} at {at} (the trace starts later)")]
+    NoPrice { market: String, at: Timestamp },
+    #[error("an instance cannot end ({end}) before it was launched ({launch})")]
+    EndsBeforeLaunch { launch: Timestamp, end: Timestamp },
+}
+
+/// Sums the amounts of line items.
+pub fn total_usd(items: &[LineItem]) -> f64 {
+    items.iter().map(|i| i.amount_usd).sum()
+}
+
+fn bill_hourly(
+    launch: Timestamp,
+    end: Timestamp,
+    ended_by: EndedBy,
+    price: PriceSource<'_>,
+) -> Result<Vec<LineItem>, BillingError> {
+    let mut items = Vec::with_capacity(((end.0 - launch.0) / HOUR_MS + 1) as usize);
+    let mut start = launch;
+    while start < end {
+        let full_end = Timestamp(start.0 + HOUR_MS);
+        let seg_end = full_end.min(end);
+        let partial = seg_end < full_end;
+        let free = partial && ended_by == EndedBy::Provider;
+        let p = price.at(start)?;
+        let billed_seconds = if free { 0.0 } else { 3600.0 };
+        items.push(LineItem {
+            start,
+            end: seg_end,
+            price_usd_per_hour: p,
+            billed_seconds,
+            amount_usd: p * billed_seconds / 3600.0,
+            free,
+        });
+        start = full_end;
+    }
+    Ok(items)
+}
+
+fn bill_per_second(
+    launch: Timestamp,
+    end: Timestamp,
+    price: PriceSource<'_>,
+) -> Result<Vec<LineItem>, BillingError> {
+    // Segment boundaries: launch, every price change strictly inside (launch, end), end.
+    let mut cuts = vec![launch];
+    if let PriceSource::Spot(series) = price {
+        let (times, _) = series.window(Timestamp(launch.0 + 1), end);
+        cuts.extend_from_slice(times);
+    }
+    cuts.push(end);
+    cuts.dedup();
+    let mut items = Vec::with_capacity(cuts.len());
+    if cuts.len() == 1 {
+        // Launched and ended at the same instant: a zero-length use, billed the minimum.
+        let p = price.at(launch)?;
+        items.push(segment(launch, end, p, 0.0));
+    } else {
+        for w in cuts.windows(2) {
+            let p = price.at(w[0])?;
+            items.push(segment(w[0], w[1], p, (w[1].0 - w[0].0) as f64 / 1000.0));
+        }
+    }
+    let used_ms = end.0 - launch.0;
+    if used_ms < PER_SECOND_MINIMUM_MS {
+        // The top-up to the minimum is charged at the last segment's price.
+        if let Some(last) = items.last_mut() {
+            last.billed_seconds += (PER_SECOND_MINIMUM_MS - used_ms) as f64 / 1000.0;
+            last.amount_usd = last.price_usd_per_hour * last.billed_seconds / 3600.0;
+        }
+    }
+    Ok(items)
+}
+
+fn segment(start: Timestamp, end: Timestamp, price: f64, secs: f64) -> LineItem {
+    LineItem {
+        start,
+        end,
+        price_usd_per_hour: price,
+        billed_seconds: secs,
+        amount_usd: price * secs / 3600.0,
+        free: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::market::Market;
+
+    const H: i64 = HOUR_MS;
+    const M: i64 = 60_000;
+
+    fn usd(v: f64) -> UsdPerHour {
+        UsdPerHour::new(v).unwrap()
+    }
+
+    /// Prices: 0.10 from t=0, 0.30 from 0:30, 0.20 from 1:10, 0.50 from 2:00 exactly.
+    fn series() -> PriceSeries {
+        PriceSeries::new(
+            Market::parse("us-east-1a/c3.xlarge").unwrap(),
+            vec![
+                (Timestamp(0), usd(0.10)),
+                (Timestamp(30 * M), usd(0.30)),
+                (Timestamp(70 * M), usd(0.20)),
+                (Timestamp(2 * H), usd(0.50)),
+            ],
+        )
+    }
+
+    fn amounts(items: &[LineItem]) -> Vec<(f64, bool)> {
+        items.iter().map(|i| ((i.amount_usd * 1e6).round() / 1e6, i.free)).collect()
+    }
+
+    #[test]
+    fn hourly_bills_each_started_hour_at_its_start_price() {
+        let s = series();
+        // Launched at 0:00, user ends at 2:15: hours start at 0:00 (0.10), 1:00 (0.30), 2:00 (0.50).
+        let items = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(2 * H + 15 * M), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.50, false)]);
+        assert_eq!(items[2].end, Timestamp(2 * H + 15 * M));
+        assert!((total_usd(&items) - 0.90).abs() < 1e-12);
+    }
+
+    #[test]
+    fn hourly_partial_hour_is_free_only_when_the_provider_ends_it() {
+        let s = series();
+        let evicted = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(2 * H + 15 * M), EndedBy::Provider, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&evicted), vec![(0.10, false), (0.30, false), (0.0, true)]);
+        assert_eq!(evicted[2].billed_seconds, 0.0);
+        assert!((evicted[2].used_hours() - 0.25).abs() < 1e-12);
+        // Evicted inside the first hour: the whole life is free.
+        let early = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(59 * M + 59_000), EndedBy::Provider, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&early), vec![(0.0, true)]);
+    }
+
+    #[test]
+    fn hourly_an_hour_that_ran_to_its_end_is_charged_even_on_eviction() {
+        let s = series();
+        let items = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(2 * H), EndedBy::Provider, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false)]);
+        // One millisecond into the third hour: that started hour is free when evicted...
+        let items = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(2 * H + 1), EndedBy::Provider, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.0, true)]);
+        // ...and charged in full, at 2:00's price, when the user ends it.
+        let items = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(2 * H + 1), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.50, false)]);
+    }
+
+    #[test]
+    fn hourly_hours_count_from_launch_not_the_clock() {
+        let s = series();
+        // Launched at 0:20: hours start at 0:20 (0.10), 1:20 (0.20); ended by user at 1:30.
+        let items = BillingModel::Hourly2015
+            .bill(Timestamp(20 * M), Timestamp(90 * M), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(amounts(&items), vec![(0.10, false), (0.20, false)]);
+        assert_eq!(items[1].start, Timestamp(80 * M));
+        assert_eq!(BillingModel::Hourly2015.period_end(Timestamp(20 * M), Timestamp(90 * M)), Timestamp(140 * M));
+        assert_eq!(BillingModel::Hourly2015.period_start(Timestamp(20 * M), Timestamp(90 * M)), Timestamp(80 * M));
+        // Exactly at a boundary, the new hour has started.
+        assert_eq!(BillingModel::Hourly2015.period_end(Timestamp(0), Timestamp(H)), Timestamp(2 * H));
+    }
+
+    #[test]
+    fn hourly_zero_length_life_costs_nothing_and_on_demand_is_fixed() {
+        let s = series();
+        assert!(BillingModel::Hourly2015
+            .bill(Timestamp(5), Timestamp(5), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap()
+            .is_empty());
+        let od = BillingModel::Hourly2015
+            .bill(Timestamp(0), Timestamp(3 * H - 1), EndedBy::User, PriceSource::Fixed(usd(0.21)))
+            .unwrap();
+        assert_eq!(od.len(), 3);
+        assert!((total_usd(&od) - 0.63).abs() < 1e-12);
+    }
+
+    #[test]
+    fn per_second_segments_at_price_changes() {
+        let s = series();
+        // 0:20 → 1:20: 10 min at 0.10, 40 min at 0.30, 10 min at 0.20.
+        let items = BillingModel::PerSecond
+            .bill(Timestamp(20 * M), Timestamp(80 * M), EndedBy::Provider, PriceSource::Spot(&s))
+            .unwrap();
+        let secs: Vec<f64> = items.iter().map(|i| i.billed_seconds).collect();
+        assert_eq!(secs, vec![600.0, 2400.0, 600.0]);
+        let expected = 0.10 / 6.0 + 0.30 * 40.0 / 60.0 + 0.20 / 6.0;
+        assert!((total_usd(&items) - expected).abs() < 1e-12);
+        assert!(items.iter().all(|i| !i.free), "per-second has no free hours");
+    }
+
+    #[test]
+    fn per_second_has_a_sixty_second_minimum() {
+        let s = series();
+        let items = BillingModel::PerSecond
+            .bill(Timestamp(0), Timestamp(10_000), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap();
+        assert_eq!(items.len(), 1);
+        assert_eq!(items[0].billed_seconds, 60.0);
+        assert!((items[0].amount_usd - 0.10 / 60.0).abs() < 1e-15);
+        // A minimum straddling a price change: 20 s at 0.10, then 10 s at 0.30 topped up by 30 s.
+        let items = BillingModel::PerSecond
+            .bill(Timestamp(30 * M - 20_000), Timestamp(30 * M + 10_000), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap();
+        let secs: Vec<f64> = items.iter().map(|i| i.billed_seconds).collect();
+        assert_eq!(secs, vec![20.0, 40.0]);
+        let zero = BillingModel::PerSecond
+            .bill(Timestamp(0), Timestamp(0), EndedBy::User, PriceSource::Fixed(usd(0.36)))
+            .unwrap();
+        assert!((total_usd(&zero) - 0.006).abs() < 1e-15);
+    }
+
+    #[test]
+    fn errors_are_clear() {
+        let s = series();
+        let err = BillingModel::Hourly2015
+            .bill(Timestamp(-H), Timestamp(0), EndedBy::User, PriceSource::Spot(&s))
+            .unwrap_err();
+        assert!(err.to_string().contains("no spot price is known for us-east-1a/c3.xlarge"), "{err}");
+        assert!(BillingModel::PerSecond
+            .bill(Timestamp(10), Timestamp(0), EndedBy::User, PriceSource::Spot(&s))
+            .is_err());
+        assert_eq!("per-second".parse::<BillingModel>(), Ok(BillingModel::PerSecond));
+        assert!("hourly".parse::<BillingModel>().unwrap_err().contains("allowed: hourly-2015, per-second"));
+    }
+}

@@ -1,0 +1,326 @@
+//! `proteus simulate`: run policies against a spot price trace and compare what they cost.
+
+use crate::billing::BillingModel;
+use crate::data;
+use crate::job::WorkModelSpec;
+use crate::market::{Region, Timestamp};
+use crate::market_model::{HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig};
+use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::policy::{PolicyKind, resolve_policy_path};
+use crate::sim::inputs::{check_policy, load_history};
+use crate::sim::sweep::{PolicyEntry, PolicySummary, run_sweep, start_times, summarize};
+use crate::sim::view::FutureReads;
+use crate::sim::world::HazardTruth;
+use crate::sim::{RunResult, Scenario, World};
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  \
+    # the paper's comparison on the 2015 trace, 50 start times\n  \
+    proteus simulate --job examples/jobs/reference-2015.toml --compare bidbrain standard-bidding on-demand \\\n      \
+      --starts 50 --seed 1\n  \
+    # one run from a given time, as JSON\n  \
+    proteus simulate --job examples/jobs/reference-2015.toml --policy bidbrain --start 2015-05-01T00:00:00Z --output json\n  \
+    # today's market: per-second billing, interruption-hazard model\n  \
+    proteus simulate --trace data/spot/aws-us-east-1-2021-03-to-05.csv.gz \\\n      \
+      --on-demand data/spot/on-demand-us-east-1-2021.csv --job examples/jobs/reference-2021.toml \\\n      \
+      --billing per-second --compare bidbrain standard-bidding on-demand --starts 50\n\n\
+    Policies are files (policies/*.toml) or bare names looked up in the repository's policies/\n\
+    directory. Ratios are medians over start times of per-start ratios; when the compared set has\n\
+    no on-demand or standard-bidding policy, the shipped one is run too, as the baseline.")]
+pub struct SimulateArgs {
+    /// Spot price trace (CSV or DescribeSpotPriceHistory JSON, plain or .gz).
+    /// Default: the repository's 2015 us-east-1 trace.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// On-demand price table. Default: the repository's 2015 table.
+    #[arg(long = "on-demand", value_name = "FILE")]
+    pub on_demand: Option<PathBuf>,
+    /// Region for on-demand rows without a region column.
+    #[arg(long, default_value = "us-east-1")]
+    pub region: String,
+    /// The policy to simulate (file or name).
+    #[arg(long, value_name = "POLICY", conflicts_with = "compare", required_unless_present = "compare")]
+    pub policy: Option<String>,
+    /// Several policies, run on the same start times.
+    #[arg(long, value_name = "POLICY", num_args = 1..)]
+    pub compare: Vec<String>,
+    /// The job's work model (TOML or JSON), e.g. examples/jobs/reference-2015.toml.
+    #[arg(long, value_name = "FILE")]
+    pub job: PathBuf,
+    /// One start time (RFC 3339 or YYYY-MM-DD) instead of a sweep.
+    #[arg(long, conflicts_with_all = ["starts"])]
+    pub start: Option<String>,
+    /// Number of start times, spread over the trace (one at random in each of N equal slices).
+    #[arg(long, default_value_t = 50)]
+    pub starts: usize,
+    /// Seed of the start times and of the interruption world.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Billing model.
+    #[arg(long, value_enum, default_value_t = BillingModel::Hourly2015)]
+    pub billing: BillingModel,
+    /// Market model and eviction world: `price` (2015: evicted when the price crosses the bid;
+    /// estimates replay history), `hazard` (today: per-pool interruptions; estimates learn from
+    /// them), or `auto` (price with hourly-2015, hazard with per-second).
+    #[arg(long, value_enum, default_value_t = ModelChoice::Auto)]
+    pub market_model: ModelChoice,
+    /// Look-back window of the price-driven model, days.
+    #[arg(long, default_value_t = 7.0)]
+    pub lookback_days: f64,
+    /// Hazard model prior: interruptions per instance-hour.
+    #[arg(long, default_value_t = HazardPrior::default().interruptions_per_instance_hour)]
+    pub hazard_prior: f64,
+    /// Hazard model prior weight, instance-hours.
+    #[arg(long, default_value_t = HazardPrior::default().weight_instance_hours)]
+    pub hazard_prior_weight: f64,
+    /// Multiplies the simulated world's true interruption rates (hazard world only).
+    #[arg(long, default_value_t = 1.0)]
+    pub hazard_scale: f64,
+    /// Trace time kept after each sweep start so the job can finish, hours.
+    /// Default: three times the job's on-demand runtime, at least 48.
+    #[arg(long)]
+    pub reserve_hours: Option<f64>,
+    /// Worker threads for sweeps. Default: the available cores.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Also write every run as JSON lines to this file.
+    #[arg(long, value_name = "FILE")]
+    pub runs_out: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModelChoice {
+    Auto,
+    Price,
+    Hazard,
+}
+
+pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    let began = Instant::now();
+    let region = Region::parse(&args.region).context("--region")?;
+    let trace = args
+        .trace
+        .clone()
+        .unwrap_or_else(|| data::data_dir().join("spot").join(data::TRACE_2015_NAME));
+    let on_demand = args
+        .on_demand
+        .clone()
+        .unwrap_or_else(|| data::data_dir().join("spot").join(data::ON_DEMAND_2015_NAME));
+    let history = Arc::new(load_history(&trace, &on_demand, &region)?);
+    if history.is_empty() {
+        bail!("{}: no price rows", trace.display());
+    }
+    let job_file = args.job.display().to_string();
+    let job = WorkModelSpec::load(&args.job)?.resolve(&job_file, history.on_demand(), &region)?;
+    for (t, _) in job.rates() {
+        if !history.markets().any(|m| &m.instance_type == t) {
+            eprintln!("warning: {job_file}: instance type {t} has no spot market in {}", trace.display());
+        }
+    }
+
+    // Policies: the ones asked for, plus the shipped baselines when ratios need them.
+    let asked: Vec<String> = match &args.policy {
+        Some(p) => vec![p.clone()],
+        None => args.compare.clone(),
+    };
+    let mut entries = Vec::new();
+    for name in &asked {
+        let path = resolve_policy_path(name)?;
+        entries.push(PolicyEntry::load(&path)?);
+    }
+    for (kind, name) in [(PolicyKind::OnDemand, "on-demand"), (PolicyKind::StandardBidding, "standard-bidding")] {
+        if !entries.iter().any(|e| e.kind == kind) {
+            match resolve_policy_path(name).map_err(anyhow::Error::from).and_then(|p| Ok(PolicyEntry::load(&p)?)) {
+                Ok(e) => entries.push(e),
+                Err(e) => eprintln!("warning: no {kind} baseline for the ratios: {e:#}"),
+            }
+        }
+    }
+    let trace_name = trace.display().to_string();
+    for e in &entries {
+        check_policy(e, &history, &job, &trace_name)?;
+    }
+
+    let kind = match (args.market_model, args.billing) {
+        (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => ModelChoice::Price,
+        _ => ModelChoice::Hazard,
+    };
+    let lookback_secs = args.lookback_days * 86_400.0;
+    if !(lookback_secs.is_finite() && lookback_secs > 0.0) {
+        bail!("--lookback-days must be positive");
+    }
+    let (model, world): (Box<dyn MarketModel>, World) = match kind {
+        ModelChoice::Price => {
+            let m = PriceDrivenModel::new(
+                history.clone(),
+                PriceModelConfig {
+                    lookback_secs,
+                    ..PriceModelConfig::default()
+                },
+            );
+            (Box::new(m), World::Price)
+        }
+        _ => {
+            let prior = HazardPrior {
+                interruptions_per_instance_hour: args.hazard_prior,
+                weight_instance_hours: args.hazard_prior_weight,
+            };
+            if !(prior.interruptions_per_instance_hour >= 0.0 && prior.weight_instance_hours >= 0.0) {
+                bail!("--hazard-prior and --hazard-prior-weight must be zero or positive");
+            }
+            let truth = HazardTruth {
+                scale: args.hazard_scale,
+                ..HazardTruth::default()
+            };
+            (Box::new(HazardModel::new(prior)), World::Hazard(truth))
+        }
+    };
+    let od_hours = job.total_work / job.full_speed() + job.startup_secs / 3600.0;
+    let scenario = Scenario::new(history.clone(), job, args.billing, world, model)?;
+    let (first, last) = scenario.span();
+
+    let starts: Vec<Timestamp> = match &args.start {
+        Some(s) => vec![Timestamp::parse(s).context("--start")?],
+        None => {
+            if args.starts == 0 {
+                bail!("--starts must be at least 1");
+            }
+            let reserve = args.reserve_hours.unwrap_or((3.0 * od_hours).max(48.0));
+            let lo = Timestamp(first.0 + lookback_secs as i64 * 1000);
+            let hi = Timestamp(last.0 - (reserve * 3_600_000.0) as i64);
+            if hi <= lo {
+                bail!(
+                    "the trace {} covers {:.1} days ({first} to {last}); the job needs {:.1} days of \
+                     look-back plus {:.1} hours to finish after each start (--reserve-hours): use a longer trace",
+                    trace.display(),
+                    last.secs_since(first) / 86_400.0,
+                    args.lookback_days,
+                    reserve
+                );
+            }
+            start_times(lo, hi, args.starts, args.seed)
+        }
+    };
+
+    let total_runs = (starts.len() * entries.len()) as u64;
+    let bar = indicatif::ProgressBar::new(total_runs);
+    if total_runs < 30 {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} simulating {pos}/{len} runs [{bar:30}] {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let results = run_sweep(&scenario, &entries, &starts, args.seed, threads, FutureReads::Refuse, &|| {
+        bar.inc(1)
+    })?;
+    bar.finish_and_clear();
+    let summaries = summarize(&results, scenario.job.total_work);
+
+    if let Some(path) = &args.runs_out {
+        write_runs(path, &results)?;
+    }
+    eprintln!(
+        "{} runs ({} policies × {} starts, {} to {}) on {} with {} billing and the {} model in {:.2} s",
+        total_runs,
+        entries.len(),
+        starts.len(),
+        starts.iter().min().map(Timestamp::to_string).unwrap_or_default(),
+        starts.iter().max().map(Timestamp::to_string).unwrap_or_default(),
+        trace.display(),
+        args.billing,
+        if kind == ModelChoice::Price { "price-driven" } else { "interruption-hazard" },
+        began.elapsed().as_secs_f64()
+    );
+    emit(args.output, &summaries, || summary_table(&summaries))?;
+    if args.output == OutputFormat::Table {
+        println!();
+        print!("{}", breakdown_table(&summaries).render());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> {
+    use std::io::Write;
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    for r in results.iter().flatten() {
+        serde_json::to_writer(&mut w, r)?;
+        writeln!(w)?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+fn ratio(v: Option<f64>) -> String {
+    v.map(pct).unwrap_or_else(|| "?".into())
+}
+
+fn summary_table(rows: &[PolicySummary]) -> Table {
+    let mut t = Table::new(&[
+        "policy",
+        "runs",
+        "cost median",
+        "cost p10–p90",
+        "hours median",
+        "hours p10–p90",
+        "evictions",
+        "reliable inst-h",
+        "transient inst-h",
+        "free inst-h",
+        "vs on-demand",
+        "vs standard",
+        "runtime vs std",
+    ]);
+    for s in rows {
+        t.push(vec![
+            s.policy.clone(),
+            s.runs.to_string(),
+            usd(s.median_cost_usd),
+            format!("{}–{}", usd(s.p10_cost_usd), usd(s.p90_cost_usd)),
+            format!("{:.2}", s.median_runtime_hours),
+            format!("{:.2}–{:.2}", s.p10_runtime_hours, s.p90_runtime_hours),
+            format!("{:.0}", s.median_evictions),
+            format!("{:.1}", s.median_instance_hours_reliable),
+            format!("{:.1}", s.median_instance_hours_transient),
+            format!("{:.1}", s.median_free_instance_hours),
+            ratio(s.cost_ratio_vs_on_demand),
+            ratio(s.cost_ratio_vs_standard),
+            ratio(s.runtime_ratio_vs_standard),
+        ]);
+    }
+    t
+}
+
+/// Where the money goes: price per unit of capacity, the share free hours waived, and how much
+/// of the paid capacity became useful work.
+fn breakdown_table(rows: &[PolicySummary]) -> Table {
+    let mut t = Table::new(&[
+        "policy",
+        "gross $/capacity-unit",
+        "free share",
+        "useful fraction",
+        "lost work (units)",
+    ]);
+    for s in rows {
+        t.push(vec![
+            s.policy.clone(),
+            format!("${:.4}", s.median_gross_usd_per_capacity_unit),
+            pct(s.median_free_share),
+            pct(s.median_useful_fraction),
+            format!("{:.1}", s.median_lost_work),
+        ]);
+    }
+    t
+}

@@ -1,0 +1,343 @@
+//! Policies: what to buy, where, at what bid, and when to let go.
+//!
+//! # How a scheduler drives a policy
+//!
+//! The simulator and the live scheduler run the same policy code through one trait, [`Policy`].
+//! A policy never touches a cloud, a database or a trace. On every control tick, and whenever
+//! something happens to the job's instances, the driver:
+//!
+//! 1. builds a [`MarketView`] at the current time `now` (prices in force, on-demand prices, the
+//!    market model's eviction estimates; nothing after `now` can be read through it);
+//! 2. describes the job's footprint as [`InstanceView`]s (market, tier, bid, launch time,
+//!    state: starting, running, or warned of termination) and its progress as [`JobProgress`];
+//! 3. calls [`Policy::decide`] (a tick) or [`Policy::on_event`] (an instance became ready, was
+//!    warned, was evicted, a launch failed) with a [`DecisionContext`];
+//! 4. applies the returned [`Decision`]: launches each [`Acquisition`] (count instances in a
+//!    market, on-demand or spot at the given bid), terminates each released instance, and asks
+//!    again no later than [`Decision::wake_at`] (BidBrain asks to be woken just before its
+//!    instances' billing hours end, which is when releasing is cheapest).
+//!
+//! The driver also asks [`Policy::eviction_cost`] once per job: how the job runs under this
+//! policy (AgileML, or checkpoint/restart for standard bidding), so progress and lost work are
+//! accounted the same way in simulation and in production.
+//!
+//! Decisions must be idempotent with respect to the footprint: a policy asks for what it wants
+//! *given* the instances it is shown, so a driver that crashed after launching can rebuild the
+//! footprint, ask again and not launch twice. Policies may keep small caches in `&mut self`
+//! (standard bidding remembers the market it settled on) but must behave sensibly when shown a
+//! footprint they did not create.
+//!
+//! Policies are data: `policies/*.toml`, loaded by [`load_policy_file`] (`kind` selects the
+//! implementation; see each config type for the documented keys).
+
+mod bidbrain;
+mod config;
+mod on_demand;
+mod standard;
+
+pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTypeChoice, ReliableTier};
+pub use config::{PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path};
+pub use on_demand::{OnDemandConfig, OnDemandPolicy};
+pub use standard::{RankBy, StandardBidding, StandardBiddingConfig};
+
+use crate::billing::BillingModel;
+use crate::job::{EvictionCost, JobModel};
+use crate::market::{InstanceType, Market, Timestamp, UsdPerHour};
+use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
+pub use proteus_wire::{InstanceId, Tier};
+use serde::Serialize;
+use std::fmt;
+use thiserror::Error;
+
+/// How an instance is bought. The tier follows from it: on-demand is reliable, spot transient.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "purchase", rename_all = "kebab-case")]
+pub enum Purchase {
+    /// On-demand at the list price; never taken away.
+    OnDemand,
+    /// Spot with a maximum price. Under the 2015 market the instance is evicted when the price
+    /// rises above `bid`; today the bid only caps what is paid.
+    Spot { bid: UsdPerHour },
+}
+
+impl Purchase {
+    pub fn tier(self) -> Tier {
+        match self {
+            Purchase::OnDemand => Tier::Reliable,
+            Purchase::Spot { .. } => Tier::Transient,
+        }
+    }
+
+    pub fn bid(self) -> Option<UsdPerHour> {
+        match self {
+            Purchase::OnDemand => None,
+            Purchase::Spot { bid } => Some(bid),
+        }
+    }
+}
+
+/// Where an instance is in its life, as far as the policy cares.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum InstanceState {
+    /// Launched, not yet doing work; expected to be ready at `ready_at`.
+    Starting { ready_at: Timestamp },
+    /// Doing work.
+    Running,
+    /// The provider announced its termination at `terminate_at`; it is handing its work over.
+    /// A policy may replace it; releasing it is pointless.
+    Warned { terminate_at: Timestamp },
+}
+
+/// One instance of the job's footprint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InstanceView {
+    pub id: InstanceId,
+    pub market: Market,
+    pub purchase: Purchase,
+    pub launched_at: Timestamp,
+    pub state: InstanceState,
+}
+
+impl InstanceView {
+    pub fn tier(&self) -> Tier {
+        self.purchase.tier()
+    }
+
+    /// Not warned: it will still be there unless the policy releases it or the market takes it.
+    pub fn is_active(&self) -> bool {
+        !matches!(self.state, InstanceState::Warned { .. })
+    }
+}
+
+/// How far the job has come.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct JobProgress {
+    /// Work done and not lost, units.
+    pub done_work: f64,
+    pub total_work: f64,
+    /// When the job was submitted.
+    pub started_at: Timestamp,
+}
+
+impl JobProgress {
+    pub fn remaining(&self) -> f64 {
+        (self.total_work - self.done_work).max(0.0)
+    }
+}
+
+/// A read of the past that the view refuses.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ViewError {
+    #[error("read of {market} at {requested} is after the decision time {now}")]
+    Future {
+        market: String,
+        requested: Timestamp,
+        now: Timestamp,
+    },
+}
+
+/// The market as of `now()`. Implementations must not reveal anything after `now()`: reads at a
+/// later time fail with [`ViewError::Future`], and eviction estimates use only the past.
+pub trait MarketView {
+    /// The decision time.
+    fn now(&self) -> Timestamp;
+    /// Every spot market with a known price at `now()`.
+    fn markets(&self) -> Vec<&Market>;
+    /// The spot price in force at `now()`, if the market has one.
+    fn spot_price(&self, market: &Market) -> Option<UsdPerHour>;
+    /// The spot price in force at `at ≤ now()`.
+    fn spot_price_at(&self, market: &Market, at: Timestamp) -> Result<Option<UsdPerHour>, ViewError>;
+    /// The time-weighted mean spot price over `[since, now()]`, if any price is known in it.
+    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError>;
+    /// The on-demand price of the market's instance type in its region.
+    fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour>;
+    /// Which market model answers [`MarketView::eviction`].
+    fn model_kind(&self) -> ModelKind;
+    /// Eviction risk over `horizon_secs` from `now()` of an instance whose bid is
+    /// `bid_delta_usd` above the current price.
+    fn eviction(&self, market: &Market, bid_delta_usd: f64, horizon_secs: f64)
+    -> Result<EvictionEstimate, ModelError>;
+    /// [`MarketView::eviction`] for several deltas of one market at once (appends to `out`);
+    /// implementations override it when a batch is cheaper.
+    fn eviction_many(
+        &self,
+        market: &Market,
+        bid_deltas_usd: &[f64],
+        horizon_secs: f64,
+        out: &mut Vec<EvictionEstimate>,
+    ) -> Result<(), ModelError> {
+        for &d in bid_deltas_usd {
+            out.push(self.eviction(market, d, horizon_secs)?);
+        }
+        Ok(())
+    }
+}
+
+/// Everything a policy may look at for one decision.
+pub struct DecisionContext<'a> {
+    pub market: &'a dyn MarketView,
+    pub job: &'a JobModel,
+    pub progress: JobProgress,
+    /// The job's current instances, warned ones included; terminated ones are gone.
+    pub footprint: &'a [InstanceView],
+    pub billing: BillingModel,
+}
+
+impl DecisionContext<'_> {
+    /// The decision time (the market view's clock; there is no other).
+    pub fn now(&self) -> Timestamp {
+        self.market.now()
+    }
+}
+
+/// Why the policy is being asked outside a tick.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyEvent {
+    /// These instances finished starting and are doing work.
+    Ready(Vec<InstanceId>),
+    /// The provider announced these instances' termination (2015: the price crossed the bid;
+    /// today: an interruption notice). They stop working and leave at their deadline.
+    Warned(Vec<InstanceId>),
+    /// These instances are gone (after their warning, or without one).
+    Evicted(Vec<InstanceId>),
+    /// A launch the policy asked for did not happen (e.g. the bid is below the current price,
+    /// or the cloud has no capacity).
+    LaunchFailed { market: Market, reason: String },
+}
+
+/// Instances to launch in one market.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Acquisition {
+    pub market: Market,
+    #[serde(flatten)]
+    pub purchase: Purchase,
+    pub count: u32,
+}
+
+impl Acquisition {
+    pub fn tier(&self) -> Tier {
+        self.purchase.tier()
+    }
+}
+
+/// What a policy wants done now.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Decision {
+    pub acquire: Vec<Acquisition>,
+    /// Instances to terminate now (by the user, for billing purposes).
+    pub release: Vec<InstanceId>,
+    /// Ask again no later than this (in addition to the driver's own ticks and events).
+    pub wake_at: Option<Timestamp>,
+}
+
+impl Decision {
+    pub fn is_empty(&self) -> bool {
+        self.acquire.is_empty() && self.release.is_empty()
+    }
+}
+
+/// The kinds of policy this broker implements; the comparison reports ratios against the
+/// on-demand and standard-bidding kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    #[serde(rename = "bidbrain")]
+    BidBrain,
+    OnDemand,
+    StandardBidding,
+}
+
+impl PolicyKind {
+    pub const ALLOWED: &'static str = "bidbrain, on-demand, standard-bidding";
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::BidBrain => "bidbrain",
+            PolicyKind::OnDemand => "on-demand",
+            PolicyKind::StandardBidding => "standard-bidding",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a policy could not decide.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum PolicyError {
+    #[error("no market of the job's instance types ({types}) has a price at {now}")]
+    NoMarket { types: String, now: Timestamp },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    View(#[from] ViewError),
+}
+
+/// A policy: see the module documentation for how it is driven.
+pub trait Policy: Send {
+    /// The name it is reported under (the file's `name`, or its stem).
+    fn name(&self) -> &str;
+
+    fn kind(&self) -> PolicyKind;
+
+    /// How the job runs under this policy: what an eviction costs it.
+    fn eviction_cost(&self, job: &JobModel) -> EvictionCost;
+
+    /// Markets the policy's file names explicitly; the driver checks they have prices.
+    fn named_markets(&self) -> Vec<Market> {
+        Vec::new()
+    }
+
+    /// Instance types the policy's file names explicitly; the driver checks the job has them.
+    fn named_instance_types(&self) -> Vec<InstanceType> {
+        Vec::new()
+    }
+
+    /// A control tick: what to acquire and release now.
+    fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError>;
+
+    /// Something happened to the footprint. The default reacts like a tick (every policy here
+    /// replaces lost capacity through `decide`); override to react differently, e.g. to
+    /// replace a warned instance before it is gone.
+    fn on_event(&mut self, ctx: &DecisionContext<'_>, event: &PolicyEvent) -> Result<Decision, PolicyError> {
+        let _ = event;
+        self.decide(ctx)
+    }
+}
+
+/// Units of work per hour of an instance of `market` for this job, or `None` if the job does
+/// not run on its type.
+pub(crate) fn rate_of(job: &JobModel, market: &Market) -> Option<f64> {
+    job.rate(&market.instance_type)
+}
+
+/// The lowest on-demand price per unit of work over the job's types present in the view, with
+/// the market (zone) to buy it in. Ties go to the faster type (fewer instances for the speed).
+pub(crate) fn cheapest_on_demand<'a>(
+    view: &'a dyn MarketView,
+    job: &JobModel,
+    only: Option<&InstanceType>,
+) -> Option<(&'a Market, f64, f64)> {
+    let mut best: Option<(&Market, f64, f64)> = None;
+    for m in view.markets() {
+        if only.is_some_and(|t| *t != m.instance_type) {
+            continue;
+        }
+        let (Some(rate), Some(od)) = (rate_of(job, m), view.on_demand_price(m)) else {
+            continue;
+        };
+        let per_unit = od.get() / rate;
+        let better = match best {
+            None => true,
+            Some((_, b, r)) => per_unit < b - 1e-12 || ((per_unit - b).abs() <= 1e-12 && rate > r),
+        };
+        if better {
+            best = Some((m, per_unit, rate));
+        }
+    }
+    best
+}

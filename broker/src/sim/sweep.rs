@@ -1,0 +1,251 @@
+//! Many runs: several policies over the same start times, and what they add up to.
+
+use super::{RunOptions, RunResult, Scenario, SimError, run};
+use crate::market::Timestamp;
+use crate::policy::{Policy, PolicyKind, PolicyLoadError, PolicySpec};
+use crate::sim::view::FutureReads;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A policy file, loaded once and instantiated afresh for every run (policies keep state).
+#[derive(Debug, Clone)]
+pub struct PolicyEntry {
+    pub name: String,
+    pub kind: PolicyKind,
+    pub file: String,
+    spec: PolicySpec,
+}
+
+impl PolicyEntry {
+    pub fn load(path: &Path) -> Result<Self, PolicyLoadError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyLoadError::Io {
+            file: file.clone(),
+            source,
+        })?;
+        Self::parse(&file, &text)
+    }
+
+    pub fn parse(file: &str, text: &str) -> Result<Self, PolicyLoadError> {
+        let spec: PolicySpec = toml::from_str(text).map_err(|e| PolicyLoadError::Syntax {
+            file: file.to_string(),
+            problem: e.to_string().trim_end().to_string(),
+        })?;
+        // Build once now so that every error surfaces before any run.
+        let built = crate::policy::parse_policy(file, text)?;
+        Ok(PolicyEntry {
+            name: built.name().to_string(),
+            kind: spec.kind(),
+            file: file.to_string(),
+            spec,
+        })
+    }
+
+    /// A fresh instance of the policy.
+    pub fn build(&self) -> Result<Box<dyn Policy>, PolicyLoadError> {
+        let stem = Path::new(&self.file)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.name.clone());
+        self.spec.clone().build(&self.file, &stem)
+    }
+}
+
+/// `n` start times spread over `[first, last]`: one uniformly random time in each of `n` equal
+/// strata, so that every part of the trace is represented and the seed makes it repeatable.
+pub fn start_times(first: Timestamp, last: Timestamp, n: usize, seed: u64) -> Vec<Timestamp> {
+    if n == 0 || last <= first {
+        return Vec::new();
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let width = (last.0 - first.0) as f64 / n as f64;
+    (0..n)
+        .map(|k| Timestamp(first.0 + (width * (k as f64 + rng.random::<f64>())) as i64))
+        .collect()
+}
+
+/// The seed of the run at start index `k` (the same for every policy at that start, so they
+/// meet the same world).
+pub fn run_seed(seed: u64, k: usize) -> u64 {
+    let mut z = seed ^ (k as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Runs every policy from every start time on `threads` threads. `results[p][k]` is policy `p`
+/// from start `k`. `on_done` is called after each run (progress bars).
+pub fn run_sweep(
+    scenario: &Scenario,
+    policies: &[PolicyEntry],
+    starts: &[Timestamp],
+    seed: u64,
+    threads: usize,
+    future_reads: FutureReads,
+    on_done: &(dyn Fn() + Sync),
+) -> Result<Vec<Vec<RunResult>>, SimError> {
+    let jobs: Vec<(usize, usize)> = (0..starts.len())
+        .flat_map(|k| (0..policies.len()).map(move |p| (p, k)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let slots: Mutex<Vec<Option<Result<RunResult, SimError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let worker = || {
+        loop {
+            let j = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(p, k)) = jobs.get(j) else { break };
+            let options = RunOptions {
+                seed: run_seed(seed, k),
+                future_reads,
+                record_decisions: false,
+            };
+            let outcome = match policies[p].build() {
+                Ok(mut policy) => run(scenario, policy.as_mut(), starts[k], &options),
+                Err(e) => Err(SimError::PolicyFile(e.to_string())),
+            };
+            if let Ok(mut s) = slots.lock() {
+                s[j] = Some(outcome);
+            }
+            on_done();
+        }
+    };
+    let threads = threads.clamp(1, jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(worker);
+        }
+        worker();
+    });
+    let slots = slots.into_inner().unwrap_or_else(|poison| poison.into_inner());
+    let mut results: Vec<Vec<RunResult>> = policies.iter().map(|_| Vec::with_capacity(starts.len())).collect();
+    for (slot, &(p, _)) in slots.into_iter().zip(&jobs) {
+        match slot {
+            Some(Ok(r)) => results[p].push(r),
+            Some(Err(e)) => return Err(e),
+            None => return Err(SimError::Runaway(0)),
+        }
+    }
+    Ok(results)
+}
+
+/// Percentile (0–100) with linear interpolation between order statistics.
+pub fn percentile(values: &[f64], pct: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v: Vec<f64> = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let pos = (pct / 100.0).clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+}
+
+/// One policy over all start times.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicySummary {
+    pub policy: String,
+    pub kind: PolicyKind,
+    pub runs: usize,
+    pub median_cost_usd: f64,
+    pub p10_cost_usd: f64,
+    pub p90_cost_usd: f64,
+    pub median_runtime_hours: f64,
+    pub p10_runtime_hours: f64,
+    pub p90_runtime_hours: f64,
+    pub median_evictions: f64,
+    pub median_instance_hours_reliable: f64,
+    pub median_instance_hours_transient: f64,
+    pub median_free_instance_hours: f64,
+    /// Median over starts of this policy's cost / the on-demand policy's cost at that start.
+    pub cost_ratio_vs_on_demand: Option<f64>,
+    /// Median over starts of this policy's cost / standard bidding's cost at that start.
+    pub cost_ratio_vs_standard: Option<f64>,
+    /// Median over starts of this policy's runtime / standard bidding's runtime.
+    pub runtime_ratio_vs_standard: Option<f64>,
+    /// Where the money goes (medians): the price paid per unit of capacity before free hours…
+    pub median_gross_usd_per_capacity_unit: f64,
+    /// …the share of that gross charge that free hours waived…
+    pub median_free_share: f64,
+    /// …and the share of paid capacity that became useful work (start-up, stalls, lost work
+    /// and idle warned time are the rest).
+    pub median_useful_fraction: f64,
+    pub median_lost_work: f64,
+}
+
+/// Summarises `results[p][k]`; ratios are against the first policy of each baseline kind.
+pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySummary> {
+    let baseline = |kind: PolicyKind| results.iter().find(|r| r.first().is_some_and(|x| x.kind == kind));
+    let od = baseline(PolicyKind::OnDemand);
+    let sb = baseline(PolicyKind::StandardBidding);
+    results
+        .iter()
+        .filter(|runs| !runs.is_empty())
+        .map(|runs| {
+            let col = |f: &dyn Fn(&RunResult) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
+            let costs = col(&|r| r.cost_usd);
+            let times = col(&|r| r.runtime_hours);
+            let ratio = |base: Option<&Vec<RunResult>>, f: &dyn Fn(&RunResult) -> f64| {
+                base.map(|b| {
+                    let v: Vec<f64> = runs.iter().zip(b).map(|(r, b)| f(r) / f(b)).collect();
+                    percentile(&v, 50.0)
+                })
+            };
+            PolicySummary {
+                policy: runs[0].policy.clone(),
+                kind: runs[0].kind,
+                runs: runs.len(),
+                median_cost_usd: percentile(&costs, 50.0),
+                p10_cost_usd: percentile(&costs, 10.0),
+                p90_cost_usd: percentile(&costs, 90.0),
+                median_runtime_hours: percentile(&times, 50.0),
+                p10_runtime_hours: percentile(&times, 10.0),
+                p90_runtime_hours: percentile(&times, 90.0),
+                median_evictions: percentile(&col(&|r| f64::from(r.evictions)), 50.0),
+                median_instance_hours_reliable: percentile(&col(&|r| r.instance_hours_reliable), 50.0),
+                median_instance_hours_transient: percentile(&col(&|r| r.instance_hours_transient), 50.0),
+                median_free_instance_hours: percentile(&col(&|r| r.free_instance_hours), 50.0),
+                cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd),
+                cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd),
+                runtime_ratio_vs_standard: ratio(sb, &|r| r.runtime_hours),
+                median_gross_usd_per_capacity_unit: percentile(
+                    &col(&|r| (r.cost_usd + r.free_value_usd) / r.capacity_units.max(1e-9)),
+                    50.0,
+                ),
+                median_free_share: percentile(
+                    &col(&|r| r.free_value_usd / (r.cost_usd + r.free_value_usd).max(1e-12)),
+                    50.0,
+                ),
+                median_useful_fraction: percentile(&col(&|r| total_work / r.capacity_units.max(1e-9)), 50.0),
+                median_lost_work: percentile(&col(&|r| r.lost_work), 50.0),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_interpolate() {
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 10.0), 1.4);
+        assert_eq!(percentile(&v, 100.0), 5.0);
+        assert!(percentile(&[], 50.0).is_nan());
+    }
+
+    #[test]
+    fn start_times_are_stratified_and_repeatable() {
+        let s = start_times(Timestamp(0), Timestamp(1000), 10, 7);
+        assert_eq!(s, start_times(Timestamp(0), Timestamp(1000), 10, 7));
+        assert_ne!(s, start_times(Timestamp(0), Timestamp(1000), 10, 8));
+        for (k, t) in s.iter().enumerate() {
+            assert!(t.0 >= k as i64 * 100 && t.0 < (k as i64 + 1) * 100, "{k}: {t:?}");
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! The market as a policy sees it during a simulation: the trace up to the decision time.
+
+use crate::market::{Market, Timestamp, UsdPerHour};
+use crate::market_model::{EvictionEstimate, MarketModel, ModelError, ModelKind};
+use crate::policy::{MarketView, ViewError};
+use crate::prices::{PriceHistory, PriceSeries};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The markets of a trace with what every view needs precomputed: on-demand prices by market
+/// and the first price time of each (a market "exists" for a view only from then on).
+#[derive(Debug, Clone)]
+pub struct SimMarkets {
+    history: Arc<PriceHistory>,
+    markets: Vec<Market>,
+    first: Vec<Timestamp>,
+    on_demand: HashMap<Market, UsdPerHour>,
+}
+
+impl SimMarkets {
+    pub fn new(history: Arc<PriceHistory>) -> Self {
+        let mut markets = Vec::new();
+        let mut first = Vec::new();
+        let mut on_demand = HashMap::new();
+        for s in history.series() {
+            let Some(t) = s.first_time() else { continue };
+            markets.push(s.market().clone());
+            first.push(t);
+            if let Some(o) = history.on_demand().for_market(s.market()) {
+                on_demand.insert(s.market().clone(), o.on_demand);
+            }
+        }
+        SimMarkets {
+            history,
+            markets,
+            first,
+            on_demand,
+        }
+    }
+
+    pub fn history(&self) -> &Arc<PriceHistory> {
+        &self.history
+    }
+
+    pub fn series(&self, market: &Market) -> Option<&PriceSeries> {
+        self.history.get(market)
+    }
+
+    pub fn on_demand(&self, market: &Market) -> Option<UsdPerHour> {
+        self.on_demand.get(market).copied()
+    }
+
+    pub fn markets(&self) -> &[Market] {
+        &self.markets
+    }
+}
+
+/// What a read of the future does: fail (production behaviour) or panic (tests that prove the
+/// policies never try).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FutureReads {
+    #[default]
+    Refuse,
+    Panic,
+}
+
+/// A [`MarketView`] over a trace at `now`.
+pub struct TraceView<'a> {
+    now: Timestamp,
+    markets: &'a SimMarkets,
+    model: &'a dyn MarketModel,
+    future: FutureReads,
+}
+
+impl<'a> TraceView<'a> {
+    pub fn new(now: Timestamp, markets: &'a SimMarkets, model: &'a dyn MarketModel, future: FutureReads) -> Self {
+        TraceView {
+            now,
+            markets,
+            model,
+            future,
+        }
+    }
+
+    fn guard(&self, market: &Market, at: Timestamp) -> Result<(), ViewError> {
+        if at <= self.now {
+            return Ok(());
+        }
+        let err = ViewError::Future {
+            market: market.to_string(),
+            requested: at,
+            now: self.now,
+        };
+        match self.future {
+            FutureReads::Refuse => Err(err),
+            FutureReads::Panic => panic!("policy read the future: {err}"),
+        }
+    }
+}
+
+impl MarketView for TraceView<'_> {
+    fn now(&self) -> Timestamp {
+        self.now
+    }
+
+    fn markets(&self) -> Vec<&Market> {
+        self.markets
+            .markets
+            .iter()
+            .zip(&self.markets.first)
+            .filter(|(_, first)| **first <= self.now)
+            .map(|(m, _)| m)
+            .collect()
+    }
+
+    fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {
+        let p = self.markets.series(market)?.price_at(self.now)?;
+        UsdPerHour::new(p).ok()
+    }
+
+    fn spot_price_at(&self, market: &Market, at: Timestamp) -> Result<Option<UsdPerHour>, ViewError> {
+        self.guard(market, at)?;
+        Ok(self
+            .markets
+            .series(market)
+            .and_then(|s| s.price_at(at))
+            .and_then(|p| UsdPerHour::new(p).ok()))
+    }
+
+    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+        self.guard(market, since)?;
+        let Some(series) = self.markets.series(market) else {
+            return Ok(None);
+        };
+        Ok(time_weighted_mean(series, since, self.now))
+    }
+
+    fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour> {
+        self.markets.on_demand(market)
+    }
+
+    fn model_kind(&self) -> ModelKind {
+        self.model.kind()
+    }
+
+    fn eviction(&self, market: &Market, bid_delta_usd: f64, horizon_secs: f64) -> Result<EvictionEstimate, ModelError> {
+        self.model.eviction(market, bid_delta_usd, horizon_secs, self.now)
+    }
+
+    fn eviction_many(
+        &self,
+        market: &Market,
+        bid_deltas_usd: &[f64],
+        horizon_secs: f64,
+        out: &mut Vec<EvictionEstimate>,
+    ) -> Result<(), ModelError> {
+        self.model.eviction_many(market, bid_deltas_usd, horizon_secs, self.now, out)
+    }
+}
+
+/// The time-weighted mean of a step function over `[from, to]`, from the first known price on.
+pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) -> Option<f64> {
+    if to <= from {
+        return series.price_at(to);
+    }
+    let times = series.times();
+    let prices = series.prices();
+    let mut i = match series.index_at(from) {
+        Some(i) => i,
+        None => {
+            let first = series.first_time()?;
+            if first > to {
+                return None;
+            }
+            0
+        }
+    };
+    let start = from.max(times[i]);
+    let (mut integral, mut t) = (0.0, start);
+    while i < times.len() && times[i] <= to {
+        let until = times.get(i + 1).copied().unwrap_or(to).min(to);
+        integral += prices[i] * (until.0 - t.0) as f64;
+        t = until;
+        i += 1;
+    }
+    let span = (to.0 - start.0) as f64;
+    if span <= 0.0 { series.price_at(to) } else { Some(integral / span) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_is_time_weighted_and_starts_at_the_first_price() {
+        let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
+        let s = PriceSeries::new(
+            m,
+            vec![
+                (Timestamp(10), UsdPerHour::new(1.0).unwrap()),
+                (Timestamp(20), UsdPerHour::new(3.0).unwrap()),
+            ],
+        );
+        assert_eq!(time_weighted_mean(&s, Timestamp(10), Timestamp(30)), Some(2.0));
+        assert_eq!(time_weighted_mean(&s, Timestamp(0), Timestamp(30)), Some(2.0));
+        assert_eq!(time_weighted_mean(&s, Timestamp(15), Timestamp(20)), Some(1.0));
+        assert_eq!(time_weighted_mean(&s, Timestamp(0), Timestamp(5)), None);
+    }
+}
