@@ -10,7 +10,8 @@ use crate::transport::Peers;
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, ExitReason, Heartbeat, Metric, MetricKind, RegisterRequest, RegisterResponse,
+    AgentEvent, ClusterView, Command, ExitReason, Heartbeat, Metric, MetricKind, RegisterRequest,
+    RegisterResponse,
 };
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -56,7 +57,9 @@ enum Control {
 }
 
 fn now_unix() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 /// Run the agent to its end.
@@ -82,11 +85,24 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
         })
         .await?;
     tracing::info!(job = %reg.job_id, tier = %reg.tier, app = reg.training.app.name(), "registered");
-    let mut agent = match Agent::start(&opts, reg, broker.clone(), instance_id.clone(), data_addr, listener).await {
+    let mut agent = match Agent::start(
+        &opts,
+        reg,
+        broker.clone(),
+        instance_id.clone(),
+        data_addr,
+        listener,
+    )
+    .await
+    {
         Ok(a) => a,
         Err(e) => {
-            let reason = ExitReason::Failed { message: e.to_string() };
-            let _ = broker.event(&instance_id, &AgentEvent::Exit { reason }).await;
+            let reason = ExitReason::Failed {
+                message: e.to_string(),
+            };
+            let _ = broker
+                .event(&instance_id, &AgentEvent::Exit { reason })
+                .await;
             return Err(e);
         }
     };
@@ -101,7 +117,9 @@ async fn resolve_instance_id(opts: &AgentOptions, imds: Option<&mut Imds>) -> Re
         return Ok(InstanceId(id.clone()));
     }
     let imds = imds.ok_or_else(|| {
-        AgentError::Config("no --instance-id and no instance metadata endpoint to read it from".into())
+        AgentError::Config(
+            "no --instance-id and no instance metadata endpoint to read it from".into(),
+        )
     })?;
     let mut delay = Duration::from_millis(200);
     for _ in 0..6 {
@@ -169,19 +187,44 @@ impl Agent {
             .await
             .map_err(|e| AgentError::Data(format!("loader crashed: {e}")))??;
         let app = Arc::new(app);
-        tracing::info!(model_len = app.model_len(), ms = t.elapsed().as_millis() as u64, "data loaded");
+        tracing::info!(
+            model_len = app.model_len(),
+            ms = t.elapsed().as_millis() as u64,
+            "data loaded"
+        );
 
         let peers = Peers::new(data_addr);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
-        let ps = PsNode::new(me.clone(), app.clone(), reg.training.num_partitions, peers.clone(), ps_tx);
+        let ps = PsNode::new(
+            me.clone(),
+            app.clone(),
+            reg.training.num_partitions,
+            peers.clone(),
+            ps_tx,
+        );
         peers.set_handler(ps.clone());
         let _ = ps_cell.set(ps.clone());
         tokio::spawn(peers.clone().serve(listener));
-        tokio::spawn(ps::run_backup_sync(ps.clone(), Duration::from_millis(reg.training.backup_sync_interval_ms)));
+        tokio::spawn(ps::run_backup_sync(
+            ps.clone(),
+            Duration::from_millis(reg.training.backup_sync_interval_ms),
+        ));
 
-        broker.event(&me, &AgentEvent::Ready { model_len: app.model_len() as u64 }).await?;
+        broker
+            .event(
+                &me,
+                &AgentEvent::Ready {
+                    model_len: app.model_len() as u64,
+                },
+            )
+            .await?;
 
-        tokio::spawn(poll_commands(broker.clone(), me.clone(), reg.command_wait_ms, control_tx));
+        tokio::spawn(poll_commands(
+            broker.clone(),
+            me.clone(),
+            reg.command_wait_ms,
+            control_tx,
+        ));
         let (notices_tx, notices_rx) = mpsc::unbounded_channel();
         let (worker_tx, worker_rx) = mpsc::unbounded_channel();
         let (views_tx, _) = watch::channel(None);
@@ -279,7 +322,11 @@ impl Agent {
         self.views_tx.send_replace(Some(view.clone()));
         self.ps.apply_view(&view);
         self.reap_worker();
-        if view.worker(&self.me).is_some() && self.worker.is_none() && !self.finished && self.leave_by.is_none() {
+        if view.worker(&self.me).is_some()
+            && self.worker.is_none()
+            && !self.finished
+            && self.leave_by.is_none()
+        {
             self.spawn_worker();
         }
     }
@@ -304,7 +351,11 @@ impl Agent {
     fn reap_worker(&mut self) {
         if self.worker.as_ref().is_some_and(|w| w.is_finished()) {
             self.worker = None;
-            let assigned = self.views_tx.borrow().as_ref().is_some_and(|v| v.worker(&self.me).is_some());
+            let assigned = self
+                .views_tx
+                .borrow()
+                .as_ref()
+                .is_some_and(|v| v.worker(&self.me).is_some());
             if assigned && !self.finished && self.leave_by.is_none() {
                 self.spawn_worker();
             }
@@ -320,13 +371,21 @@ impl Agent {
                 self.leave_by = Some(Instant::now() + budget);
                 let ps = self.ps.clone();
                 tokio::spawn(async move { ps.sync_backups().await });
-                self.event(AgentEvent::InterruptionWarning { action, action_time: time }).await;
+                self.event(AgentEvent::InterruptionWarning {
+                    action,
+                    action_time: time,
+                })
+                .await;
             }
             Notice::Rebalance { notice_time } => {
-                tracing::warn!(?notice_time, "rebalance recommendation: moving shards off this machine early");
+                tracing::warn!(
+                    ?notice_time,
+                    "rebalance recommendation: moving shards off this machine early"
+                );
                 let ps = self.ps.clone();
                 tokio::spawn(async move { ps.sync_backups().await });
-                self.event(AgentEvent::RebalanceRecommendation { notice_time }).await;
+                self.event(AgentEvent::RebalanceRecommendation { notice_time })
+                    .await;
             }
         }
     }
@@ -335,21 +394,38 @@ impl Agent {
     /// the deadline whatever happened.
     async fn check_leaving(&mut self) -> Option<Result<Outcome>> {
         let leave_by = self.leave_by?;
-        let out_of_view = self.views_tx.borrow().as_ref().is_none_or(|v| v.member(&self.me).is_none());
+        let out_of_view = self
+            .views_tx
+            .borrow()
+            .as_ref()
+            .is_none_or(|v| v.member(&self.me).is_none());
         let (active, _) = self.ps.roles();
         let handed_over = self.ps.handovers_in_flight() == 0 && active.is_empty();
         if out_of_view && handed_over {
-            return Some(self.exit(ExitReason::Interrupted, Outcome::Interrupted).await);
+            return Some(
+                self.exit(ExitReason::Interrupted, Outcome::Interrupted)
+                    .await,
+            );
         }
         if Instant::now() >= leave_by {
-            tracing::error!("interruption deadline reached before hand-over finished; leaving anyway");
-            return Some(self.exit(ExitReason::Interrupted, Outcome::Interrupted).await);
+            tracing::error!(
+                "interruption deadline reached before hand-over finished; leaving anyway"
+            );
+            return Some(
+                self.exit(ExitReason::Interrupted, Outcome::Interrupted)
+                    .await,
+            );
         }
         None
     }
 }
 
-async fn poll_commands(broker: Broker, me: InstanceId, wait_ms: u64, tx: mpsc::UnboundedSender<Control>) {
+async fn poll_commands(
+    broker: Broker,
+    me: InstanceId,
+    wait_ms: u64,
+    tx: mpsc::UnboundedSender<Control>,
+) {
     let mut after = 0;
     let mut failing = false;
     let mut delay = Duration::from_millis(200);
@@ -402,7 +478,10 @@ async fn heartbeats(
         if let Some(ps) = ps.get() {
             (p.active_shards, p.backup_shards) = ps.roles();
         }
-        let hb = Heartbeat { applied_epoch: applied_epoch.load(Ordering::Relaxed), progress: p };
+        let hb = Heartbeat {
+            applied_epoch: applied_epoch.load(Ordering::Relaxed),
+            progress: p,
+        };
         match broker.heartbeat(&me, &hb).await {
             Ok(()) => {}
             Err(AgentError::BrokerStatus { status: 409, .. }) => {

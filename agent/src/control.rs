@@ -3,7 +3,8 @@
 use crate::error::{AgentError, Result};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ApiError, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+    AgentEvent, ApiError, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest,
+    RegisterResponse, paths,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -32,14 +33,22 @@ impl Broker {
             .connect_timeout(Duration::from_secs(5))
             .build()
             .map_err(|e| AgentError::Broker(e.to_string()))?;
-        Ok(Broker { http, base: base.trim_end_matches('/').to_string(), token: token.to_string() })
+        Ok(Broker {
+            http,
+            base: base.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+        })
     }
 
     pub fn url(&self) -> &str {
         &self.base
     }
 
-    async fn send<T: DeserializeOwned>(&self, req: reqwest::RequestBuilder, timeout: Duration) -> Result<Option<T>> {
+    async fn send<T: DeserializeOwned>(
+        &self,
+        req: reqwest::RequestBuilder,
+        timeout: Duration,
+    ) -> Result<Option<T>> {
         let resp = req
             .bearer_auth(&self.token)
             .timeout(timeout)
@@ -51,7 +60,10 @@ impl Broker {
             if status == reqwest::StatusCode::NO_CONTENT {
                 return Ok(None);
             }
-            let bytes = resp.bytes().await.map_err(|e| AgentError::Broker(e.to_string()))?;
+            let bytes = resp
+                .bytes()
+                .await
+                .map_err(|e| AgentError::Broker(e.to_string()))?;
             if bytes.is_empty() {
                 return Ok(None);
             }
@@ -60,11 +72,20 @@ impl Broker {
                 .map_err(|e| AgentError::Broker(format!("unexpected answer: {e}")));
         }
         let text = resp.text().await.unwrap_or_default();
-        let message = serde_json::from_str::<ApiError>(&text).map(|e| e.message).unwrap_or(text);
-        Err(AgentError::BrokerStatus { status: status.as_u16(), message })
+        let message = serde_json::from_str::<ApiError>(&text)
+            .map(|e| e.message)
+            .unwrap_or(text);
+        Err(AgentError::BrokerStatus {
+            status: status.as_u16(),
+            message,
+        })
     }
 
-    async fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<Option<T>> {
+    async fn post<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<Option<T>> {
         let req = self.http.post(format!("{}{path}", self.base)).json(body);
         self.send(req, Duration::from_secs(15)).await
     }
@@ -89,7 +110,9 @@ impl Broker {
     }
 
     pub async fn heartbeat(&self, id: &InstanceId, hb: &Heartbeat) -> Result<()> {
-        self.post::<_, serde_json::Value>(&paths::heartbeat(id), hb).await.map(|_| ())
+        self.post::<_, serde_json::Value>(&paths::heartbeat(id), hb)
+            .await
+            .map(|_| ())
     }
 
     /// Send an event, retrying transient failures a few times (events matter: a lost warning
@@ -97,7 +120,10 @@ impl Broker {
     pub async fn event(&self, id: &InstanceId, ev: &AgentEvent) -> Result<()> {
         let mut delay = Duration::from_millis(100);
         for attempt in 0.. {
-            match self.post::<_, serde_json::Value>(&paths::events(id), ev).await {
+            match self
+                .post::<_, serde_json::Value>(&paths::events(id), ev)
+                .await
+            {
                 Ok(_) => return Ok(()),
                 Err(e) if is_transient(&e) && attempt < 5 => {
                     tracing::warn!(error = %e, "event not delivered; retrying");
@@ -111,10 +137,21 @@ impl Broker {
     }
 
     /// One long poll.
-    pub async fn commands(&self, id: &InstanceId, after: u64, wait_ms: u64) -> Result<Vec<CommandEnvelope>> {
+    pub async fn commands(
+        &self,
+        id: &InstanceId,
+        after: u64,
+        wait_ms: u64,
+    ) -> Result<Vec<CommandEnvelope>> {
         let q = CommandsQuery { after, wait_ms };
-        let req = self.http.get(format!("{}{}", self.base, paths::commands(id))).query(&q);
+        let req = self
+            .http
+            .get(format!("{}{}", self.base, paths::commands(id)))
+            .query(&q);
         let timeout = Duration::from_millis(wait_ms) + Duration::from_secs(10);
-        Ok(self.send::<Vec<CommandEnvelope>>(req, timeout).await?.unwrap_or_default())
+        Ok(self
+            .send::<Vec<CommandEnvelope>>(req, timeout)
+            .await?
+            .unwrap_or_default())
     }
 }

@@ -41,7 +41,11 @@ impl Imds {
             .timeout(Duration::from_secs(2))
             .build()
             .map_err(|e| AgentError::Imds(e.to_string()))?;
-        Ok(Imds { http, endpoint: endpoint.trim_end_matches('/').to_string(), token: None })
+        Ok(Imds {
+            http,
+            endpoint: endpoint.trim_end_matches('/').to_string(),
+            token: None,
+        })
     }
 
     async fn refresh_token(&mut self) -> Result<String> {
@@ -55,7 +59,10 @@ impl Imds {
         if !resp.status().is_success() {
             return Err(AgentError::Imds(format!("token: HTTP {}", resp.status())));
         }
-        let token = resp.text().await.map_err(|e| AgentError::Imds(format!("token: {e}")))?;
+        let token = resp
+            .text()
+            .await
+            .map_err(|e| AgentError::Imds(format!("token: {e}")))?;
         self.token = Some(token.clone());
         Ok(token)
     }
@@ -81,7 +88,11 @@ impl Imds {
                     continue;
                 }
                 s if (200..300).contains(&s) => {
-                    return resp.text().await.map(Some).map_err(|e| AgentError::Imds(format!("{path}: {e}")));
+                    return resp
+                        .text()
+                        .await
+                        .map(Some)
+                        .map_err(|e| AgentError::Imds(format!("{path}: {e}")));
                 }
                 s => return Err(AgentError::Imds(format!("{path}: HTTP {s}"))),
             }
@@ -102,11 +113,20 @@ impl Imds {
         if let Some(body) = self.get("meta-data/spot/instance-action").await? {
             let a: InstanceAction = serde_json::from_str(&body)
                 .map_err(|e| AgentError::Imds(format!("spot/instance-action `{body}`: {e}")))?;
-            out.push(Notice::Interruption { action: a.action, time: a.time });
+            out.push(Notice::Interruption {
+                action: a.action,
+                time: a.time,
+            });
         }
-        if let Some(body) = self.get("meta-data/events/recommendations/rebalance").await? {
-            let r: Rebalance = serde_json::from_str(&body).unwrap_or(Rebalance { notice_time: None });
-            out.push(Notice::Rebalance { notice_time: r.notice_time });
+        if let Some(body) = self
+            .get("meta-data/events/recommendations/rebalance")
+            .await?
+        {
+            let r: Rebalance =
+                serde_json::from_str(&body).unwrap_or(Rebalance { notice_time: None });
+            out.push(Notice::Rebalance {
+                notice_time: r.notice_time,
+            });
         }
         Ok(out)
     }
@@ -151,7 +171,11 @@ pub fn parse_rfc3339(s: &str) -> Option<i64> {
     let s = s.trim();
     let (date, rest) = s.split_once(['T', 't', ' '])?;
     let mut d = date.split('-');
-    let (y, m, day): (i64, i64, i64) = (d.next()?.parse().ok()?, d.next()?.parse().ok()?, d.next()?.parse().ok()?);
+    let (y, m, day): (i64, i64, i64) = (
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+    );
     let (clock, offset) = match rest.find(['Z', 'z', '+', '-']) {
         Some(i) => rest.split_at(i),
         None => (rest, ""),
@@ -162,7 +186,10 @@ pub fn parse_rfc3339(s: &str) -> Option<i64> {
     let off = match offset.chars().next() {
         Some(sign @ ('+' | '-')) => {
             let mut o = offset[1..].split(':');
-            let (oh, om): (i64, i64) = (o.next()?.parse().ok()?, o.next().unwrap_or("0").parse().ok()?);
+            let (oh, om): (i64, i64) = (
+                o.next()?.parse().ok()?,
+                o.next().unwrap_or("0").parse().ok()?,
+            );
             let v = oh * 3600 + om * 60;
             if sign == '+' { v } else { -v }
         }
@@ -187,7 +214,10 @@ mod tests {
     fn rfc3339() {
         assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
         assert_eq!(parse_rfc3339("2026-11-30T10:35:00Z"), Some(1_796_034_900));
-        assert_eq!(parse_rfc3339("2026-11-30T11:35:00+01:00"), Some(1_796_034_900));
+        assert_eq!(
+            parse_rfc3339("2026-11-30T11:35:00+01:00"),
+            Some(1_796_034_900)
+        );
         assert_eq!(parse_rfc3339("garbage"), None);
     }
 }

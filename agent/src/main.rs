@@ -32,7 +32,11 @@ struct Cli {
     #[arg(long, env = "PROTEUS_AGENT_INSTANCE_ID")]
     instance_id: Option<String>,
     /// Instance metadata (IMDSv2) base URL; `off` disables interruption polling.
-    #[arg(long, env = "PROTEUS_AGENT_IMDS_ENDPOINT", default_value = "http://169.254.169.254")]
+    #[arg(
+        long,
+        env = "PROTEUS_AGENT_IMDS_ENDPOINT",
+        default_value = "http://169.254.169.254"
+    )]
     imds_endpoint: String,
     /// How often to poll instance metadata for interruption notices, in milliseconds.
     #[arg(long, env = "PROTEUS_AGENT_IMDS_POLL_MS", default_value_t = 2000)]
@@ -60,6 +64,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -85,7 +90,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         exit_margin: Duration::from_secs(cli.exit_margin_secs),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
     let outcome = runtime.block_on(agent::run(opts)).context("agent failed")?;
     tracing::info!(?outcome, "done");
     // Background tasks (long polls, peer connections) must not hold the process open.

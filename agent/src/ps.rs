@@ -26,21 +26,33 @@ pub struct ClockBook {
 
 impl ClockBook {
     pub fn new(num_partitions: u32) -> Self {
-        ClockBook { num_partitions, done: None, partial: BTreeMap::new() }
+        ClockBook {
+            num_partitions,
+            done: None,
+            partial: BTreeMap::new(),
+        }
     }
 
     pub fn from_state(num_partitions: u32, s: &ClockState) -> Self {
         ClockBook {
             num_partitions,
             done: s.done,
-            partial: s.partial.iter().map(|(c, p)| (*c, p.iter().copied().collect())).collect(),
+            partial: s
+                .partial
+                .iter()
+                .map(|(c, p)| (*c, p.iter().copied().collect()))
+                .collect(),
         }
     }
 
     pub fn state(&self) -> ClockState {
         ClockState {
             done: self.done,
-            partial: self.partial.iter().map(|(c, p)| (*c, p.iter().copied().collect())).collect(),
+            partial: self
+                .partial
+                .iter()
+                .map(|(c, p)| (*c, p.iter().copied().collect()))
+                .collect(),
         }
     }
 
@@ -59,23 +71,46 @@ impl ClockBook {
             return Vec::new();
         }
         let have = self.partial.get(&clock);
-        (0..self.num_partitions).filter(|p| !have.is_some_and(|h| h.contains(p))).collect()
+        (0..self.num_partitions)
+            .filter(|p| !have.is_some_and(|h| h.contains(p)))
+            .collect()
     }
 
     /// Decide whether a push may be applied, and record it if so.
+    ///
+    /// Under BSP a worker pushes clock `c` only after pulling clock `c - 1` complete from every
+    /// shard. A push for `c` while `c - 1` is incomplete here therefore means this shard was
+    /// restored from a backup older than the job: the clocks in between are lost for good, so the
+    /// shard fast-forwards instead of waiting for updates nobody will send. (A sync model with
+    /// slack `s` would fast-forward to `c - 1 - s`.)
     pub fn record(&mut self, clock: u64, partitions: &[u32]) -> PushOutcome {
+        if let Some(prev) = clock.checked_sub(1)
+            && !self.is_complete(prev)
+        {
+            self.done = Some(prev);
+            self.partial.retain(|c, _| *c > prev);
+        }
         if self.is_complete(clock) {
             return PushOutcome::Duplicate;
         }
         let have = self.partial.entry(clock).or_default();
-        let already: Vec<u32> = partitions.iter().copied().filter(|p| have.contains(p)).collect();
+        let already: Vec<u32> = partitions
+            .iter()
+            .copied()
+            .filter(|p| have.contains(p))
+            .collect();
         if !already.is_empty() {
             if already.len() == partitions.len() {
                 return PushOutcome::Duplicate;
             }
             return PushOutcome::Conflict { already };
         }
-        have.extend(partitions.iter().copied().filter(|&p| p < self.num_partitions));
+        have.extend(
+            partitions
+                .iter()
+                .copied()
+                .filter(|&p| p < self.num_partitions),
+        );
         if have.len() as u32 >= self.num_partitions {
             self.done = Some(self.done.map_or(clock, |d| d.max(clock)));
             let done = clock;
@@ -96,7 +131,12 @@ pub struct ShardState {
 
 impl ShardState {
     pub fn fresh(start: u64, values: Vec<f32>, num_partitions: u32) -> Self {
-        ShardState { start, values, seq: 0, clocks: ClockBook::new(num_partitions) }
+        ShardState {
+            start,
+            values,
+            seq: 0,
+            clocks: ClockBook::new(num_partitions),
+        }
     }
 
     pub fn from_snapshot(s: Snapshot, num_partitions: u32) -> Self {
@@ -109,13 +149,27 @@ impl ShardState {
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot { start: self.start, seq: self.seq, clocks: self.clocks.state(), values: self.values.clone() }
+        Snapshot {
+            start: self.start,
+            seq: self.seq,
+            clocks: self.clocks.state(),
+            values: self.values.clone(),
+        }
     }
 
     /// Apply a push; the outcome says whether it counted.
-    pub fn push(&mut self, clock: u64, partitions: &[u32], delta: &[f32]) -> Result<PushOutcome, String> {
+    pub fn push(
+        &mut self,
+        clock: u64,
+        partitions: &[u32],
+        delta: &[f32],
+    ) -> Result<PushOutcome, String> {
         if delta.len() != self.values.len() {
-            return Err(format!("delta of {} for a shard of {}", delta.len(), self.values.len()));
+            return Err(format!(
+                "delta of {} for a shard of {}",
+                delta.len(),
+                self.values.len()
+            ));
         }
         let outcome = self.clocks.record(clock, partitions);
         if outcome == PushOutcome::Applied {
@@ -150,7 +204,11 @@ struct Slot {
 /// Things the PS reports to the agent's control loop.
 #[derive(Debug, Clone)]
 pub enum PsEvent {
-    HandedOver { shard: u32, to: InstanceId, seq: u64 },
+    HandedOver {
+        shard: u32,
+        to: InstanceId,
+        seq: u64,
+    },
 }
 
 /// The PS role(s) of one agent.
@@ -194,8 +252,16 @@ impl PsNode {
     /// Shards served and held, for heartbeats.
     pub fn roles(&self) -> (Vec<u32>, Vec<u32>) {
         let slots = self.slots();
-        let mut a: Vec<u32> = slots.iter().filter(|(_, s)| s.active.is_some()).map(|(k, _)| *k).collect();
-        let mut b: Vec<u32> = slots.iter().filter(|(_, s)| s.backup.is_some()).map(|(k, _)| *k).collect();
+        let mut a: Vec<u32> = slots
+            .iter()
+            .filter(|(_, s)| s.active.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        let mut b: Vec<u32> = slots
+            .iter()
+            .filter(|(_, s)| s.backup.is_some())
+            .map(|(k, _)| *k)
+            .collect();
         a.sort_unstable();
         b.sort_unstable();
         (a, b)
@@ -207,8 +273,12 @@ impl PsNode {
 
     /// Install a shard as active directly (tests and benchmarks).
     pub fn install_active(&self, shard: u32, state: ShardState) {
-        self.slots().entry(shard).or_default().active =
-            Some(Active { state, moving: false, backup_addr: None, synced_seq: None });
+        self.slots().entry(shard).or_default().active = Some(Active {
+            state,
+            moving: false,
+            backup_addr: None,
+            synced_seq: None,
+        });
         self.changed.notify_waiters();
     }
 
@@ -219,7 +289,9 @@ impl PsNode {
 
     /// The active state of `shard`, if served here (tests).
     pub fn active_copy(&self, shard: u32) -> Option<ShardState> {
-        self.slots().get(&shard).and_then(|s| s.active.as_ref().map(|a| a.state.clone()))
+        self.slots()
+            .get(&shard)
+            .and_then(|s| s.active.as_ref().map(|a| a.state.clone()))
     }
 
     /// Reconcile with a new view: start serving, hand over, keep or drop copies.
@@ -246,7 +318,13 @@ impl PsNode {
                         }
                         _ if !slot.acquiring => {
                             slot.acquiring = true;
-                            to_acquire.push((p.shard, p.keys.start, p.keys.end, p.source.clone(), backup_addr));
+                            to_acquire.push((
+                                p.shard,
+                                p.keys.start,
+                                p.keys.end,
+                                p.source.clone(),
+                                backup_addr,
+                            ));
                         }
                         _ => {}
                     }
@@ -271,18 +349,33 @@ impl PsNode {
             self.spawn_handover(shard, to, addr, keep);
         }
         for (shard, start, end, source, backup_addr) in to_acquire {
-            let addrs: HashMap<InstanceId, String> =
-                view.members.iter().map(|m| (m.instance_id.clone(), m.data_addr.clone())).collect();
+            let addrs: HashMap<InstanceId, String> = view
+                .members
+                .iter()
+                .map(|m| (m.instance_id.clone(), m.data_addr.clone()))
+                .collect();
             let node = self.clone();
-            tokio::spawn(async move { node.acquire(shard, start, end, source, addrs, backup_addr).await });
+            tokio::spawn(async move {
+                node.acquire(shard, start, end, source, addrs, backup_addr)
+                    .await
+            });
         }
     }
 
-    fn spawn_handover(self: &Arc<Self>, shard: u32, to: InstanceId, addr: Option<String>, keep: bool) {
+    fn spawn_handover(
+        self: &Arc<Self>,
+        shard: u32,
+        to: InstanceId,
+        addr: Option<String>,
+        keep: bool,
+    ) {
         *self.handovers.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         let node = self.clone();
         tokio::spawn(async move {
-            let snapshot = node.slots().get(&shard).and_then(|s| s.active.as_ref().map(|a| a.state.snapshot()));
+            let snapshot = node
+                .slots()
+                .get(&shard)
+                .and_then(|s| s.active.as_ref().map(|a| a.state.snapshot()));
             if let (Some(snapshot), Some(addr)) = (snapshot, addr) {
                 let seq = snapshot.seq;
                 let t = Instant::now();
@@ -302,7 +395,11 @@ impl PsNode {
                 }
                 if delivered {
                     tracing::info!(shard, to = %to, seq, ms = t.elapsed().as_millis() as u64, "handed shard over");
-                    let _ = node.events.send(PsEvent::HandedOver { shard, to: to.clone(), seq });
+                    let _ = node.events.send(PsEvent::HandedOver {
+                        shard,
+                        to: to.clone(),
+                        seq,
+                    });
                 } else {
                     tracing::error!(shard, to = %to, "hand-over failed; the new owner restores from backup");
                 }
@@ -335,7 +432,11 @@ impl PsNode {
             ShardSource::Fresh | ShardSource::Lost => None,
             ShardSource::Handover { fallback, .. } => {
                 if self.wait_for_handover(shard).await {
-                    tracing::info!(shard, ms = t.elapsed().as_millis() as u64, "serving shard (hand-over)");
+                    tracing::info!(
+                        shard,
+                        ms = t.elapsed().as_millis() as u64,
+                        "serving shard (hand-over)"
+                    );
                     return;
                 }
                 fallback.clone()
@@ -349,23 +450,39 @@ impl PsNode {
                 tracing::error!(shard, from = %from, "could not restore the backup; re-initialising the shard");
             }
         } else if matches!(source, ShardSource::Lost) {
-            tracing::error!(shard, "shard lost with its owner and no backup; re-initialising it");
+            tracing::error!(
+                shard,
+                "shard lost with its owner and no backup; re-initialising it"
+            );
         }
         let state = state.unwrap_or_else(|| {
             let values = self.app.init(start as usize..end as usize);
             ShardState::fresh(start, values, self.num_partitions)
         });
         let seq = state.seq;
+        let done = state.clocks.done().map_or(-1, |d| d as i64);
         {
             let mut slots = self.slots();
             let slot = slots.entry(shard).or_default();
             slot.acquiring = false;
             if slot.active.is_none() {
-                slot.active = Some(Active { state, moving: false, backup_addr, synced_seq: None });
+                slot.active = Some(Active {
+                    state,
+                    moving: false,
+                    backup_addr,
+                    synced_seq: None,
+                });
             }
         }
         self.changed.notify_waiters();
-        tracing::info!(shard, seq, ms = t.elapsed().as_millis() as u64, ?source, "serving shard");
+        tracing::info!(
+            shard,
+            seq,
+            done,
+            ms = t.elapsed().as_millis() as u64,
+            ?source,
+            "serving shard"
+        );
     }
 
     async fn wait_for_handover(&self, shard: u32) -> bool {
@@ -384,14 +501,25 @@ impl PsNode {
     }
 
     /// The copy held by `from` (here, or fetched over the network).
-    async fn restore(&self, shard: u32, from: &InstanceId, addr: Option<&String>) -> Option<ShardState> {
+    async fn restore(
+        &self,
+        shard: u32,
+        from: &InstanceId,
+        addr: Option<&String>,
+    ) -> Option<ShardState> {
         if *from == self.me {
             return self.slots().get_mut(&shard).and_then(|s| s.backup.clone());
         }
         let addr = addr?;
         for _ in 0..5 {
-            match self.peers.call(addr, &Request::FetchBackup { shard }, CALL_TIMEOUT).await {
-                Ok(Response::Snapshot(Some(s))) => return Some(ShardState::from_snapshot(s, self.num_partitions)),
+            match self
+                .peers
+                .call(addr, &Request::FetchBackup { shard }, CALL_TIMEOUT)
+                .await
+            {
+                Ok(Response::Snapshot(Some(s))) => {
+                    return Some(ShardState::from_snapshot(s, self.num_partitions));
+                }
                 Ok(Response::Snapshot(None)) => return None,
                 _ => tokio::time::sleep(Duration::from_millis(200)).await,
             }
@@ -415,7 +543,15 @@ impl PsNode {
         };
         for (shard, addr, snapshot) in work {
             let seq = snapshot.seq;
-            match self.peers.call(&addr, &Request::BackupSync { shard, snapshot }, CALL_TIMEOUT).await {
+            match self
+                .peers
+                .call(
+                    &addr,
+                    &Request::BackupSync { shard, snapshot },
+                    CALL_TIMEOUT,
+                )
+                .await
+            {
                 Ok(Response::Ack) => {
                     if let Some(a) = self.slots().get_mut(&shard).and_then(|s| s.active.as_mut()) {
                         a.synced_seq = Some(seq);
@@ -433,7 +569,9 @@ impl PsNode {
             let notified = self.changed.notified();
             let missing = {
                 let slots = self.slots();
-                let Some(slot) = slots.get(&shard) else { return Response::NotOwner };
+                let Some(slot) = slots.get(&shard) else {
+                    return Response::NotOwner;
+                };
                 match &slot.active {
                     Some(a) if !a.moving => {
                         if need.is_none_or(|c| a.state.clocks.is_complete(c)) {
@@ -459,7 +597,9 @@ impl PsNode {
 
     fn push(&self, shard: u32, clock: u64, partitions: &[u32], delta: &[f32]) -> Response {
         let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(&shard) else { return Response::NotOwner };
+        let Some(slot) = slots.get_mut(&shard) else {
+            return Response::NotOwner;
+        };
         let resp = match &mut slot.active {
             Some(a) if !a.moving => match a.state.push(clock, partitions, delta) {
                 Ok(o) => Response::Pushed(o),
@@ -481,7 +621,12 @@ impl PsNode {
             let mut slots = self.slots();
             let slot = slots.entry(shard).or_default();
             if as_active {
-                slot.active = Some(Active { state, moving: false, backup_addr: None, synced_seq: None });
+                slot.active = Some(Active {
+                    state,
+                    moving: false,
+                    backup_addr: None,
+                    synced_seq: None,
+                });
                 slot.acquiring = false;
             } else if slot.backup.as_ref().is_none_or(|b| b.seq <= state.seq) {
                 slot.backup = Some(state);
@@ -496,8 +641,17 @@ impl Handler for PsNode {
     fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
         Box::pin(async move {
             match req {
-                Request::Pull { shard, need, wait_ms } => self.pull(shard, need, wait_ms).await,
-                Request::Push { shard, clock, partitions, delta } => self.push(shard, clock, &partitions, &delta),
+                Request::Pull {
+                    shard,
+                    need,
+                    wait_ms,
+                } => self.pull(shard, need, wait_ms).await,
+                Request::Push {
+                    shard,
+                    clock,
+                    partitions,
+                    delta,
+                } => self.push(shard, clock, &partitions, &delta),
                 Request::BackupSync { shard, snapshot } => self.install(shard, snapshot, false),
                 Request::Handover { shard, snapshot } => {
                     // A hand-over may arrive before our view says we own the shard; keep a
@@ -507,7 +661,10 @@ impl Handler for PsNode {
                 Request::FetchBackup { shard } => {
                     let slots = self.slots();
                     let copy = slots.get(&shard).and_then(|s| {
-                        s.backup.as_ref().map(|b| b.snapshot()).or_else(|| s.active.as_ref().map(|a| a.state.snapshot()))
+                        s.backup
+                            .as_ref()
+                            .map(|b| b.snapshot())
+                            .or_else(|| s.active.as_ref().map(|a| a.state.snapshot()))
                     });
                     Response::Snapshot(copy)
                 }
@@ -535,13 +692,17 @@ mod tests {
         let mut b = ClockBook::new(4);
         assert_eq!(b.record(0, &[0, 1]), PushOutcome::Applied);
         assert_eq!(b.record(0, &[0, 1]), PushOutcome::Duplicate);
-        assert_eq!(b.record(0, &[1, 2]), PushOutcome::Conflict { already: vec![1] });
+        assert_eq!(
+            b.record(0, &[1, 2]),
+            PushOutcome::Conflict { already: vec![1] }
+        );
         assert_eq!(b.missing(0), vec![2, 3]);
         assert_eq!(b.record(0, &[2, 3]), PushOutcome::Applied);
         assert!(b.is_complete(0));
         assert_eq!(b.record(0, &[3]), PushOutcome::Duplicate);
-        // A restored shard that lost clocks 1..=4 still completes clock 5 on its own.
-        assert_eq!(b.record(5, &[0, 1, 2, 3]), PushOutcome::Applied);
-        assert!(b.is_complete(3));
+        // A shard restored from an old backup sees the job's current clock and skips ahead.
+        assert_eq!(b.record(5, &[0]), PushOutcome::Applied);
+        assert!(b.is_complete(4));
+        assert_eq!(b.missing(5), vec![1, 2, 3]);
     }
 }

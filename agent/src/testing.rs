@@ -47,7 +47,14 @@ pub struct TestCoordinator {
 }
 
 fn api_error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
-    (status, Json(ApiError { code: code.into(), message: message.into() })).into_response()
+    (
+        status,
+        Json(ApiError {
+            code: code.into(),
+            message: message.into(),
+        }),
+    )
+        .into_response()
 }
 
 fn coord_error(e: proteus_wire::coordinator::CoordinatorError) -> Response {
@@ -65,7 +72,13 @@ fn authorize(
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or_else(|| api_error(StatusCode::UNAUTHORIZED, "unauthorized", "missing bearer token"))?;
+        .ok_or_else(|| {
+            api_error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing bearer token",
+            )
+        })?;
     let (id, tier) = st
         .tokens
         .get(token)
@@ -74,12 +87,20 @@ fn authorize(
     if let Some(c) = claimed
         && *c != id
     {
-        return Err(api_error(StatusCode::FORBIDDEN, "forbidden", format!("token is not for instance {c}")));
+        return Err(api_error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("token is not for instance {c}"),
+        ));
     }
     Ok((id, tier))
 }
 
-async fn register(State(st): State<Arc<CoordState>>, headers: HeaderMap, Json(req): Json<RegisterRequest>) -> Response {
+async fn register(
+    State(st): State<Arc<CoordState>>,
+    headers: HeaderMap,
+    Json(req): Json<RegisterRequest>,
+) -> Response {
     let (_, tier) = match authorize(&st, &headers, Some(&req.instance_id)) {
         Ok(x) => x,
         Err(r) => return r,
@@ -158,12 +179,17 @@ async fn commands(
 
 impl TestCoordinator {
     /// Serve on `127.0.0.1:0`. `agents` lists each agent's token, instance id and tier.
-    pub async fn start(training: TrainingConfig, agents: &[(&str, &str, Tier)]) -> std::io::Result<TestCoordinator> {
+    pub async fn start(
+        training: TrainingConfig,
+        agents: &[(&str, &str, Tier)],
+    ) -> std::io::Result<TestCoordinator> {
         let coordinator = Coordinator::new(JobId(1), training)
             .map_err(|e| std::io::Error::other(e.to_string()))?
             .with_intervals(300, 5_000);
-        let tokens =
-            agents.iter().map(|(t, id, tier)| (t.to_string(), (InstanceId(id.to_string()), *tier))).collect();
+        let tokens = agents
+            .iter()
+            .map(|(t, id, tier)| (t.to_string(), (InstanceId(id.to_string()), *tier)))
+            .collect();
         let state = Arc::new(CoordState {
             coordinator: Mutex::new(coordinator),
             tokens,
@@ -194,7 +220,11 @@ impl TestCoordinator {
                 }
             }
         });
-        Ok(TestCoordinator { state, addr, tasks: vec![server, ticker] })
+        Ok(TestCoordinator {
+            state,
+            addr,
+            tasks: vec![server, ticker],
+        })
     }
 
     pub fn url(&self) -> String {
@@ -219,7 +249,11 @@ impl TestCoordinator {
     }
 
     /// Wait until `pred(status)` holds, or `timeout`.
-    pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&JobStatus) -> bool) -> Option<JobStatus> {
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&JobStatus) -> bool,
+    ) -> Option<JobStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             let st = self.status();
@@ -262,7 +296,10 @@ pub struct ImdsMock {
 }
 
 fn check_token(st: &ImdsState, headers: &HeaderMap) -> bool {
-    headers.get("x-aws-ec2-metadata-token").and_then(|v| v.to_str().ok()) == Some(st.token.as_str())
+    headers
+        .get("x-aws-ec2-metadata-token")
+        .and_then(|v| v.to_str().ok())
+        == Some(st.token.as_str())
 }
 
 async fn imds_token(State(st): State<Arc<ImdsState>>, headers: HeaderMap) -> Response {
@@ -274,7 +311,11 @@ async fn imds_token(State(st): State<Arc<ImdsState>>, headers: HeaderMap) -> Res
     (h, st.token.clone()).into_response()
 }
 
-async fn imds_get(State(st): State<Arc<ImdsState>>, Path(path): Path<String>, headers: HeaderMap) -> Response {
+async fn imds_get(
+    State(st): State<Arc<ImdsState>>,
+    Path(path): Path<String>,
+    headers: HeaderMap,
+) -> Response {
     if !check_token(&st, &headers) {
         return StatusCode::UNAUTHORIZED.into_response();
     }
@@ -324,7 +365,10 @@ impl ImdsMock {
     }
 
     pub fn announce_rebalance(&self) {
-        let body = format!(r#"{{"noticeTime":"{}"}}"#, rfc3339(std::time::SystemTime::now()));
+        let body = format!(
+            r#"{{"noticeTime":"{}"}}"#,
+            rfc3339(std::time::SystemTime::now())
+        );
         if let Ok(mut r) = self.state.rebalance.lock() {
             *r = Some(body);
         }
@@ -339,7 +383,9 @@ impl Drop for ImdsMock {
 
 /// `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, Howard Hinnant).
 pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -350,7 +396,12 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 #[cfg(test)]

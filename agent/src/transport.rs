@@ -53,9 +53,18 @@ pub struct Snapshot {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {
     /// Parameters of `shard` once clock `need` is complete there (no wait when `None`).
-    Pull { shard: u32, need: Option<u64>, wait_ms: u32 },
+    Pull {
+        shard: u32,
+        need: Option<u64>,
+        wait_ms: u32,
+    },
     /// The summed update of `partitions` at `clock`, for this shard's key range.
-    Push { shard: u32, clock: u64, partitions: Vec<u32>, delta: Vec<f32> },
+    Push {
+        shard: u32,
+        clock: u64,
+        partitions: Vec<u32>,
+        delta: Vec<f32>,
+    },
     /// Background copy from the ActivePS to the BackupPS.
     BackupSync { shard: u32, snapshot: Snapshot },
     /// Final state from a departing ActivePS to the new one.
@@ -71,15 +80,23 @@ pub enum PushOutcome {
     /// Every partition of it was already in (or the clock is complete): ignored.
     Duplicate,
     /// Some partitions were in already: nothing applied; resend the others alone.
-    Conflict { already: Vec<u32> },
+    Conflict {
+        already: Vec<u32>,
+    },
 }
 
 /// An answer between agents.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Response {
-    Params { seq: u64, done: Option<u64>, values: Vec<f32> },
+    Params {
+        seq: u64,
+        done: Option<u64>,
+        values: Vec<f32>,
+    },
     /// Clock `need` is still incomplete; these partitions are missing.
-    NotReady { missing: Vec<u32> },
+    NotReady {
+        missing: Vec<u32>,
+    },
     Pushed(PushOutcome),
     /// This agent does not serve that shard (any more): refresh the view.
     NotOwner,
@@ -154,7 +171,10 @@ pub struct Dec<'a>(pub &'a [u8]);
 impl<'a> Dec<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.0.len() < n {
-            return Err(AgentError::Frame(format!("truncated: wanted {n} bytes, have {}", self.0.len())));
+            return Err(AgentError::Frame(format!(
+                "truncated: wanted {n} bytes, have {}",
+                self.0.len()
+            )));
         }
         let (head, tail) = self.0.split_at(n);
         self.0 = tail;
@@ -188,7 +208,11 @@ impl<'a> Dec<'a> {
     }
     fn u64_or_u32(&mut self, elem: usize) -> Result<usize> {
         // f32 arrays carry a u64 count, the small u32 arrays a u32 count.
-        if elem == 4 { Ok(self.u64()? as usize) } else { Ok(self.u32()? as usize) }
+        if elem == 4 {
+            Ok(self.u64()? as usize)
+        } else {
+            Ok(self.u32()? as usize)
+        }
     }
     fn u32s(&mut self) -> Result<Vec<u32>> {
         let n = self.u32()? as usize;
@@ -205,7 +229,9 @@ impl<'a> Dec<'a> {
     pub fn f32s(&mut self) -> Result<Vec<f32>> {
         let n = self.len(4)?;
         let b = self.take(n * 4)?;
-        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
     fn snapshot(&mut self) -> Result<Snapshot> {
         let start = self.u64()?;
@@ -218,20 +244,34 @@ impl<'a> Dec<'a> {
             partial.push((c, self.u32s()?));
         }
         let values = self.f32s()?;
-        Ok(Snapshot { start, seq, clocks: ClockState { done, partial }, values })
+        Ok(Snapshot {
+            start,
+            seq,
+            clocks: ClockState { done, partial },
+            values,
+        })
     }
 }
 
 impl Request {
     pub fn encode(&self, e: &mut Enc) {
         match self {
-            Request::Pull { shard, need, wait_ms } => {
+            Request::Pull {
+                shard,
+                need,
+                wait_ms,
+            } => {
                 e.u8(1);
                 e.u32(*shard);
                 e.opt_u64(*need);
                 e.u32(*wait_ms);
             }
-            Request::Push { shard, clock, partitions, delta } => {
+            Request::Push {
+                shard,
+                clock,
+                partitions,
+                delta,
+            } => {
                 e.u8(2);
                 e.u32(*shard);
                 e.u64(*clock);
@@ -257,10 +297,25 @@ impl Request {
 
     pub fn decode(d: &mut Dec) -> Result<Request> {
         Ok(match d.u8()? {
-            1 => Request::Pull { shard: d.u32()?, need: d.opt_u64()?, wait_ms: d.u32()? },
-            2 => Request::Push { shard: d.u32()?, clock: d.u64()?, partitions: d.u32s()?, delta: d.f32s()? },
-            3 => Request::BackupSync { shard: d.u32()?, snapshot: d.snapshot()? },
-            4 => Request::Handover { shard: d.u32()?, snapshot: d.snapshot()? },
+            1 => Request::Pull {
+                shard: d.u32()?,
+                need: d.opt_u64()?,
+                wait_ms: d.u32()?,
+            },
+            2 => Request::Push {
+                shard: d.u32()?,
+                clock: d.u64()?,
+                partitions: d.u32s()?,
+                delta: d.f32s()?,
+            },
+            3 => Request::BackupSync {
+                shard: d.u32()?,
+                snapshot: d.snapshot()?,
+            },
+            4 => Request::Handover {
+                shard: d.u32()?,
+                snapshot: d.snapshot()?,
+            },
             5 => Request::FetchBackup { shard: d.u32()? },
             t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
         })
@@ -313,7 +368,11 @@ impl Response {
 
     pub fn decode(d: &mut Dec) -> Result<Response> {
         Ok(match d.u8()? {
-            1 => Response::Params { seq: d.u64()?, done: d.opt_u64()?, values: d.f32s()? },
+            1 => Response::Params {
+                seq: d.u64()?,
+                done: d.opt_u64()?,
+                values: d.f32s()?,
+            },
             2 => Response::NotReady { missing: d.u32s()? },
             3 => Response::Pushed(match d.u8()? {
                 0 => PushOutcome::Applied,
@@ -408,7 +467,12 @@ impl Peers {
     }
 
     /// Call `addr` and wait up to `timeout` for the answer.
-    pub async fn call(self: &Arc<Self>, addr: &str, req: &Request, timeout: Duration) -> Result<Response> {
+    pub async fn call(
+        self: &Arc<Self>,
+        addr: &str,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Response> {
         let conn = self.connect(addr).await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -416,7 +480,10 @@ impl Peers {
             p.insert(id, tx);
         }
         let bytes = frame(KIND_REQUEST, id, |e| req.encode(e));
-        let peer_err = |m: &str| AgentError::Peer { peer: addr.to_string(), message: m.to_string() };
+        let peer_err = |m: &str| AgentError::Peer {
+            peer: addr.to_string(),
+            message: m.to_string(),
+        };
         if conn.tx.send(bytes).is_err() {
             self.forget(addr, &conn);
             return Err(peer_err("connection closed"));
@@ -450,8 +517,14 @@ impl Peers {
         }
         let stream = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
             .await
-            .map_err(|_| AgentError::Peer { peer: addr.into(), message: "connect timed out".into() })?
-            .map_err(|e| AgentError::Peer { peer: addr.into(), message: format!("connect: {e}") })?;
+            .map_err(|_| AgentError::Peer {
+                peer: addr.into(),
+                message: "connect timed out".into(),
+            })?
+            .map_err(|e| AgentError::Peer {
+                peer: addr.into(),
+                message: format!("connect: {e}"),
+            })?;
         let _ = stream.set_nodelay(true);
         let (conn, reader) = self.attach(stream, Some(addr.to_string()));
         let hello = frame(KIND_HELLO, 0, |e| e.str(&self.my_addr));
@@ -464,11 +537,18 @@ impl Peers {
     }
 
     /// Split a stream into a registered connection (writer task running) and its read half.
-    fn attach(self: &Arc<Self>, stream: TcpStream, key: Option<String>) -> (Arc<Conn>, OwnedReadHalf) {
+    fn attach(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        key: Option<String>,
+    ) -> (Arc<Conn>, OwnedReadHalf) {
         let (r, w) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(write_loop(w, rx));
-        let conn = Arc::new(Conn { tx, pending: Arc::new(Mutex::new(HashMap::new())) });
+        let conn = Arc::new(Conn {
+            tx,
+            pending: Arc::new(Mutex::new(HashMap::new())),
+        });
         if let Some(k) = key
             && let Ok(mut c) = self.conns.lock()
         {
@@ -482,7 +562,12 @@ impl Peers {
         self.read_loop(reader, conn, key).await;
     }
 
-    async fn read_loop(self: Arc<Self>, reader: OwnedReadHalf, conn: Arc<Conn>, mut key: Option<String>) {
+    async fn read_loop(
+        self: Arc<Self>,
+        reader: OwnedReadHalf,
+        conn: Arc<Conn>,
+        mut key: Option<String>,
+    ) {
         let mut reader = BufReader::with_capacity(1 << 16, reader);
         loop {
             let body = match read_frame(&mut reader).await {
@@ -490,7 +575,9 @@ impl Peers {
                 Err(_) => break,
             };
             let mut d = Dec(&body);
-            let (Ok(kind), Ok(id)) = (d.u8(), d.u64()) else { break };
+            let (Ok(kind), Ok(id)) = (d.u8(), d.u64()) else {
+                break;
+            };
             match kind {
                 KIND_HELLO => {
                     if let Ok(addr) = d.str()
@@ -501,7 +588,8 @@ impl Peers {
                     }
                 }
                 KIND_RESPONSE => {
-                    let resp = Response::decode(&mut d).unwrap_or_else(|e| Response::Error(e.to_string()));
+                    let resp =
+                        Response::decode(&mut d).unwrap_or_else(|e| Response::Error(e.to_string()));
                     let waiter = conn.pending.lock().ok().and_then(|mut p| p.remove(&id));
                     if let Some(w) = waiter {
                         let _ = w.send(resp);
@@ -545,7 +633,9 @@ async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u
 async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>> {
     let len = r.read_u32_le().await? as usize;
     if len > MAX_FRAME {
-        return Err(AgentError::Frame(format!("frame of {len} bytes exceeds limit")));
+        return Err(AgentError::Frame(format!(
+            "frame of {len} bytes exceeds limit"
+        )));
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await?;
@@ -564,17 +654,36 @@ mod tests {
 
     #[test]
     fn messages_roundtrip() {
-        roundtrip_req(Request::Pull { shard: 3, need: Some(7), wait_ms: 100 });
-        roundtrip_req(Request::Push { shard: 1, clock: 9, partitions: vec![1, 2], delta: vec![1.5, -0.25] });
+        roundtrip_req(Request::Pull {
+            shard: 3,
+            need: Some(7),
+            wait_ms: 100,
+        });
+        roundtrip_req(Request::Push {
+            shard: 1,
+            clock: 9,
+            partitions: vec![1, 2],
+            delta: vec![1.5, -0.25],
+        });
         let snapshot = Snapshot {
             start: 10,
             seq: 4,
-            clocks: ClockState { done: Some(3), partial: vec![(4, vec![0, 5])] },
+            clocks: ClockState {
+                done: Some(3),
+                partial: vec![(4, vec![0, 5])],
+            },
             values: vec![0.5; 3],
         };
-        roundtrip_req(Request::Handover { shard: 0, snapshot: snapshot.clone() });
+        roundtrip_req(Request::Handover {
+            shard: 0,
+            snapshot: snapshot.clone(),
+        });
         for resp in [
-            Response::Params { seq: 1, done: None, values: vec![1.0, 2.0] },
+            Response::Params {
+                seq: 1,
+                done: None,
+                values: vec![1.0, 2.0],
+            },
             Response::Pushed(PushOutcome::Conflict { already: vec![3] }),
             Response::Snapshot(Some(snapshot)),
             Response::Error("x".into()),
@@ -588,7 +697,13 @@ mod tests {
     #[test]
     fn truncated_frames_are_errors_not_panics() {
         let mut e = Enc::default();
-        Request::Push { shard: 1, clock: 9, partitions: vec![1, 2], delta: vec![1.5; 100] }.encode(&mut e);
+        Request::Push {
+            shard: 1,
+            clock: 9,
+            partitions: vec![1, 2],
+            delta: vec![1.5; 100],
+        }
+        .encode(&mut e);
         for cut in 0..e.0.len() {
             assert!(Request::decode(&mut Dec(&e.0[..cut])).is_err());
         }

@@ -68,10 +68,25 @@ impl WorkerCtx {
 
 /// Run the worker until it is unassigned or training is finished.
 pub async fn run(ctx: WorkerCtx) -> WorkerExit {
-    let Some(view) = ctx.current_view() else { return WorkerExit::Unassigned };
-    let samples = ctx.progress.lock().map(|p| p.samples_processed).unwrap_or(0);
-    let mut w = Worker { view, params: Vec::new(), clock: 0, samples, rate: RateMeter::default(), ctx };
-    let Some(start) = w.start_clock().await else { return WorkerExit::Unassigned };
+    let Some(view) = ctx.current_view() else {
+        return WorkerExit::Unassigned;
+    };
+    let samples = ctx
+        .progress
+        .lock()
+        .map(|p| p.samples_processed)
+        .unwrap_or(0);
+    let mut w = Worker {
+        view,
+        params: Vec::new(),
+        clock: 0,
+        samples,
+        rate: RateMeter::default(),
+        ctx,
+    };
+    let Some(start) = w.start_clock().await else {
+        return WorkerExit::Unassigned;
+    };
     w.clock = start;
     tracing::info!(clock = start, "worker starting");
     loop {
@@ -86,7 +101,9 @@ pub async fn run(ctx: WorkerCtx) -> WorkerExit {
             return WorkerExit::Unassigned;
         }
         w.maybe_evaluate().await;
-        let Some(parts) = w.my_partitions() else { return WorkerExit::Unassigned };
+        let Some(parts) = w.my_partitions() else {
+            return WorkerExit::Unassigned;
+        };
         let t = Instant::now();
         let update = w.compute(parts.clone()).await;
         let samples = update.samples;
@@ -110,7 +127,9 @@ impl Worker {
 
     fn my_partitions(&mut self) -> Option<Vec<u32>> {
         self.refresh_view();
-        self.view.worker(&self.ctx.me).map(|w| w.partitions.iter().collect())
+        self.view
+            .worker(&self.ctx.me)
+            .map(|w| w.partitions.iter().collect())
     }
 
     /// Wait briefly for a newer view (after a peer said it is not the owner, or vanished).
@@ -134,8 +153,9 @@ impl Worker {
         Some((p, addr))
     }
 
-    /// First clock to work on: just after the least advanced shard's last complete clock, so
-    /// that nothing this worker must wait for is already lost.
+    /// First clock to work on: the one the job is in, i.e. just after the most advanced shard's
+    /// last complete clock (a shard restored from an older backup lags behind; it catches up by
+    /// skipping the clocks it lost).
     async fn start_clock(&mut self) -> Option<u64> {
         let mut start: Option<u64> = None;
         for s in 0..self.view.shards.len() as u32 {
@@ -145,11 +165,15 @@ impl Worker {
                     self.await_newer_view().await;
                     continue;
                 };
-                let req = Request::Pull { shard: s, need: None, wait_ms: 0 };
+                let req = Request::Pull {
+                    shard: s,
+                    need: None,
+                    wait_ms: 0,
+                };
                 match self.ctx.peers.call(&addr, &req, CALL_TIMEOUT).await {
                     Ok(Response::Params { done, .. }) => {
                         let next = done.map_or(0, |d| d + 1);
-                        start = Some(start.map_or(next, |x: u64| x.min(next)));
+                        start = Some(start.map_or(next, |x: u64| x.max(next)));
                         break;
                     }
                     Ok(Response::Busy) => {
@@ -177,7 +201,11 @@ impl Worker {
                     self.await_newer_view().await;
                     continue;
                 };
-                let req = Request::Pull { shard: s, need, wait_ms: PULL_WAIT_MS };
+                let req = Request::Pull {
+                    shard: s,
+                    need,
+                    wait_ms: PULL_WAIT_MS,
+                };
                 match self.ctx.peers.call(&addr, &req, CALL_TIMEOUT).await {
                     Ok(Response::Params { values, .. }) if values.len() as u64 == p.keys.len() => {
                         fresh[p.keys.start as usize..p.keys.end as usize].copy_from_slice(&values);
@@ -186,14 +214,22 @@ impl Worker {
                     Ok(Response::NotReady { missing }) => {
                         // Lost or never-sent updates of partitions that are ours now: resend.
                         let mine = self.my_partitions().unwrap_or_default();
-                        let redo: Vec<u32> = missing.into_iter().filter(|m| mine.contains(m)).collect();
-                        if let (Some(c), false) = (need, redo.is_empty())
-                            && !self.params.is_empty()
-                            && c + 1 == self.clock
-                        {
-                            tracing::info!(shard = s, clock = c, partitions = ?redo, "resending updates the shard lacks");
-                            let update = self.compute_at(redo.clone(), c).await;
-                            self.push_one(s, c, &redo, &update.delta).await;
+                        let redo: Vec<u32> =
+                            missing.into_iter().filter(|m| mine.contains(m)).collect();
+                        if let (Some(c), false) = (need, redo.is_empty()) {
+                            // Normally we hold the clock's parameters. A worker that just joined
+                            // does not; it uses the current ones, which differ from them only by
+                            // updates a crash already lost.
+                            let params = if !self.params.is_empty() && c + 1 == self.clock {
+                                Some(self.params.clone())
+                            } else {
+                                self.pull_current().await
+                            };
+                            if let Some(params) = params {
+                                tracing::info!(shard = s, clock = c, partitions = ?redo, "resending updates the shard lacks");
+                                let update = self.compute_with(params, redo.clone(), c).await;
+                                self.push_one(s, c, &redo, &update.delta).await;
+                            }
                         }
                     }
                     Ok(Response::Busy) => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -211,9 +247,39 @@ impl Worker {
 
     /// The update of `parts` at `clock` against `self.params`, off the async threads.
     async fn compute_at(&self, parts: Vec<u32>, clock: u64) -> crate::apps::Update {
+        self.compute_with(self.params.clone(), parts, clock).await
+    }
+
+    async fn compute_with(
+        &self,
+        params: Vec<f32>,
+        parts: Vec<u32>,
+        clock: u64,
+    ) -> crate::apps::Update {
         let app = self.ctx.app.clone();
-        let params = self.params.clone();
-        tokio::task::spawn_blocking(move || app.compute(&params, &parts, clock)).await.unwrap_or_default()
+        tokio::task::spawn_blocking(move || app.compute(&params, &parts, clock))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// The model as it is now on every shard, without waiting for any clock (one attempt each).
+    async fn pull_current(&self) -> Option<Vec<f32>> {
+        let mut out = vec![0.0f32; self.ctx.app.model_len()];
+        for s in 0..self.view.shards.len() as u32 {
+            let (p, addr) = self.placement(s)?;
+            let req = Request::Pull {
+                shard: s,
+                need: None,
+                wait_ms: 0,
+            };
+            match self.ctx.peers.call(&addr, &req, CALL_TIMEOUT).await {
+                Ok(Response::Params { values, .. }) if values.len() as u64 == p.keys.len() => {
+                    out[p.keys.start as usize..p.keys.end as usize].copy_from_slice(&values);
+                }
+                _ => return None,
+            }
+        }
+        Some(out)
     }
 
     /// Push the clock's update to every shard; false if unassigned meanwhile.
@@ -242,7 +308,12 @@ impl Worker {
                 return true;
             }
             let slice = delta[p.keys.start as usize..p.keys.end as usize].to_vec();
-            let req = Request::Push { shard: s, clock, partitions: parts.clone(), delta: slice };
+            let req = Request::Push {
+                shard: s,
+                clock,
+                partitions: parts.clone(),
+                delta: slice,
+            };
             match self.ctx.peers.call(&addr, &req, CALL_TIMEOUT).await {
                 Ok(Response::Pushed(PushOutcome::Applied | PushOutcome::Duplicate)) => return true,
                 Ok(Response::Pushed(PushOutcome::Conflict { already })) => {
@@ -281,7 +352,10 @@ impl Worker {
         let app = self.ctx.app.clone();
         let params = self.params.clone();
         let clock = self.clock;
-        tokio::task::spawn_blocking(move || app.evaluate(&params, clock)).await.ok().flatten()
+        tokio::task::spawn_blocking(move || app.evaluate(&params, clock))
+            .await
+            .ok()
+            .flatten()
     }
 
     async fn finish(&mut self) -> WorkerExit {
@@ -325,7 +399,9 @@ impl RateMeter {
     }
 
     fn per_sec(&self) -> f64 {
-        let (Some(first), Some(last)) = (self.window.front(), self.window.back()) else { return 0.0 };
+        let (Some(first), Some(last)) = (self.window.front(), self.window.back()) else {
+            return 0.0;
+        };
         let secs = last.0.duration_since(first.0).as_secs_f64();
         if secs <= 0.0 {
             return 0.0;

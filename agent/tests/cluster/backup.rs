@@ -4,14 +4,18 @@ use proteus_agent::apps::App;
 use proteus_agent::ps::{PsNode, ShardState};
 use proteus_agent::transport::Peers;
 use proteus_wire::InstanceId;
-use proteus_wire::agent_api::{ClusterView, KeyRange, MemberInfo, ShardPlacement, ShardSource, Stage};
 use proteus_wire::Tier;
+use proteus_wire::agent_api::{
+    ClusterView, KeyRange, MemberInfo, ShardPlacement, ShardSource, Stage,
+};
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
 
 async fn node(name: &str, app: Arc<App>) -> (Arc<PsNode>, String) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let peers = Peers::new(addr.clone());
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
@@ -22,13 +26,25 @@ async fn node(name: &str, app: Arc<App>) -> (Arc<PsNode>, String) {
     (node, addr)
 }
 
-fn view(epoch: u64, active: &str, backup: &str, source: ShardSource, addrs: &[(&str, &str)], len: u64) -> ClusterView {
+fn view(
+    epoch: u64,
+    active: &str,
+    backup: &str,
+    source: ShardSource,
+    addrs: &[(&str, &str)],
+    len: u64,
+) -> ClusterView {
     ClusterView {
         epoch,
         stage: Stage::Stage2,
         members: addrs
             .iter()
-            .map(|(n, a)| MemberInfo { instance_id: InstanceId(n.to_string()), tier: Tier::Transient, data_addr: a.to_string(), draining: false })
+            .map(|(n, a)| MemberInfo {
+                instance_id: InstanceId(n.to_string()),
+                tier: Tier::Transient,
+                data_addr: a.to_string(),
+                draining: false,
+            })
             .collect(),
         shards: vec![ShardPlacement {
             shard: 0,
@@ -50,7 +66,11 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
     let (active, a_addr) = node("a", app.clone()).await;
     let (backup, b_addr) = node("b", app.clone()).await;
     let (spare, c_addr) = node("c", app.clone()).await;
-    let addrs = [("a", a_addr.as_str()), ("b", b_addr.as_str()), ("c", c_addr.as_str())];
+    let addrs = [
+        ("a", a_addr.as_str()),
+        ("b", b_addr.as_str()),
+        ("c", c_addr.as_str()),
+    ];
     let init = app.init(0..LEN);
     active.install_active(0, ShardState::fresh(0, init.clone(), 4));
     active.apply_view(&view(1, "a", "b", ShardSource::Fresh, &addrs, LEN as u64));
@@ -65,10 +85,24 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
             // Through the real request path, over TCP.
             let peers = Peers::new("client".into());
             let resp = peers
-                .call(&a_addr, &proteus_agent::transport::Request::Push { shard: 0, clock, partitions: vec![p], delta: delta.clone() }, Duration::from_secs(5))
+                .call(
+                    &a_addr,
+                    &proteus_agent::transport::Request::Push {
+                        shard: 0,
+                        clock,
+                        partitions: vec![p],
+                        delta: delta.clone(),
+                    },
+                    Duration::from_secs(5),
+                )
                 .await
                 .expect("push over tcp");
-            assert!(matches!(resp, proteus_agent::transport::Response::Pushed(proteus_agent::transport::PushOutcome::Applied)));
+            assert!(matches!(
+                resp,
+                proteus_agent::transport::Response::Pushed(
+                    proteus_agent::transport::PushOutcome::Applied
+                )
+            ));
             log.push(delta);
         }
         if clock == 19 {
@@ -79,18 +113,36 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
     // The active dies here (updates 81..=120 never reach the backup). Promote the backup by view.
     drop(active);
     let copy = backup.backup_copy(0).expect("backup holds a copy");
-    assert_eq!(copy.seq, synced_at, "backup's seq is the number of updates it holds");
+    assert_eq!(
+        copy.seq, synced_at,
+        "backup's seq is the number of updates it holds"
+    );
     let mut expected = init.clone();
     for d in &log[..synced_at as usize] {
         for (e, x) in expected.iter_mut().zip(d) {
             *e += x;
         }
     }
-    assert!(copy.values.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "value-for-value equality");
+    assert!(
+        copy.values
+            .iter()
+            .zip(&expected)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "value-for-value equality"
+    );
     assert_eq!(copy.clocks.done(), Some(19));
 
     // A third machine becomes active and restores from b over the network.
-    spare.apply_view(&view(2, "c", "b", ShardSource::Restore { from: InstanceId("b".into()) }, &addrs[1..], LEN as u64));
+    spare.apply_view(&view(
+        2,
+        "c",
+        "b",
+        ShardSource::Restore {
+            from: InstanceId("b".into()),
+        },
+        &addrs[1..],
+        LEN as u64,
+    ));
     let mut promoted = None;
     for _ in 0..100 {
         if let Some(s) = spare.active_copy(0) {
@@ -101,7 +153,13 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
     }
     let promoted = promoted.expect("spare serves the shard");
     assert_eq!(promoted.seq, synced_at);
-    assert!(promoted.values.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(
+        promoted
+            .values
+            .iter()
+            .zip(&expected)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
     // Clock 20's partitions are missing on the promoted shard: workers will resend them.
     assert_eq!(promoted.clocks.missing(20), vec![0, 1, 2, 3]);
 }

@@ -3,7 +3,9 @@
 use crate::support::{Cluster, spawn_agent};
 use crate::training::{SIX, mnist_config};
 use proteus_wire::Tier;
-use proteus_wire::agent_api::{AppConfig, ImageDataset, ShardSource, StopCondition, TrainingConfig};
+use proteus_wire::agent_api::{
+    AppConfig, ImageDataset, ShardSource, StopCondition, TrainingConfig,
+};
 use proteus_wire::coordinator::JobState;
 use std::time::Duration;
 
@@ -12,21 +14,46 @@ async fn kill9_of_a_shard_owner_loses_little_and_job_completes() {
     let mut cfg = mnist_config();
     cfg.stop = StopCondition::Epochs { epochs: 3 };
     let mut c = Cluster::start(cfg, &SIX).await;
-    c.coord.wait_for(Duration::from_secs(60), |s| s.state == JobState::Running).await.expect("starts");
-    c.coord.wait_for(Duration::from_secs(120), |s| s.progress.clock >= 100).await.expect("progress");
+    c.coord
+        .wait_for(Duration::from_secs(60), |s| s.state == JobState::Running)
+        .await
+        .expect("starts");
+    let t0 = std::time::Instant::now();
+    let c0 = c
+        .coord
+        .wait_for(Duration::from_secs(120), |s| s.progress.clock >= 40)
+        .await
+        .expect("progress")
+        .progress
+        .clock;
+    let c1 = c
+        .coord
+        .wait_for(Duration::from_secs(120), |s| s.progress.clock >= 100)
+        .await
+        .expect("progress")
+        .progress
+        .clock;
+    let clocks_per_sec = (c1 - c0) as f64 / t0.elapsed().as_secs_f64();
     let view = c.coord.with(|co| co.view().cloned()).expect("view");
     let victim = view.shards[0].active.0.clone();
-    eprintln!("kill -9 {victim} at clock {}", c.coord.status().progress.clock);
+    let kill_clock = c.coord.status().progress.clock;
+    eprintln!("kill -9 {victim} at clock {kill_clock} ({clocks_per_sec:.1} clocks/s)");
     c.agent(&victim).kill9();
     // Detected by heartbeat timeout; its shard is restored from the backup.
     let after = c
         .coord
-        .wait_for(Duration::from_secs(30), |s| s.members.iter().all(|m| m.instance_id.0 != victim))
+        .wait_for(Duration::from_secs(30), |s| {
+            s.members.iter().all(|m| m.instance_id.0 != victim)
+        })
         .await;
     assert!(after.is_some(), "dead member never removed");
     let v = c.coord.with(|co| co.view().cloned()).expect("view");
     let s0 = &v.shards[0];
-    assert!(matches!(&s0.source, ShardSource::Restore { .. }), "{:?}", s0.source);
+    assert!(
+        matches!(&s0.source, ShardSource::Restore { .. }),
+        "{:?}",
+        s0.source
+    );
     let st = c.wait_done(Duration::from_secs(240)).await;
     c.assert_all_exit_cleanly(Duration::from_secs(20)).await;
     let m = st.final_metric.expect("metric");
@@ -36,36 +63,82 @@ async fn kill9_of_a_shard_owner_loses_little_and_job_completes() {
     let restored: Vec<String> = c
         .agents
         .iter()
-        .flat_map(|a| a.log_text().lines().filter(|l| l.contains("serving shard") && l.contains("Restore")).map(String::from).collect::<Vec<_>>())
+        .flat_map(|a| {
+            a.log_text()
+                .lines()
+                .filter(|l| l.contains("serving shard") && l.contains("Restore"))
+                .map(String::from)
+                .collect::<Vec<_>>()
+        })
         .collect();
     eprintln!("restore: {restored:?}");
-    assert!(!restored.is_empty());
+    assert_eq!(restored.len(), 1);
+    // Work lost = clocks between the restored copy and the kill: bounded by the sync interval
+    // (0.3 s here) plus one heartbeat of reporting lag, in clocks.
+    let done: i64 = restored[0]
+        .split("done=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|d| d.parse().ok())
+        .expect("restore line says which clock the backup completed");
+    let lost = kill_clock as i64 - done;
+    let bound = (clocks_per_sec * (0.3 + 0.3)).ceil() as i64 + 2;
+    eprintln!("clocks lost with the crashed shard: {lost} (bound {bound})");
+    assert!(
+        lost <= bound,
+        "lost {lost} clocks, more than the sync interval's worth ({bound})"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebalance_moves_shards_early_without_exiting() {
-    let mut cfg = TrainingConfig::new(AppConfig::Mlr { dataset: ImageDataset::Digits, learning_rate: 0.5, l2: 0.0 });
+    let mut cfg = TrainingConfig::new(AppConfig::Mlr {
+        dataset: ImageDataset::Digits,
+        learning_rate: 0.5,
+        l2: 0.0,
+    });
     cfg.clocks_per_epoch = 10;
     cfg.stop = StopCondition::Epochs { epochs: 40 };
     cfg.min_workers = 3;
-    let specs = [("r1", Tier::Reliable), ("t1", Tier::Transient), ("t2", Tier::Transient)];
+    let specs = [
+        ("r1", Tier::Reliable),
+        ("t1", Tier::Transient),
+        ("t2", Tier::Transient),
+    ];
     let mut c = Cluster::start(cfg, &specs).await;
-    c.coord.wait_for(Duration::from_secs(60), |s| s.progress.clock >= 20).await.expect("progress");
+    c.coord
+        .wait_for(Duration::from_secs(60), |s| s.progress.clock >= 20)
+        .await
+        .expect("progress");
     let view = c.coord.with(|co| co.view().cloned()).expect("view");
     let owner = view.shards[0].active.0.clone();
     c.agent(&owner).imds.announce_rebalance();
     let moved = c
         .coord
         .wait_for(Duration::from_secs(20), |s| {
-            s.members.iter().any(|m| m.instance_id.0 == owner && m.roles.active_shards.is_empty() && m.roles.worker.is_some())
+            s.members.iter().any(|m| {
+                m.instance_id.0 == owner
+                    && m.roles.active_shards.is_empty()
+                    && m.roles.worker.is_some()
+            })
         })
         .await;
     assert!(moved.is_some(), "shards did not move off {owner}");
     let st = c.wait_done(Duration::from_secs(120)).await;
-    assert!(st.departed.iter().all(|d| d.instance_id.0 != owner) || st.state == JobState::Completed);
+    assert!(
+        st.departed.iter().all(|d| d.instance_id.0 != owner) || st.state == JobState::Completed
+    );
     c.assert_all_exit_cleanly(Duration::from_secs(20)).await;
-    assert!(c.agent(&owner).log_text().contains("rebalance recommendation"));
-    assert!(st.final_metric.is_some_and(|m| m.value > 0.8), "{:?}", st.final_metric);
+    assert!(
+        c.agent(&owner)
+            .log_text()
+            .contains("rebalance recommendation")
+    );
+    assert!(
+        st.final_metric.is_some_and(|m| m.value > 0.8),
+        "{:?}",
+        st.final_metric
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,7 +150,13 @@ async fn agent_retries_until_broker_is_reachable() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut a = spawn_agent(&format!("http://{addr}"), "r1", dir.path()).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(a.wait_exit(Duration::from_millis(10)).await.is_none(), "agent must not give up");
+    assert!(
+        a.wait_exit(Duration::from_millis(10)).await.is_none(),
+        "agent must not give up"
+    );
     let log = a.log_text();
-    assert!(log.contains("broker unreachable; retrying registration"), "{log}");
+    assert!(
+        log.contains("broker unreachable; retrying registration"),
+        "{log}"
+    );
 }

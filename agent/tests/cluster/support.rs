@@ -68,29 +68,50 @@ pub struct Cluster {
 impl Cluster {
     /// Start a coordinator for `training` and one agent per `(name, tier)`.
     pub async fn start(training: TrainingConfig, specs: &[(&str, Tier)]) -> Cluster {
-        let tokens: Vec<(String, String, Tier)> =
-            specs.iter().map(|(n, t)| (format!("tok-{n}"), n.to_string(), *t)).collect();
-        let refs: Vec<(&str, &str, Tier)> = tokens.iter().map(|(a, b, t)| (a.as_str(), b.as_str(), *t)).collect();
-        let coord = TestCoordinator::start(training, &refs).await.expect("coordinator starts");
+        let tokens: Vec<(String, String, Tier)> = specs
+            .iter()
+            .map(|(n, t)| (format!("tok-{n}"), n.to_string(), *t))
+            .collect();
+        let refs: Vec<(&str, &str, Tier)> = tokens
+            .iter()
+            .map(|(a, b, t)| (a.as_str(), b.as_str(), *t))
+            .collect();
+        let coord = TestCoordinator::start(training, &refs)
+            .await
+            .expect("coordinator starts");
         let dir = tempfile::tempdir().expect("tempdir");
         let mut agents = Vec::new();
         for (name, _) in specs {
             agents.push(spawn_agent(&coord.url(), name, dir.path()).await);
         }
-        Cluster { coord, agents, _dir: dir }
+        Cluster {
+            coord,
+            agents,
+            _dir: dir,
+        }
     }
 
     pub fn agent(&mut self, name: &str) -> &mut AgentProc {
-        self.agents.iter_mut().find(|a| a.id == name).expect("agent exists")
+        self.agents
+            .iter_mut()
+            .find(|a| a.id == name)
+            .expect("agent exists")
     }
 
     /// Wait for the job to end; panics with the agents' logs if it does not in time.
     pub async fn wait_done(&self, timeout: Duration) -> JobStatus {
-        match self.coord.wait_for(timeout, |s| s.state == JobState::Completed).await {
+        match self
+            .coord
+            .wait_for(timeout, |s| s.state == JobState::Completed)
+            .await
+        {
             Some(s) => s,
             None => {
                 self.dump_logs();
-                panic!("job did not complete in {timeout:?}: {:#?}", self.coord.status());
+                panic!(
+                    "job did not complete in {timeout:?}: {:#?}",
+                    self.coord.status()
+                );
             }
         }
     }
@@ -113,7 +134,13 @@ impl Cluster {
                 continue;
             }
             let code = a.wait_exit(timeout).await;
-            assert_eq!(code, Some(0), "agent {} did not exit cleanly; log:\n{}", a.id, a.log_text());
+            assert_eq!(
+                code,
+                Some(0),
+                "agent {} did not exit cleanly; log:\n{}",
+                a.id,
+                a.log_text()
+            );
         }
     }
 }
@@ -125,12 +152,24 @@ pub async fn spawn_agent(broker: &str, name: &str, dir: &std::path::Path) -> Age
     let child = Command::new(env!("CARGO_BIN_EXE_proteus-agent"))
         .args(["--broker", broker, "--token", &format!("tok-{name}")])
         .args(["--imds-endpoint", &imds.url(), "--imds-poll-ms", "200"])
-        .args(["--data-dir", DATA_DIR, "--listen", "127.0.0.1:0", "--exit-margin-secs", "1"])
+        .args([
+            "--data-dir",
+            DATA_DIR,
+            "--listen",
+            "127.0.0.1:0",
+            "--exit-margin-secs",
+            "1",
+        ])
         .args(["--log", "info,proteus_agent=info"])
         .env_remove("PROTEUS_AGENT_INSTANCE_ID")
         .stdout(Stdio::null())
         .stderr(file)
         .spawn()
         .expect("agent binary starts");
-    AgentProc { id: name.into(), imds, log, child: Some(child) }
+    AgentProc {
+        id: name.into(),
+        imds,
+        log,
+        child: Some(child),
+    }
 }
