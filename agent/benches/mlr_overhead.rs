@@ -1,1 +1,96 @@
-fn main() {}
+//! MLR samples/s per worker in a distributed run against a single-process ndarray loop on the
+//! same data, measured in the same run.
+//!
+//! Distributed: 2 agent processes (one per core: 1 reliable + 1 transient, stage 2), each a
+//! worker, one serving the 2 active shards... as the coordinator places them; MNIST, minibatch
+//! 1000 per clock (500 per worker). Single process: the same app code over all partitions,
+//! applying the update in place, no network.
+
+mod common;
+
+use proteus_agent::apps::App;
+use proteus_agent::testing::TestCoordinator;
+use proteus_wire::Tier;
+use proteus_wire::agent_api::{AppConfig, ImageDataset, StopCondition, TrainingConfig};
+use proteus_wire::coordinator::JobState;
+use std::time::{Duration, Instant};
+
+const WINDOWS: usize = 5;
+const TARGET_OVERHEAD: f64 = 0.5;
+
+fn config() -> TrainingConfig {
+    let mut cfg = TrainingConfig::new(AppConfig::Mlr { dataset: ImageDataset::Mnist, learning_rate: 1.0, l2: 0.0 });
+    cfg.num_shards = 2;
+    cfg.num_partitions = 16;
+    cfg.clocks_per_epoch = 60;
+    cfg.stop = StopCondition::Epochs { epochs: 20 };
+    cfg.min_workers = 2;
+    cfg.eval_every_epochs = 0;
+    cfg
+}
+
+fn single_process(app: &App, cfg: &TrainingConfig) -> Vec<f64> {
+    let all: Vec<u32> = (0..cfg.num_partitions).collect();
+    let mut params = app.init(0..app.model_len());
+    let mut rates = Vec::new();
+    let mut clock = 0;
+    for _ in 0..WINDOWS {
+        let t = Instant::now();
+        let mut samples = 0;
+        for _ in 0..20 {
+            let u = app.compute(&params, &all, clock);
+            for (p, d) in params.iter_mut().zip(&u.delta) {
+                *p += d;
+            }
+            samples += u.samples;
+            clock += 1;
+        }
+        rates.push(samples as f64 / t.elapsed().as_secs_f64());
+    }
+    rates
+}
+
+fn main() {
+    let cfg = config();
+    let app = App::load(&cfg, std::path::Path::new(common::DATA_DIR)).expect("MNIST loads");
+    let mut single = single_process(&app, &cfg);
+    let single_med = common::median(&mut single);
+    println!("single-process ndarray loop: median {single_med:.0} samples/s");
+
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let per_worker = rt.block_on(async {
+        let coord = TestCoordinator::start(cfg, &[("tok-r", "r", Tier::Reliable), ("tok-t", "t", Tier::Transient)])
+            .await
+            .expect("coordinator");
+        let _r = common::spawn_agent(&coord.url(), "r", 2000).await;
+        let _t = common::spawn_agent(&coord.url(), "t", 2000).await;
+        coord.wait_for(Duration::from_secs(60), |s| s.state == JobState::Running).await.expect("starts");
+        coord.wait_for(Duration::from_secs(60), |s| s.progress.clock >= 60).await.expect("warms up");
+        let mut rates = Vec::new();
+        for _ in 0..WINDOWS {
+            let samples = |s: &proteus_wire::coordinator::JobStatus| -> (u64, usize) {
+                (s.members.iter().map(|m| m.progress.samples_processed).sum(), s.members.len())
+            };
+            let (a, _) = samples(&coord.status());
+            let t = Instant::now();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let (b, workers) = samples(&coord.status());
+            let rate = (b - a) as f64 / t.elapsed().as_secs_f64() / workers as f64;
+            println!("window: {rate:.0} samples/s per worker ({workers} workers)");
+            rates.push(rate);
+        }
+        coord.with(|c| c.cancel("benchmark over"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        rates
+    });
+    let mut per_worker = per_worker;
+    let dist_med = common::median(&mut per_worker);
+    let overhead = 1.0 - dist_med / single_med;
+    println!(
+        "MLR on MNIST: median {dist_med:.0} samples/s per worker (2 workers, 2 cores) vs {single_med:.0} single-process: \
+         distribution overhead {:.0}% (target <= {:.0}%: ratio {:.2} of the allowed overhead)",
+        overhead * 100.0,
+        TARGET_OVERHEAD * 100.0,
+        overhead / TARGET_OVERHEAD
+    );
+}

@@ -1,0 +1,40 @@
+//! Helpers shared by the benchmark programs.
+#![allow(dead_code)]
+
+use proteus_agent::testing::ImdsMock;
+use std::process::{Child, Command, Stdio};
+
+pub const DATA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/ml");
+
+/// An agent process, killed on drop.
+pub struct Proc(pub Child, pub ImdsMock);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub async fn spawn_agent(broker: &str, name: &str, imds_poll_ms: u64) -> Proc {
+    let imds = ImdsMock::start(name).await.expect("imds mock");
+    let child = Command::new(env!("CARGO_BIN_EXE_proteus-agent"))
+        .args(["--broker", broker, "--token", &format!("tok-{name}")])
+        .args(["--imds-endpoint", &imds.url(), "--imds-poll-ms", &imds_poll_ms.to_string()])
+        .args(["--data-dir", DATA_DIR, "--listen", "127.0.0.1:0", "--exit-margin-secs", "1"])
+        .args(["--log", "warn"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("agent binary");
+    Proc(child, imds)
+}
+
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
