@@ -294,7 +294,10 @@ mod tests {
     }
 
     fn amounts(items: &[LineItem]) -> Vec<(f64, bool)> {
-        items.iter().map(|i| ((i.amount_usd * 1e6).round() / 1e6, i.free)).collect()
+        items
+            .iter()
+            .map(|i| ((i.amount_usd * 1e6).round() / 1e6, i.free))
+            .collect()
     }
 
     #[test]
@@ -302,9 +305,17 @@ mod tests {
         let s = series();
         // Launched at 0:00, user ends at 2:15: hours start at 0:00 (0.10), 1:00 (0.30), 2:00 (0.50).
         let items = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(2 * H + 15 * M), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(2 * H + 15 * M),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
-        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.50, false)]);
+        assert_eq!(
+            amounts(&items),
+            vec![(0.10, false), (0.30, false), (0.50, false)]
+        );
         assert_eq!(items[2].end, Timestamp(2 * H + 15 * M));
         assert!((total_usd(&items) - 0.90).abs() < 1e-12);
     }
@@ -313,14 +324,27 @@ mod tests {
     fn hourly_partial_hour_is_free_only_when_the_provider_ends_it() {
         let s = series();
         let evicted = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(2 * H + 15 * M), EndedBy::Provider, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(2 * H + 15 * M),
+                EndedBy::Provider,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
-        assert_eq!(amounts(&evicted), vec![(0.10, false), (0.30, false), (0.0, true)]);
+        assert_eq!(
+            amounts(&evicted),
+            vec![(0.10, false), (0.30, false), (0.0, true)]
+        );
         assert_eq!(evicted[2].billed_seconds, 0.0);
         assert!((evicted[2].used_hours() - 0.25).abs() < 1e-12);
         // Evicted inside the first hour: the whole life is free.
         let early = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(59 * M + 59_000), EndedBy::Provider, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(59 * M + 59_000),
+                EndedBy::Provider,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         assert_eq!(amounts(&early), vec![(0.0, true)]);
     }
@@ -329,19 +353,40 @@ mod tests {
     fn hourly_an_hour_that_ran_to_its_end_is_charged_even_on_eviction() {
         let s = series();
         let items = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(2 * H), EndedBy::Provider, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(2 * H),
+                EndedBy::Provider,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false)]);
         // One millisecond into the third hour: that started hour is free when evicted...
         let items = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(2 * H + 1), EndedBy::Provider, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(2 * H + 1),
+                EndedBy::Provider,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
-        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.0, true)]);
+        assert_eq!(
+            amounts(&items),
+            vec![(0.10, false), (0.30, false), (0.0, true)]
+        );
         // ...and charged in full, at 2:00's price, when the user ends it.
         let items = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(2 * H + 1), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(2 * H + 1),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
-        assert_eq!(amounts(&items), vec![(0.10, false), (0.30, false), (0.50, false)]);
+        assert_eq!(
+            amounts(&items),
+            vec![(0.10, false), (0.30, false), (0.50, false)]
+        );
     }
 
     #[test]
@@ -349,25 +394,51 @@ mod tests {
         let s = series();
         // Launched at 0:20: hours start at 0:20 (0.10), 1:20 (0.20); ended by user at 1:30.
         let items = BillingModel::Hourly2015
-            .bill(Timestamp(20 * M), Timestamp(90 * M), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(20 * M),
+                Timestamp(90 * M),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         assert_eq!(amounts(&items), vec![(0.10, false), (0.20, false)]);
         assert_eq!(items[1].start, Timestamp(80 * M));
-        assert_eq!(BillingModel::Hourly2015.period_end(Timestamp(20 * M), Timestamp(90 * M)), Timestamp(140 * M));
-        assert_eq!(BillingModel::Hourly2015.period_start(Timestamp(20 * M), Timestamp(90 * M)), Timestamp(80 * M));
+        assert_eq!(
+            BillingModel::Hourly2015.period_end(Timestamp(20 * M), Timestamp(90 * M)),
+            Timestamp(140 * M)
+        );
+        assert_eq!(
+            BillingModel::Hourly2015.period_start(Timestamp(20 * M), Timestamp(90 * M)),
+            Timestamp(80 * M)
+        );
         // Exactly at a boundary, the new hour has started.
-        assert_eq!(BillingModel::Hourly2015.period_end(Timestamp(0), Timestamp(H)), Timestamp(2 * H));
+        assert_eq!(
+            BillingModel::Hourly2015.period_end(Timestamp(0), Timestamp(H)),
+            Timestamp(2 * H)
+        );
     }
 
     #[test]
     fn hourly_zero_length_life_costs_nothing_and_on_demand_is_fixed() {
         let s = series();
-        assert!(BillingModel::Hourly2015
-            .bill(Timestamp(5), Timestamp(5), EndedBy::User, PriceSource::Spot(&s))
-            .unwrap()
-            .is_empty());
+        assert!(
+            BillingModel::Hourly2015
+                .bill(
+                    Timestamp(5),
+                    Timestamp(5),
+                    EndedBy::User,
+                    PriceSource::Spot(&s)
+                )
+                .unwrap()
+                .is_empty()
+        );
         let od = BillingModel::Hourly2015
-            .bill(Timestamp(0), Timestamp(3 * H - 1), EndedBy::User, PriceSource::Fixed(usd(0.21)))
+            .bill(
+                Timestamp(0),
+                Timestamp(3 * H - 1),
+                EndedBy::User,
+                PriceSource::Fixed(usd(0.21)),
+            )
             .unwrap();
         assert_eq!(od.len(), 3);
         assert!((total_usd(&od) - 0.63).abs() < 1e-12);
@@ -378,32 +449,55 @@ mod tests {
         let s = series();
         // 0:20 → 1:20: 10 min at 0.10, 40 min at 0.30, 10 min at 0.20.
         let items = BillingModel::PerSecond
-            .bill(Timestamp(20 * M), Timestamp(80 * M), EndedBy::Provider, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(20 * M),
+                Timestamp(80 * M),
+                EndedBy::Provider,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         let secs: Vec<f64> = items.iter().map(|i| i.billed_seconds).collect();
         assert_eq!(secs, vec![600.0, 2400.0, 600.0]);
         let expected = 0.10 / 6.0 + 0.30 * 40.0 / 60.0 + 0.20 / 6.0;
         assert!((total_usd(&items) - expected).abs() < 1e-12);
-        assert!(items.iter().all(|i| !i.free), "per-second has no free hours");
+        assert!(
+            items.iter().all(|i| !i.free),
+            "per-second has no free hours"
+        );
     }
 
     #[test]
     fn per_second_has_a_sixty_second_minimum() {
         let s = series();
         let items = BillingModel::PerSecond
-            .bill(Timestamp(0), Timestamp(10_000), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(0),
+                Timestamp(10_000),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         assert_eq!(items.len(), 1);
         assert_eq!(items[0].billed_seconds, 60.0);
         assert!((items[0].amount_usd - 0.10 / 60.0).abs() < 1e-15);
         // A minimum straddling a price change: 20 s at 0.10, then 10 s at 0.30 topped up by 30 s.
         let items = BillingModel::PerSecond
-            .bill(Timestamp(30 * M - 20_000), Timestamp(30 * M + 10_000), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(30 * M - 20_000),
+                Timestamp(30 * M + 10_000),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap();
         let secs: Vec<f64> = items.iter().map(|i| i.billed_seconds).collect();
         assert_eq!(secs, vec![20.0, 40.0]);
         let zero = BillingModel::PerSecond
-            .bill(Timestamp(0), Timestamp(0), EndedBy::User, PriceSource::Fixed(usd(0.36)))
+            .bill(
+                Timestamp(0),
+                Timestamp(0),
+                EndedBy::User,
+                PriceSource::Fixed(usd(0.36)),
+            )
             .unwrap();
         assert!((total_usd(&zero) - 0.006).abs() < 1e-15);
     }
@@ -412,13 +506,37 @@ mod tests {
     fn errors_are_clear() {
         let s = series();
         let err = BillingModel::Hourly2015
-            .bill(Timestamp(-H), Timestamp(0), EndedBy::User, PriceSource::Spot(&s))
+            .bill(
+                Timestamp(-H),
+                Timestamp(0),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
             .unwrap_err();
-        assert!(err.to_string().contains("no spot price is known for us-east-1a/c3.xlarge"), "{err}");
-        assert!(BillingModel::PerSecond
-            .bill(Timestamp(10), Timestamp(0), EndedBy::User, PriceSource::Spot(&s))
-            .is_err());
-        assert_eq!("per-second".parse::<BillingModel>(), Ok(BillingModel::PerSecond));
-        assert!("hourly".parse::<BillingModel>().unwrap_err().contains("allowed: hourly-2015, per-second"));
+        assert!(
+            err.to_string()
+                .contains("no spot price is known for us-east-1a/c3.xlarge"),
+            "{err}"
+        );
+        assert!(
+            BillingModel::PerSecond
+                .bill(
+                    Timestamp(10),
+                    Timestamp(0),
+                    EndedBy::User,
+                    PriceSource::Spot(&s)
+                )
+                .is_err()
+        );
+        assert_eq!(
+            "per-second".parse::<BillingModel>(),
+            Ok(BillingModel::PerSecond)
+        );
+        assert!(
+            "hourly"
+                .parse::<BillingModel>()
+                .unwrap_err()
+                .contains("allowed: hourly-2015, per-second")
+        );
     }
 }

@@ -122,7 +122,10 @@ impl Default for EvictionCostSpec {
 pub enum EvictionCost {
     /// See [`EvictionCostSpec::AgileMl`].
     #[serde(rename = "agileml")]
-    AgileMl { sync_interval_secs: f64, rebalance_secs: f64 },
+    AgileMl {
+        sync_interval_secs: f64,
+        rebalance_secs: f64,
+    },
     /// See [`EvictionCostSpec::Checkpoint`].
     Checkpoint {
         interval_secs: f64,
@@ -153,7 +156,8 @@ impl EvictionCost {
                 sync_interval_minutes,
                 rebalance_seconds,
             } => EvictionCost::AgileMl {
-                sync_interval_secs: positive("sync_interval_minutes", sync_interval_minutes)? * 60.0,
+                sync_interval_secs: positive("sync_interval_minutes", sync_interval_minutes)?
+                    * 60.0,
                 rebalance_secs: non_negative("rebalance_seconds", rebalance_seconds)?,
             },
             EvictionCostSpec::Checkpoint {
@@ -173,7 +177,9 @@ impl EvictionCost {
     /// restart for checkpoint/restart (which also stops every other instance).
     pub fn expected_loss_secs(&self) -> f64 {
         match *self {
-            EvictionCost::AgileMl { sync_interval_secs, .. } => sync_interval_secs / 2.0,
+            EvictionCost::AgileMl {
+                sync_interval_secs, ..
+            } => sync_interval_secs / 2.0,
             EvictionCost::Checkpoint {
                 interval_secs,
                 restart_secs,
@@ -213,7 +219,11 @@ pub enum JobError {
     #[error("{file}: {problem}")]
     Syntax { file: String, problem: String },
     #[error("{file}: key `{key}`: {problem}")]
-    Field { file: String, key: String, problem: String },
+    Field {
+        file: String,
+        key: String,
+        problem: String,
+    },
 }
 
 impl WorkModelSpec {
@@ -242,20 +252,31 @@ impl WorkModelSpec {
 
     /// Checks every field and resolves throughputs against `on_demand` (and the built-in
     /// catalog for vCPUs the price table lacks). `file` names the source in errors.
-    pub fn resolve(&self, file: &str, on_demand: &OnDemandCatalog, region: &Region) -> Result<JobModel, JobError> {
+    pub fn resolve(
+        &self,
+        file: &str,
+        on_demand: &OnDemandCatalog,
+        region: &Region,
+    ) -> Result<JobModel, JobError> {
         let field = |key: &str, problem: String| JobError::Field {
             file: file.to_string(),
             key: key.to_string(),
             problem,
         };
         if !(self.total_work.is_finite() && self.total_work > 0.0) {
-            return Err(field("total_work", format!("{} must be a positive number of units", self.total_work)));
+            return Err(field(
+                "total_work",
+                format!("{} must be a positive number of units", self.total_work),
+            ));
         }
         if self.max_instances == 0 {
             return Err(field("max_instances", "must be at least 1".into()));
         }
         if !(self.startup_minutes.is_finite() && self.startup_minutes >= 0.0) {
-            return Err(field("startup_minutes", format!("{} must be zero or positive", self.startup_minutes)));
+            return Err(field(
+                "startup_minutes",
+                format!("{} must be zero or positive", self.startup_minutes),
+            ));
         }
         let known_types = || {
             let mut names: Vec<String> = on_demand
@@ -272,22 +293,30 @@ impl WorkModelSpec {
                 .and_then(|o| o.vcpus)
                 .or_else(|| catalog::lookup(t).map(|k| k.vcpus))
         };
-        let reference_type = InstanceType::parse(&self.reference_type).map_err(|e| field("reference_type", e.to_string()))?;
+        let reference_type = InstanceType::parse(&self.reference_type)
+            .map_err(|e| field("reference_type", e.to_string()))?;
         let reference_vcpus = vcpus_of(&reference_type);
         if self.instance_types.is_empty() {
-            return Err(field("instance_types", "must name at least one instance type".into()));
+            return Err(field(
+                "instance_types",
+                "must name at least one instance type".into(),
+            ));
         }
         for name in self.throughput.keys() {
             if !self.instance_types.iter().any(|t| t.trim() == name.trim()) {
                 return Err(field(
                     &format!("throughput.\"{name}\""),
-                    format!("`{name}` is not one of instance_types ({})", self.instance_types.join(", ")),
+                    format!(
+                        "`{name}` is not one of instance_types ({})",
+                        self.instance_types.join(", ")
+                    ),
                 ));
             }
         }
         let mut rates = BTreeMap::new();
         for name in &self.instance_types {
-            let t = InstanceType::parse(name).map_err(|e| field("instance_types", e.to_string()))?;
+            let t =
+                InstanceType::parse(name).map_err(|e| field("instance_types", e.to_string()))?;
             if on_demand.get(region, &t).is_none() {
                 return Err(field(
                     "instance_types",
@@ -300,7 +329,10 @@ impl WorkModelSpec {
             let rate = match self.throughput.get(name) {
                 Some(&r) if r.is_finite() && r > 0.0 => r,
                 Some(&r) => {
-                    return Err(field(&format!("throughput.\"{name}\""), format!("{r} must be a positive number")));
+                    return Err(field(
+                        &format!("throughput.\"{name}\""),
+                        format!("{r} must be a positive number"),
+                    ));
                 }
                 None => {
                     let (Some(v), Some(rv)) = (vcpus_of(&t), reference_vcpus) else {
@@ -319,17 +351,25 @@ impl WorkModelSpec {
                 return Err(field("instance_types", format!("`{t}` is listed twice")));
             }
         }
-        let eviction_cost =
-            EvictionCost::from_spec(&self.eviction_cost).map_err(|(k, p)| field(&format!("eviction_cost.{k}"), p))?;
-        let max_reliable = self.max_reliable_instances.unwrap_or((self.max_instances / 8).max(1));
+        let eviction_cost = EvictionCost::from_spec(&self.eviction_cost)
+            .map_err(|(k, p)| field(&format!("eviction_cost.{k}"), p))?;
+        let max_reliable = self
+            .max_reliable_instances
+            .unwrap_or((self.max_instances / 8).max(1));
         if max_reliable > self.max_instances {
             return Err(field(
                 "max_reliable_instances",
-                format!("{max_reliable} exceeds max_instances ({})", self.max_instances),
+                format!(
+                    "{max_reliable} exceeds max_instances ({})",
+                    self.max_instances
+                ),
             ));
         }
         if !(self.stages.stage3_ratio.is_finite() && self.stages.stage3_ratio > 0.0) {
-            return Err(field("stages.stage3_ratio", "must be a positive number".into()));
+            return Err(field(
+                "stages.stage3_ratio",
+                "must be a positive number".into(),
+            ));
         }
         Ok(JobModel {
             name: self.name.clone().unwrap_or_else(|| file.to_string()),
@@ -384,7 +424,11 @@ mod tests {
             on_demand: UsdPerHour::new(p).unwrap(),
         };
         (
-            OnDemandCatalog::new([offer("c3.xlarge", 0.21), offer("m3.medium", 0.067), offer("d2.8xlarge", 5.52)]),
+            OnDemandCatalog::new([
+                offer("c3.xlarge", 0.21),
+                offer("m3.medium", 0.067),
+                offer("d2.8xlarge", 5.52),
+            ]),
             region,
         )
     }
@@ -399,15 +443,30 @@ mod tests {
     #[test]
     fn defaults_are_vcpu_proportional() {
         let (od, region) = catalog();
-        let job = WorkModelSpec::parse("j.toml", BASE).unwrap().resolve("j.toml", &od, &region).unwrap();
+        let job = WorkModelSpec::parse("j.toml", BASE)
+            .unwrap()
+            .resolve("j.toml", &od, &region)
+            .unwrap();
         let c3 = InstanceType::parse("c3.xlarge").unwrap();
         assert_eq!(job.rate(&c3), Some(1.0));
-        assert_eq!(job.rate(&InstanceType::parse("m3.medium").unwrap()), Some(0.25));
-        assert_eq!(job.rate(&InstanceType::parse("d2.8xlarge").unwrap()), Some(9.0));
+        assert_eq!(
+            job.rate(&InstanceType::parse("m3.medium").unwrap()),
+            Some(0.25)
+        );
+        assert_eq!(
+            job.rate(&InstanceType::parse("d2.8xlarge").unwrap()),
+            Some(9.0)
+        );
         assert_eq!(job.max_reliable_instances, 8);
         assert_eq!(job.startup_secs, 300.0);
         assert_eq!(job.full_speed(), 64.0);
-        assert!(matches!(job.eviction_cost, EvictionCost::AgileMl { sync_interval_secs: 120.0, .. }));
+        assert!(matches!(
+            job.eviction_cost,
+            EvictionCost::AgileMl {
+                sync_interval_secs: 120.0,
+                ..
+            }
+        ));
         assert_eq!(job.stages.stage3_ratio, 15.0);
     }
 
@@ -418,8 +477,14 @@ mod tests {
             "{BASE}\n[throughput]\n\"m3.medium\" = 0.3\n[eviction_cost]\nmodel = \"checkpoint\"\n\
              interval_minutes = 60\ncheckpoint_minutes = 2\nrestart_minutes = 3\n"
         );
-        let job = WorkModelSpec::parse("j.toml", &text).unwrap().resolve("j.toml", &od, &region).unwrap();
-        assert_eq!(job.rate(&InstanceType::parse("m3.medium").unwrap()), Some(0.3));
+        let job = WorkModelSpec::parse("j.toml", &text)
+            .unwrap()
+            .resolve("j.toml", &od, &region)
+            .unwrap();
+        assert_eq!(
+            job.rate(&InstanceType::parse("m3.medium").unwrap()),
+            Some(0.3)
+        );
         assert_eq!(
             job.eviction_cost,
             EvictionCost::Checkpoint {
@@ -444,13 +509,19 @@ mod tests {
             err.starts_with("j.toml: key `instance_types`: unknown instance type `c9.huge`"),
             "{err}"
         );
-        assert!(err.contains("known types: c3.xlarge, d2.8xlarge, m3.medium"), "{err}");
+        assert!(
+            err.contains("known types: c3.xlarge, d2.8xlarge, m3.medium"),
+            "{err}"
+        );
         let err = resolve(&BASE.replace("1000.0", "-5"));
         assert!(err.contains("key `total_work`"), "{err}");
         let err = resolve(&format!("{BASE}\nmax_cpus = 3\n"));
         assert!(err.contains("unknown field `max_cpus`"), "{err}");
         let err = resolve(&format!("{BASE}\n[eviction_cost]\nmodel = \"magic\"\n"));
-        assert!(err.contains("unknown variant `magic`") && err.contains("agileml"), "{err}");
+        assert!(
+            err.contains("unknown variant `magic`") && err.contains("agileml"),
+            "{err}"
+        );
         let err = resolve(&format!("{BASE}\n[throughput]\n\"r3.large\" = 2.0\n"));
         assert!(err.contains("key `throughput.\"r3.large\"`"), "{err}");
     }
@@ -460,7 +531,10 @@ mod tests {
         let (od, region) = catalog();
         let json = r#"{"total_work": 10, "reference_type": "c3.xlarge", "instance_types": ["c3.xlarge"],
                        "max_instances": 4, "max_reliable_instances": 1}"#;
-        let job = WorkModelSpec::parse("j.json", json).unwrap().resolve("j.json", &od, &region).unwrap();
+        let job = WorkModelSpec::parse("j.json", json)
+            .unwrap()
+            .resolve("j.json", &od, &region)
+            .unwrap();
         assert_eq!(job.max_reliable_instances, 1);
     }
 }

@@ -12,6 +12,7 @@
 //!   local launcher that runs real agents where instances do not really boot;
 //! - [`cli`]: the `proteus` commands.
 
+pub mod api;
 pub mod billing;
 pub mod cli;
 pub mod clock;
@@ -19,10 +20,11 @@ pub mod cloud;
 pub mod data;
 pub mod job;
 pub mod launcher;
-pub mod market_model;
 pub mod market;
+pub mod market_model;
 pub mod output;
 pub mod policy;
 pub mod prices;
+pub mod service;
 pub mod sim;
 pub mod store;

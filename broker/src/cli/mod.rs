@@ -3,8 +3,10 @@
 //! Every flag can also come from a `PROTEUS_*` environment variable, so the same settings work
 //! in a shell, a systemd unit and CI.
 
+pub mod client;
 mod demo;
 mod prices;
+pub mod serve;
 mod simulate;
 
 use crate::store::{Store, default_database_url};
@@ -65,6 +67,18 @@ pub enum Command {
     /// Database maintenance.
     #[command(subcommand)]
     Db(DbCommand),
+    /// Submit a training job to a running broker.
+    Submit(client::SubmitArgs),
+    /// Show jobs: state, progress, instances per tier, spend.
+    Status(client::StatusArgs),
+    /// A job's cost: spend by tier and market, evictions, free hours, savings.
+    Report(client::ReportArgs),
+    /// Cancel a job: every instance released, ledger closed.
+    Cancel(client::CancelArgs),
+    /// Print the REST API's OpenAPI document.
+    Openapi,
+    /// Run the broker service (REST API, scheduler, cloud driver).
+    Serve(Box<serve::ServeArgs>),
     /// Spot and on-demand price history.
     #[command(subcommand)]
     Prices(prices::PricesCommand),
@@ -117,6 +131,15 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Prices(cmd) => prices::run(&cli.global, cmd).await,
+        Command::Serve(args) => serve::run(&cli.global, *args).await,
+        Command::Submit(args) => client::submit(args).await,
+        Command::Openapi => {
+            println!("{}", crate::api::openapi_json());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status(args) => client::status(args).await,
+        Command::Report(args) => client::report(args).await,
+        Command::Cancel(args) => client::cancel(args).await,
         Command::Simulate(args) => simulate::run(args),
     }
 }

@@ -5,6 +5,8 @@
 //! instance id as a tag; that tag, not the cloud's answer to a launch call, is how a restarted
 //! broker finds what it bought.
 
+#[cfg(feature = "ec2")]
+pub mod ec2;
 pub mod faults;
 pub mod sim;
 

@@ -211,6 +211,11 @@ impl LocalLauncher {
         process_alive(pid).then_some(pid)
     }
 
+    /// Whether the instance's agent process (tracked or recorded in its PID file) is alive.
+    pub fn has_live_process(&self, instance_id: &str) -> bool {
+        self.is_running(instance_id) || self.recorded_live_pid(instance_id).is_some()
+    }
+
     /// Sets the instance's `spot/instance-action` notice. Returns false for unknown instances.
     pub fn announce_interruption(&self, instance_id: &str, time_rfc3339: &str) -> bool {
         match self.lock().get(instance_id) {

@@ -66,7 +66,11 @@ impl HazardModel {
         let prior_events = self.prior.interruptions_per_instance_hour.max(0.0) * w;
         let exposure = w + seen.hours;
         if exposure <= 0.0 {
-            return if seen.interruptions > 0.0 { f64::INFINITY } else { 0.0 };
+            return if seen.interruptions > 0.0 {
+                f64::INFINITY
+            } else {
+                0.0
+            };
         }
         (prior_events + seen.interruptions) / exposure
     }
@@ -143,16 +147,28 @@ mod tests {
         let e = model.eviction(&m, 0.0, 3600.0, Timestamp(0)).unwrap();
         assert!((e.probability - (1.0 - (-0.01f64).exp())).abs() < 1e-12);
         // 100 more hours with 9 interruptions: (1 + 9) / (100 + 100) = 0.05 per hour.
-        model.observe(Observation::Ran { market: &m, hours: 100.0 });
+        model.observe(Observation::Ran {
+            market: &m,
+            hours: 100.0,
+        });
         for _ in 0..9 {
-            model.observe(Observation::Interrupted { market: &m, at: Timestamp(0) });
+            model.observe(Observation::Interrupted {
+                market: &m,
+                at: Timestamp(0),
+            });
         }
         assert!((model.rate_per_hour(&m) - 0.05).abs() < 1e-12);
-        assert!((model.rate_per_hour(&other) - 0.01).abs() < 1e-15, "pools learn separately");
+        assert!(
+            (model.rate_per_hour(&other) - 0.01).abs() < 1e-15,
+            "pools learn separately"
+        );
         let later = model.eviction(&m, 0.0, 3600.0, Timestamp(0)).unwrap();
         assert!(later.probability > e.probability);
         assert!(later.expected_secs < 3600.0 && later.expected_secs > 3000.0);
         // A bid does not change anything in this market.
-        assert_eq!(later, model.eviction(&m, 5.0, 3600.0, Timestamp(0)).unwrap());
+        assert_eq!(
+            later,
+            model.eviction(&m, 5.0, 3600.0, Timestamp(0)).unwrap()
+        );
     }
 }

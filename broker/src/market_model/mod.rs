@@ -74,7 +74,11 @@ impl EvictionEstimate {
             (0.0, secs)
         } else if rate.is_infinite() {
             // Certain eviction within the horizon: spread it as the original expectation does.
-            let frac = if self.horizon_secs > 0.0 { secs / self.horizon_secs } else { 1.0 };
+            let frac = if self.horizon_secs > 0.0 {
+                secs / self.horizon_secs
+            } else {
+                1.0
+            };
             (1.0, (self.expected_secs * frac).min(secs))
         } else {
             let p = 1.0 - (-rate * secs).exp();
@@ -126,7 +130,9 @@ pub enum ModelError {
     },
     #[error("horizon of {0} s is not positive and finite")]
     BadHorizon(f64),
-    #[error("market {0} has no on-demand price, so bid deltas (fractions of on-demand) are undefined")]
+    #[error(
+        "market {0} has no on-demand price, so bid deltas (fractions of on-demand) are undefined"
+    )]
     NoOnDemandPrice(String),
 }
 

@@ -45,8 +45,8 @@ impl Default for PriceModelConfig {
             sample_every_secs: 900.0,
             min_samples: 24,
             delta_grid: vec![
-                0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                5.0,
+                0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                1.0, 1.5, 2.0, 3.0, 5.0,
             ],
         }
     }
@@ -80,7 +80,10 @@ struct MarketIndex {
 
 impl PriceDrivenModel {
     pub fn new(history: Arc<PriceHistory>, config: PriceModelConfig) -> Self {
-        let indexes = history.markets().map(|m| (m.clone(), OnceLock::new())).collect();
+        let indexes = history
+            .markets()
+            .map(|m| (m.clone(), OnceLock::new()))
+            .collect();
         PriceDrivenModel {
             history,
             config: Arc::new(config),
@@ -104,7 +107,9 @@ impl PriceDrivenModel {
             .indexes
             .get(market)
             .ok_or_else(|| ModelError::UnknownMarket(market.to_string()))?;
-        cell.get_or_init(|| self.build(market)).as_ref().map_err(Clone::clone)
+        cell.get_or_init(|| self.build(market))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     fn build(&self, market: &Market) -> Result<MarketIndex, ModelError> {
@@ -122,7 +127,10 @@ impl PriceDrivenModel {
         // Samples run a look-back past the end of the whole trace: a quiet market holds its last
         // price, and a live broker decides after its newest stored change.
         let lookback_ms = (self.config.lookback_secs * 1000.0) as i64;
-        let until = self.history.span().map_or(Timestamp(0), |(_, last)| Timestamp(last.0 + lookback_ms));
+        let until = self
+            .history
+            .span()
+            .map_or(Timestamp(0), |(_, last)| Timestamp(last.0 + lookback_ms));
         Ok(build_index(series, on_demand, &self.config, until))
     }
 
@@ -133,7 +141,11 @@ impl PriceDrivenModel {
         let first = now.0 - lookback_ms - idx.origin_ms;
         let last = now.0 - h_ms - idx.origin_ms; // s_k + H <= now  ⇔  k <= last / step
         let lo = ceil_div(first, idx.step_ms).clamp(0, n as i64) as usize;
-        let hi = if last < 0 { 0 } else { (last / idx.step_ms + 1).clamp(0, n as i64) as usize };
+        let hi = if last < 0 {
+            0
+        } else {
+            (last / idx.step_ms + 1).clamp(0, n as i64) as usize
+        };
         (lo, hi.max(lo))
     }
 
@@ -288,7 +300,12 @@ impl MarketModel for PriceDrivenModel {
 /// `None` if the market has no price at `start`; `Some(None)` if it survives `horizon_ms`;
 /// `Some(Some(ms))` if it is evicted `ms` after `start`. This is the definition; the index
 /// and the tests are checked against it.
-pub fn replay_once(series: &PriceSeries, start: Timestamp, delta_usd: f64, horizon_ms: i64) -> Option<Option<i64>> {
+pub fn replay_once(
+    series: &PriceSeries,
+    start: Timestamp,
+    delta_usd: f64,
+    horizon_ms: i64,
+) -> Option<Option<i64>> {
     let p0 = series.price_at(start)?;
     Some(
         series
@@ -301,13 +318,21 @@ fn ceil_div(a: i64, b: i64) -> i64 {
     a.div_euclid(b) + i64::from(a.rem_euclid(b) != 0)
 }
 
-fn build_index(series: &PriceSeries, on_demand: f64, config: &PriceModelConfig, until: Timestamp) -> MarketIndex {
+fn build_index(
+    series: &PriceSeries,
+    on_demand: f64,
+    config: &PriceModelConfig,
+    until: Timestamp,
+) -> MarketIndex {
     let step_ms = ((config.sample_every_secs * 1000.0).round() as i64).max(1);
     let h_ms = (config.horizon_secs * 1000.0).round() as i64;
     let grid_usd: Vec<f64> = config.delta_grid.iter().map(|f| f * on_demand).collect();
     let times = series.times();
     let prices = series.prices();
-    let (Some(first), Some(last)) = (series.first_time(), series.last_time().map(|l| l.max(until))) else {
+    let (Some(first), Some(last)) = (
+        series.first_time(),
+        series.last_time().map(|l| l.max(until)),
+    ) else {
         return MarketIndex {
             origin_ms: 0,
             step_ms,
@@ -319,7 +344,11 @@ fn build_index(series: &PriceSeries, on_demand: f64, config: &PriceModelConfig, 
     };
     let origin_ms = ceil_div(first.0, step_ms) * step_ms;
     // Start times up to the trace's end; a decision after it has nothing to decide anyway.
-    let n = if last.0 < origin_ms { 0 } else { ((last.0 - origin_ms) / step_ms + 1) as usize };
+    let n = if last.0 < origin_ms {
+        0
+    } else {
+        ((last.0 - origin_ms) / step_ms + 1) as usize
+    };
     let mut valid = Vec::with_capacity(n + 1);
     let mut evicted: Vec<Vec<u32>> = grid_usd.iter().map(|_| Vec::with_capacity(n + 1)).collect();
     let mut survived: Vec<Vec<u64>> = grid_usd.iter().map(|_| Vec::with_capacity(n + 1)).collect();
@@ -395,7 +424,10 @@ mod tests {
         let market = Market::parse("us-east-1a/c3.xlarge").unwrap();
         let series = PriceSeries::new(
             market.clone(),
-            points.iter().map(|&(m, p)| (Timestamp(m * M), UsdPerHour::new(p).unwrap())).collect(),
+            points
+                .iter()
+                .map(|&(m, p)| (Timestamp(m * M), UsdPerHour::new(p).unwrap()))
+                .collect(),
         );
         let od = OnDemandCatalog::new([InstanceOffer {
             region: Region::parse("us-east-1").unwrap(),
@@ -437,8 +469,20 @@ mod tests {
     }
 
     /// The brute force: every grid start time in the window, replayed by a plain scan.
-    fn brute(points: &[(i64, f64)], now_min: i64, delta: f64, lookback_min: i64, horizon_min: i64) -> (f64, f64, u32) {
-        let price_at = |t: f64| points.iter().rev().find(|(m, _)| (*m as f64) <= t).map(|p| p.1);
+    fn brute(
+        points: &[(i64, f64)],
+        now_min: i64,
+        delta: f64,
+        lookback_min: i64,
+        horizon_min: i64,
+    ) -> (f64, f64, u32) {
+        let price_at = |t: f64| {
+            points
+                .iter()
+                .rev()
+                .find(|(m, _)| (*m as f64) <= t)
+                .map(|p| p.1)
+        };
         let (mut n, mut ev, mut secs) = (0u32, 0u32, 0.0);
         let mut s = 0i64;
         while s <= now_min {
@@ -469,11 +513,21 @@ mod tests {
         let model = PriceDrivenModel::new(h, small_config());
         for now in [70, 125, 200, 299, 360, 480, 600] {
             for delta in [0.0, 0.05, 0.1, 0.3, 1.0] {
-                let e = model.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
+                let e = model
+                    .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                    .unwrap();
                 let (p, secs, n) = brute(&points, now, delta, 360, 60);
                 assert_eq!(e.samples, n, "now={now} delta={delta}");
-                assert!((e.probability - p).abs() < 1e-12, "now={now} delta={delta}: {} vs {p}", e.probability);
-                assert!((e.expected_secs - secs).abs() < 1e-9, "now={now} delta={delta}: {} vs {secs}", e.expected_secs);
+                assert!(
+                    (e.probability - p).abs() < 1e-12,
+                    "now={now} delta={delta}: {} vs {p}",
+                    e.probability
+                );
+                assert!(
+                    (e.expected_secs - secs).abs() < 1e-9,
+                    "now={now} delta={delta}: {} vs {secs}",
+                    e.expected_secs
+                );
             }
         }
     }
@@ -492,7 +546,10 @@ mod tests {
         let b = model.eviction(&market, 0.1, 3600.0, now).unwrap();
         let mid = model.eviction(&market, 0.075, 3600.0, now).unwrap();
         assert!((mid.probability - (a.probability + b.probability) / 2.0).abs() < 1e-12);
-        assert!(a.probability >= b.probability, "a higher bid is never evicted more often");
+        assert!(
+            a.probability >= b.probability,
+            "a higher bid is never evicted more often"
+        );
     }
 
     #[test]
@@ -509,8 +566,12 @@ mod tests {
         let (h2, _) = history(&altered);
         let model2 = PriceDrivenModel::new(h2, small_config());
         for delta in [0.0, 0.01, 0.05, 0.2, 2.0] {
-            let a = model.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
-            let b = model2.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
+            let a = model
+                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .unwrap();
+            let b = model2
+                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .unwrap();
             assert_eq!(a, b, "delta {delta}");
         }
     }
@@ -518,9 +579,20 @@ mod tests {
     #[test]
     fn too_little_history_is_an_error() {
         let (h, market) = history(&trace());
-        let model = PriceDrivenModel::new(h, PriceModelConfig { min_samples: 5, ..small_config() });
-        let err = model.eviction(&market, 0.0, 3600.0, Timestamp(90 * M)).unwrap_err();
-        assert!(matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }), "{err}");
+        let model = PriceDrivenModel::new(
+            h,
+            PriceModelConfig {
+                min_samples: 5,
+                ..small_config()
+            },
+        );
+        let err = model
+            .eviction(&market, 0.0, 3600.0, Timestamp(90 * M))
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }),
+            "{err}"
+        );
         let other = Market::parse("us-east-1b/c3.xlarge").unwrap();
         assert!(matches!(
             model.eviction(&other, 0.0, 3600.0, Timestamp(600 * M)),

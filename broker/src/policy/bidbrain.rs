@@ -30,8 +30,8 @@
 //! the grid search picks it when the expected work stays worth it.
 
 use super::{
-    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError, PolicyKind, Purchase,
-    cheapest_on_demand, rate_of,
+    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
+    PolicyKind, Purchase, cheapest_on_demand, rate_of,
 };
 use crate::billing::BillingModel;
 use crate::job::{EvictionCost, JobModel};
@@ -172,10 +172,22 @@ impl BidBrainConfig {
     pub(crate) fn validate(&self) -> Result<Vec<Market>, (String, String, String)> {
         let bad = |k: &str, p: String, a: &str| Err((k.to_string(), p, a.to_string()));
         if self.bid_deltas.is_empty() {
-            return bad("bid_deltas", "is empty".into(), "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]");
+            return bad(
+                "bid_deltas",
+                "is empty".into(),
+                "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]",
+            );
         }
-        if self.bid_deltas.iter().any(|d| !(d.is_finite() && *d >= 0.0)) {
-            return bad("bid_deltas", format!("{:?} has a negative or non-finite value", self.bid_deltas), "fractions ≥ 0");
+        if self
+            .bid_deltas
+            .iter()
+            .any(|d| !(d.is_finite() && *d >= 0.0))
+        {
+            return bad(
+                "bid_deltas",
+                format!("{:?} has a negative or non-finite value", self.bid_deltas),
+                "fractions ≥ 0",
+            );
         }
         for (k, v) in [
             ("horizon_minutes", self.horizon_minutes),
@@ -198,7 +210,11 @@ impl BidBrainConfig {
             );
         }
         if !(self.switch_margin.is_finite() && self.switch_margin >= 0.0) {
-            return bad("switch_margin", format!("{} is negative", self.switch_margin), "a fraction ≥ 0");
+            return bad(
+                "switch_margin",
+                format!("{} is negative", self.switch_margin),
+                "a fraction ≥ 0",
+            );
         }
         if self.max_per_allocation == 0 {
             return bad("max_per_allocation", "is 0".into(), "a whole number ≥ 1");
@@ -207,7 +223,11 @@ impl BidBrainConfig {
             .iter()
             .map(|m| {
                 Market::parse(m).map_err(|e| {
-                    ("markets".to_string(), format!("`{m}`: {e}"), "zone/type, e.g. us-east-1a/c3.xlarge".to_string())
+                    (
+                        "markets".to_string(),
+                        format!("`{m}`: {e}"),
+                        "zone/type, e.g. us-east-1a/c3.xlarge".to_string(),
+                    )
                 })
             })
             .collect()
@@ -223,7 +243,11 @@ struct Economics {
 
 impl Economics {
     fn cpw(self) -> f64 {
-        if self.work > 0.0 { self.cost / self.work } else { f64::INFINITY }
+        if self.work > 0.0 {
+            self.cost / self.work
+        } else {
+            f64::INFINITY
+        }
     }
 }
 
@@ -269,11 +293,20 @@ impl BidBrain {
     }
 
     fn allowed(&self, market: &Market, job: &JobModel) -> bool {
-        job.rate(&market.instance_type).is_some() && (self.markets.is_empty() || self.markets.contains(market))
+        job.rate(&market.instance_type).is_some()
+            && (self.markets.is_empty() || self.markets.contains(market))
     }
 
     /// A new spot instance bought now at `price` whose eviction risk is `est`.
-    fn new_spot(&self, billing: BillingModel, price: f64, est: &EvictionEstimate, rate: f64, startup: f64, loss: f64) -> Economics {
+    fn new_spot(
+        &self,
+        billing: BillingModel,
+        price: f64,
+        est: &EvictionEstimate,
+        rate: f64,
+        startup: f64,
+        loss: f64,
+    ) -> Economics {
         let cost = spot_cost(billing, price, est);
         let useful = (est.expected_secs - startup - est.probability * loss).max(0.0);
         Economics {
@@ -286,8 +319,12 @@ impl BidBrain {
     fn reliable_market<'v>(&self, ctx: &DecisionContext<'v>) -> Option<&'v Market> {
         let view = ctx.market;
         match &self.config.reliable.instance_type {
-            ReliableTypeChoice::CheapestPerWork => cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m),
-            ReliableTypeChoice::Type(t) => cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m),
+            ReliableTypeChoice::CheapestPerWork => {
+                cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m)
+            }
+            ReliableTypeChoice::Type(t) => {
+                cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m)
+            }
             ReliableTypeChoice::CheapestPerHour => view
                 .markets()
                 .into_iter()
@@ -299,7 +336,11 @@ impl BidBrain {
     }
 
     /// Fills `self.candidates` with every allocation BidBrain could make now, cheapest first.
-    fn gather_candidates(&mut self, ctx: &DecisionContext<'_>, loss: f64) -> Result<(), PolicyError> {
+    fn gather_candidates(
+        &mut self,
+        ctx: &DecisionContext<'_>,
+        loss: f64,
+    ) -> Result<(), PolicyError> {
         let view = ctx.market;
         let job = ctx.job;
         let h = self.horizon_secs();
@@ -311,9 +352,11 @@ impl BidBrain {
             if !self.allowed(market, job) {
                 continue;
             }
-            let (Some(rate), Some(od), Some(price)) =
-                (rate_of(job, market), view.on_demand_price(market), view.spot_price(market))
-            else {
+            let (Some(rate), Some(od), Some(price)) = (
+                rate_of(job, market),
+                view.on_demand_price(market),
+                view.spot_price(market),
+            ) else {
                 continue;
             };
             let (od, price) = (od.get(), price.get());
@@ -329,7 +372,8 @@ impl BidBrain {
             });
             self.deltas.clear();
             if price_driven {
-                self.deltas.extend(self.config.bid_deltas.iter().map(|f| f * od));
+                self.deltas
+                    .extend(self.config.bid_deltas.iter().map(|f| f * od));
             } else if price <= od {
                 // Evictions do not follow the bid: bid the on-demand price (today's default cap).
                 self.deltas.push(od - price);
@@ -338,11 +382,15 @@ impl BidBrain {
             match view.eviction_many(market, &self.deltas, h, &mut self.estimates) {
                 Ok(()) => {}
                 // A market without enough history is not a candidate; others still are.
-                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => continue,
+                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => {
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
             for (&delta, est) in self.deltas.iter().zip(&self.estimates) {
-                let Ok(bid) = UsdPerHour::new(price + delta) else { continue };
+                let Ok(bid) = UsdPerHour::new(price + delta) else {
+                    continue;
+                };
                 candidates.push(Candidate {
                     market: market.clone(),
                     purchase: Purchase::Spot { bid },
@@ -363,18 +411,30 @@ impl BidBrain {
     }
 
     /// Expected cost and work of keeping `inst` for one more horizon from now.
-    fn keep_economics(&self, ctx: &DecisionContext<'_>, inst: &InstanceView, loss: f64, backup: bool) -> Economics {
+    fn keep_economics(
+        &self,
+        ctx: &DecisionContext<'_>,
+        inst: &InstanceView,
+        loss: f64,
+        backup: bool,
+    ) -> Economics {
         let view = ctx.market;
         let now = ctx.now();
         let h = self.horizon_secs();
-        let rate = if backup { 0.0 } else { rate_of(ctx.job, &inst.market).unwrap_or(0.0) };
+        let rate = if backup {
+            0.0
+        } else {
+            rate_of(ctx.job, &inst.market).unwrap_or(0.0)
+        };
         let startup_left = match inst.state {
             InstanceState::Starting { ready_at } => ready_at.secs_since(now).max(0.0),
             _ => 0.0,
         };
         match inst.purchase {
             Purchase::OnDemand => {
-                let od = view.on_demand_price(&inst.market).map_or(0.0, UsdPerHour::get);
+                let od = view
+                    .on_demand_price(&inst.market)
+                    .map_or(0.0, UsdPerHour::get);
                 Economics {
                     cost: od * billed_hours(ctx.billing, h),
                     work: rate * (h - startup_left).max(0.0) / 3600.0,
@@ -382,14 +442,19 @@ impl BidBrain {
             }
             Purchase::Spot { bid } => {
                 let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
-                    return Economics { cost: 0.0, work: 0.0 };
+                    return Economics {
+                        cost: 0.0,
+                        work: 0.0,
+                    };
                 };
                 let est = view
                     .eviction(&inst.market, (bid.get() - price).max(0.0), h)
                     .unwrap_or(EvictionEstimate::never(h));
                 Economics {
                     cost: spot_cost(ctx.billing, price, &est),
-                    work: rate * (est.expected_secs - startup_left - est.probability * loss).max(0.0) / 3600.0,
+                    work: rate
+                        * (est.expected_secs - startup_left - est.probability * loss).max(0.0)
+                        / 3600.0,
                 }
             }
         }
@@ -400,7 +465,9 @@ impl BidBrain {
 fn spot_cost(billing: BillingModel, price: f64, est: &EvictionEstimate) -> f64 {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
-        BillingModel::Hourly2015 => price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0),
+        BillingModel::Hourly2015 => {
+            price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0)
+        }
         BillingModel::PerSecond => price * est.expected_secs.max(60.0) / 3600.0,
     }
 }
@@ -451,7 +518,11 @@ impl Policy for BidBrain {
         }
         let Some((_, od_cpw, _)) = cheapest_on_demand(ctx.market, job, None) else {
             return Err(PolicyError::NoMarket {
-                types: job.rates().map(|(t, _)| t.to_string()).collect::<Vec<_>>().join(", "),
+                types: job
+                    .rates()
+                    .map(|(t, _)| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 now,
             });
         };
@@ -461,7 +532,8 @@ impl Policy for BidBrain {
 
         // The backup tier: the oldest active on-demand instances, up to the tier's size.
         let tier_size = self.config.reliable.count.min(job.max_reliable_instances) as usize;
-        let mut active: Vec<&InstanceView> = ctx.footprint.iter().filter(|i| i.is_active()).collect();
+        let mut active: Vec<&InstanceView> =
+            ctx.footprint.iter().filter(|i| i.is_active()).collect();
         active.sort_by_key(|i| (i.launched_at, i.id.clone()));
         let mut backups = 0usize;
         let mut kept: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(active.len());
@@ -472,7 +544,10 @@ impl Policy for BidBrain {
             backups += usize::from(backup);
             let key_bid = inst.purchase.bid().map(UsdPerHour::get);
             let startup_free = !matches!(inst.state, InstanceState::Starting { .. });
-            let econ = match memo.iter().find(|(m, b, s, _)| *m == &inst.market && *b == key_bid && *s == startup_free) {
+            let econ = match memo
+                .iter()
+                .find(|(m, b, s, _)| *m == &inst.market && *b == key_bid && *s == startup_free)
+            {
                 Some(&(_, _, _, e)) if startup_free => e,
                 _ => {
                     let e = self.keep_economics(ctx, inst, loss, backup);
@@ -524,7 +599,8 @@ impl Policy for BidBrain {
                 return true;
             }
             let cpw = econ.cpw();
-            let release = cpw > ceiling || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough));
+            let release = cpw > ceiling
+                || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough));
             if release {
                 decision.release.push(inst.id.clone());
                 released_rate += rate_of(job, &inst.market).unwrap_or(0.0);
@@ -535,9 +611,13 @@ impl Policy for BidBrain {
 
         // Acquisitions.
         let mut slots = (job.max_instances as usize).saturating_sub(kept.len());
-        let reliable_active = kept.iter().filter(|(i, _, _)| i.purchase == Purchase::OnDemand).count();
+        let reliable_active = kept
+            .iter()
+            .filter(|(i, _, _)| i.purchase == Purchase::OnDemand)
+            .count();
         let backups_kept = kept.iter().filter(|(_, b, _)| *b).count();
-        let mut reliable_room = (job.max_reliable_instances as usize).saturating_sub(reliable_active);
+        let mut reliable_room =
+            (job.max_reliable_instances as usize).saturating_sub(reliable_active);
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
             if need > 0 {
@@ -578,7 +658,11 @@ impl Policy for BidBrain {
                 if pass == 0 && below_target && cand.rate * (slots as f64) < target - rate {
                     continue;
                 }
-                let fp_cpw = if fp_work > 0.0 { fp_cost / fp_work } else { f64::INFINITY };
+                let fp_cpw = if fp_work > 0.0 {
+                    fp_cost / fp_work
+                } else {
+                    f64::INFINITY
+                };
                 let mut count = if below_target {
                     ((target - rate) / cand.rate).ceil() as usize
                 } else if cpw < fp_cpw {
@@ -586,7 +670,9 @@ impl Policy for BidBrain {
                 } else {
                     0
                 };
-                count = count.min(slots).min(self.config.max_per_allocation as usize);
+                count = count
+                    .min(slots)
+                    .min(self.config.max_per_allocation as usize);
                 if cand.purchase == Purchase::OnDemand {
                     count = count.min(reliable_room);
                 }

@@ -49,8 +49,12 @@ impl PolicySpec {
         let name = |n: &Option<String>| n.clone().unwrap_or_else(|| default_name.to_string());
         Ok(match self {
             PolicySpec::BidBrain(c) => Box::new(BidBrain::new(name(&c.name), c).map_err(field)?),
-            PolicySpec::OnDemand(c) => Box::new(OnDemandPolicy::new(name(&c.name), c).map_err(field)?),
-            PolicySpec::StandardBidding(c) => Box::new(StandardBidding::new(name(&c.name), c).map_err(field)?),
+            PolicySpec::OnDemand(c) => {
+                Box::new(OnDemandPolicy::new(name(&c.name), c).map_err(field)?)
+            }
+            PolicySpec::StandardBidding(c) => {
+                Box::new(StandardBidding::new(name(&c.name), c).map_err(field)?)
+            }
         })
     }
 }
@@ -98,7 +102,9 @@ pub fn parse_policy(file: &str, text: &str) -> Result<Box<dyn Policy>, PolicyLoa
 fn explain_toml_error(e: toml::de::Error) -> String {
     let msg = e.message().to_string();
     let mut out = e.to_string().trim_end().to_string();
-    if msg.contains("missing field `kind`") || msg.contains("unknown variant") && msg.contains("kind") {
+    if msg.contains("missing field `kind`")
+        || msg.contains("unknown variant") && msg.contains("kind")
+    {
         out.push_str(&format!(" (key `kind`, allowed: {})", PolicyKind::ALLOWED));
     }
     out
@@ -129,7 +135,9 @@ pub fn policies_dir() -> PathBuf {
             }
         }
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("policies")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("policies")
 }
 
 /// A policy argument as a path: an existing file, anything that looks like a path (has a `/`
@@ -161,7 +169,11 @@ pub fn resolve_policy_path(arg: &str) -> Result<PathBuf, PolicyLoadError> {
     Err(PolicyLoadError::NotFound {
         name: arg.to_string(),
         path: path.display().to_string(),
-        available: if available.is_empty() { "none".into() } else { available.join(", ") },
+        available: if available.is_empty() {
+            "none".into()
+        } else {
+            available.join(", ")
+        },
     })
 }
 
@@ -185,24 +197,45 @@ mod tests {
 
     #[test]
     fn errors_name_file_key_and_allowed_values() {
-        let err = |text: &str| parse_policy("x.toml", text).err().expect("should fail").to_string();
+        let err = |text: &str| {
+            parse_policy("x.toml", text)
+                .err()
+                .expect("should fail")
+                .to_string()
+        };
         let e = err("kind = \"magic\"\n");
         assert!(e.starts_with("x.toml: "), "{e}");
-        assert!(e.contains("bidbrain") && e.contains("standard-bidding"), "{e}");
+        assert!(
+            e.contains("bidbrain") && e.contains("standard-bidding"),
+            "{e}"
+        );
         let e = err("name = \"x\"\n");
         assert!(e.contains("kind") && e.contains("on-demand"), "{e}");
         let e = err("kind = \"bidbrain\"\nbid_delta = [0.1]\n");
-        assert!(e.contains("unknown field `bid_delta`") && e.contains("bid_deltas"), "{e}");
+        assert!(
+            e.contains("unknown field `bid_delta`") && e.contains("bid_deltas"),
+            "{e}"
+        );
         let e = err("kind = \"bidbrain\"\nbid_deltas = [0.1, -1.0]\n");
-        assert!(e.contains("key `bid_deltas`") && e.contains("allowed: fractions ≥ 0"), "{e}");
+        assert!(
+            e.contains("key `bid_deltas`") && e.contains("allowed: fractions ≥ 0"),
+            "{e}"
+        );
         let e = err("kind = \"bidbrain\"\n[reliable]\ninstance_type = \"cheapest\"\n");
         assert!(e.contains("cheapest-per-work"), "{e}");
         let e = err("kind = \"bidbrain\"\nmarkets = [\"us-east-1\"]\n");
         assert!(e.contains("key `markets`"), "{e}");
-        let e = err("kind = \"standard-bidding\"\n[checkpoint]\ninterval_minutes = 0\ncheckpoint_minutes = 2\nrestart_minutes = 3\n");
+        let e = err(
+            "kind = \"standard-bidding\"\n[checkpoint]\ninterval_minutes = 0\ncheckpoint_minutes = 2\nrestart_minutes = 3\n",
+        );
         assert!(e.contains("key `checkpoint.interval_minutes`"), "{e}");
-        let e = err("kind = \"standard-bidding\"\nrank_by = \"vibes\"\n[checkpoint]\ninterval_minutes = 1\ncheckpoint_minutes = 2\nrestart_minutes = 3\n");
-        assert!(e.contains("lookback-mean") && e.contains("current-price"), "{e}");
+        let e = err(
+            "kind = \"standard-bidding\"\nrank_by = \"vibes\"\n[checkpoint]\ninterval_minutes = 1\ncheckpoint_minutes = 2\nrestart_minutes = 3\n",
+        );
+        assert!(
+            e.contains("lookback-mean") && e.contains("current-price"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -212,7 +245,12 @@ mod tests {
             let p = load_policy_file(&path).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(p.kind().as_str(), name);
         }
-        let err = resolve_policy_path("no-such-policy").unwrap_err().to_string();
-        assert!(err.contains("bidbrain") && err.contains("standard-bidding"), "{err}");
+        let err = resolve_policy_path("no-such-policy")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bidbrain") && err.contains("standard-bidding"),
+            "{err}"
+        );
     }
 }

@@ -35,8 +35,10 @@ mod config;
 mod on_demand;
 mod standard;
 
-pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTypeChoice, ReliableTier};
-pub use config::{PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path};
+pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice};
+pub use config::{
+    PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path,
+};
 pub use on_demand::{OnDemandConfig, OnDemandPolicy};
 pub use standard::{RankBy, StandardBidding, StandardBiddingConfig};
 
@@ -147,7 +149,11 @@ pub trait MarketView {
     /// The spot price in force at `now()`, if the market has one.
     fn spot_price(&self, market: &Market) -> Option<UsdPerHour>;
     /// The spot price in force at `at ≤ now()`.
-    fn spot_price_at(&self, market: &Market, at: Timestamp) -> Result<Option<UsdPerHour>, ViewError>;
+    fn spot_price_at(
+        &self,
+        market: &Market,
+        at: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError>;
     /// The time-weighted mean spot price over `[since, now()]`, if any price is known in it.
     fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError>;
     /// The on-demand price of the market's instance type in its region.
@@ -156,8 +162,12 @@ pub trait MarketView {
     fn model_kind(&self) -> ModelKind;
     /// Eviction risk over `horizon_secs` from `now()` of an instance whose bid is
     /// `bid_delta_usd` above the current price.
-    fn eviction(&self, market: &Market, bid_delta_usd: f64, horizon_secs: f64)
-    -> Result<EvictionEstimate, ModelError>;
+    fn eviction(
+        &self,
+        market: &Market,
+        bid_delta_usd: f64,
+        horizon_secs: f64,
+    ) -> Result<EvictionEstimate, ModelError>;
     /// [`MarketView::eviction`] for several deltas of one market at once (appends to `out`);
     /// implementations override it when a batch is cheaper.
     fn eviction_many(
@@ -303,7 +313,11 @@ pub trait Policy: Send {
     /// Something happened to the footprint. The default reacts like a tick (every policy here
     /// replaces lost capacity through `decide`); override to react differently, e.g. to
     /// replace a warned instance before it is gone.
-    fn on_event(&mut self, ctx: &DecisionContext<'_>, event: &PolicyEvent) -> Result<Decision, PolicyError> {
+    fn on_event(
+        &mut self,
+        ctx: &DecisionContext<'_>,
+        event: &PolicyEvent,
+    ) -> Result<Decision, PolicyError> {
         let _ = event;
         self.decide(ctx)
     }

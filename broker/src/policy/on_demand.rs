@@ -2,7 +2,10 @@
 //! The baseline every saving is measured against. It ignores `max_reliable_instances` (which
 //! bounds the reliable tier of mixed policies): everything here is reliable.
 
-use super::{Acquisition, Decision, DecisionContext, Policy, PolicyError, PolicyKind, Purchase, cheapest_on_demand};
+use super::{
+    Acquisition, Decision, DecisionContext, Policy, PolicyError, PolicyKind, Purchase,
+    cheapest_on_demand,
+};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{InstanceType, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -30,11 +33,19 @@ impl OnDemandPolicy {
             .instance_type
             .as_deref()
             .map(|t| {
-                InstanceType::parse(t)
-                    .map_err(|e| ("instance_type".to_string(), e.to_string(), "an instance type of the job".into()))
+                InstanceType::parse(t).map_err(|e| {
+                    (
+                        "instance_type".to_string(),
+                        e.to_string(),
+                        "an instance type of the job".into(),
+                    )
+                })
             })
             .transpose()?;
-        Ok(OnDemandPolicy { name, instance_type })
+        Ok(OnDemandPolicy {
+            name,
+            instance_type,
+        })
     }
 }
 
@@ -69,11 +80,16 @@ impl Policy for OnDemandPolicy {
         if want == 0 {
             return Ok(decision);
         }
-        let (market, _, _) =
-            cheapest_on_demand(ctx.market, ctx.job, self.instance_type.as_ref()).ok_or_else(|| PolicyError::NoMarket {
-                types: ctx.job.rates().map(|(t, _)| t.to_string()).collect::<Vec<_>>().join(", "),
-                now,
-            })?;
+        let (market, _, _) = cheapest_on_demand(ctx.market, ctx.job, self.instance_type.as_ref())
+            .ok_or_else(|| PolicyError::NoMarket {
+            types: ctx
+                .job
+                .rates()
+                .map(|(t, _)| t.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            now,
+        })?;
         decision.acquire.push(Acquisition {
             market: market.clone(),
             purchase: Purchase::OnDemand,

@@ -13,7 +13,9 @@
 //! than on the price of the moment: a careful user looks at the price history before choosing,
 //! and a market that is cheap only right now is usually about to spike.
 
-use super::{Acquisition, Decision, DecisionContext, Policy, PolicyError, PolicyKind, Purchase, rate_of};
+use super::{
+    Acquisition, Decision, DecisionContext, Policy, PolicyError, PolicyKind, Purchase, rate_of,
+};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{InstanceType, Market, Timestamp, UsdPerHour};
 use serde::{Deserialize, Serialize};
@@ -88,7 +90,10 @@ pub struct StandardBidding {
 }
 
 impl StandardBidding {
-    pub fn new(name: String, config: StandardBiddingConfig) -> Result<Self, (String, String, String)> {
+    pub fn new(
+        name: String,
+        config: StandardBiddingConfig,
+    ) -> Result<Self, (String, String, String)> {
         let bad = |k: &str, p: String, a: &str| Err((k.to_string(), p, a.to_string()));
         for (k, v) in [
             ("bid_vs_on_demand", config.bid_vs_on_demand),
@@ -105,21 +110,37 @@ impl StandardBidding {
             checkpoint_minutes: c.checkpoint_minutes,
             restart_minutes: c.restart_minutes,
         })
-        .map_err(|(k, p)| (format!("checkpoint.{k}"), p, "minutes: interval > 0, the others ≥ 0".to_string()))?;
+        .map_err(|(k, p)| {
+            (
+                format!("checkpoint.{k}"),
+                p,
+                "minutes: interval > 0, the others ≥ 0".to_string(),
+            )
+        })?;
         let markets = config
             .markets
             .iter()
             .map(|m| {
-                Market::parse(m)
-                    .map_err(|e| ("markets".to_string(), format!("`{m}`: {e}"), "zone/type, e.g. us-east-1a/c3.xlarge".into()))
+                Market::parse(m).map_err(|e| {
+                    (
+                        "markets".to_string(),
+                        format!("`{m}`: {e}"),
+                        "zone/type, e.g. us-east-1a/c3.xlarge".into(),
+                    )
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let types = config
             .instance_types
             .iter()
             .map(|t| {
-                InstanceType::parse(t)
-                    .map_err(|e| ("instance_types".to_string(), format!("`{t}`: {e}"), "instance types of the job".into()))
+                InstanceType::parse(t).map_err(|e| {
+                    (
+                        "instance_types".to_string(),
+                        format!("`{t}`: {e}"),
+                        "instance types of the job".into(),
+                    )
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(StandardBidding {
@@ -138,7 +159,10 @@ impl StandardBidding {
     }
 
     /// The cheapest market per unit of work whose price is at most the bid now, with the bid.
-    fn choose(&self, ctx: &DecisionContext<'_>) -> Result<Option<(Market, UsdPerHour)>, PolicyError> {
+    fn choose(
+        &self,
+        ctx: &DecisionContext<'_>,
+    ) -> Result<Option<(Market, UsdPerHour)>, PolicyError> {
         let view = ctx.market;
         let now = ctx.now();
         let since = Timestamp(now.0 - (self.config.lookback_hours * 3_600_000.0) as i64);
@@ -147,8 +171,11 @@ impl StandardBidding {
             if !self.allowed(m, ctx.job) {
                 continue;
             }
-            let (Some(rate), Some(od), Some(price)) = (rate_of(ctx.job, m), view.on_demand_price(m), view.spot_price(m))
-            else {
+            let (Some(rate), Some(od), Some(price)) = (
+                rate_of(ctx.job, m),
+                view.on_demand_price(m),
+                view.spot_price(m),
+            ) else {
                 continue;
             };
             let bid = od.get() * self.config.bid_vs_on_demand;
@@ -161,7 +188,9 @@ impl StandardBidding {
             } / rate;
             let better = match best {
                 None => true,
-                Some((b, r, _, _)) => metric < b - 1e-12 || ((metric - b).abs() <= 1e-12 && rate > r),
+                Some((b, r, _, _)) => {
+                    metric < b - 1e-12 || ((metric - b).abs() <= 1e-12 && rate > r)
+                }
             };
             if better {
                 best = Some((metric, rate, m, bid));

@@ -73,7 +73,12 @@ pub struct TraceView<'a> {
 }
 
 impl<'a> TraceView<'a> {
-    pub fn new(now: Timestamp, markets: &'a SimMarkets, model: &'a dyn MarketModel, future: FutureReads) -> Self {
+    pub fn new(
+        now: Timestamp,
+        markets: &'a SimMarkets,
+        model: &'a dyn MarketModel,
+        future: FutureReads,
+    ) -> Self {
         TraceView {
             now,
             markets,
@@ -118,7 +123,11 @@ impl MarketView for TraceView<'_> {
         UsdPerHour::new(p).ok()
     }
 
-    fn spot_price_at(&self, market: &Market, at: Timestamp) -> Result<Option<UsdPerHour>, ViewError> {
+    fn spot_price_at(
+        &self,
+        market: &Market,
+        at: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
         self.guard(market, at)?;
         Ok(self
             .markets
@@ -143,8 +152,14 @@ impl MarketView for TraceView<'_> {
         self.model.kind()
     }
 
-    fn eviction(&self, market: &Market, bid_delta_usd: f64, horizon_secs: f64) -> Result<EvictionEstimate, ModelError> {
-        self.model.eviction(market, bid_delta_usd, horizon_secs, self.now)
+    fn eviction(
+        &self,
+        market: &Market,
+        bid_delta_usd: f64,
+        horizon_secs: f64,
+    ) -> Result<EvictionEstimate, ModelError> {
+        self.model
+            .eviction(market, bid_delta_usd, horizon_secs, self.now)
     }
 
     fn eviction_many(
@@ -154,7 +169,8 @@ impl MarketView for TraceView<'_> {
         horizon_secs: f64,
         out: &mut Vec<EvictionEstimate>,
     ) -> Result<(), ModelError> {
-        self.model.eviction_many(market, bid_deltas_usd, horizon_secs, self.now, out)
+        self.model
+            .eviction_many(market, bid_deltas_usd, horizon_secs, self.now, out)
     }
 }
 
@@ -184,7 +200,11 @@ pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) 
         i += 1;
     }
     let span = (to.0 - start.0) as f64;
-    if span <= 0.0 { series.price_at(to) } else { Some(integral / span) }
+    if span <= 0.0 {
+        series.price_at(to)
+    } else {
+        Some(integral / span)
+    }
 }
 
 #[cfg(test)]
@@ -201,9 +221,18 @@ mod tests {
                 (Timestamp(20), UsdPerHour::new(3.0).unwrap()),
             ],
         );
-        assert_eq!(time_weighted_mean(&s, Timestamp(10), Timestamp(30)), Some(2.0));
-        assert_eq!(time_weighted_mean(&s, Timestamp(0), Timestamp(30)), Some(2.0));
-        assert_eq!(time_weighted_mean(&s, Timestamp(15), Timestamp(20)), Some(1.0));
+        assert_eq!(
+            time_weighted_mean(&s, Timestamp(10), Timestamp(30)),
+            Some(2.0)
+        );
+        assert_eq!(
+            time_weighted_mean(&s, Timestamp(0), Timestamp(30)),
+            Some(2.0)
+        );
+        assert_eq!(
+            time_weighted_mean(&s, Timestamp(15), Timestamp(20)),
+            Some(1.0)
+        );
         assert_eq!(time_weighted_mean(&s, Timestamp(0), Timestamp(5)), None);
     }
 }

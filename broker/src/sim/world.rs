@@ -60,7 +60,12 @@ impl MaxTree {
 }
 
 /// First time in `(after, ∞)` that `series` is strictly above `limit`, via its tree.
-pub fn first_above(series: &PriceSeries, tree: &MaxTree, after: Timestamp, limit: f64) -> Option<Timestamp> {
+pub fn first_above(
+    series: &PriceSeries,
+    tree: &MaxTree,
+    after: Timestamp,
+    limit: f64,
+) -> Option<Timestamp> {
     let from = series.times().partition_point(|&t| t <= after);
     tree.first_above(from, limit).map(|i| series.times()[i])
 }
@@ -83,7 +88,13 @@ impl Default for HazardTruth {
     /// the job in the pool (capacity is reclaimed in bulk).
     fn default() -> Self {
         HazardTruth {
-            buckets: vec![(0.40, 0.025), (0.25, 0.075), (0.15, 0.125), (0.10, 0.175), (0.10, 0.25)],
+            buckets: vec![
+                (0.40, 0.025),
+                (0.25, 0.075),
+                (0.15, 0.125),
+                (0.10, 0.175),
+                (0.10, 0.25),
+            ],
             scale: 1.0,
             bulk_fraction: 1.0,
         }
@@ -94,7 +105,9 @@ impl HazardTruth {
     /// The pool's true interruption events per hour (an event reclaims `bulk_fraction` of the
     /// job's instances there, so the per-instance hazard is this times `bulk_fraction`).
     pub fn pool_rate_per_hour(&self, market: &Market, seed: u64) -> f64 {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ stable_hash(&market.to_string()) ^ 0x9e37_79b9_7f4a_7c15);
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            seed ^ stable_hash(&market.to_string()) ^ 0x9e37_79b9_7f4a_7c15,
+        );
         let total: f64 = self.buckets.iter().map(|(w, _)| w.max(0.0)).sum();
         let mut pick = rng.random::<f64>() * total;
         let mut monthly = self.buckets.last().map_or(0.0, |b| b.1);
@@ -171,13 +184,16 @@ impl HazardWorld {
                 }
                 let u: f64 = pool.rng.random::<f64>();
                 let gap = -(1.0 - u).ln() / pool.rate_per_ms;
-                pool.events.push(Timestamp(last.0 + gap.ceil().max(1.0) as i64));
+                pool.events
+                    .push(Timestamp(last.0 + gap.ceil().max(1.0) as i64));
             }
             let t = pool.events[i];
             if t > until {
                 return None;
             }
-            if self.truth.bulk_fraction >= 1.0 || instance_rng.random::<f64>() < self.truth.bulk_fraction {
+            if self.truth.bulk_fraction >= 1.0
+                || instance_rng.random::<f64>() < self.truth.bulk_fraction
+            {
                 return Some(t);
             }
             i += 1;
@@ -187,8 +203,9 @@ impl HazardWorld {
 
 /// FNV-1a: a hash that is the same on every run and platform (std's is randomised).
 pub fn stable_hash(text: &str) -> u64 {
-    text.bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]
@@ -202,8 +219,17 @@ mod tests {
         let tree = MaxTree::new(&values);
         for from in 0..40 {
             for limit in [-1.0, 0.0, 5.0, 15.0, 21.0, 22.0, 30.0] {
-                let scan = values.iter().enumerate().skip(from).find(|(_, v)| **v > limit).map(|(i, _)| i);
-                assert_eq!(tree.first_above(from, limit), scan, "from {from} limit {limit}");
+                let scan = values
+                    .iter()
+                    .enumerate()
+                    .skip(from)
+                    .find(|(_, v)| **v > limit)
+                    .map(|(i, _)| i);
+                assert_eq!(
+                    tree.first_above(from, limit),
+                    scan,
+                    "from {from} limit {limit}"
+                );
             }
         }
         let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
@@ -246,6 +272,9 @@ mod tests {
         assert_eq!(xs, ys);
         let events = a.pools[&m].events.len() as f64;
         let expected = rate * 1_000.0;
-        assert!((events - expected).abs() < 4.0 * expected.sqrt() + 2.0, "{events} vs {expected}");
+        assert!(
+            (events - expected).abs() < 4.0 * expected.sqrt() + 2.0,
+            "{events} vs {expected}"
+        );
     }
 }

@@ -146,7 +146,7 @@ pub struct EventRow {
 }
 
 /// One billed segment of an instance.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct LedgerLine {
     pub instance_id: String,
     pub start: Timestamp,
@@ -454,6 +454,18 @@ impl Store {
             .execute(pool)
             .await
             .context("recording a launch")?;
+        });
+        Ok(())
+    }
+
+    pub async fn set_token_hash(&self, id: &str, hash: &str) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("UPDATE instances SET token_hash = $2 WHERE id = $1")
+                .bind(id)
+                .bind(hash)
+                .execute(pool)
+                .await
+                .context("rotating an agent token")?;
         });
         Ok(())
     }

@@ -1,0 +1,166 @@
+//! The API's one error type: every failure is JSON `{"code", "message", "field"?}` with a 4xx
+//! for anything the caller can fix. Internal errors are logged with their cause and answered
+//! with a 500 that reveals nothing.
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use utoipa::ToSchema;
+
+/// The body of every error answer.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// Machine-readable: `bad_request`, `invalid_field`, `unauthorized`, `forbidden`,
+    /// `not_found`, `conflict`, `internal`.
+    pub code: &'static str,
+    pub message: String,
+    /// The offending field, as a dotted path (`limits.max_instances`), when one is at fault.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub body: ErrorBody,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            body: ErrorBody {
+                code,
+                message: message.into(),
+                field: None,
+            },
+        }
+    }
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+    /// A well-formed request with a value that is not acceptable.
+    pub fn invalid(field: &str, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message);
+        e.body.field = Some(field.to_string());
+        e
+    }
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+    /// Logs the cause; the caller learns only that it was not their fault.
+    pub fn internal(cause: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %cause, "internal error answering a request");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; the broker's log has the details",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body)).into_response()
+    }
+}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(e: crate::store::StoreError) -> Self {
+        ApiError::internal(e)
+    }
+}
+
+/// `Json<T>` whose rejections are API errors naming the field at fault.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
+fn json_rejection(rejection: JsonRejection) -> ApiError {
+    match rejection {
+        JsonRejection::JsonDataError(e) => {
+            // axum reports `path: problem` from serde_path_to_error.
+            let text =
+                std::error::Error::source(&e).map_or_else(|| e.body_text(), |s| s.to_string());
+            let (field, problem) = match text.split_once(": ") {
+                Some((path, problem)) if !path.contains(' ') && path != "." => {
+                    (Some(path.to_string()), problem.to_string())
+                }
+                _ => (None, text.clone()),
+            };
+            let mut err = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", problem);
+            err.body.field = field.or_else(|| unknown_field_name(&text));
+            err
+        }
+        JsonRejection::JsonSyntaxError(e) => {
+            let text =
+                std::error::Error::source(&e).map_or_else(|| e.body_text(), |s| s.to_string());
+            ApiError::bad_request(format!("malformed JSON: {text}"))
+        }
+        JsonRejection::MissingJsonContentType(_) => {
+            let mut e =
+                ApiError::bad_request("expected a JSON body with `Content-Type: application/json`");
+            e.status = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+            e
+        }
+        other => ApiError::bad_request(other.body_text()),
+    }
+}
+
+/// serde's "unknown field `x`, expected ..." names the field only in the message.
+fn unknown_field_name(text: &str) -> Option<String> {
+    let rest = text.split("unknown field `").nth(1)?;
+    Some(rest.split('`').next()?.to_string())
+}
+
+/// `Query<T>` whose rejections are API errors.
+pub struct ApiQuery<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiQuery<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => Err(ApiError::bad_request(
+                format!("bad query string: {}", e.body_text()),
+            )),
+            Err(other) => Err(ApiError::bad_request(other.body_text())),
+        }
+    }
+}
+
+/// A path parameter that failed to parse is the caller's mistake (404 for ids that cannot exist).
+pub fn path_rejection(e: axum::extract::rejection::PathRejection) -> ApiError {
+    ApiError::not_found(format!("no such resource: {}", e.body_text()))
+}

@@ -1,0 +1,386 @@
+//! The REST API (axum): jobs and their cost for users, markets and prices, the agents' control
+//! protocol, health, metrics and the OpenAPI document.
+//!
+//! [`router`] builds the whole app from a [`Broker`]; tests serve it on `127.0.0.1:0` and talk
+//! to it over real HTTP.
+
+pub mod auth;
+pub mod error;
+mod openapi;
+
+use crate::market::{Market, Timestamp};
+use crate::service::jobs::{CostReport, JobView};
+use crate::service::spec::JobSpec;
+use crate::service::{Broker, ServiceError};
+use crate::store::MarketFilter;
+use auth::{UserAuth, bearer};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use error::{ApiError, ApiJson, ApiQuery};
+use proteus_wire::JobId;
+use proteus_wire::agent_api::{AgentEvent, CommandsQuery, Heartbeat, RegisterRequest, paths};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use utoipa::ToSchema;
+
+/// The OpenAPI document as JSON text.
+pub fn openapi_json() -> String {
+    openapi::json()
+}
+
+/// What every handler sees.
+#[derive(Clone)]
+pub struct AppState {
+    pub broker: Arc<Broker>,
+    pub auth: UserAuth,
+}
+
+/// The whole API.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/v1/metrics", get(metrics))
+        .route("/v1/openapi.json", get(openapi::document))
+        .route("/v1/jobs", post(submit_job).get(list_jobs))
+        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route("/v1/jobs/{id}/cost", get(job_cost))
+        .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/markets", get(list_markets))
+        .route("/v1/prices", get(list_prices))
+        .route(paths::REGISTER, post(agent_register))
+        .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
+        .route(paths::COMMANDS_ROUTE, get(agent_commands))
+        .route(paths::EVENTS_ROUTE, post(agent_event))
+        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
+        .with_state(state)
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        match e {
+            ServiceError::Invalid { field, message } => ApiError::invalid(&field, message),
+            ServiceError::NoSuchJob(id) => ApiError::not_found(format!("job {id} does not exist")),
+            ServiceError::JobOver(id) => ApiError::conflict(format!("job {id} is already over")),
+            other => ApiError::internal(other),
+        }
+    }
+}
+
+/// Job ids in paths: anything that is not one cannot name a job.
+fn job_id(raw: &str) -> Result<JobId, ApiError> {
+    raw.parse::<i64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .map(JobId)
+        .ok_or_else(|| ApiError::not_found(format!("job `{raw}` does not exist")))
+}
+
+/// User endpoints: the user token, and a distinct 403 for an agent's token.
+async fn user(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    match state.auth.check(headers) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            if let Some(t) = bearer(headers)
+                && state
+                    .broker
+                    .store
+                    .instance_by_token_hash(&auth::hash_token(t))
+                    .await?
+                    .is_some()
+            {
+                return Err(ApiError::forbidden("agent tokens cannot use the job API"));
+            }
+            Err(e)
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+struct Health {
+    status: &'static str,
+    cloud: &'static str,
+    database: &'static str,
+}
+
+#[utoipa::path(get, path = "/healthz", responses((status = 200, body = Health)))]
+async fn healthz(State(s): State<AppState>) -> Response {
+    let db_ok = s.broker.store.price_row_count().await.is_ok();
+    let body = Health {
+        status: if db_ok { "ok" } else { "degraded" },
+        cloud: s.broker.cloud.kind(),
+        database: if db_ok { "ok" } else { "unreachable" },
+    };
+    let status = if db_ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format")))]
+async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let text = crate::service::metrics_text(&s.broker).await?;
+    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/jobs", request_body = JobSpec,
+    responses((status = 201, body = JobView), (status = 400, body = error::ErrorBody), (status = 401, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody)), security(("bearer" = [])))]
+async fn submit_job(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(spec): ApiJson<JobSpec>,
+) -> Result<Response, ApiError> {
+    user(&s, &headers).await?;
+    let view = s.broker.submit(spec).await?;
+    Ok((StatusCode::CREATED, Json(view)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/jobs", responses((status = 200, body = Vec<JobView>), (status = 401, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn list_jobs(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Vec<JobView>>, ApiError> {
+    user(&s, &headers).await?;
+    Ok(Json(s.broker.job_views().await?))
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
+    responses((status = 200, body = JobView), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
+async fn get_job(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
+    user(&s, &headers).await?;
+    Ok(Json(s.broker.job_view(job_id(&id)?).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
+    responses((status = 200, body = JobView), (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn cancel_job(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
+    user(&s, &headers).await?;
+    Ok(Json(s.broker.cancel(job_id(&id)?).await?))
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}/cost", params(("id" = i64, Path)),
+    responses((status = 200, body = CostReport), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
+async fn job_cost(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<CostReport>, ApiError> {
+    user(&s, &headers).await?;
+    let id = job_id(&id)?;
+    Ok(Json(s.broker.cost_report(id).await?))
+}
+
+#[derive(Serialize, ToSchema)]
+struct EventView {
+    id: i64,
+    time: String,
+    instance_id: Option<String>,
+    kind: String,
+    detail: String,
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}/events", params(("id" = i64, Path)),
+    responses((status = 200, body = Vec<EventView>), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
+async fn job_events(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<EventView>>, ApiError> {
+    user(&s, &headers).await?;
+    let id = job_id(&id)?;
+    if s.broker.store.job(id).await?.is_none() {
+        return Err(ApiError::not_found(format!("job {id} does not exist")));
+    }
+    let events = s.broker.store.events_of_job(id).await?;
+    Ok(Json(
+        events
+            .into_iter()
+            .map(|e| EventView {
+                id: e.id,
+                time: e.time.to_string(),
+                instance_id: e.instance_id,
+                kind: e.kind,
+                detail: e.detail,
+            })
+            .collect(),
+    ))
+}
+
+#[derive(Serialize, ToSchema)]
+struct MarketView {
+    market: String,
+    region: String,
+    availability_zone: String,
+    instance_type: String,
+    product: String,
+    price_changes: i64,
+    first: Option<String>,
+    last: Option<String>,
+    /// The price in force now (market time), if known.
+    spot_usd: Option<f64>,
+    on_demand_usd: Option<f64>,
+}
+
+#[utoipa::path(get, path = "/v1/markets", responses((status = 200, body = Vec<MarketView>)), security(("bearer" = [])))]
+async fn list_markets(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Vec<MarketView>>, ApiError> {
+    user(&s, &headers).await?;
+    let rows = s.broker.store.markets(&MarketFilter::default()).await?;
+    let data = s.broker.market_data();
+    let now = s.broker.clock.now();
+    Ok(Json(
+        rows.into_iter()
+            .map(|r| MarketView {
+                spot_usd: data.history.get(&r.market).and_then(|x| x.price_at(now)),
+                on_demand_usd: data
+                    .history
+                    .on_demand()
+                    .for_market(&r.market)
+                    .map(|o| o.on_demand.get()),
+                market: r.market.to_string(),
+                region: r.region.to_string(),
+                availability_zone: r.market.zone.to_string(),
+                instance_type: r.market.instance_type.to_string(),
+                product: r.market.product.to_string(),
+                price_changes: r.price_rows,
+                first: r.first.map(|t| t.to_string()),
+                last: r.last.map(|t| t.to_string()),
+            })
+            .collect(),
+    ))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct PricesQuery {
+    /// `zone/type`, e.g. `us-east-1a/c3.xlarge`.
+    market: String,
+    /// RFC 3339 or YYYY-MM-DD.
+    from: Option<String>,
+    to: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+struct PricePoint {
+    time: String,
+    usd_per_hour: f64,
+}
+
+#[utoipa::path(get, path = "/v1/prices", params(PricesQuery),
+    responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody)), security(("bearer" = [])))]
+async fn list_prices(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    ApiQuery(q): ApiQuery<PricesQuery>,
+) -> Result<Json<Vec<PricePoint>>, ApiError> {
+    user(&s, &headers).await?;
+    let market =
+        Market::parse(&q.market).map_err(|e| ApiError::invalid("market", e.to_string()))?;
+    let time = |field: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(Timestamp::parse)
+            .transpose()
+            .map_err(|e| ApiError::invalid(field, e.to_string()))
+    };
+    let (from, to) = (time("from", &q.from)?, time("to", &q.to)?);
+    let filter = MarketFilter {
+        region: None,
+        zone: Some(market.zone.clone()),
+        instance_type: Some(market.instance_type.clone()),
+    };
+    let history = s.broker.store.load_history(&filter, from, to).await?;
+    let points = history
+        .get(&market)
+        .map(|series| {
+            series
+                .times()
+                .iter()
+                .zip(series.prices())
+                .map(|(t, p)| PricePoint {
+                    time: t.to_string(),
+                    usd_per_hour: *p,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Json(points))
+}
+
+fn agent_token(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers)
+}
+
+#[utoipa::path(post, path = "/v1/agents/register", request_body = Object,
+    responses((status = 200, description = "RegisterResponse"), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_register(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<RegisterRequest>,
+) -> Result<Response, ApiError> {
+    let resp = s.broker.agent_register(agent_token(&headers), req).await?;
+    Ok(Json(resp).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Object, params(("instance_id" = String, Path)),
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)), security(("agent" = [])))]
+async fn agent_heartbeat(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(hb): ApiJson<Heartbeat>,
+) -> Result<StatusCode, ApiError> {
+    s.broker
+        .agent_heartbeat(agent_token(&headers), &id, hb)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/commands", params(("instance_id" = String, Path), ("after" = Option<u64>, Query),
+    ("wait_ms" = Option<u64>, Query)),
+    responses((status = 200, description = "Vec<CommandEnvelope>"), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+async fn agent_commands(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<CommandsQuery>,
+) -> Result<Response, ApiError> {
+    let commands = s
+        .broker
+        .agent_commands(agent_token(&headers), &id, q.after, q.wait_ms)
+        .await?;
+    Ok(Json(commands).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = Object, params(("instance_id" = String, Path)),
+    responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+async fn agent_event(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(event): ApiJson<AgentEvent>,
+) -> Result<StatusCode, ApiError> {
+    s.broker
+        .agent_event(agent_token(&headers), &id, event)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}

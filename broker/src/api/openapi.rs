@@ -1,0 +1,50 @@
+//! The OpenAPI document, generated from the handlers' annotations and the types' schemas.
+
+use axum::Json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Proteus broker API", description = "ML training on spot capacity: jobs, their cost, markets, and the agents' control protocol."),
+    paths(
+        super::healthz,
+        super::metrics,
+        super::submit_job,
+        super::list_jobs,
+        super::get_job,
+        super::cancel_job,
+        super::job_cost,
+        super::job_events,
+        super::list_markets,
+        super::list_prices,
+        super::agent_register,
+        super::agent_heartbeat,
+        super::agent_commands,
+        super::agent_event,
+    ),
+    components(schemas(super::error::ErrorBody, crate::service::spec::JobSpec)),
+    modifiers(&Security)
+)]
+pub struct ApiDoc;
+
+struct Security;
+
+impl Modify for Security {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        let bearer =
+            || SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build());
+        components.add_security_scheme("bearer", bearer());
+        components.add_security_scheme("agent", bearer());
+    }
+}
+
+pub async fn document() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+/// The document as JSON text (for `proteus openapi`, and tests).
+pub fn json() -> String {
+    ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+}

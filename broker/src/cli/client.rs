@@ -1,0 +1,441 @@
+//! The user commands that talk to a running broker: `submit`, `status`, `report`, `cancel`.
+
+use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::service::jobs::{CostReport, JobView};
+use crate::service::spec::JobSpec;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Where the broker is and how to authenticate.
+#[derive(Debug, Clone, Args)]
+pub struct Remote {
+    /// The broker's URL.
+    #[arg(long, env = "PROTEUS_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// The user API token (printed by `proteus serve` on first start).
+    #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json"
+)]
+pub struct SubmitArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    /// A job spec, TOML or JSON (see examples/jobs/mnist.toml).
+    pub file: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  proteus status\n  proteus status 3 --output json")]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    /// A job id; without it, every job.
+    pub id: Option<i64>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  proteus report 3\n  proteus report 3 --output csv > ledger.csv\n  proteus report --all"
+)]
+pub struct ReportArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    /// A job id.
+    #[arg(required_unless_present = "all")]
+    pub id: Option<i64>,
+    /// Every job, one line each.
+    #[arg(long, conflicts_with = "id")]
+    pub all: bool,
+    /// `table` (summary), `csv` (ledger lines), `json` (everything).
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    pub id: i64,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// A thin JSON client of the broker's API.
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Client {
+    pub fn new(remote: &Remote) -> Result<Client> {
+        Ok(Client {
+            base: remote.url.trim_end_matches('/').to_string(),
+            token: remote.token.clone(),
+            http: reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(60))
+                .build()
+                .context("building the HTTP client")?,
+        })
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        req: reqwest::RequestBuilder,
+        what: &str,
+    ) -> Result<T> {
+        let req = match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        };
+        let resp = req.send().await.with_context(|| {
+            format!(
+                "{what}: cannot reach the broker at {} (is `proteus serve` running?)",
+                self.base
+            )
+        })?;
+        let status = resp.status();
+        let body = resp
+            .text()
+            .await
+            .with_context(|| format!("{what}: reading the answer"))?;
+        if !status.is_success() {
+            let detail = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .map(|v| match (v["field"].as_str(), v["message"].as_str()) {
+                    (Some(f), Some(m)) => format!("{f}: {m}"),
+                    (None, Some(m)) => m.to_string(),
+                    _ => body.clone(),
+                })
+                .unwrap_or(body);
+            if status.as_u16() == 401 && self.token.is_none() {
+                bail!(
+                    "{what}: HTTP 401: {detail} (set PROTEUS_TOKEN to the token `proteus serve` printed)"
+                );
+            }
+            bail!("{what}: HTTP {}: {detail}", status.as_u16());
+        }
+        serde_json::from_str(&body).with_context(|| format!("{what}: unexpected answer: {body}"))
+    }
+
+    pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        self.send(
+            self.http.get(format!("{}{path}", self.base)),
+            &format!("GET {path}"),
+        )
+        .await
+    }
+
+    pub async fn post<T: DeserializeOwned, B: Serialize>(&self, path: &str, body: &B) -> Result<T> {
+        self.send(
+            self.http.post(format!("{}{path}", self.base)).json(body),
+            &format!("POST {path}"),
+        )
+        .await
+    }
+
+    pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        self.send(
+            self.http.delete(format!("{}{path}", self.base)),
+            &format!("DELETE {path}"),
+        )
+        .await
+    }
+}
+
+pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("{}: cannot read", args.file.display()))?;
+    let spec =
+        JobSpec::parse_file(&args.file.display().to_string(), &text).map_err(anyhow::Error::msg)?;
+    let job: JobView = Client::new(&args.remote)?.post("/v1/jobs", &spec).await?;
+    if args.output == OutputFormat::Table {
+        println!(
+            "submitted job {} ({}) with policy {}",
+            job.id, job.name, job.policy
+        );
+        println!(
+            "follow it with `proteus status {}`; its cost with `proteus report {}`",
+            job.id, job.id
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    emit(args.output, &job, || jobs_table(std::slice::from_ref(&job)))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn status(args: StatusArgs) -> Result<ExitCode> {
+    let client = Client::new(&args.remote)?;
+    match args.id {
+        Some(id) => {
+            let job: JobView = client.get(&format!("/v1/jobs/{id}")).await?;
+            if args.output == OutputFormat::Table {
+                print!("{}", job_detail(&job));
+            } else {
+                emit(args.output, &job, || jobs_table(std::slice::from_ref(&job)))?;
+            }
+        }
+        None => {
+            let jobs: Vec<JobView> = client.get("/v1/jobs").await?;
+            emit(args.output, &jobs, || jobs_table(&jobs))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn cancel(args: CancelArgs) -> Result<ExitCode> {
+    let job: JobView = Client::new(&args.remote)?
+        .delete(&format!("/v1/jobs/{}", args.id))
+        .await?;
+    if args.output == OutputFormat::Table {
+        println!(
+            "job {} {}: {}",
+            job.id,
+            job.state,
+            job.state_reason.as_deref().unwrap_or("")
+        );
+    } else {
+        emit(args.output, &job, || jobs_table(std::slice::from_ref(&job)))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn report(args: ReportArgs) -> Result<ExitCode> {
+    let client = Client::new(&args.remote)?;
+    if args.all {
+        let jobs: Vec<JobView> = client.get("/v1/jobs").await?;
+        let mut reports = Vec::new();
+        for j in &jobs {
+            let r: CostReport = client.get(&format!("/v1/jobs/{}/cost", j.id)).await?;
+            reports.push((j.clone(), r));
+        }
+        let rows: Vec<serde_json::Value> = reports
+            .iter()
+            .map(|(j, r)| serde_json::json!({"job": j.id, "name": j.name, "state": j.state, "cost": r}))
+            .collect();
+        emit(args.output, &rows, || all_table(&reports))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let id = args.id.context("give a job id or --all")?;
+    let r: CostReport = client.get(&format!("/v1/jobs/{id}/cost")).await?;
+    match args.output {
+        OutputFormat::Table => print!("{}", cost_text(&r)),
+        OutputFormat::Json => emit(OutputFormat::Json, &r, Table::default)?,
+        OutputFormat::Csv => {
+            let mut t = Table::new(&[
+                "instance",
+                "start",
+                "end",
+                "usd_per_hour",
+                "amount_usd",
+                "free",
+            ]);
+            for l in &r.lines {
+                t.push(vec![
+                    l.instance_id.clone(),
+                    l.start.to_string(),
+                    l.end.to_string(),
+                    format!("{}", l.usd_per_hour),
+                    format!("{}", l.amount_usd),
+                    l.free.to_string(),
+                ]);
+            }
+            print!("{}", t.to_csv());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn metric_text(m: &Option<serde_json::Value>) -> String {
+    match m {
+        Some(v) => format!(
+            "{} {:.4}",
+            v["kind"].as_str().unwrap_or("metric"),
+            v["value"].as_f64().unwrap_or(f64::NAN)
+        ),
+        None => "-".into(),
+    }
+}
+
+fn jobs_table(jobs: &[JobView]) -> Table {
+    let mut t = Table::new(&[
+        "id",
+        "name",
+        "state",
+        "policy",
+        "progress",
+        "metric",
+        "reliable",
+        "spot",
+        "evictions",
+        "spend",
+    ]);
+    for j in jobs {
+        t.push(vec![
+            j.id.to_string(),
+            j.name.clone(),
+            j.state.clone(),
+            j.policy.clone(),
+            pct(j.progress),
+            metric_text(&j.metric),
+            j.instances_by_tier
+                .get("reliable")
+                .copied()
+                .unwrap_or(0)
+                .to_string(),
+            j.instances_by_tier
+                .get("transient")
+                .copied()
+                .unwrap_or(0)
+                .to_string(),
+            j.evictions.to_string(),
+            usd(j.spend_usd),
+        ]);
+    }
+    t
+}
+
+fn job_detail(j: &JobView) -> String {
+    let mut out = format!(
+        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot; {} evictions\n",
+        j.id,
+        j.name,
+        j.state,
+        j.state_reason
+            .as_deref()
+            .map(|r| format!(" — {r}"))
+            .unwrap_or_default(),
+        j.policy,
+        j.billing,
+        j.stage.map_or("-".into(), |s| s.to_string()),
+        pct(j.progress),
+        metric_text(&j.metric),
+        usd(j.spend_usd),
+        j.budget_usd
+            .map(|b| format!(" of {}", usd(b)))
+            .unwrap_or_default(),
+        j.instances_by_tier.get("reliable").copied().unwrap_or(0),
+        j.instances_by_tier.get("transient").copied().unwrap_or(0),
+        j.evictions,
+    );
+    if let Some(h) = &j.held {
+        out.push_str(&format!("held: {h}\n"));
+    }
+    for u in &j.unavailable_markets {
+        out.push_str(&format!("unavailable: {u}\n"));
+    }
+    let mut t = Table::new(&[
+        "instance", "market", "tier", "bid", "state", "launched", "ended",
+    ]);
+    for i in &j.instances {
+        t.push(vec![
+            i.id.clone(),
+            i.market.clone(),
+            i.tier.clone(),
+            i.bid_usd.map(usd).unwrap_or_else(|| "-".into()),
+            i.state.clone(),
+            i.launched.clone().unwrap_or_default(),
+            match (&i.ended, &i.end_reason) {
+                (Some(e), Some(r)) => format!("{e} ({r})"),
+                (Some(e), None) => e.clone(),
+                _ => String::new(),
+            },
+        ]);
+    }
+    out.push_str(&t.render());
+    out
+}
+
+/// The cost report for people.
+pub fn cost_text(r: &CostReport) -> String {
+    let mut out = format!(
+        "job {} cost {} ({} billing): reliable {}, spot {}; {} evictions, {:.2} free instance-hours\n",
+        r.job_id,
+        usd(r.total_usd),
+        r.billing,
+        usd(r.by_tier.get("reliable").copied().unwrap_or(0.0)),
+        usd(r.by_tier.get("transient").copied().unwrap_or(0.0)),
+        r.evictions,
+        r.free_hours
+    );
+    let mut t = Table::new(&["market", "tier", "instances", "instance-hours", "cost"]);
+    for m in &r.by_market {
+        t.push(vec![
+            m.market.clone(),
+            m.tier.clone(),
+            m.instances.to_string(),
+            format!("{:.2}", m.instance_hours),
+            usd(m.usd),
+        ]);
+    }
+    out.push_str(&t.render());
+    out.push_str(&format!(
+        "\nthe same work ({:.2} units) on the same prices:\n",
+        r.work_units
+    ));
+    let mut t = Table::new(&["baseline", "cost", "runtime h", "evictions", "savings"]);
+    for c in &r.counterfactuals {
+        t.push(vec![
+            c.policy.clone(),
+            c.cost_usd.map(usd).unwrap_or_else(|| "n/a".into()),
+            c.runtime_hours
+                .map(|h| format!("{h:.2}"))
+                .unwrap_or_else(|| "-".into()),
+            c.evictions
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| "-".into()),
+            r.savings
+                .get(&c.policy)
+                .map(|s| pct(*s))
+                .unwrap_or_else(|| c.note.clone().unwrap_or_else(|| "-".into())),
+        ]);
+    }
+    out.push_str(&t.render());
+    out
+}
+
+fn all_table(reports: &[(JobView, CostReport)]) -> Table {
+    let mut t = Table::new(&[
+        "id",
+        "name",
+        "state",
+        "cost",
+        "reliable",
+        "spot",
+        "evictions",
+        "vs on-demand",
+        "vs standard",
+    ]);
+    for (j, r) in reports {
+        let saving = |k: &str| {
+            r.savings
+                .get(k)
+                .map(|s| pct(*s))
+                .unwrap_or_else(|| "-".into())
+        };
+        t.push(vec![
+            j.id.to_string(),
+            j.name.clone(),
+            j.state.clone(),
+            usd(r.total_usd),
+            usd(r.by_tier.get("reliable").copied().unwrap_or(0.0)),
+            usd(r.by_tier.get("transient").copied().unwrap_or(0.0)),
+            r.evictions.to_string(),
+            saving("on-demand"),
+            saving("standard-bidding"),
+        ]);
+    }
+    t
+}

@@ -1,0 +1,393 @@
+//! `proteus serve`: the broker service.
+
+use super::GlobalArgs;
+use crate::api::auth::{UserAuth, hash_token, new_token};
+use crate::api::{AppState, router};
+use crate::billing::BillingModel;
+use crate::clock::{ScaledClock, SharedClock, WallClock};
+use crate::cloud::Cloud;
+use crate::cloud::faults::FaultyCloud;
+use crate::cloud::sim::SimCloud;
+use crate::data;
+use crate::launcher::{LauncherConfig, LocalLauncher};
+use crate::market::{Region, Timestamp};
+use crate::prices::{PriceHistory, files};
+use crate::service::{Broker, ModelChoice, Settings};
+use crate::store::{MarketFilter, Store};
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CloudKind {
+    /// A spot market replaying a trace on an accelerated clock.
+    Sim,
+    /// Amazon EC2 (or LocalStack through AWS_ENDPOINT_URL).
+    Ec2,
+}
+
+#[derive(Debug, Clone, Args)]
+#[command(after_help = "Examples:\n  \
+    proteus serve                                     # simulated cloud on the 2015 trace, 60x speed\n  \
+    proteus serve --cloud sim --speed 600 --start 2015-04-10T00:00:00Z\n  \
+    PROTEUS_DATABASE_URL=postgres://… proteus serve --cloud ec2 --region us-east-1 --ami ami-0abc… \\\n      \
+      --subnet subnet-… --security-group sg-… --instance-profile proteus-agent\n  \
+    proteus serve --cloud ec2 --dry-run               # check the account's permissions and exit")]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "PROTEUS_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// The URL agents use to reach this broker. Default: http://<listen>.
+    #[arg(long, env = "PROTEUS_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    #[arg(long, env = "PROTEUS_CLOUD", value_enum, default_value_t = CloudKind::Sim)]
+    pub cloud: CloudKind,
+    #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
+    pub region: String,
+    /// The user API token. Default: generated on first start, printed once, its hash stored.
+    #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// sim: spot trace (CSV/JSON, .gz ok). Default: the 2015 us-east-1 trace built into proteus.
+    #[arg(long, env = "PROTEUS_TRACE")]
+    pub trace: Option<PathBuf>,
+    /// sim: on-demand price table. Default: the 2015 table built into proteus.
+    #[arg(long, env = "PROTEUS_ON_DEMAND")]
+    pub on_demand: Option<PathBuf>,
+    /// sim: market seconds per wall second.
+    #[arg(long, env = "PROTEUS_SPEED", default_value_t = 60.0)]
+    pub speed: f64,
+    /// sim: the market time the clock starts at. Default: eight days into the trace (so the
+    /// market model has a week of history to learn from).
+    #[arg(long, env = "PROTEUS_SIM_START")]
+    pub start: Option<String>,
+    /// Billing for jobs that do not choose. Default: hourly-2015 on sim, per-second on ec2.
+    #[arg(long, env = "PROTEUS_BILLING")]
+    pub billing: Option<BillingModel>,
+    /// Market model. Default: price on sim, hazard on ec2.
+    #[arg(long, env = "PROTEUS_MARKET_MODEL", value_enum)]
+    pub market_model: Option<ModelChoice>,
+    /// Control-loop period, milliseconds of wall time.
+    #[arg(long, env = "PROTEUS_TICK_MS", default_value_t = 1000)]
+    pub tick_ms: u64,
+    /// Start a local `proteus-agent` process per instance (where instances do not boot: sim,
+    /// LocalStack). Default: on for sim, on for ec2 when AWS_ENDPOINT_URL is set.
+    #[arg(long, env = "PROTEUS_LOCAL_AGENTS")]
+    pub local_agents: Option<bool>,
+    /// The agent binary for local agents. Default: `proteus-agent` next to this binary.
+    #[arg(long, env = "PROTEUS_AGENT_BIN")]
+    pub agent_bin: Option<PathBuf>,
+    /// Data sets for local agents. Default: the project's data/ml.
+    #[arg(long, env = "PROTEUS_AGENT_DATA_DIR")]
+    pub agent_data_dir: Option<PathBuf>,
+    /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
+    #[arg(long, env = "PROTEUS_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Minutes from launch to useful work assumed by policies when a job does not say.
+    #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
+    pub startup_minutes: Option<f64>,
+    /// Market seconds a market that refused a launch is skipped.
+    #[arg(long, env = "PROTEUS_COOLDOWN_SECS", default_value_t = 600.0)]
+    pub cooldown_secs: f64,
+    /// Wall seconds an agent gets at least between an interruption notice and its end.
+    #[arg(long, env = "PROTEUS_MIN_NOTICE_SECS", default_value_t = 6.0)]
+    pub min_notice_secs: f64,
+    /// Fail chosen launches as EC2 would, e.g. `us-east-1a/c3.xlarge=insufficient-capacity:2`.
+    #[arg(long, env = "PROTEUS_INJECT_LAUNCH_FAULTS", hide = true)]
+    pub inject_launch_faults: Option<String>,
+    #[command(flatten)]
+    pub ec2: Ec2Args,
+}
+
+/// EC2 launch settings.
+#[derive(Debug, Clone, Args)]
+pub struct Ec2Args {
+    /// AMI for agent instances.
+    #[arg(long, env = "PROTEUS_AMI", default_value = "ami-00000000000000000")]
+    pub ami: String,
+    #[arg(long, env = "PROTEUS_SUBNET")]
+    pub subnet: Option<String>,
+    #[arg(long, env = "PROTEUS_SECURITY_GROUP")]
+    pub security_group: Vec<String>,
+    /// Instance profile (name) giving agents their role.
+    #[arg(long, env = "PROTEUS_INSTANCE_PROFILE")]
+    pub instance_profile: Option<String>,
+    #[arg(long, env = "PROTEUS_KEY_NAME")]
+    pub key_name: Option<String>,
+    /// Use RequestSpotInstances instead of RunInstances market options for spot.
+    #[arg(long, env = "PROTEUS_SPOT_REQUESTS")]
+    pub spot_requests: bool,
+    /// Check the account's permissions with DryRun calls, print what is missing, and exit.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
+    let store = global.open_store().await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let server = start(store, args, listener).await?;
+    eprintln!(
+        "proteus broker listening on http://{} ({} cloud)",
+        server.addr,
+        server.broker.cloud.kind()
+    );
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("shutting down");
+    };
+    server.run_until(shutdown).await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A started broker: API listener bound, state recovered, scheduler not yet running.
+pub struct Server {
+    pub broker: Arc<Broker>,
+    pub addr: SocketAddr,
+    pub token: Option<String>,
+    app: axum::Router,
+    listener: tokio::net::TcpListener,
+}
+
+impl Server {
+    /// Serves the API and runs the scheduler until `shutdown` resolves.
+    pub async fn run_until(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let broker = self.broker.clone();
+        let mut rx2 = rx.clone();
+        let scheduler = tokio::spawn(broker.run_scheduler(async move {
+            let _ = rx2.wait_for(|stop| *stop).await;
+        }));
+        let mut rx3 = rx.clone();
+        let serve = axum::serve(self.listener, self.app).with_graceful_shutdown(async move {
+            let _ = rx3.wait_for(|stop| *stop).await;
+        });
+        let server = tokio::spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "API server failed");
+            }
+        });
+        shutdown.await;
+        let _ = tx.send(true);
+        let _ = scheduler.await;
+        // Long polls may hold connections for a while; do not wait for them forever.
+        let _ = tokio::time::timeout(Duration::from_secs(3), server).await;
+    }
+}
+
+/// Builds the broker from flags: clock, cloud, launcher, prices, recovery, API router.
+pub async fn start(
+    store: Store,
+    args: ServeArgs,
+    listener: tokio::net::TcpListener,
+) -> Result<Server> {
+    let addr = listener.local_addr().context("listener address")?;
+    let region = Region::parse(&args.region).context("--region")?;
+    let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
+        CloudKind::Sim => {
+            let history = Arc::new(load_sim_trace(&store, &args, &region).await?);
+            let (first, last) = history.span().context("the trace has no prices")?;
+            let start = match &args.start {
+                Some(s) => Timestamp::parse(s).context("--start")?,
+                None => first.plus_secs(8.0 * 86_400.0).min(last),
+            };
+            if start < first || start >= last {
+                bail!("--start {start} is outside the trace ({first} to {last})");
+            }
+            if !(args.speed.is_finite() && args.speed > 0.0) {
+                bail!("--speed must be a positive number");
+            }
+            (history, Arc::new(ScaledClock::new(start, args.speed)))
+        }
+        CloudKind::Ec2 => {
+            let filter = MarketFilter {
+                region: Some(region.clone()),
+                ..Default::default()
+            };
+            let history = store.load_history(&filter, None, None).await?;
+            if history.is_empty() {
+                tracing::warn!(
+                    "no stored price history for {region}: run `proteus prices ingest --from-ec2` first"
+                );
+            }
+            (Arc::new(history), Arc::new(WallClock))
+        }
+    };
+    let cloud: Arc<dyn Cloud> = match args.cloud {
+        CloudKind::Sim => Arc::new(SimCloud::new(
+            history.clone(),
+            clock.clone(),
+            Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+        )),
+        CloudKind::Ec2 => ec2_cloud(&args, &region, addr).await?,
+    };
+    let cloud: Arc<dyn Cloud> = match &args.inject_launch_faults {
+        Some(rules) => Arc::new(FaultyCloud::new(
+            cloud,
+            FaultyCloud::parse_rules(rules).map_err(anyhow::Error::msg)?,
+        )),
+        None => cloud,
+    };
+    let advertise = args
+        .advertise_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}"));
+    let local_agents = args
+        .local_agents
+        .unwrap_or(args.cloud == CloudKind::Sim || std::env::var_os("AWS_ENDPOINT_URL").is_some());
+    let launcher = if local_agents {
+        let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+        let config = LauncherConfig {
+            agent_bin: args
+                .agent_bin
+                .clone()
+                .unwrap_or_else(LauncherConfig::default_agent_bin),
+            broker_url: advertise.clone(),
+            data_dir: args
+                .agent_data_dir
+                .clone()
+                .unwrap_or_else(|| data::data_dir().join("ml")),
+            state_dir,
+            imds_poll_ms: 500,
+            exit_margin_secs: 1,
+            agent_log: "warn,proteus_agent=info".into(),
+        };
+        Some(Arc::new(LocalLauncher::new(config)?))
+    } else {
+        None
+    };
+    let sim = args.cloud == CloudKind::Sim;
+    let settings = Settings {
+        region,
+        default_billing: args.billing.unwrap_or(if sim {
+            BillingModel::Hourly2015
+        } else {
+            BillingModel::PerSecond
+        }),
+        model: args.market_model.unwrap_or(if sim {
+            ModelChoice::Price
+        } else {
+            ModelChoice::Hazard
+        }),
+        tick: Duration::from_millis(args.tick_ms.max(10)),
+        default_startup_minutes: args.startup_minutes.unwrap_or(5.0),
+        cooldown_secs: args.cooldown_secs,
+        min_notice: Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+    };
+    let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
+    let broker = Broker::new(store, clock, cloud, launcher, history, settings);
+    broker
+        .recover()
+        .await
+        .context("recovering state after start")?;
+    let app = router(AppState {
+        broker: broker.clone(),
+        auth,
+    })
+    .layer(tower_http::trace::TraceLayer::new_for_http());
+    Ok(Server {
+        broker,
+        addr,
+        token,
+        app,
+        listener,
+    })
+}
+
+/// The user token: the flag's, or the stored hash, or a new one (printed once).
+async fn user_auth(
+    store: &Store,
+    flag: Option<&str>,
+    now: Timestamp,
+) -> Result<(UserAuth, Option<String>)> {
+    if let Some(token) = flag {
+        return Ok((UserAuth::from_token(token), None));
+    }
+    if let Some(hash) = store.api_token_hash("user").await? {
+        return Ok((UserAuth::from_hash(hash), None));
+    }
+    let token = new_token("pt_");
+    let hash = store
+        .init_api_token_hash("user", &hash_token(&token), now)
+        .await?;
+    if hash == hash_token(&token) {
+        eprintln!(
+            "generated the API token (shown once; the broker keeps only its hash):\n  export PROTEUS_TOKEN={token}"
+        );
+        Ok((UserAuth::from_hash(hash), Some(token)))
+    } else {
+        Ok((UserAuth::from_hash(hash), None))
+    }
+}
+
+fn default_state_dir() -> PathBuf {
+    dirs::data_dir()
+        .or_else(dirs::home_dir)
+        .unwrap_or_else(std::env::temp_dir)
+        .join("proteus")
+        .join("state")
+}
+
+/// The sim trace: the file given, or the one built in. It is also ingested into the store so
+/// that the markets and prices endpoints show what the simulated cloud sells.
+async fn load_sim_trace(store: &Store, args: &ServeArgs, region: &Region) -> Result<PriceHistory> {
+    let rows = match &args.trace {
+        Some(path) => files::read_spot_file(path)?,
+        None => {
+            let raw = files::decompress_if_gzipped(data::TRACE_2015.to_vec())
+                .context("built-in trace")?;
+            files::parse_spot_bytes(Path::new(data::TRACE_2015_NAME), &raw)?
+        }
+    };
+    let offers = match &args.on_demand {
+        Some(path) => files::read_on_demand_file(path, region)?,
+        None => files::parse_on_demand_bytes(
+            Path::new(data::ON_DEMAND_2015_NAME),
+            data::ON_DEMAND_2015,
+            region,
+        )?,
+    };
+    store
+        .ingest_on_demand(&offers)
+        .await
+        .context("storing on-demand prices")?;
+    store
+        .ingest_spot_prices(&rows)
+        .await
+        .context("storing the trace")?;
+    Ok(crate::sim::inputs::history_from_rows(rows, offers))
+}
+
+#[cfg(feature = "ec2")]
+async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    use crate::cloud::ec2::{Ec2Cloud, Ec2Config};
+    let config = Ec2Config {
+        region: region.clone(),
+        ami: args.ec2.ami.clone(),
+        subnet: args.ec2.subnet.clone(),
+        security_groups: args.ec2.security_group.clone(),
+        instance_profile: args.ec2.instance_profile.clone(),
+        key_name: args.ec2.key_name.clone(),
+        spot_requests: args.ec2.spot_requests,
+        broker_url: args
+            .advertise_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{addr}")),
+    };
+    let cloud = Ec2Cloud::new(config).await;
+    if args.ec2.dry_run {
+        let report = cloud.dry_run().await;
+        print!("{report}");
+        std::process::exit(if report.all_allowed() { 0 } else { 1 });
+    }
+    Ok(Arc::new(cloud))
+}
+
+#[cfg(not(feature = "ec2"))]
+async fn ec2_cloud(_: &ServeArgs, _: &Region, _: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
+}

@@ -1,0 +1,260 @@
+//! The agent side of the API: authentication by per-instance token, then registration,
+//! heartbeats, command long-polls and events, all applied to the job's coordinator.
+//!
+//! A token is valid only for the instance it was issued to (and so only for that instance's
+//! job): 401 without a token or with an unknown one, 403 with another instance's token.
+
+use super::control::wall_ms;
+use super::{Broker, metrics::Metrics};
+use crate::api::auth::{hash_token, hashes_match};
+use crate::api::error::ApiError;
+use crate::store::InstanceRow;
+use axum::http::StatusCode;
+use proteus_wire::agent_api::{
+    AgentEvent, CommandEnvelope, Heartbeat, RegisterRequest, RegisterResponse,
+};
+use proteus_wire::coordinator::CoordinatorError;
+use proteus_wire::{InstanceId, JobId, Tier};
+use std::time::Duration;
+
+/// What the broker knows about the agent behind a cloud instance id.
+#[derive(Debug, Clone)]
+pub struct AgentIdentity {
+    /// The broker's instance id.
+    pub instance_id: String,
+    pub job_id: JobId,
+    pub tier: Tier,
+    pub token_hash: String,
+}
+
+impl From<&InstanceRow> for AgentIdentity {
+    fn from(row: &InstanceRow) -> Self {
+        AgentIdentity {
+            instance_id: row.id.clone(),
+            job_id: row.job_id,
+            tier: row.tier,
+            token_hash: row.token_hash.clone(),
+        }
+    }
+}
+
+fn coordinator_error(e: CoordinatorError) -> ApiError {
+    let mut err = match e {
+        CoordinatorError::UnknownInstance(_) => ApiError::not_found(e.to_string()),
+        CoordinatorError::JobOver(_) => ApiError::conflict(e.to_string()),
+        _ => ApiError::bad_request(e.to_string()),
+    };
+    err.body.code = e.code();
+    err
+}
+
+impl Broker {
+    /// Checks an agent's token against the instance it claims to be.
+    pub async fn authenticate_agent(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+    ) -> Result<AgentIdentity, ApiError> {
+        let token = token.ok_or_else(|| {
+            ApiError::unauthorized("missing `Authorization: Bearer <instance token>`")
+        })?;
+        let hash = hash_token(token);
+        let cached = self
+            .agent_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(cloud_id)
+            .cloned();
+        let identity = match cached {
+            Some(i) => Some(i),
+            None => {
+                let row = self.store.instance_by_cloud_id(cloud_id).await?;
+                let identity = row.as_ref().map(AgentIdentity::from);
+                if let Some(i) = &identity {
+                    self.agent_cache
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(cloud_id.to_string(), i.clone());
+                }
+                identity
+            }
+        };
+        if let Some(identity) = identity
+            && hashes_match(&hash, &identity.token_hash)
+        {
+            return Ok(identity);
+        }
+        // Wrong token for this instance: is it somebody else's?
+        match self.store.instance_by_token_hash(&hash).await? {
+            Some(_) => Err(ApiError::forbidden(format!(
+                "this token does not belong to instance {cloud_id}"
+            ))),
+            None => Err(ApiError::unauthorized("invalid instance token")),
+        }
+    }
+
+    pub async fn agent_register(
+        &self,
+        token: Option<&str>,
+        req: RegisterRequest,
+    ) -> Result<RegisterResponse, ApiError> {
+        let identity = self.authenticate_agent(token, &req.instance_id.0).await?;
+        let row = self
+            .store
+            .instance(&identity.instance_id)
+            .await?
+            .ok_or_else(|| ApiError::not_found("unknown instance"))?;
+        if row.state.is_final() {
+            return Err(ApiError::conflict(format!(
+                "instance {} has ended",
+                req.instance_id
+            )));
+        }
+        let job = self
+            .store
+            .job(identity.job_id)
+            .await?
+            .ok_or_else(|| ApiError::not_found("unknown job"))?;
+        if job.state.is_over() {
+            let mut e = ApiError::conflict(format!("job {} is over", job.id));
+            e.body.code = "job_over";
+            return Err(e);
+        }
+        self.ensure_runtime(&job).map_err(ApiError::internal)?;
+        let control = self
+            .control
+            .get(job.id)
+            .ok_or_else(|| ApiError::conflict(format!("job {} is over", job.id)))?;
+        let data_addr = req.data_addr.clone();
+        let vcpus = req.vcpus;
+        let response = control
+            .update(|c| c.register(req.clone(), identity.tier, wall_ms()))
+            .map_err(coordinator_error)?;
+        let now = self.clock.now();
+        self.store
+            .upsert_agent(&identity.instance_id, job.id, &data_addr, vcpus, now)
+            .await?;
+        self.store
+            .add_event(
+                Some(job.id),
+                Some(&identity.instance_id),
+                now,
+                "agent_registered",
+                &format!("data plane at {data_addr}"),
+            )
+            .await?;
+        Ok(response)
+    }
+
+    pub async fn agent_heartbeat(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        hb: Heartbeat,
+    ) -> Result<(), ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let control = self.control_of(identity.job_id)?;
+        let rate = hb.progress.samples_per_sec;
+        control
+            .update(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))
+            .map_err(coordinator_error)?;
+        let _ = rate;
+        Ok(())
+    }
+
+    pub async fn agent_commands(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        after: u64,
+        wait_ms: u64,
+    ) -> Result<Vec<CommandEnvelope>, ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let control = self.control_of(identity.job_id)?;
+        let wait =
+            Duration::from_millis(wait_ms.min(proteus_wire::agent_api::default_command_wait_ms()));
+        control
+            .wait_commands(&InstanceId(cloud_id.to_string()), after, wait)
+            .await
+            .map_err(coordinator_error)
+    }
+
+    pub async fn agent_event(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        event: AgentEvent,
+    ) -> Result<(), ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let now = self.clock.now();
+        let (kind, detail) = describe(&event);
+        self.store
+            .add_event(
+                Some(identity.job_id),
+                Some(&identity.instance_id),
+                now,
+                kind,
+                &detail,
+            )
+            .await?;
+        if matches!(event, AgentEvent::InterruptionWarning { .. })
+            && self.store.mark_warned(&identity.instance_id, now).await?
+        {
+            Metrics::inc(&self.metrics.warnings);
+        }
+        let wake = matches!(
+            event,
+            AgentEvent::TrainingComplete { .. } | AgentEvent::InterruptionWarning { .. }
+        );
+        if let Some(control) = self.control.get(identity.job_id) {
+            control
+                .update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))
+                .map_err(coordinator_error)?;
+        }
+        if wake {
+            self.nudge.notify_one();
+        }
+        Ok(())
+    }
+
+    fn control_of(
+        &self,
+        job: JobId,
+    ) -> Result<std::sync::Arc<super::control::JobControl>, ApiError> {
+        self.control.get(job).ok_or_else(|| {
+            let mut e = ApiError::conflict(format!("job {job} is not running"));
+            e.body.code = "job_over";
+            e.status = StatusCode::CONFLICT;
+            e
+        })
+    }
+}
+
+fn describe(event: &AgentEvent) -> (&'static str, String) {
+    match event {
+        AgentEvent::InterruptionWarning {
+            action,
+            action_time,
+        } => (
+            "agent_interruption_notice",
+            format!("{action} at {action_time}"),
+        ),
+        AgentEvent::RebalanceRecommendation { notice_time } => (
+            "rebalance_recommendation",
+            notice_time.clone().unwrap_or_else(|| "now".into()),
+        ),
+        AgentEvent::HandoverComplete { shard, to, seq } => (
+            "handover_complete",
+            format!("shard {shard} now served by {to} (up to update {seq})"),
+        ),
+        AgentEvent::Ready { model_len } => (
+            "agent_ready",
+            format!("model of {model_len} parameters loaded"),
+        ),
+        AgentEvent::TrainingComplete { metric } => (
+            "training_complete",
+            format!("{} {:.4}", metric.kind, metric.value),
+        ),
+        AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
+    }
+}

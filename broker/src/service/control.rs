@@ -1,0 +1,153 @@
+//! The agents' control plane: one [`Coordinator`] per running job, shared by the agent API
+//! (registrations, heartbeats, events, command long-polls) and the scheduler (cloud removals,
+//! dead-member ticks, completion).
+//!
+//! Coordinators keep time in wall milliseconds: heartbeats and timeouts are about real
+//! processes, whatever speed the market clock runs at.
+
+use proteus_wire::JobId;
+use proteus_wire::agent_api::{CommandEnvelope, TrainingConfig};
+use proteus_wire::coordinator::{Coordinator, CoordinatorError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Wall-clock milliseconds since the Unix epoch.
+pub fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One job's coordinator and the bell its long-polls wait on.
+#[derive(Debug)]
+pub struct JobControl {
+    coordinator: Mutex<Coordinator>,
+    changed: Notify,
+    finished: Mutex<Option<std::time::Instant>>,
+}
+
+impl JobControl {
+    /// Runs `f` on the coordinator and wakes every long-poll of the job, since any change may
+    /// have queued commands.
+    pub fn update<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
+        let r = {
+            let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut c)
+        };
+        self.changed.notify_waiters();
+        r
+    }
+
+    pub fn read<R>(&self, f: impl FnOnce(&Coordinator) -> R) -> R {
+        let c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
+        f(&c)
+    }
+
+    /// Commands for `instance` after `after`, waiting up to `wait` for one to appear.
+    pub async fn wait_commands(
+        &self,
+        instance: &proteus_wire::InstanceId,
+        after: u64,
+        wait: Duration,
+    ) -> Result<Vec<CommandEnvelope>, CoordinatorError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Register interest before looking, so a change between the look and the wait is
+            // not missed.
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let commands = self.read(|c| c.commands_after(instance, after))?;
+            if !commands.is_empty() || self.read(|c| c.is_over()) {
+                return Ok(commands);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(Vec::new());
+            }
+        }
+    }
+}
+
+/// Every running job's control state.
+#[derive(Debug, Default)]
+pub struct ControlPlane {
+    jobs: Mutex<HashMap<JobId, Arc<JobControl>>>,
+}
+
+impl ControlPlane {
+    /// The job's control state, creating its coordinator on first use.
+    pub fn ensure(
+        &self,
+        job: JobId,
+        training: &TrainingConfig,
+    ) -> Result<Arc<JobControl>, CoordinatorError> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = jobs.get(&job) {
+            return Ok(c.clone());
+        }
+        let control = Arc::new(JobControl {
+            coordinator: Mutex::new(Coordinator::new(job, training.clone())?),
+            changed: Notify::new(),
+            finished: Mutex::new(None),
+        });
+        jobs.insert(job, control.clone());
+        Ok(control)
+    }
+
+    pub fn get(&self, job: JobId) -> Option<Arc<JobControl>> {
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&job)
+            .cloned()
+    }
+
+    /// Forgets a finished job (its agents have been told to stop).
+    pub fn remove(&self, job: JobId) {
+        if let Some(c) = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&job)
+        {
+            c.changed.notify_waiters();
+        }
+    }
+
+    /// Notes that a job ended; [`ControlPlane::sweep`] forgets it after a grace period.
+    pub fn mark_finished(&self, job: JobId) {
+        if let Some(c) = self.get(job) {
+            c.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(std::time::Instant::now);
+        }
+    }
+
+    /// Forgets jobs that ended more than `grace` ago.
+    pub fn sweep(&self, grace: Duration) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        jobs.retain(|_, c| {
+            let done = c
+                .finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|t| t.elapsed() > grace);
+            if done {
+                c.changed.notify_waiters();
+            }
+            !done
+        });
+    }
+
+    pub fn jobs(&self) -> Vec<(JobId, Arc<JobControl>)> {
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
+    }
+}

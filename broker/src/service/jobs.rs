@@ -1,0 +1,353 @@
+//! The user side: submit, list, inspect, cancel jobs and read their cost.
+
+use super::{Broker, ServiceError, ledger};
+use crate::market::Timestamp;
+use crate::store::{InstanceRow, InstanceState, JobRow, JobState, NewJob};
+use proteus_wire::{JobId, Tier};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+/// A job as `GET /v1/jobs/{id}` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct JobView {
+    pub id: i64,
+    pub name: String,
+    /// `pending`, `running`, `succeeded`, `failed`, `cancelled`.
+    pub state: String,
+    pub state_reason: Option<String>,
+    pub policy: String,
+    pub billing: String,
+    /// Market time (RFC 3339).
+    pub created: String,
+    pub started: Option<String>,
+    pub finished: Option<String>,
+    /// Fraction of training done, 0–1.
+    pub progress: f64,
+    /// Latest evaluation, e.g. `{"kind": "accuracy", "value": 0.91}`.
+    #[schema(value_type = Option<Object>)]
+    pub metric: Option<serde_json::Value>,
+    /// AgileML stage (1–3) of the current layout.
+    pub stage: Option<u8>,
+    pub spend_usd: f64,
+    pub budget_usd: Option<f64>,
+    pub deadline: Option<String>,
+    pub evictions: u32,
+    /// Live instances per tier: `reliable` (on-demand), `transient` (spot).
+    pub instances_by_tier: BTreeMap<String, u32>,
+    pub instances: Vec<InstanceSummary>,
+    /// Why launches are being held back, if they are (e.g. the budget).
+    pub held: Option<String>,
+    /// Markets skipped after the cloud refused them, with the reason.
+    pub unavailable_markets: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct InstanceSummary {
+    pub id: String,
+    pub cloud_id: Option<String>,
+    pub market: String,
+    pub tier: String,
+    pub bid_usd: Option<f64>,
+    pub state: String,
+    pub launched: Option<String>,
+    pub ended: Option<String>,
+    pub end_reason: Option<String>,
+    /// The instance-metadata endpoint of a locally launched agent (simulated cloud, LocalStack).
+    pub metadata_url: Option<String>,
+}
+
+/// `GET /v1/jobs/{id}/cost`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CostReport {
+    pub job_id: i64,
+    pub billing: String,
+    pub total_usd: f64,
+    pub by_tier: BTreeMap<String, f64>,
+    pub by_market: Vec<MarketCost>,
+    /// Instance-hours not charged because the provider ended the instance (`hourly-2015`).
+    pub free_hours: f64,
+    pub evictions: u32,
+    /// The job's work in units (instance-hours of its reference type) done so far.
+    pub work_units: f64,
+    /// The same work under the baselines, on the same prices.
+    pub counterfactuals: Vec<ledger::Counterfactual>,
+    /// `1 - total / counterfactual` for each baseline with a cost.
+    pub savings: BTreeMap<String, f64>,
+    #[schema(value_type = Vec<Object>)]
+    pub lines: Vec<crate::store::LedgerLine>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct MarketCost {
+    pub market: String,
+    pub tier: String,
+    pub usd: f64,
+    pub instance_hours: f64,
+    pub instances: u32,
+}
+
+fn ts(t: Option<Timestamp>) -> Option<String> {
+    t.map(|t| t.to_string())
+}
+
+fn is_live(i: &InstanceRow) -> bool {
+    matches!(
+        i.state,
+        InstanceState::Requested | InstanceState::Running | InstanceState::Warned
+    )
+}
+
+impl Broker {
+    /// Validates and stores a job; the scheduler starts it on its next tick.
+    pub async fn submit(&self, spec: super::spec::JobSpec) -> Result<JobView, ServiceError> {
+        let now = self.clock.now();
+        let valid = spec
+            .validate(self.settings.default_billing, now)
+            .map_err(|e| ServiceError::Invalid {
+                field: e.field,
+                message: e.message,
+            })?;
+        // Resolve now, so that an unknown policy or instance type is the submitter's error.
+        let runtime = self.build_runtime(valid.clone())?;
+        let spec_json =
+            serde_json::to_string(&spec).map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let id = self
+            .store
+            .create_job(&NewJob {
+                name: valid.name.clone(),
+                spec: spec_json,
+                policy: valid.policy.clone(),
+                billing: valid.billing.to_string(),
+                budget_usd: valid.budget_usd,
+                deadline: valid.deadline,
+                created: now,
+            })
+            .await?;
+        self.store
+            .add_event(
+                Some(id),
+                None,
+                now,
+                "job_submitted",
+                &format!(
+                    "policy {}, up to {} instances",
+                    valid.policy, valid.max_instances
+                ),
+            )
+            .await?;
+        drop(runtime);
+        let job = self
+            .store
+            .job(id)
+            .await?
+            .ok_or(ServiceError::NoSuchJob(id))?;
+        self.ensure_runtime(&job)?;
+        self.nudge.notify_one();
+        self.job_view(id).await
+    }
+
+    pub async fn job_view(&self, id: JobId) -> Result<JobView, ServiceError> {
+        let job = self
+            .store
+            .job(id)
+            .await?
+            .ok_or(ServiceError::NoSuchJob(id))?;
+        let instances = self.store.instances_of_job(id).await?;
+        let spend = self.store.spend_of_job(id).await?;
+        Ok(self.view_of(&job, &instances, spend).await?)
+    }
+
+    async fn view_of(
+        &self,
+        job: &JobRow,
+        instances: &[InstanceRow],
+        spend: f64,
+    ) -> Result<JobView, ServiceError> {
+        let mut by_tier =
+            BTreeMap::from([("reliable".to_string(), 0), ("transient".to_string(), 0)]);
+        for i in instances.iter().filter(|i| is_live(i)) {
+            *by_tier.entry(i.tier.to_string()).or_insert(0) += 1;
+        }
+        let stage = self
+            .control
+            .get(job.id)
+            .and_then(|c| c.read(|c| c.view().map(|v| v.stage.number())));
+        let held = self
+            .runtime(job.id)
+            .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).held.clone());
+        let unavailable = self
+            .store
+            .cooldowns(self.clock.now())
+            .await?
+            .into_iter()
+            .map(|c| {
+                format!(
+                    "{}/{}: {} until {}",
+                    c.zone, c.instance_type, c.reason, c.until
+                )
+            })
+            .collect();
+        Ok(JobView {
+            id: job.id.0,
+            name: job.name.clone(),
+            state: job.state.to_string(),
+            state_reason: job.state_reason.clone(),
+            policy: job.policy.clone(),
+            billing: job.billing.clone(),
+            created: job.created.to_string(),
+            started: ts(job.started),
+            finished: ts(job.finished),
+            progress: job.progress,
+            metric: job
+                .metric
+                .as_deref()
+                .and_then(|m| serde_json::from_str(m).ok()),
+            stage,
+            spend_usd: spend,
+            budget_usd: job.budget_usd,
+            deadline: ts(job.deadline),
+            evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
+            instances_by_tier: by_tier,
+            instances: instances.iter().map(summary).collect(),
+            held,
+            unavailable_markets: unavailable,
+        })
+    }
+
+    pub async fn job_views(&self) -> Result<Vec<JobView>, ServiceError> {
+        let mut out = Vec::new();
+        for job in self.store.jobs(false).await? {
+            let instances = self.store.instances_of_job(job.id).await?;
+            let spend = self.store.spend_of_job(job.id).await?;
+            out.push(self.view_of(&job, &instances, spend).await?);
+        }
+        Ok(out)
+    }
+
+    /// Cancels a job: every instance is released and the ledger closed.
+    pub async fn cancel(&self, id: JobId) -> Result<JobView, ServiceError> {
+        let job = self
+            .store
+            .job(id)
+            .await?
+            .ok_or(ServiceError::NoSuchJob(id))?;
+        if job.state.is_over() {
+            return Err(ServiceError::JobOver(id));
+        }
+        let now = self.clock.now();
+        self.finish_job(id, JobState::Cancelled, "cancelled by the user", now)
+            .await?;
+        self.nudge.notify_one();
+        self.job_view(id).await
+    }
+
+    pub async fn cost_report(&self, id: JobId) -> Result<CostReport, ServiceError> {
+        let job = self
+            .store
+            .job(id)
+            .await?
+            .ok_or(ServiceError::NoSuchJob(id))?;
+        let instances = self.store.instances_of_job(id).await?;
+        let lines = self.store.ledger_of_job(id).await?;
+        let mut by_tier = BTreeMap::from([
+            ("reliable".to_string(), 0.0),
+            ("transient".to_string(), 0.0),
+        ]);
+        let mut by_market: BTreeMap<(String, String), MarketCost> = BTreeMap::new();
+        let mut free_hours = 0.0;
+        for line in &lines {
+            let Some(inst) = instances.iter().find(|i| i.id == line.instance_id) else {
+                continue;
+            };
+            *by_tier.entry(inst.tier.to_string()).or_insert(0.0) += line.amount_usd;
+            let hours = line.end.secs_since(line.start) / 3600.0;
+            if line.free {
+                free_hours += hours;
+            }
+            let key = (inst.market.to_string(), inst.tier.to_string());
+            let entry = by_market.entry(key.clone()).or_insert_with(|| MarketCost {
+                market: key.0.clone(),
+                tier: key.1.clone(),
+                usd: 0.0,
+                instance_hours: 0.0,
+                instances: 0,
+            });
+            entry.usd += line.amount_usd;
+            entry.instance_hours += hours;
+        }
+        for inst in instances.iter().filter(|i| i.launched.is_some()) {
+            if let Some(e) = by_market.get_mut(&(inst.market.to_string(), inst.tier.to_string())) {
+                e.instances += 1;
+            }
+        }
+        let total: f64 = lines.iter().map(|l| l.amount_usd).sum();
+        let billing = job.billing.parse().unwrap_or(self.settings.default_billing);
+        let (counterfactuals, work_units) = match self.work_model_of(&job) {
+            Some(model) => {
+                let units = job.progress * model.total_work;
+                let start = job.started.unwrap_or(job.created);
+                let data = self.market_data();
+                // The counterfactuals run the simulator: keep it off the async workers.
+                let cf = tokio::task::spawn_blocking(move || {
+                    ledger::counterfactuals(&data, &model, units, billing, start)
+                })
+                .await
+                .unwrap_or_default();
+                (cf, units)
+            }
+            None => (Vec::new(), 0.0),
+        };
+        let savings = counterfactuals
+            .iter()
+            .filter_map(|c| {
+                c.cost_usd
+                    .filter(|c| *c > 0.0)
+                    .map(|cost| (c.policy.clone(), 1.0 - total / cost))
+            })
+            .collect();
+        Ok(CostReport {
+            job_id: id.0,
+            billing: job.billing.clone(),
+            total_usd: total,
+            by_tier,
+            by_market: by_market.into_values().collect(),
+            free_hours,
+            evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
+            work_units,
+            counterfactuals,
+            savings,
+            lines,
+        })
+    }
+
+    fn work_model_of(&self, job: &JobRow) -> Option<crate::job::JobModel> {
+        if let Some(r) = self.runtime(job.id) {
+            return Some(r.lock().unwrap_or_else(|e| e.into_inner()).model.clone());
+        }
+        let spec: super::spec::JobSpec = serde_json::from_str(&job.spec).ok()?;
+        let valid = spec
+            .validate(self.settings.default_billing, job.created)
+            .ok()?;
+        self.build_runtime(valid).ok().map(|r| r.model)
+    }
+}
+
+fn summary(i: &InstanceRow) -> InstanceSummary {
+    InstanceSummary {
+        id: i.id.clone(),
+        cloud_id: i.cloud_id.clone(),
+        market: i.market.to_string(),
+        tier: match i.tier {
+            Tier::Reliable => "reliable",
+            Tier::Transient => "transient",
+        }
+        .to_string(),
+        bid_usd: i.bid.map(|b| b.get()),
+        state: i.state.to_string(),
+        launched: ts(i.launched),
+        ended: ts(i.ended),
+        end_reason: i.end_reason.clone(),
+        metadata_url: i.metadata_addr.as_ref().map(|a| format!("http://{a}")),
+    }
+}

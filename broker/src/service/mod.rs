@@ -1,0 +1,435 @@
+//! The live broker: the state a running `proteus serve` holds and the operations the API and
+//! the scheduler perform on it.
+//!
+//! - [`spec`]: the job spec users submit, and its validation;
+//! - [`control`]: the agents' control plane (one coordinator per job);
+//! - [`scheduler`]: the control loop that asks each job's policy and applies its decisions;
+//! - [`ledger`]: billing instances into ledger lines, and the counterfactual costs;
+//! - [`agents`], [`jobs`]: what the API's handlers call.
+//!
+//! The store is the source of truth: the broker writes an intent before it acts on the cloud,
+//! so that [`Broker::recover`] can rebuild the in-memory parts after a crash.
+
+pub mod agents;
+pub mod control;
+pub mod jobs;
+pub mod ledger;
+pub mod metrics;
+pub mod recovery;
+pub mod scheduler;
+pub mod spec;
+
+use crate::billing::BillingModel;
+use crate::clock::SharedClock;
+use crate::cloud::Cloud;
+use crate::job::{JobModel, WorkModelSpec};
+use crate::launcher::LocalLauncher;
+use crate::market::{InstanceType, Market, Region};
+use crate::market_model::{HazardModel, HazardPrior, PriceDrivenModel, PriceModelConfig};
+use crate::market_model::{MarketModel, Observation};
+use crate::policy::Policy;
+use crate::prices::PriceHistory;
+use crate::sim::view::SimMarkets;
+use crate::store::{JobRow, Store};
+use control::ControlPlane;
+use proteus_wire::{JobId, Tier};
+use spec::{JobSpec, ValidJob, WorkSpec};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Which market model answers the policies' eviction questions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelChoice {
+    /// Evictions follow the price (the 2015 market): replay of the stored history.
+    Price,
+    /// Evictions follow capacity (today): per-pool hazard learned from observed interruptions.
+    Hazard,
+}
+
+/// Settings of a running broker.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub region: Region,
+    /// Billing for jobs that do not choose.
+    pub default_billing: BillingModel,
+    pub model: ModelChoice,
+    /// How often the control loop runs (wall time).
+    pub tick: Duration,
+    /// Minutes from launch to useful work assumed for jobs that do not say.
+    pub default_startup_minutes: f64,
+    /// How long a market that refused a launch is skipped (market seconds).
+    pub cooldown_secs: f64,
+    /// How long before an announced interruption the agent is killed at the latest (wall).
+    pub min_notice: Duration,
+}
+
+/// Prices and the model the policies read, swapped whole when refreshed.
+pub struct MarketData {
+    pub history: Arc<PriceHistory>,
+    pub markets: SimMarkets,
+    pub model: Mutex<Box<dyn MarketModel>>,
+}
+
+impl MarketData {
+    pub fn new(
+        history: Arc<PriceHistory>,
+        choice: ModelChoice,
+        learned: Option<Box<dyn MarketModel>>,
+    ) -> Self {
+        let model: Box<dyn MarketModel> = match (choice, learned) {
+            (ModelChoice::Hazard, Some(m)) => m,
+            (ModelChoice::Hazard, None) => Box::new(HazardModel::new(HazardPrior::default())),
+            (ModelChoice::Price, _) => Box::new(PriceDrivenModel::new(
+                history.clone(),
+                PriceModelConfig::default(),
+            )),
+        };
+        MarketData {
+            markets: SimMarkets::new(history.clone()),
+            history,
+            model: Mutex::new(model),
+        }
+    }
+
+    pub fn observe(&self, observation: Observation<'_>) {
+        self.model
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .observe(observation);
+    }
+
+    /// Instance types that have a market and an on-demand price: what a job may use by default.
+    pub fn usable_types(&self) -> Vec<InstanceType> {
+        let mut types: Vec<InstanceType> = self
+            .markets
+            .markets()
+            .iter()
+            .filter(|m| self.markets.on_demand(m).is_some())
+            .map(|m| m.instance_type.clone())
+            .collect();
+        types.sort();
+        types.dedup();
+        types
+    }
+}
+
+/// What the scheduler keeps per running job besides the store: its policy (which may hold
+/// state) and its resolved models.
+pub struct JobRuntime {
+    pub valid: ValidJob,
+    pub model: JobModel,
+    pub policy: Box<dyn Policy>,
+    /// The policy asked to be consulted again at this market time.
+    pub wake_at: Option<crate::market::Timestamp>,
+    /// Last reason acquisitions were held back (budget), shown in status.
+    pub held: Option<String>,
+}
+
+/// A running broker.
+pub struct Broker {
+    pub store: Store,
+    pub clock: SharedClock,
+    pub cloud: Arc<dyn Cloud>,
+    pub launcher: Option<Arc<LocalLauncher>>,
+    pub control: ControlPlane,
+    pub settings: Settings,
+    pub metrics: metrics::Metrics,
+    market_data: RwLock<Arc<MarketData>>,
+    runtimes: Mutex<HashMap<JobId, Arc<Mutex<JobRuntime>>>>,
+    /// Rings when something should be looked at before the next tick (a submit, a cancel).
+    pub nudge: Notify,
+    /// Agent tokens by cloud id, so heartbeats need no database read.
+    pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("cloud", &self.cloud.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a job could not be accepted or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+    #[error("job {0} does not exist")]
+    NoSuchJob(JobId),
+    #[error("job {0} is already over")]
+    JobOver(JobId),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ServiceError {
+    fn invalid(field: &str, message: impl Into<String>) -> Self {
+        ServiceError::Invalid {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl Broker {
+    pub fn new(
+        store: Store,
+        clock: SharedClock,
+        cloud: Arc<dyn Cloud>,
+        launcher: Option<Arc<LocalLauncher>>,
+        history: Arc<PriceHistory>,
+        settings: Settings,
+    ) -> Arc<Broker> {
+        let data = MarketData::new(history, settings.model, None);
+        Arc::new(Broker {
+            store,
+            clock,
+            cloud,
+            launcher,
+            control: ControlPlane::default(),
+            settings,
+            metrics: metrics::Metrics::default(),
+            market_data: RwLock::new(Arc::new(data)),
+            runtimes: Mutex::new(HashMap::new()),
+            nudge: Notify::new(),
+            agent_cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn market_data(&self) -> Arc<MarketData> {
+        self.market_data
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces the price history (e.g. after a refresh from EC2), keeping what the hazard
+    /// model learned.
+    pub fn replace_history(&self, history: Arc<PriceHistory>) {
+        let old = self.market_data();
+        let learned = old
+            .model
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .boxed_clone();
+        let data = MarketData::new(history, self.settings.model, Some(learned));
+        *self.market_data.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(data);
+    }
+
+    pub fn runtime(&self, job: JobId) -> Option<Arc<Mutex<JobRuntime>>> {
+        self.runtimes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&job)
+            .cloned()
+    }
+
+    fn forget_runtime(&self, job: JobId) {
+        self.runtimes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&job);
+    }
+
+    /// Builds (or returns) the runtime of a stored job: its policy, its work model and its
+    /// coordinator. Used at submit and when a restarted broker resumes a job.
+    pub fn ensure_runtime(&self, job: &JobRow) -> Result<Arc<Mutex<JobRuntime>>, ServiceError> {
+        if let Some(r) = self.runtime(job.id) {
+            return Ok(r);
+        }
+        let spec: JobSpec = serde_json::from_str(&job.spec)
+            .map_err(|e| ServiceError::Internal(format!("stored spec of job {}: {e}", job.id)))?;
+        let valid = spec
+            .validate(self.settings.default_billing, job.created)
+            .map_err(|e| {
+                ServiceError::Internal(format!(
+                    "stored spec of job {}: {}: {}",
+                    job.id, e.field, e.message
+                ))
+            })?;
+        let runtime = self.build_runtime(valid)?;
+        self.control
+            .ensure(job.id, &runtime.valid.training)
+            .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let runtime = Arc::new(Mutex::new(runtime));
+        self.runtimes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(job.id, runtime.clone());
+        Ok(runtime)
+    }
+
+    /// Resolves the policy and the work model of a validated spec against the broker's markets.
+    pub fn build_runtime(&self, valid: ValidJob) -> Result<JobRuntime, ServiceError> {
+        let dir = crate::policy::policies_dir();
+        let path = dir.join(format!("{}.toml", valid.policy));
+        if !path.is_file() {
+            let mut names: Vec<String> = std::fs::read_dir(&dir)
+                .map(|rd| {
+                    rd.filter_map(|e| e.ok())
+                        .filter_map(|e| {
+                            e.file_name()
+                                .to_str()?
+                                .strip_suffix(".toml")
+                                .map(str::to_string)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            names.sort();
+            return Err(ServiceError::invalid(
+                "policy",
+                format!(
+                    "unknown policy `{}` (available: {})",
+                    valid.policy,
+                    names.join(", ")
+                ),
+            ));
+        }
+        let policy = crate::policy::load_policy_file(&path)
+            .map_err(|e| ServiceError::invalid("policy", e.to_string()))?;
+        let data = self.market_data();
+        let model = self.work_model(&valid, &data)?;
+        Ok(JobRuntime {
+            valid,
+            model,
+            policy,
+            wake_at: None,
+            held: None,
+        })
+    }
+
+    fn work_model(&self, valid: &ValidJob, data: &MarketData) -> Result<JobModel, ServiceError> {
+        let usable = data.usable_types();
+        let work: &WorkSpec = &valid.work;
+        let types: Vec<String> = match &work.instance_types {
+            Some(t) => t.clone(),
+            None => usable.iter().map(|t| t.to_string()).collect(),
+        };
+        if types.is_empty() {
+            return Err(ServiceError::invalid(
+                "work.instance_types",
+                "the broker has no market with an on-demand price: ingest prices first",
+            ));
+        }
+        for (i, t) in types.iter().enumerate() {
+            if !usable.iter().any(|u| u.as_str() == t) {
+                return Err(ServiceError::invalid(
+                    &format!("work.instance_types[{i}]"),
+                    format!(
+                        "`{t}` has no spot market with an on-demand price here (available: {})",
+                        usable
+                            .iter()
+                            .map(|u| u.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
+        let reference = match &work.reference_type {
+            Some(r) => r.clone(),
+            None => types
+                .iter()
+                .find(|t| {
+                    InstanceType::parse(t)
+                        .ok()
+                        .and_then(|t| crate::prices::catalog::lookup(&t))
+                        .is_some_and(|k| k.vcpus == 4)
+                })
+                .unwrap_or(&types[0])
+                .clone(),
+        };
+        let total_work = work.total_work.unwrap_or(match valid.training.stop {
+            proteus_wire::agent_api::StopCondition::Epochs { epochs } => f64::from(epochs),
+            proteus_wire::agent_api::StopCondition::Clocks { clocks } => {
+                (clocks as f64 / 100.0).max(0.01)
+            }
+        });
+        let spec = WorkModelSpec {
+            name: Some(valid.name.clone()),
+            total_work,
+            reference_type: reference,
+            instance_types: types,
+            throughput: Default::default(),
+            max_instances: valid.max_instances,
+            max_reliable_instances: Some(valid.max_reliable_instances),
+            startup_minutes: work
+                .startup_minutes
+                .unwrap_or(self.settings.default_startup_minutes),
+            eviction_cost: Default::default(),
+            stages: valid.training.stages,
+        };
+        spec.resolve(
+            "job spec `work`",
+            data.history.on_demand(),
+            &self.settings.region,
+        )
+        .map_err(|e| match e {
+            crate::job::JobError::Field { key, problem, .. } => {
+                ServiceError::invalid(&format!("work.{key}"), problem)
+            }
+            other => ServiceError::invalid("work", other.to_string()),
+        })
+    }
+
+    /// The tier an instance of this market was bought in, by purchase.
+    pub fn tier_label(tier: Tier) -> &'static str {
+        match tier {
+            Tier::Reliable => "on-demand",
+            Tier::Transient => "spot",
+        }
+    }
+
+    /// Looks up the spot series of a market in the current data.
+    pub fn has_market(&self, market: &Market) -> bool {
+        self.market_data().history.get(market).is_some()
+    }
+}
+
+/// `GET /metrics`: counters kept in memory plus gauges read from the store.
+pub async fn metrics_text(broker: &Broker) -> Result<String, ServiceError> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let jobs = broker.store.jobs(false).await?;
+    let _ = writeln!(
+        out,
+        "# HELP proteus_jobs Jobs by state.\n# TYPE proteus_jobs gauge"
+    );
+    for state in ["pending", "running", "succeeded", "failed", "cancelled"] {
+        let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
+        let _ = writeln!(out, "proteus_jobs{{state=\"{state}\"}} {n}");
+    }
+    let live = broker.store.live_instances().await?;
+    let mut by: std::collections::BTreeMap<(String, String), u32> = Default::default();
+    for i in &live {
+        *by.entry((i.tier.to_string(), i.market.to_string()))
+            .or_default() += 1;
+    }
+    let _ = writeln!(
+        out,
+        "# HELP proteus_instances Live instances by tier and market.\n# TYPE proteus_instances gauge"
+    );
+    for ((tier, market), n) in by {
+        let _ = writeln!(
+            out,
+            "proteus_instances{{tier=\"{tier}\",market=\"{}\"}} {n}",
+            metrics::label(&market)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP proteus_spend_usd Ledger total per job.\n# TYPE proteus_spend_usd gauge"
+    );
+    for j in &jobs {
+        let spend = broker.store.spend_of_job(j.id).await?;
+        let _ = writeln!(out, "proteus_spend_usd{{job=\"{}\"}} {spend}", j.id);
+    }
+    broker.metrics.render(&mut out);
+    Ok(out)
+}

@@ -1,0 +1,163 @@
+//! After a crash: rebuild the in-memory view from the store and the cloud's tags.
+//!
+//! Every instance the broker ever meant to buy has a row written before the cloud was asked.
+//! Matching rows with the cloud's tagged instances decides, for each: adopt what was launched,
+//! launch what never was (under the same id, so real EC2 deduplicates by client token, and a
+//! describe-first check covers LocalStack, which does not), finish terminations that were in
+//! flight, record what vanished, and terminate anything tagged as Proteus's that no live row
+//! claims. Nothing is launched twice for one decision.
+
+use super::{Broker, ServiceError};
+use crate::cloud::CloudInstance;
+use crate::store::InstanceState;
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// What recovery did, for the log and the tests.
+#[derive(Debug, Default, Clone, Serialize, PartialEq)]
+pub struct RecoveryReport {
+    pub adopted: u32,
+    pub relaunched: u32,
+    pub ended: u32,
+    pub terminated_leaks: u32,
+    pub terminations_resumed: u32,
+}
+
+impl Broker {
+    pub async fn recover(&self) -> Result<RecoveryReport, ServiceError> {
+        let mut report = RecoveryReport::default();
+        let now = self.clock.now();
+        let described = self.cloud.describe().await.map_err(|e| {
+            ServiceError::Internal(format!("cannot list the cloud's instances: {e}"))
+        })?;
+        let by_tag: HashMap<&str, &CloudInstance> = described
+            .iter()
+            .filter_map(|c| c.instance_id.as_deref().map(|id| (id, c)))
+            .collect();
+        let rows = self.store.live_instances().await?;
+        for row in &rows {
+            let ci = by_tag.get(row.id.as_str()).copied();
+            let job_over = match self.store.job(row.job_id).await? {
+                Some(j) => j.state.is_over(),
+                None => true,
+            };
+            match (row.state, ci) {
+                (InstanceState::Requested, Some(ci)) if !ci.state.is_gone() => {
+                    self.store
+                        .mark_launched(&row.id, &ci.cloud_id, ci.launched.unwrap_or(now))
+                        .await?;
+                    let row = self
+                        .store
+                        .instance(&row.id)
+                        .await?
+                        .unwrap_or_else(|| row.clone());
+                    self.adopt(&row, &ci.cloud_id).await?;
+                    report.adopted += 1;
+                    if job_over {
+                        self.terminate_instance(&row, "job over").await?;
+                    }
+                }
+                (InstanceState::Requested, _) if job_over => {
+                    self.store
+                        .mark_ended(&row.id, now, "never launched", false)
+                        .await?;
+                    report.ended += 1;
+                }
+                (InstanceState::Requested, _) => {
+                    let token = crate::api::auth::new_token("pa_");
+                    self.store
+                        .set_token_hash(&row.id, &crate::api::auth::hash_token(&token))
+                        .await?;
+                    let mut row = row.clone();
+                    row.token_hash = crate::api::auth::hash_token(&token);
+                    self.launch_recorded(&row, &token, now).await?;
+                    report.relaunched += 1;
+                }
+                (InstanceState::Terminating, ci) => {
+                    match ci {
+                        Some(ci) if !ci.state.is_gone() => {
+                            if let Err(e) = self
+                                .cloud
+                                .terminate(std::slice::from_ref(&ci.cloud_id))
+                                .await
+                            {
+                                tracing::warn!(instance = %row.id, error = %e, "terminate failed again");
+                            }
+                        }
+                        _ => {
+                            self.on_ended(row, now, false, now).await?;
+                        }
+                    }
+                    report.terminations_resumed += 1;
+                }
+                (_, Some(ci)) if !ci.state.is_gone() => {
+                    self.adopt(row, &ci.cloud_id).await?;
+                    report.adopted += 1;
+                }
+                (_, ci) => {
+                    let by_provider = ci.is_some_and(|c| c.ended_by_provider);
+                    self.on_ended(row, now, by_provider, now).await?;
+                    report.ended += 1;
+                }
+            }
+        }
+        let claimed: std::collections::HashSet<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        for ci in described.iter().filter(|c| !c.state.is_gone()) {
+            let ours = ci
+                .instance_id
+                .as_deref()
+                .is_some_and(|id| claimed.contains(id));
+            if !ours {
+                tracing::warn!(cloud_id = %ci.cloud_id, tag = ?ci.instance_id, "terminating an instance no live record claims");
+                if let Err(e) = self
+                    .cloud
+                    .terminate(std::slice::from_ref(&ci.cloud_id))
+                    .await
+                {
+                    tracing::warn!(cloud_id = %ci.cloud_id, error = %e, "cannot terminate leaked instance");
+                }
+                self.store
+                    .add_event(
+                        ci.job_id,
+                        ci.instance_id.as_deref(),
+                        now,
+                        "leak_terminated",
+                        &format!("{} had no live record", ci.cloud_id),
+                    )
+                    .await?;
+                report.terminated_leaks += 1;
+            }
+        }
+        tracing::info!(?report, "recovered state from the store and the cloud");
+        Ok(report)
+    }
+
+    /// Takes an instance that is running in the cloud back under management: its identity for
+    /// the agent API and, when agents are local, its agent process (re-adopted if still alive,
+    /// started again with a fresh token if not).
+    async fn adopt(
+        &self,
+        row: &crate::store::InstanceRow,
+        cloud_id: &str,
+    ) -> Result<(), ServiceError> {
+        let mut row = row.clone();
+        if let Some(launcher) = &self.launcher
+            && !launcher.has_live_process(&row.id)
+        {
+            let token = crate::api::auth::new_token("pa_");
+            row.token_hash = crate::api::auth::hash_token(&token);
+            self.store.set_token_hash(&row.id, &row.token_hash).await?;
+            self.remember_agent_row(cloud_id, &row);
+            self.start_local_agent(&row, cloud_id, &token, recorded_addr(&row))
+                .await?;
+            return Ok(());
+        }
+        self.remember_agent_row(cloud_id, &row);
+        self.start_local_agent(&row, cloud_id, "", recorded_addr(&row))
+            .await
+    }
+}
+
+fn recorded_addr(row: &crate::store::InstanceRow) -> Option<std::net::SocketAddr> {
+    row.metadata_addr.as_deref().and_then(|a| a.parse().ok())
+}

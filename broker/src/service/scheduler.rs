@@ -1,0 +1,807 @@
+//! The control loop. Every tick it (1) applies what the cloud did (warnings, reclaims), then,
+//! for each running job, (2) reads training progress from the job's coordinator, (3) finishes
+//! the job on completion, budget or deadline, (4) asks the job's policy what to buy and
+//! release, with the same [`Policy`](crate::policy::Policy) code the simulator runs, and
+//! (5) applies the answer through the cloud driver, writing every intent to the store first.
+
+use super::control::wall_ms;
+use super::{Broker, JobRuntime, MarketData, ServiceError, ledger};
+use crate::billing::BillingModel;
+use crate::cloud::{CloudEvent, LaunchSpec};
+use crate::launcher::metadata::InstanceFacts;
+use crate::market::{Market, Timestamp, UsdPerHour};
+use crate::market_model::{EvictionEstimate, ModelError, ModelKind, Observation};
+use crate::policy::{
+    Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
+    MarketView, Purchase, ViewError,
+};
+use crate::sim::view::{FutureReads, TraceView};
+use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState};
+use proteus_wire::coordinator::JobState as TrainingState;
+use proteus_wire::{InstanceId, JobId, Tier};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The two-minute notice, in market seconds.
+const NOTICE_SECS: f64 = 120.0;
+
+impl Broker {
+    /// Runs the control loop until `shutdown` resolves.
+    pub async fn run_scheduler(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        loop {
+            if let Err(e) = self.tick().await {
+                tracing::warn!(error = %e, "scheduler tick failed; retrying next tick");
+            }
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(self.settings.tick) => {}
+                _ = self.nudge.notified() => {}
+            }
+        }
+    }
+
+    /// One pass of the control loop.
+    pub async fn tick(&self) -> Result<(), ServiceError> {
+        let now = self.clock.now();
+        self.control.sweep(Duration::from_secs(30));
+        self.apply_cloud_events(now).await?;
+        for job in self.store.jobs(true).await? {
+            if let Err(e) = self.tick_job(&job, now).await {
+                tracing::warn!(job = %job.id, error = %e, "job tick failed");
+            }
+        }
+        Ok(())
+    }
+
+    async fn apply_cloud_events(&self, now: Timestamp) -> Result<(), ServiceError> {
+        let events = match self.cloud.events().await {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read cloud events");
+                return Ok(());
+            }
+        };
+        for event in events {
+            match event {
+                CloudEvent::Warning {
+                    cloud_id,
+                    at,
+                    action_time,
+                } => self.on_warning(&cloud_id, at, action_time, now).await?,
+                CloudEvent::Ended {
+                    cloud_id,
+                    at,
+                    by_provider,
+                } => {
+                    if let Some(row) = self.store.instance_by_cloud_id(&cloud_id).await? {
+                        self.on_ended(&row, at, by_provider, now).await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The provider announced a reclaim: record it, and tell the agent through its metadata
+    /// endpoint (locally launched agents) exactly as EC2 would.
+    pub async fn on_warning(
+        &self,
+        cloud_id: &str,
+        at: Timestamp,
+        action_time: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let Some(row) = self.store.instance_by_cloud_id(cloud_id).await? else {
+            return Ok(());
+        };
+        if !self.store.mark_warned(&row.id, at).await? {
+            return Ok(());
+        }
+        super::metrics::Metrics::inc(&self.metrics.warnings);
+        self.store
+            .add_event(
+                Some(row.job_id),
+                Some(&row.id),
+                at,
+                "interruption_warning",
+                &format!("{} reclaims it at {action_time}", row.market),
+            )
+            .await?;
+        if let Some(launcher) = &self.launcher {
+            // The agent compares the notice with its own (wall) clock.
+            let wall = self
+                .clock
+                .wall_for(action_time.secs_since(now))
+                .max(self.settings.min_notice);
+            let when = chrono::Utc::now() + chrono::Duration::from_std(wall).unwrap_or_default();
+            launcher.announce_interruption(
+                &row.id,
+                &when.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            );
+        }
+        Ok(())
+    }
+
+    /// An instance is gone: record who ended it and when, bill it, drop it from the training
+    /// layout and stop its local agent.
+    pub async fn on_ended(
+        &self,
+        row: &InstanceRow,
+        at: Timestamp,
+        by_provider: bool,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let reason = if by_provider { "evicted" } else { "terminated" };
+        if !self
+            .store
+            .mark_ended(&row.id, at, reason, by_provider)
+            .await?
+        {
+            return Ok(());
+        }
+        let data = self.market_data();
+        if let Some(launched) = row.launched {
+            data.observe(Observation::Ran {
+                market: &row.market,
+                hours: at.secs_since(launched).max(0.0) / 3600.0,
+            });
+        }
+        if by_provider {
+            super::metrics::Metrics::inc(&self.metrics.evictions);
+            data.observe(Observation::Interrupted {
+                market: &row.market,
+                at,
+            });
+            self.store
+                .add_event(
+                    Some(row.job_id),
+                    Some(&row.id),
+                    at,
+                    "evicted",
+                    &format!("{} reclaimed by the provider", row.market),
+                )
+                .await?;
+        } else {
+            self.store
+                .add_event(
+                    Some(row.job_id),
+                    Some(&row.id),
+                    at,
+                    "terminated",
+                    row.end_reason.as_deref().unwrap_or("terminated"),
+                )
+                .await?;
+        }
+        if let (Some(control), Some(cloud_id)) = (self.control.get(row.job_id), &row.cloud_id) {
+            control.update(|c| c.remove(&InstanceId(cloud_id.clone()), reason, wall_ms()));
+        }
+        if let Some(cloud_id) = &row.cloud_id {
+            self.agent_cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(cloud_id);
+        }
+        if let Some(launcher) = self.launcher.clone() {
+            let id = row.id.clone();
+            tokio::spawn(async move { launcher.stop(&id, Duration::from_secs(3)).await });
+        }
+        self.refresh_ledger(row.job_id, now).await?;
+        Ok(())
+    }
+
+    async fn tick_job(&self, job: &JobRow, now: Timestamp) -> Result<(), ServiceError> {
+        let runtime = match self.ensure_runtime(job) {
+            Ok(r) => r,
+            Err(e) => {
+                self.finish_job(job.id, JobState::Failed, &format!("cannot run: {e}"), now)
+                    .await?;
+                return Ok(());
+            }
+        };
+        let Some(control) = self.control.get(job.id) else {
+            return Ok(());
+        };
+        for dead in control.update(|c| c.tick(wall_ms())) {
+            if let Some(row) = self.store.instance_by_cloud_id(&dead.0).await? {
+                self.store
+                    .add_event(
+                        Some(job.id),
+                        Some(&row.id),
+                        now,
+                        "agent_lost",
+                        "no heartbeat within the timeout; replacing the instance",
+                    )
+                    .await?;
+                self.terminate_instance(&row, "agent unresponsive").await?;
+            }
+        }
+        let status = control.read(|c| c.status());
+        let fraction = if status.progress.total_clocks > 0 {
+            (status.progress.clock as f64 / status.progress.total_clocks as f64).min(1.0)
+        } else {
+            0.0
+        };
+        let metric = status
+            .final_metric
+            .or(status.latest_metric)
+            .and_then(|m| serde_json::to_string(&m).ok());
+        self.store
+            .set_job_progress(job.id, fraction, metric.as_deref())
+            .await?;
+
+        if status.state == TrainingState::Completed {
+            self.store
+                .set_job_progress(job.id, 1.0, metric.as_deref())
+                .await?;
+            let reason = match status.final_metric {
+                Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
+                None => "training complete".to_string(),
+            };
+            self.finish_job(job.id, JobState::Succeeded, &reason, now)
+                .await?;
+            return Ok(());
+        }
+        let spend = self.refresh_ledger(job.id, now).await?;
+        let (budget, deadline) = {
+            let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            (r.valid.budget_usd, r.valid.deadline)
+        };
+        if let Some(budget) = budget
+            && spend >= budget
+        {
+            let reason = format!("budget exhausted: spent ${spend:.2} of ${budget:.2}");
+            self.finish_job(job.id, JobState::Failed, &reason, now)
+                .await?;
+            return Ok(());
+        }
+        if let Some(deadline) = deadline
+            && now >= deadline
+        {
+            self.finish_job(
+                job.id,
+                JobState::Failed,
+                &format!("deadline {deadline} passed before training completed"),
+                now,
+            )
+            .await?;
+            return Ok(());
+        }
+        let instances = self.store.instances_of_job(job.id).await?;
+        if job.state == JobState::Pending && instances.iter().any(|i| i.launched.is_some()) {
+            self.store
+                .set_job_state(job.id, JobState::Running, None, now)
+                .await?;
+        }
+        let registered: HashSet<String> = status
+            .members
+            .iter()
+            .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
+            .map(|m| m.instance_id.0.clone())
+            .collect();
+        let progress = JobProgress {
+            done_work: 0.0,
+            total_work: 0.0,
+            started_at: job.started.unwrap_or(job.created),
+        };
+        let decision = self
+            .decide(
+                &runtime,
+                &instances,
+                &registered,
+                progress,
+                fraction,
+                spend,
+                now,
+            )
+            .await?;
+        self.apply(job, &runtime, decision, &instances, spend, now)
+            .await
+    }
+
+    /// Asks the policy. The market view hides markets in a cool-down, so the policy picks
+    /// elsewhere without knowing why.
+    #[allow(clippy::too_many_arguments)]
+    async fn decide(
+        &self,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+        instances: &[InstanceRow],
+        registered: &HashSet<String>,
+        mut progress: JobProgress,
+        fraction: f64,
+        _spend: f64,
+        now: Timestamp,
+    ) -> Result<Decision, ServiceError> {
+        let cooled: HashSet<(String, String)> = self
+            .store
+            .cooldowns(now)
+            .await?
+            .into_iter()
+            .map(|c| (c.zone.to_string(), c.instance_type.to_string()))
+            .collect();
+        let data = self.market_data();
+        let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+        progress.total_work = rt.model.total_work;
+        progress.done_work = fraction * rt.model.total_work;
+        let startup = rt.model.startup_secs;
+        let footprint: Vec<InstanceView> = instances
+            .iter()
+            .filter_map(|i| instance_view(i, registered, startup))
+            .collect();
+        let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse);
+        let view = LiveView {
+            inner,
+            cooled: &cooled,
+        };
+        let JobRuntime {
+            model: job_model,
+            policy,
+            valid,
+            wake_at,
+            ..
+        } = &mut *rt;
+        let ctx = DecisionContext {
+            market: &view,
+            job: job_model,
+            progress,
+            footprint: &footprint,
+            billing: valid.billing,
+        };
+        let started = Instant::now();
+        let decision = policy.decide(&ctx);
+        self.metrics.record_decision(started.elapsed());
+        drop(model);
+        let decision = decision
+            .map_err(|e| ServiceError::Internal(format!("policy {}: {e}", policy.name())))?;
+        *wake_at = decision.wake_at;
+        Ok(decision)
+    }
+
+    async fn apply(
+        &self,
+        job: &JobRow,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+        decision: Decision,
+        instances: &[InstanceRow],
+        spend: f64,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        for id in &decision.release {
+            if let Some(row) = instances.iter().find(|i| i.id == id.0) {
+                self.terminate_instance(row, "released by the policy")
+                    .await?;
+            }
+        }
+        let (max_instances, max_reliable, budget, billing) = {
+            let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            (
+                r.valid.max_instances,
+                r.valid.max_reliable_instances,
+                r.valid.budget_usd,
+                r.valid.billing,
+            )
+        };
+        let live = |tier: Option<Tier>| {
+            instances
+                .iter()
+                .filter(|i| {
+                    matches!(
+                        i.state,
+                        InstanceState::Requested | InstanceState::Running | InstanceState::Warned
+                    )
+                })
+                .filter(|i| !decision.release.iter().any(|r| r.0 == i.id))
+                .filter(|i| tier.is_none_or(|t| i.tier == t))
+                .count() as u32
+        };
+        let (mut total, mut reliable) = (live(None), live(Some(Tier::Reliable)));
+        let mut committed = spend;
+        let data = self.market_data();
+        let mut held = None;
+        for acq in &decision.acquire {
+            for _ in 0..acq.count {
+                let tier = acq.purchase.tier();
+                if total >= max_instances || (tier == Tier::Reliable && reliable >= max_reliable) {
+                    break;
+                }
+                let period = first_period_cost(&data, &acq.market, acq.purchase, billing, now);
+                if let Some(b) = budget
+                    && committed + period > b
+                {
+                    held = Some(format!(
+                        "launches held: ${committed:.2} spent or committed of a ${b:.2} budget"
+                    ));
+                    break;
+                }
+                if self
+                    .launch_instance(job.id, &acq.market, acq.purchase, now)
+                    .await?
+                {
+                    total += 1;
+                    committed += period;
+                    if tier == Tier::Reliable {
+                        reliable += 1;
+                    }
+                }
+            }
+        }
+        runtime.lock().unwrap_or_else(|e| e.into_inner()).held = held;
+        Ok(())
+    }
+
+    /// Launches one instance: the intent is stored before the cloud is called, and the cloud
+    /// call carries the intent's id as tag and idempotency token. Returns whether it launched.
+    pub async fn launch_instance(
+        &self,
+        job: JobId,
+        market: &Market,
+        purchase: Purchase,
+        now: Timestamp,
+    ) -> Result<bool, ServiceError> {
+        let id = format!("pi-{}-{:08x}", job.0, rand::random::<u32>());
+        let token = crate::api::auth::new_token("pa_");
+        let row = InstanceRow {
+            id: id.clone(),
+            job_id: job,
+            cloud_id: None,
+            market: market.clone(),
+            tier: purchase.tier(),
+            bid: purchase.bid(),
+            state: InstanceState::Requested,
+            token_hash: crate::api::auth::hash_token(&token),
+            requested: now,
+            launched: None,
+            warned: None,
+            ended: None,
+            end_reason: None,
+            ended_by_provider: false,
+            launch_error: None,
+            metadata_addr: None,
+        };
+        self.store.insert_instance(&row).await?;
+        self.launch_recorded(&row, &token, now).await
+    }
+
+    /// The cloud half of a launch, for a stored intent (also used by recovery).
+    pub(crate) async fn launch_recorded(
+        &self,
+        row: &InstanceRow,
+        token: &str,
+        now: Timestamp,
+    ) -> Result<bool, ServiceError> {
+        let spec = LaunchSpec {
+            instance_id: row.id.clone(),
+            job_id: row.job_id,
+            market: row.market.clone(),
+            tier: row.tier,
+            bid: row.bid,
+            agent_token: token.to_string(),
+        };
+        match self.cloud.launch(&spec).await {
+            Ok(ci) => {
+                self.store
+                    .mark_launched(&row.id, &ci.cloud_id, ci.launched.unwrap_or(now))
+                    .await?;
+                super::metrics::Metrics::inc(&self.metrics.launches);
+                self.remember_agent(&ci.cloud_id, row);
+                let what = match row.bid {
+                    Some(b) => format!("{} spot, bid {b} ({})", row.market, ci.cloud_id),
+                    None => format!("{} on-demand ({})", row.market, ci.cloud_id),
+                };
+                self.store
+                    .add_event(Some(row.job_id), Some(&row.id), now, "launched", &what)
+                    .await?;
+                self.start_local_agent(row, &ci.cloud_id, token, None)
+                    .await?;
+                Ok(true)
+            }
+            Err(e) => {
+                self.store
+                    .mark_launch_failed(&row.id, &e.to_string(), now)
+                    .await?;
+                super::metrics::Metrics::inc(&self.metrics.launch_failures);
+                let mut detail = format!("{}: {}: {e}", row.market, e.reason());
+                if e.cools_down_market() {
+                    let until = now.plus_secs(self.settings.cooldown_secs);
+                    self.store
+                        .set_cooldown(&Cooldown {
+                            zone: row.market.zone.clone(),
+                            instance_type: row.market.instance_type.clone(),
+                            until,
+                            reason: e.reason().to_string(),
+                        })
+                        .await?;
+                    detail.push_str(&format!("; market skipped until {until}"));
+                }
+                tracing::warn!(instance = %row.id, %detail, "launch failed");
+                self.store
+                    .add_event(
+                        Some(row.job_id),
+                        Some(&row.id),
+                        now,
+                        "launch_failed",
+                        &detail,
+                    )
+                    .await?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Starts (or re-adopts) the agent of a locally launched instance.
+    pub(crate) async fn start_local_agent(
+        &self,
+        row: &InstanceRow,
+        cloud_id: &str,
+        token: &str,
+        recorded: Option<std::net::SocketAddr>,
+    ) -> Result<(), ServiceError> {
+        let Some(launcher) = &self.launcher else {
+            return Ok(());
+        };
+        let facts = InstanceFacts {
+            instance_id: cloud_id.to_string(),
+            instance_type: row.market.instance_type.to_string(),
+            availability_zone: row.market.zone.to_string(),
+            lifecycle: if row.tier == Tier::Transient {
+                "spot"
+            } else {
+                "on-demand"
+            }
+            .to_string(),
+        };
+        match launcher.start(&row.id, facts, token, recorded).await {
+            Ok(addr) => {
+                self.store
+                    .set_metadata_addr(&row.id, &addr.to_string())
+                    .await?
+            }
+            Err(e) => {
+                tracing::warn!(instance = %row.id, error = %e, "cannot start the local agent");
+                self.store
+                    .add_event(
+                        Some(row.job_id),
+                        Some(&row.id),
+                        self.clock.now(),
+                        "agent_start_failed",
+                        &e.to_string(),
+                    )
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks the cloud to end an instance (recording the request first).
+    pub async fn terminate_instance(
+        &self,
+        row: &InstanceRow,
+        reason: &str,
+    ) -> Result<(), ServiceError> {
+        if row.state.is_final() {
+            return Ok(());
+        }
+        match &row.cloud_id {
+            None => {
+                // Never launched: nothing to terminate in the cloud.
+                self.store
+                    .mark_ended(&row.id, self.clock.now(), reason, false)
+                    .await?;
+            }
+            Some(cloud_id) => {
+                self.store.mark_terminating(&row.id, reason).await?;
+                super::metrics::Metrics::inc(&self.metrics.terminations);
+                if let Err(e) = self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
+                    tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a job: records its final state, stops training, releases every instance.
+    pub async fn finish_job(
+        &self,
+        job: JobId,
+        state: JobState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        if !self
+            .store
+            .set_job_state(job, state, Some(reason), now)
+            .await?
+        {
+            return Ok(());
+        }
+        tracing::info!(%job, state = %state, reason, "job finished");
+        self.store
+            .add_event(Some(job), None, now, &format!("job_{state}"), reason)
+            .await?;
+        if let Some(control) = self.control.get(job) {
+            control.update(|c| c.cancel(reason));
+        }
+        for row in self.store.instances_of_job(job).await? {
+            self.terminate_instance(&row, &format!("job {state}"))
+                .await?;
+        }
+        self.refresh_ledger(job, now).await?;
+        self.forget_runtime(job);
+        // The control plane stays a little longer, so that agents' long polls deliver the stop.
+        self.control.mark_finished(job);
+        Ok(())
+    }
+
+    /// Recomputes the ledger lines of every instance of a job; returns the job's spend.
+    pub async fn refresh_ledger(&self, job: JobId, now: Timestamp) -> Result<f64, ServiceError> {
+        let billing: BillingModel = match self.runtime(job) {
+            Some(r) => r.lock().unwrap_or_else(|e| e.into_inner()).valid.billing,
+            None => match self.store.job(job).await? {
+                Some(j) => j.billing.parse().unwrap_or(self.settings.default_billing),
+                None => return Ok(0.0),
+            },
+        };
+        let data = self.market_data();
+        let mut total = 0.0;
+        for row in self.store.instances_of_job(job).await? {
+            if row.launched.is_none() {
+                continue;
+            }
+            match ledger::bill_instance(&row, now, billing, &data) {
+                Ok(lines) => {
+                    total += lines.iter().map(|l| l.amount_usd).sum::<f64>();
+                    // Finished instances are billed once for good; live ones every tick.
+                    self.store
+                        .replace_ledger_lines(job, &row.id, &lines)
+                        .await?;
+                }
+                Err(e) => tracing::warn!(instance = %row.id, error = %e, "cannot bill instance"),
+            }
+        }
+        Ok(total)
+    }
+
+    pub(crate) fn remember_agent_row(&self, cloud_id: &str, row: &InstanceRow) {
+        self.remember_agent(cloud_id, row);
+    }
+
+    fn remember_agent(&self, cloud_id: &str, row: &InstanceRow) {
+        self.agent_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                cloud_id.to_string(),
+                super::agents::AgentIdentity {
+                    instance_id: row.id.clone(),
+                    job_id: row.job_id,
+                    tier: row.tier,
+                    token_hash: row.token_hash.clone(),
+                },
+            );
+    }
+}
+
+/// How the policy sees one stored instance; final ones are not part of the footprint.
+fn instance_view(
+    i: &InstanceRow,
+    registered: &HashSet<String>,
+    startup_secs: f64,
+) -> Option<InstanceView> {
+    let purchase = match i.bid {
+        Some(bid) => Purchase::Spot { bid },
+        None => Purchase::OnDemand,
+    };
+    let launched_at = i.launched.unwrap_or(i.requested);
+    let state = match i.state {
+        InstanceState::Terminated | InstanceState::Failed | InstanceState::Terminating => {
+            return None;
+        }
+        InstanceState::Warned => PolicyInstanceState::Warned {
+            terminate_at: i.warned.unwrap_or(launched_at).plus_secs(NOTICE_SECS),
+        },
+        InstanceState::Requested | InstanceState::Running => {
+            if i.cloud_id.as_ref().is_some_and(|c| registered.contains(c)) {
+                PolicyInstanceState::Running
+            } else {
+                PolicyInstanceState::Starting {
+                    ready_at: launched_at.plus_secs(startup_secs),
+                }
+            }
+        }
+    };
+    Some(InstanceView {
+        id: InstanceId(i.id.clone()),
+        market: i.market.clone(),
+        purchase,
+        launched_at,
+        state,
+    })
+}
+
+/// What launching one instance commits the job to before it can be released: one billing
+/// period at the current price.
+fn first_period_cost(
+    data: &MarketData,
+    market: &Market,
+    purchase: Purchase,
+    billing: BillingModel,
+    now: Timestamp,
+) -> f64 {
+    let price = match purchase {
+        Purchase::OnDemand => data.markets.on_demand(market).map(UsdPerHour::get),
+        Purchase::Spot { .. } => data.history.get(market).and_then(|s| s.price_at(now)),
+    }
+    .unwrap_or(0.0);
+    match billing {
+        BillingModel::Hourly2015 => price,
+        BillingModel::PerSecond => price / 60.0,
+    }
+}
+
+/// The trace view minus markets the cloud refused recently.
+struct LiveView<'a> {
+    inner: TraceView<'a>,
+    cooled: &'a HashSet<(String, String)>,
+}
+
+impl LiveView<'_> {
+    fn cooled(&self, m: &Market) -> bool {
+        self.cooled
+            .contains(&(m.zone.to_string(), m.instance_type.to_string()))
+    }
+}
+
+impl MarketView for LiveView<'_> {
+    fn now(&self) -> Timestamp {
+        self.inner.now()
+    }
+    fn markets(&self) -> Vec<&Market> {
+        self.inner
+            .markets()
+            .into_iter()
+            .filter(|m| !self.cooled(m))
+            .collect()
+    }
+    fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {
+        if self.cooled(market) {
+            return None;
+        }
+        self.inner.spot_price(market)
+    }
+    fn spot_price_at(
+        &self,
+        market: &Market,
+        at: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
+        self.inner.spot_price_at(market, at)
+    }
+    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+        self.inner.mean_spot_price(market, since)
+    }
+    fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour> {
+        self.inner.on_demand_price(market)
+    }
+    fn model_kind(&self) -> ModelKind {
+        self.inner.model_kind()
+    }
+    fn eviction(
+        &self,
+        market: &Market,
+        bid_delta_usd: f64,
+        horizon_secs: f64,
+    ) -> Result<EvictionEstimate, ModelError> {
+        self.inner.eviction(market, bid_delta_usd, horizon_secs)
+    }
+    fn eviction_many(
+        &self,
+        market: &Market,
+        bid_deltas_usd: &[f64],
+        horizon_secs: f64,
+        out: &mut Vec<EvictionEstimate>,
+    ) -> Result<(), ModelError> {
+        self.inner
+            .eviction_many(market, bid_deltas_usd, horizon_secs, out)
+    }
+}

@@ -1,0 +1,558 @@
+//! The job spec users submit (`POST /v1/jobs`, `proteus submit FILE`), and its validation into
+//! what the broker runs: the agents' training configuration, the policy's work model, limits.
+//!
+//! ```json
+//! {
+//!   "name": "mnist-lr",
+//!   "app": "mlr", "dataset": "mnist",
+//!   "stop": {"epochs": 5},
+//!   "policy": "bidbrain",
+//!   "limits": {"max_instances": 8, "max_reliable_instances": 1, "budget_usd": 20.0, "deadline_hours": 12},
+//!   "billing": "hourly-2015",
+//!   "work": {"total_work": 20, "instance_types": ["c3.xlarge", "r3.large"]},
+//!   "training": {"learning_rate": 0.5, "num_shards": 2, "seed": 7}
+//! }
+//! ```
+//! Unknown fields are refused, so a typo is an error rather than a silently ignored setting.
+
+use crate::billing::BillingModel;
+use crate::market::Timestamp;
+use proteus_wire::agent_api::{AppConfig, ImageDataset, StopCondition, TrainingConfig};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// A training job as submitted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// A label for lists and reports. Default: `<app>-<dataset>`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `mlr` (multinomial logistic regression) or `mf` (matrix factorisation).
+    pub app: App,
+    /// `mnist` or `digits` for `mlr`; a ratings file in the agents' data directory for `mf`
+    /// (default `movietweetings-100k.csv.gz`).
+    #[serde(default)]
+    pub dataset: Option<String>,
+    /// When training ends. Default: 5 epochs.
+    #[serde(default)]
+    pub stop: Option<StopSpec>,
+    /// A policy in the broker's policies directory: `bidbrain`, `on-demand`, `standard-bidding`.
+    pub policy: String,
+    pub limits: Limits,
+    /// `hourly-2015` or `per-second`. Default: the broker's (`--billing`).
+    #[serde(default)]
+    pub billing: Option<String>,
+    /// The work estimate the policy plans with; see [`WorkSpec`].
+    #[serde(default)]
+    pub work: Option<WorkSpec>,
+    /// Training hyperparameters and AgileML settings.
+    #[serde(default)]
+    pub training: Option<TrainingSpec>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum App {
+    Mlr,
+    Mf,
+}
+
+/// Exactly one of the two.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopSpec {
+    /// Passes over the training data.
+    #[serde(default)]
+    pub epochs: Option<u32>,
+    /// Training iterations (BSP clocks).
+    #[serde(default)]
+    pub clocks: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Most instances at once, reliable ones included (1–1000).
+    pub max_instances: u32,
+    /// Most on-demand (reliable) instances; at least 1, for the backup parameter servers.
+    /// Default: an eighth of `max_instances`, at least 1.
+    #[serde(default)]
+    pub max_reliable_instances: Option<u32>,
+    /// Stop the job (and its spending) once the ledger reaches this many dollars.
+    #[serde(default)]
+    pub budget_usd: Option<f64>,
+    /// Stop the job at this market time (RFC 3339) ...
+    #[serde(default)]
+    pub deadline: Option<String>,
+    /// ... or this many market hours after submission.
+    #[serde(default)]
+    pub deadline_hours: Option<f64>,
+}
+
+/// The policy's work model. Work is counted in instance-hours of `reference_type`; throughput
+/// of other types is proportional to vCPUs. Progress is measured by the agents; this estimate
+/// only sizes the footprint the policy buys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkSpec {
+    /// Units of work for the whole job. Default: 1 per epoch (or per 100 clocks).
+    #[serde(default)]
+    pub total_work: Option<f64>,
+    /// Default: the first of `instance_types` with 4 vCPUs, else the first.
+    #[serde(default)]
+    pub reference_type: Option<String>,
+    /// Types the job may run on. Default: every type the broker has prices for.
+    #[serde(default)]
+    pub instance_types: Option<Vec<String>>,
+    /// Minutes from launch to useful work. Default 5 (on a real cloud) — the broker's
+    /// `--startup-minutes` overrides the default for simulated clouds.
+    #[serde(default)]
+    pub startup_minutes: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSpec {
+    #[serde(default)]
+    pub learning_rate: Option<f32>,
+    #[serde(default)]
+    pub l2: Option<f32>,
+    /// `mf` only.
+    #[serde(default)]
+    pub rank: Option<u32>,
+    #[serde(default)]
+    pub num_shards: Option<u32>,
+    #[serde(default)]
+    pub backup_sync_interval_ms: Option<u64>,
+    #[serde(default)]
+    pub clocks_per_epoch: Option<u32>,
+    #[serde(default)]
+    pub stage2_ratio: Option<f64>,
+    #[serde(default)]
+    pub stage3_ratio: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+}
+
+/// A spec that passed validation, in the broker's own types.
+#[derive(Debug, Clone)]
+pub struct ValidJob {
+    pub name: String,
+    pub policy: String,
+    pub billing: BillingModel,
+    pub training: TrainingConfig,
+    pub max_instances: u32,
+    pub max_reliable_instances: u32,
+    pub budget_usd: Option<f64>,
+    pub deadline: Option<Timestamp>,
+    pub work: WorkSpec,
+}
+
+/// A field that is not acceptable, by its dotted path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+fn bad(field: &str, message: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// Policy names are file stems in the policies directory; anything else could name a file
+/// outside it.
+pub fn valid_policy_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+}
+
+impl JobSpec {
+    /// Checks every field; `now` (market time) anchors a relative deadline.
+    pub fn validate(
+        &self,
+        default_billing: BillingModel,
+        now: Timestamp,
+    ) -> Result<ValidJob, FieldError> {
+        let app = self.app_config()?;
+        let stop = match self.stop {
+            None => StopCondition::Epochs { epochs: 5 },
+            Some(StopSpec {
+                epochs: Some(e),
+                clocks: None,
+            }) if (1..=10_000).contains(&e) => StopCondition::Epochs { epochs: e },
+            Some(StopSpec {
+                epochs: None,
+                clocks: Some(c),
+            }) if (1..=100_000_000).contains(&c) => StopCondition::Clocks { clocks: c },
+            Some(_) => {
+                return Err(bad(
+                    "stop",
+                    "give exactly one of `epochs` (1–10000) or `clocks` (1–100000000)",
+                ));
+            }
+        };
+        if !valid_policy_name(&self.policy) {
+            return Err(bad(
+                "policy",
+                "a policy name: lowercase letters, digits, `-` and `_` (e.g. `bidbrain`)",
+            ));
+        }
+        let limits = &self.limits;
+        if !(1..=1000).contains(&limits.max_instances) {
+            return Err(bad("limits.max_instances", "must be between 1 and 1000"));
+        }
+        let max_reliable = limits
+            .max_reliable_instances
+            .unwrap_or((limits.max_instances / 8).max(1));
+        if max_reliable == 0 || max_reliable > limits.max_instances {
+            return Err(bad(
+                "limits.max_reliable_instances",
+                format!(
+                    "must be between 1 and max_instances ({})",
+                    limits.max_instances
+                ),
+            ));
+        }
+        if let Some(b) = limits.budget_usd
+            && !(b.is_finite() && b > 0.0)
+        {
+            return Err(bad(
+                "limits.budget_usd",
+                "must be a positive number of dollars",
+            ));
+        }
+        let deadline = match (&limits.deadline, limits.deadline_hours) {
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "limits.deadline",
+                    "give `deadline` or `deadline_hours`, not both",
+                ));
+            }
+            (Some(text), None) => Some(
+                Timestamp::parse(text)
+                    .map_err(|e| bad("limits.deadline", e.to_string()))
+                    .and_then(|t| {
+                        if t > now {
+                            Ok(t)
+                        } else {
+                            Err(bad(
+                                "limits.deadline",
+                                format!("{t} is not after now ({now})"),
+                            ))
+                        }
+                    })?,
+            ),
+            (None, Some(h)) if h.is_finite() && h > 0.0 && h <= 24.0 * 365.0 => {
+                Some(now.plus_secs(h * 3600.0))
+            }
+            (None, Some(_)) => {
+                return Err(bad(
+                    "limits.deadline_hours",
+                    "must be between 0 and 8760 hours",
+                ));
+            }
+            (None, None) => None,
+        };
+        let billing = match &self.billing {
+            None => default_billing,
+            Some(b) => b.parse().map_err(|e: String| bad("billing", e))?,
+        };
+        let training = self.training_config(app, stop)?;
+        let work = self.work.clone().unwrap_or(WorkSpec {
+            total_work: None,
+            reference_type: None,
+            instance_types: None,
+            startup_minutes: None,
+        });
+        if let Some(w) = work.total_work
+            && !(w.is_finite() && w > 0.0 && w <= 1e9)
+        {
+            return Err(bad("work.total_work", "must be a positive number of units"));
+        }
+        if let Some(m) = work.startup_minutes
+            && !(m.is_finite() && (0.0..=600.0).contains(&m))
+        {
+            return Err(bad("work.startup_minutes", "must be between 0 and 600"));
+        }
+        if let Some(types) = &work.instance_types {
+            if types.is_empty() {
+                return Err(bad(
+                    "work.instance_types",
+                    "must name at least one instance type",
+                ));
+            }
+            for (i, t) in types.iter().enumerate() {
+                crate::market::InstanceType::parse(t)
+                    .map_err(|e| bad(&format!("work.instance_types[{i}]"), e.to_string()))?;
+            }
+        }
+        let name = match &self.name {
+            Some(n) if n.trim().is_empty() || n.len() > 200 => {
+                return Err(bad("name", "must be 1–200 characters"));
+            }
+            Some(n) => n.trim().to_string(),
+            None => format!("{}-{}", training.app.name(), self.dataset_name()),
+        };
+        Ok(ValidJob {
+            name,
+            policy: self.policy.clone(),
+            billing,
+            training,
+            max_instances: limits.max_instances,
+            max_reliable_instances: max_reliable,
+            budget_usd: limits.budget_usd,
+            deadline,
+            work,
+        })
+    }
+
+    fn dataset_name(&self) -> String {
+        self.dataset.clone().unwrap_or_else(|| match self.app {
+            App::Mlr => "mnist".into(),
+            App::Mf => "movietweetings".into(),
+        })
+    }
+
+    fn app_config(&self) -> Result<AppConfig, FieldError> {
+        let t = self.training.as_ref();
+        let lr = t.and_then(|t| t.learning_rate);
+        let l2 = t.and_then(|t| t.l2);
+        if let Some(v) = lr
+            && !(v.is_finite() && v > 0.0 && v <= 100.0)
+        {
+            return Err(bad("training.learning_rate", "must be in (0, 100]"));
+        }
+        if let Some(v) = l2
+            && !(v.is_finite() && (0.0..=100.0).contains(&v))
+        {
+            return Err(bad("training.l2", "must be in [0, 100]"));
+        }
+        match self.app {
+            App::Mlr => {
+                let dataset = match self.dataset.as_deref() {
+                    None | Some("mnist") => ImageDataset::Mnist,
+                    Some("digits") => ImageDataset::Digits,
+                    Some(other) => {
+                        return Err(bad(
+                            "dataset",
+                            format!("`{other}` is not an image data set (allowed: mnist, digits)"),
+                        ));
+                    }
+                };
+                if t.and_then(|t| t.rank).is_some() {
+                    return Err(bad("training.rank", "applies to `mf` only"));
+                }
+                Ok(AppConfig::Mlr {
+                    dataset,
+                    learning_rate: lr
+                        .unwrap_or(proteus_wire::agent_api::default_mlr_learning_rate()),
+                    l2: l2.unwrap_or(0.0),
+                })
+            }
+            App::Mf => {
+                let file = self
+                    .dataset
+                    .clone()
+                    .unwrap_or_else(proteus_wire::agent_api::default_ratings_file);
+                // A bare file name inside the agents' data directory, nothing else.
+                if file.is_empty()
+                    || file.contains('/')
+                    || file.contains('\\')
+                    || file.starts_with('.')
+                {
+                    return Err(bad(
+                        "dataset",
+                        "a ratings file name in the agents' data directory",
+                    ));
+                }
+                let rank = t
+                    .and_then(|t| t.rank)
+                    .unwrap_or(proteus_wire::agent_api::default_mf_rank());
+                if !(1..=1000).contains(&rank) {
+                    return Err(bad("training.rank", "must be between 1 and 1000"));
+                }
+                Ok(AppConfig::Mf {
+                    ratings_file: file,
+                    rank,
+                    learning_rate: lr
+                        .unwrap_or(proteus_wire::agent_api::default_mf_learning_rate()),
+                    l2: l2.unwrap_or(proteus_wire::agent_api::default_mf_l2()),
+                    holdout_fraction: proteus_wire::agent_api::default_holdout_fraction(),
+                })
+            }
+        }
+    }
+
+    fn training_config(
+        &self,
+        app: AppConfig,
+        stop: StopCondition,
+    ) -> Result<TrainingConfig, FieldError> {
+        let mut cfg = TrainingConfig::new(app);
+        cfg.stop = stop;
+        if let Some(t) = &self.training {
+            if let Some(n) = t.num_shards {
+                if !(1..=64).contains(&n) {
+                    return Err(bad("training.num_shards", "must be between 1 and 64"));
+                }
+                cfg.num_shards = n;
+            }
+            if let Some(ms) = t.backup_sync_interval_ms {
+                if !(10..=3_600_000).contains(&ms) {
+                    return Err(bad(
+                        "training.backup_sync_interval_ms",
+                        "must be between 10 and 3600000",
+                    ));
+                }
+                cfg.backup_sync_interval_ms = ms;
+            }
+            if let Some(c) = t.clocks_per_epoch {
+                if !(1..=10_000).contains(&c) {
+                    return Err(bad(
+                        "training.clocks_per_epoch",
+                        "must be between 1 and 10000",
+                    ));
+                }
+                cfg.clocks_per_epoch = c;
+            }
+            for (field, value, slot) in [
+                (
+                    "training.stage2_ratio",
+                    t.stage2_ratio,
+                    &mut cfg.stages.stage2_ratio,
+                ),
+                (
+                    "training.stage3_ratio",
+                    t.stage3_ratio,
+                    &mut cfg.stages.stage3_ratio,
+                ),
+            ] {
+                if let Some(v) = value {
+                    if !(v.is_finite() && v >= 0.0) {
+                        return Err(bad(field, "must be a non-negative number"));
+                    }
+                    *slot = v;
+                }
+            }
+            if let Some(seed) = t.seed {
+                cfg.seed = seed;
+            }
+        }
+        cfg.validate().map_err(|e| bad("training", e))?;
+        Ok(cfg)
+    }
+
+    /// Reads a spec file: JSON, or TOML (anything not starting with `{`).
+    pub fn parse_file(file: &str, text: &str) -> Result<JobSpec, String> {
+        if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| format!("{file}: {e}"))
+        } else {
+            toml::from_str(text).map_err(|e| format!("{file}: {}", e.to_string().trim_end()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: &str) -> JobSpec {
+        serde_json::from_str(json).unwrap()
+    }
+
+    const NOW: Timestamp = Timestamp(1_426_000_000_000);
+
+    #[test]
+    fn a_minimal_spec_gets_defaults() {
+        let s = spec(r#"{"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 8}}"#);
+        let v = s.validate(BillingModel::Hourly2015, NOW).unwrap();
+        assert_eq!(v.name, "mlr-mnist");
+        assert_eq!(v.max_reliable_instances, 1);
+        assert_eq!(v.training.stop, StopCondition::Epochs { epochs: 5 });
+        assert_eq!(v.billing, BillingModel::Hourly2015);
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let cases = [
+            (
+                r#"{"app":"mlr","policy":"bidbrain","limits":{"max_instances":0}}"#,
+                "limits.max_instances",
+            ),
+            (
+                r#"{"app":"mlr","policy":"../etc","limits":{"max_instances":2}}"#,
+                "policy",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2,"max_reliable_instances":3}}"#,
+                "limits.max_reliable_instances",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2,"budget_usd":-1}}"#,
+                "limits.budget_usd",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","dataset":"cifar","limits":{"max_instances":2}}"#,
+                "dataset",
+            ),
+            (
+                r#"{"app":"mf","policy":"x","dataset":"../x.csv","limits":{"max_instances":2}}"#,
+                "dataset",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","stop":{"epochs":1,"clocks":3},"limits":{"max_instances":2}}"#,
+                "stop",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","billing":"monthly","limits":{"max_instances":2}}"#,
+                "billing",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2,"deadline":"2000-01-01"}}"#,
+                "limits.deadline",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"num_shards":0}}"#,
+                "training.num_shards",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"work":{"instance_types":["bogus"]}}"#,
+                "work.instance_types[0]",
+            ),
+        ];
+        for (json, field) in cases {
+            let err = spec(json)
+                .validate(BillingModel::PerSecond, NOW)
+                .unwrap_err();
+            assert_eq!(err.field, field, "{json}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_str::<JobSpec>(
+            r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"colour":"red"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `colour`"), "{err}");
+    }
+
+    #[test]
+    fn toml_files_parse() {
+        let s = JobSpec::parse_file(
+            "job.toml",
+            "app = \"mf\"\npolicy = \"on-demand\"\n[limits]\nmax_instances = 4\n[stop]\nepochs = 2\n",
+        )
+        .unwrap();
+        let v = s.validate(BillingModel::PerSecond, NOW).unwrap();
+        assert_eq!(v.training.app.name(), "mf");
+        assert_eq!(v.training.stop, StopCondition::Epochs { epochs: 2 });
+    }
+}
