@@ -18,23 +18,47 @@ const TARGET_SECS: f64 = 2.0;
 const IMDS_POLL_MS: u64 = 200;
 
 async fn one_run() -> (f64, f64) {
-    let mut cfg = TrainingConfig::new(AppConfig::Synthetic { model_len: MODEL_LEN });
+    let mut cfg = TrainingConfig::new(AppConfig::Synthetic {
+        model_len: MODEL_LEN,
+    });
     cfg.num_shards = 1;
     cfg.min_workers = 1000; // shards only: no training traffic
     cfg.backup_sync_interval_ms = 1000;
-    let coord = TestCoordinator::start(cfg, &[("tok-r", "r", Tier::Reliable), ("tok-t", "t", Tier::Transient)])
-        .await
-        .expect("coordinator");
+    let coord = TestCoordinator::start(
+        cfg,
+        &[
+            ("tok-r", "r", Tier::Reliable),
+            ("tok-t", "t", Tier::Transient),
+        ],
+    )
+    .await
+    .expect("coordinator");
     let _r = common::spawn_agent(&coord.url(), "r", IMDS_POLL_MS).await;
     let t = common::spawn_agent(&coord.url(), "t", IMDS_POLL_MS).await;
     let ready = coord
         .wait_for(Duration::from_secs(60), |s| {
-            let role = |id: &str| s.members.iter().find(|m| m.instance_id.0 == id).map(|m| m.progress.clone());
-            role("t").is_some_and(|p| p.active_shards == [0]) && role("r").is_some_and(|p| p.backup_shards == [0])
+            let role = |id: &str| {
+                s.members
+                    .iter()
+                    .find(|m| m.instance_id.0 == id)
+                    .map(|m| m.progress.clone())
+            };
+            role("t").is_some_and(|p| p.active_shards == [0])
+                && role("r").is_some_and(|p| p.backup_shards == [0])
         })
         .await;
-    assert!(ready.is_some(), "layout never settled: {:#?}", coord.status());
-    let r_addr = coord.status().members.iter().find(|m| m.instance_id.0 == "r").map(|m| m.data_addr.clone()).expect("r");
+    assert!(
+        ready.is_some(),
+        "layout never settled: {:#?}",
+        coord.status()
+    );
+    let r_addr = coord
+        .status()
+        .members
+        .iter()
+        .find(|m| m.instance_id.0 == "r")
+        .map(|m| m.data_addr.clone())
+        .expect("r");
 
     let start = Instant::now();
     t.1.announce_interruption(120);
@@ -43,24 +67,38 @@ async fn one_run() -> (f64, f64) {
     loop {
         if warned_at.is_none()
             && coord.status().departed.is_empty()
-            && coord.status().members.iter().any(|m| m.instance_id.0 == "t" && m.state == proteus_wire::coordinator::MemberState::Leaving)
+            && coord.status().members.iter().any(|m| {
+                m.instance_id.0 == "t" && m.state == proteus_wire::coordinator::MemberState::Leaving
+            })
         {
             warned_at = Some(start.elapsed().as_secs_f64());
         }
-        let req = Request::Pull { shard: 0, need: None, wait_ms: 0 };
-        if let Ok(Response::Params { values, .. }) = client.call(&r_addr, &req, Duration::from_secs(30)).await {
+        let req = Request::Pull {
+            shard: 0,
+            need: None,
+            wait_ms: 0,
+        };
+        if let Ok(Response::Params { values, .. }) =
+            client.call(&r_addr, &req, Duration::from_secs(30)).await
+        {
             assert_eq!(values.len() as u64, MODEL_LEN);
             let total = start.elapsed().as_secs_f64();
             let w = warned_at.unwrap_or(total);
             return (total, total - w);
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
-        assert!(start.elapsed() < Duration::from_secs(60), "shard never served elsewhere");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "shard never served elsewhere"
+        );
     }
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     rt.block_on(async {
         let (mut totals, mut after) = (Vec::new(), Vec::new());
         for i in 0..RUNS {

@@ -19,7 +19,11 @@ const WINDOWS: usize = 5;
 const TARGET_OVERHEAD: f64 = 0.5;
 
 fn config() -> TrainingConfig {
-    let mut cfg = TrainingConfig::new(AppConfig::Mlr { dataset: ImageDataset::Mnist, learning_rate: 1.0, l2: 0.0 });
+    let mut cfg = TrainingConfig::new(AppConfig::Mlr {
+        dataset: ImageDataset::Mnist,
+        learning_rate: 1.0,
+        l2: 0.0,
+    });
     cfg.num_shards = 2;
     cfg.num_partitions = 16;
     cfg.clocks_per_epoch = 60;
@@ -57,19 +61,37 @@ fn main() {
     let single_med = common::median(&mut single);
     println!("single-process ndarray loop: median {single_med:.0} samples/s");
 
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     let per_worker = rt.block_on(async {
-        let coord = TestCoordinator::start(cfg, &[("tok-r", "r", Tier::Reliable), ("tok-t", "t", Tier::Transient)])
-            .await
-            .expect("coordinator");
+        let coord = TestCoordinator::start(
+            cfg,
+            &[
+                ("tok-r", "r", Tier::Reliable),
+                ("tok-t", "t", Tier::Transient),
+            ],
+        )
+        .await
+        .expect("coordinator");
         let _r = common::spawn_agent(&coord.url(), "r", 2000).await;
         let _t = common::spawn_agent(&coord.url(), "t", 2000).await;
-        coord.wait_for(Duration::from_secs(60), |s| s.state == JobState::Running).await.expect("starts");
-        coord.wait_for(Duration::from_secs(60), |s| s.progress.clock >= 60).await.expect("warms up");
+        coord
+            .wait_for(Duration::from_secs(60), |s| s.state == JobState::Running)
+            .await
+            .expect("starts");
+        coord
+            .wait_for(Duration::from_secs(60), |s| s.progress.clock >= 60)
+            .await
+            .expect("warms up");
         let mut rates = Vec::new();
         for _ in 0..WINDOWS {
             let samples = |s: &proteus_wire::coordinator::JobStatus| -> (u64, usize) {
-                (s.members.iter().map(|m| m.progress.samples_processed).sum(), s.members.len())
+                (
+                    s.members.iter().map(|m| m.progress.samples_processed).sum(),
+                    s.members.len(),
+                )
             };
             let (a, _) = samples(&coord.status());
             let t = Instant::now();

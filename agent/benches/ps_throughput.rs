@@ -25,12 +25,21 @@ async fn client(addr: String, partition: u32, round: u64) -> u64 {
     let mut bytes = 0u64;
     for i in 0..OPS_PER_CLIENT {
         let clock = round * OPS_PER_CLIENT + i;
-        let push = Request::Push { shard: 0, clock, partitions: vec![partition], delta: delta.clone() };
+        let push = Request::Push {
+            shard: 0,
+            clock,
+            partitions: vec![partition],
+            delta: delta.clone(),
+        };
         match peers.call(&addr, &push, Duration::from_secs(30)).await {
             Ok(Response::Pushed(_)) => bytes += (FLOATS * 4) as u64,
             other => panic!("push failed: {other:?}"),
         }
-        let pull = Request::Pull { shard: 0, need: None, wait_ms: 0 };
+        let pull = Request::Pull {
+            shard: 0,
+            need: None,
+            wait_ms: 0,
+        };
         match peers.call(&addr, &pull, Duration::from_secs(30)).await {
             Ok(Response::Params { values, .. }) => bytes += (values.len() * 4) as u64,
             other => panic!("pull failed: {other:?}"),
@@ -40,7 +49,10 @@ async fn client(addr: String, partition: u32, round: u64) -> u64 {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();

@@ -70,10 +70,7 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
     };
     let instance_id = resolve_instance_id(&opts, imds.as_mut()).await?;
     let listener = TcpListener::bind(opts.listen).await?;
-    let data_addr = match &opts.advertise {
-        Some(a) => a.clone(),
-        None => listener.local_addr()?.to_string(),
-    };
+    let data_addr = advertised_addr(&opts, listener.local_addr()?, imds.as_mut()).await;
     let broker = Broker::new(&opts.broker, &opts.token)?;
     tracing::info!(instance = %instance_id, broker = %broker.url(), data_addr = %data_addr, "registering");
     let reg = broker
@@ -110,6 +107,35 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
         tokio::spawn(imds::watch(imds, opts.imds_poll, agent.notices_tx.clone()));
     }
     agent.main_loop(opts.exit_margin).await
+}
+
+/// What peers dial: `--advertise`, else the bound address; a wildcard bind is replaced by the
+/// instance's private IPv4 from metadata (or loopback when there is none, for local runs).
+async fn advertised_addr(
+    opts: &AgentOptions,
+    bound: SocketAddr,
+    imds: Option<&mut Imds>,
+) -> String {
+    if let Some(a) = &opts.advertise {
+        return a.clone();
+    }
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let ip = match imds {
+        Some(imds) => imds
+            .get("meta-data/local-ipv4")
+            .await
+            .ok()
+            .flatten()
+            .map(|s| s.trim().to_string()),
+        None => None,
+    };
+    let ip = ip.filter(|s| s.parse::<std::net::IpAddr>().is_ok()).unwrap_or_else(|| {
+        tracing::warn!("listening on a wildcard address and no local-ipv4 in metadata: advertising 127.0.0.1");
+        "127.0.0.1".into()
+    });
+    format!("{ip}:{}", bound.port())
 }
 
 async fn resolve_instance_id(opts: &AgentOptions, imds: Option<&mut Imds>) -> Result<InstanceId> {
@@ -306,6 +332,10 @@ impl Agent {
         if view.epoch <= self.applied_epoch.load(Ordering::Relaxed) {
             return;
         }
+        if let Err(e) = check_view(&view, self.app.model_len() as u64) {
+            tracing::error!(epoch = view.epoch, error = %e, "ignoring an inconsistent view");
+            return;
+        }
         let me = &self.me;
         tracing::info!(
             epoch = view.epoch,
@@ -418,6 +448,30 @@ impl Agent {
         }
         None
     }
+}
+
+/// A view must tile this agent's model exactly; anything else would index out of bounds.
+fn check_view(view: &ClusterView, model_len: u64) -> std::result::Result<(), String> {
+    if view.model_len != model_len {
+        return Err(format!(
+            "view is for a model of {} parameters, ours has {model_len}",
+            view.model_len
+        ));
+    }
+    let mut next = 0;
+    for (i, s) in view.shards.iter().enumerate() {
+        if s.shard as usize != i || s.keys.start != next || s.keys.end < s.keys.start {
+            return Err(format!(
+                "shard {} has key range {:?}, expected to start at {next}",
+                s.shard, s.keys
+            ));
+        }
+        next = s.keys.end;
+    }
+    if next != model_len {
+        return Err(format!("shards cover {next} of {model_len} parameters"));
+    }
+    Ok(())
 }
 
 async fn poll_commands(

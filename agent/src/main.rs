@@ -47,8 +47,8 @@ struct Cli {
     /// Address for peer (data-plane) TCP connections; port 0 picks a free one.
     #[arg(long, env = "PROTEUS_AGENT_LISTEN", default_value = "0.0.0.0:0")]
     listen: SocketAddr,
-    /// `host:port` peers should dial, if not the bound address (required with 0.0.0.0 on a
-    /// multi-homed VM).
+    /// `host:port` peers should dial. Default: the bound address; with a wildcard bind, the
+    /// instance's `local-ipv4` from metadata.
     #[arg(long, env = "PROTEUS_AGENT_ADVERTISE")]
     advertise: Option<String>,
     /// Leave at the latest this many seconds before an interruption's action time.
@@ -77,7 +77,6 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let listen = advertise_default(&cli);
     let opts = AgentOptions {
         broker: cli.broker,
         token: cli.token,
@@ -86,7 +85,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         imds_poll: Duration::from_millis(cli.imds_poll_ms.max(10)),
         data_dir: cli.data_dir,
         listen: cli.listen,
-        advertise: listen,
+        advertise: cli.advertise,
         vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         exit_margin: Duration::from_secs(cli.exit_margin_secs),
     };
@@ -99,9 +98,4 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // Background tasks (long polls, peer connections) must not hold the process open.
     runtime.shutdown_timeout(Duration::from_millis(200));
     Ok(())
-}
-
-/// Binding 0.0.0.0 tells peers nothing; advertise the loopback address then unless told better.
-fn advertise_default(cli: &Cli) -> Option<String> {
-    cli.advertise.clone()
 }

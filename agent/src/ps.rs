@@ -310,12 +310,11 @@ impl PsNode {
                     .map(str::to_string);
                 if p.active == self.me {
                     match &mut slot.active {
-                        Some(a) if !a.moving => {
-                            if a.backup_addr != backup_addr {
-                                a.backup_addr = backup_addr;
-                                a.synced_seq = None;
-                            }
+                        Some(a) if !a.moving && a.backup_addr != backup_addr => {
+                            a.backup_addr = backup_addr;
+                            a.synced_seq = None;
                         }
+                        Some(a) if !a.moving => {}
                         _ if !slot.acquiring => {
                             slot.acquiring = true;
                             to_acquire.push((

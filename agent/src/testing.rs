@@ -67,31 +67,30 @@ fn authorize(
     st: &CoordState,
     headers: &HeaderMap,
     claimed: Option<&InstanceId>,
-) -> Result<(InstanceId, Tier), Response> {
+) -> Result<(InstanceId, Tier), Box<Response>> {
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or_else(|| {
-            api_error(
+            Box::new(api_error(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "missing bearer token",
-            )
+            ))
         })?;
-    let (id, tier) = st
-        .tokens
-        .get(token)
-        .cloned()
-        .ok_or_else(|| api_error(StatusCode::UNAUTHORIZED, "unauthorized", "unknown token"))?;
+    let (id, tier) = st.tokens.get(token).cloned().ok_or_else(|| {
+        Box::new(api_error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "unknown token",
+        ))
+    })?;
     if let Some(c) = claimed
         && *c != id
     {
-        return Err(api_error(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!("token is not for instance {c}"),
-        ));
+        let msg = format!("token is not for instance {c}");
+        return Err(Box::new(api_error(StatusCode::FORBIDDEN, "forbidden", msg)));
     }
     Ok((id, tier))
 }
@@ -103,7 +102,7 @@ async fn register(
 ) -> Response {
     let (_, tier) = match authorize(&st, &headers, Some(&req.instance_id)) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let now = st.now_ms();
     let result = st.lock().register(req, tier, now);
@@ -122,7 +121,7 @@ async fn heartbeat(
 ) -> Response {
     let id = InstanceId(id);
     if let Err(r) = authorize(&st, &headers, Some(&id)) {
-        return r;
+        return *r;
     }
     let now = st.now_ms();
     match st.lock().heartbeat(&id, hb, now) {
@@ -139,7 +138,7 @@ async fn event(
 ) -> Response {
     let id = InstanceId(id);
     if let Err(r) = authorize(&st, &headers, Some(&id)) {
-        return r;
+        return *r;
     }
     let now = st.now_ms();
     let result = st.lock().event(&id, ev, now);
@@ -158,7 +157,7 @@ async fn commands(
 ) -> Response {
     let id = InstanceId(id);
     if let Err(r) = authorize(&st, &headers, Some(&id)) {
-        return r;
+        return *r;
     }
     let deadline = Instant::now() + Duration::from_millis(q.wait_ms.min(30_000));
     loop {

@@ -147,9 +147,12 @@ impl Enc {
     /// Raw little-endian f32 array with a u64 count.
     pub fn f32s(&mut self, v: &[f32]) {
         self.u64(v.len() as u64);
-        self.0.reserve(v.len() * 4);
-        for x in v {
-            self.0.extend_from_slice(&x.to_le_bytes());
+        let start = self.0.len();
+        // Resize then fill fixed-size chunks: this compiles to a straight copy on little-endian
+        // machines, several times faster than pushing element by element.
+        self.0.resize(start + v.len() * 4, 0);
+        for (out, x) in self.0[start..].chunks_exact_mut(4).zip(v) {
+            out.copy_from_slice(&x.to_le_bytes());
         }
     }
     fn snapshot(&mut self, s: &Snapshot) {
@@ -254,6 +257,19 @@ impl<'a> Dec<'a> {
 }
 
 impl Request {
+    /// Bytes of tensor payload, to size the frame buffer once.
+    fn payload_bytes(&self) -> usize {
+        match self {
+            Request::Push {
+                delta, partitions, ..
+            } => delta.len() * 4 + partitions.len() * 4,
+            Request::BackupSync { snapshot, .. } | Request::Handover { snapshot, .. } => {
+                snapshot.values.len() * 4
+            }
+            _ => 0,
+        }
+    }
+
     pub fn encode(&self, e: &mut Enc) {
         match self {
             Request::Pull {
@@ -323,6 +339,14 @@ impl Request {
 }
 
 impl Response {
+    fn payload_bytes(&self) -> usize {
+        match self {
+            Response::Params { values, .. } => values.len() * 4,
+            Response::Snapshot(Some(s)) => s.values.len() * 4,
+            _ => 0,
+        }
+    }
+
     pub fn encode(&self, e: &mut Enc) {
         match self {
             Response::Params { seq, done, values } => {
@@ -392,8 +416,8 @@ impl Response {
     }
 }
 
-fn frame(kind: u8, id: u64, body: impl FnOnce(&mut Enc)) -> Vec<u8> {
-    let mut e = Enc(Vec::with_capacity(64));
+fn frame(kind: u8, id: u64, size_hint: usize, body: impl FnOnce(&mut Enc)) -> Vec<u8> {
+    let mut e = Enc(Vec::with_capacity(64 + size_hint));
     e.u32(0);
     e.u8(kind);
     e.u64(id);
@@ -479,7 +503,7 @@ impl Peers {
         if let Ok(mut p) = conn.pending.lock() {
             p.insert(id, tx);
         }
-        let bytes = frame(KIND_REQUEST, id, |e| req.encode(e));
+        let bytes = frame(KIND_REQUEST, id, req.payload_bytes(), |e| req.encode(e));
         let peer_err = |m: &str| AgentError::Peer {
             peer: addr.to_string(),
             message: m.to_string(),
@@ -527,7 +551,7 @@ impl Peers {
             })?;
         let _ = stream.set_nodelay(true);
         let (conn, reader) = self.attach(stream, Some(addr.to_string()));
-        let hello = frame(KIND_HELLO, 0, |e| e.str(&self.my_addr));
+        let hello = frame(KIND_HELLO, 0, 0, |e| e.str(&self.my_addr));
         let _ = conn.tx.send(hello);
         let peers = self.clone();
         let key = addr.to_string();
@@ -605,7 +629,9 @@ impl Peers {
                             (Err(e), _) => Response::Error(e.to_string()),
                             (_, None) => Response::Busy,
                         };
-                        let _ = tx.send(frame(KIND_RESPONSE, id, |e| resp.encode(e)));
+                        let _ = tx.send(frame(KIND_RESPONSE, id, resp.payload_bytes(), |e| {
+                            resp.encode(e)
+                        }));
                     });
                 }
                 _ => break,

@@ -336,7 +336,7 @@ impl Worker {
     async fn maybe_evaluate(&mut self) {
         let every = self.ctx.eval_every_clocks;
         let rank0 = self.view.worker(&self.ctx.me).is_some_and(|w| w.rank == 0);
-        if every == 0 || !rank0 || self.clock == 0 || self.clock % every != 0 {
+        if every == 0 || !rank0 || self.clock == 0 || !self.clock.is_multiple_of(every) {
             return;
         }
         let metric = self.evaluate().await;

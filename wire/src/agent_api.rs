@@ -215,7 +215,14 @@ impl TrainingConfig {
         if self.total_clocks() == 0 {
             return Err("the stop condition allows no training at all".into());
         }
-        if !(self.stages.stage2_ratio <= self.stages.stage3_ratio) {
+        if self
+            .stages
+            .stage2_ratio
+            .partial_cmp(&self.stages.stage3_ratio)
+            == Some(std::cmp::Ordering::Greater)
+            || self.stages.stage2_ratio.is_nan()
+            || self.stages.stage3_ratio.is_nan()
+        {
             return Err(format!(
                 "stage2_ratio ({}) must not exceed stage3_ratio ({})",
                 self.stages.stage2_ratio, self.stages.stage3_ratio
@@ -280,13 +287,22 @@ pub fn default_holdout_fraction() -> f32 {
     0.1
 }
 
+/// Finite and above zero (NaN is neither).
+fn positive(x: f32) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn non_negative(x: f32) -> bool {
+    x.is_finite() && x >= 0.0
+}
+
 impl AppConfig {
     fn validate(&self) -> Result<(), String> {
         match self {
             AppConfig::Mlr {
                 learning_rate, l2, ..
             } => {
-                if !(*learning_rate > 0.0) || !(*l2 >= 0.0) {
+                if !positive(*learning_rate) || !non_negative(*l2) {
                     return Err("mlr needs learning_rate > 0 and l2 >= 0".into());
                 }
             }
@@ -297,7 +313,7 @@ impl AppConfig {
                 holdout_fraction,
                 ..
             } => {
-                if *rank == 0 || !(*learning_rate > 0.0) || !(*l2 >= 0.0) {
+                if *rank == 0 || !positive(*learning_rate) || !non_negative(*l2) {
                     return Err("mf needs rank >= 1, learning_rate > 0 and l2 >= 0".into());
                 }
                 if !(0.0..1.0).contains(holdout_fraction) {

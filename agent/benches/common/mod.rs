@@ -20,8 +20,20 @@ pub async fn spawn_agent(broker: &str, name: &str, imds_poll_ms: u64) -> Proc {
     let imds = ImdsMock::start(name).await.expect("imds mock");
     let child = Command::new(env!("CARGO_BIN_EXE_proteus-agent"))
         .args(["--broker", broker, "--token", &format!("tok-{name}")])
-        .args(["--imds-endpoint", &imds.url(), "--imds-poll-ms", &imds_poll_ms.to_string()])
-        .args(["--data-dir", DATA_DIR, "--listen", "127.0.0.1:0", "--exit-margin-secs", "1"])
+        .args([
+            "--imds-endpoint",
+            &imds.url(),
+            "--imds-poll-ms",
+            &imds_poll_ms.to_string(),
+        ])
+        .args([
+            "--data-dir",
+            DATA_DIR,
+            "--listen",
+            "127.0.0.1:0",
+            "--exit-margin-secs",
+            "1",
+        ])
         .args(["--log", "warn"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -36,5 +48,9 @@ pub fn median(v: &mut [f64]) -> f64 {
     if n == 0 {
         return f64::NAN;
     }
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }

@@ -57,9 +57,15 @@ async fn run_mnist(revoke_at_clock: Option<u64>) -> f64 {
     // the full layout.
     let full = c
         .coord
-        .wait_for(Duration::from_secs(60), |s| s.stage == Some(Stage::Stage3) && s.members.len() == 6)
+        .wait_for(Duration::from_secs(60), |s| {
+            s.stage == Some(Stage::Stage3) && s.members.len() == 6
+        })
         .await;
-    assert!(full.is_some(), "never reached stage 3 with all six: {:#?}", c.coord.status());
+    assert!(
+        full.is_some(),
+        "never reached stage 3 with all six: {:#?}",
+        c.coord.status()
+    );
     let view = c.coord.with(|co| co.view().cloned()).expect("a view");
     assert_eq!(view.stage, Stage::Stage3);
     assert_eq!(view.workers.len(), 4);
