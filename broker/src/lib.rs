@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod billing;
+pub mod chart;
 pub mod cli;
 pub mod clock;
 pub mod cloud;

@@ -1,44 +1,542 @@
-//! `proteus demo`: the system working end to end with nothing but this binary.
+//! `proteus demo`: the whole system on one machine with nothing but this binary (and the agent
+//! binary built beside it).
+//!
+//! An embedded database receives the 2015 spot trace; a broker with the simulated cloud serves
+//! the real API on loopback; a job is submitted over HTTP; the local launcher starts one real
+//! `proteus-agent` per instance; the trace's price spikes evict spot instances with the
+//! two-minute warning delivered through each instance's metadata endpoint; the agents hand their
+//! state over and training goes on. The demo steps market time itself (see
+//! [`Pacing::Modelled`]) so that the same seed gives the same decisions and the same cost.
 
 use super::GlobalArgs;
-use crate::data;
-use crate::market::Region;
-use crate::output::OutputFormat;
-use crate::prices::files;
-use crate::store::MarketFilter;
-use anyhow::{Context, Result};
-use clap::Args;
-use std::path::Path;
+use super::serve::{CloudKind, Ec2Args, ServeArgs, StartOptions, start_with};
+use crate::clock::{Clock, ManualClock, SharedClock};
+use crate::market::Timestamp;
+use crate::output::{OutputFormat, pct, usd};
+use crate::service::Pacing;
+use crate::service::jobs::{CostReport, JobView};
+use crate::service::spec::{App, JobSpec, Limits, StopSpec, TrainingSpec, WorkSpec};
+use crate::store::Store;
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DemoApp {
+    /// Multinomial logistic regression on MNIST (test accuracy).
+    Mlr,
+    /// Matrix factorisation on MovieTweetings (held-out RMSE).
+    Mf,
+}
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  \
+    proteus demo\n  \
+    proteus demo --policy standard-bidding --seed 7\n  \
+    proteus demo --app mf --start 2015-06-01T00:00:00Z --speed 4000\n  \
+    proteus demo --output json > demo.json")]
 pub struct DemoArgs {
+    /// The policy that buys capacity: bidbrain, on-demand, standard-bidding.
+    #[arg(long, default_value = "bidbrain")]
+    pub policy: String,
+    #[arg(long, value_enum, default_value_t = DemoApp::Mlr)]
+    pub app: DemoApp,
+    /// Market time in the 2015 trace where the job starts.
+    #[arg(long, default_value = "2015-05-01T00:00:00Z")]
+    pub start: String,
+    /// Market seconds per wall second, at most (the demo also waits for the agents' training).
+    #[arg(long, default_value_t = 2400.0)]
+    pub speed: f64,
+    /// Market seconds per scheduling step.
+    #[arg(long, default_value_t = 60.0)]
+    pub step_secs: f64,
+    /// Seeds the training (initialisation and data order): same seed, same run.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Work of the job, in c3.xlarge-hours: what the policy plans with and the cost is for.
+    #[arg(long, default_value_t = 24.0)]
+    pub work: f64,
+    #[arg(long, default_value_t = 8)]
+    pub max_instances: u32,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 3)]
+    pub epochs: u32,
+    /// Where the chart and the demo's database go. Default: ./proteus-demo (or a temporary
+    /// directory if the current one is not writable).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
 }
 
+/// What the demo prints at the end (and `--output json`).
+#[derive(Debug, Serialize)]
+pub struct DemoResult {
+    pub job: JobView,
+    pub cost: CostReport,
+    pub chart: PathBuf,
+    pub wall_seconds: f64,
+    pub market_hours: f64,
+    /// A digest of every decision (launches, releases, evictions with their market times):
+    /// two runs with the same seed print the same digest.
+    pub decisions_digest: String,
+}
+
 pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
-    let store = global.open_store().await?;
-    eprintln!("database: {}", store.url());
-    let region = Region::parse("us-east-1").context("region")?;
-    let raw = files::decompress_if_gzipped(data::TRACE_2015.to_vec()).context("embedded trace")?;
-    let rows = files::parse_spot_bytes(Path::new(data::TRACE_2015_NAME), &raw)?;
-    let offers = files::parse_on_demand_bytes(
-        Path::new(data::ON_DEMAND_2015_NAME),
-        data::ON_DEMAND_2015,
-        &region,
-    )?;
-    let od = store.ingest_on_demand(&offers).await?;
-    let counts = store.ingest_spot_prices(&rows).await?;
-    eprintln!(
-        "ingested {}: {} rows read, {} inserted, {} already present; on-demand: {} types",
-        data::TRACE_2015_NAME,
-        counts.read,
-        counts.inserted,
-        counts.already_present,
-        od.read
+    let started = Instant::now();
+    let out = output_dir(args.out.clone())?;
+    let (store, db_note) = open_store(global, &out).await?;
+    let start = Timestamp::parse(&args.start).context("--start")?;
+    if !(args.speed > 0.0 && args.step_secs > 0.0) {
+        bail!("--speed and --step-secs must be positive");
+    }
+    let quiet = args.output == OutputFormat::Json;
+    if !quiet {
+        eprintln!(
+            "proteus demo: database {db_note}; market opens at {start}; policy {}",
+            args.policy
+        );
+    }
+
+    let clock = ManualClock::new(start);
+    let shared: SharedClock = Arc::new(clock.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the API")?;
+    let token = crate::api::auth::new_token("pt_");
+    let serve = serve_args(&out, &token, &args);
+    let server = start_with(
+        store,
+        serve,
+        listener,
+        StartOptions {
+            clock: Some(shared),
+            pacing: Some(Pacing::Modelled),
+        },
+    )
+    .await?;
+    let url = format!("http://{}", server.addr);
+    let (broker, api) = server.serve_api();
+    check_agent_binary(&broker)?;
+
+    let remote = super::client::Remote {
+        url: url.clone(),
+        token: Some(token.clone()),
+    };
+    let client = super::client::Client::new(&remote)?;
+    let job: JobView = client
+        .post("/v1/jobs", &job_spec(&args))
+        .await
+        .context("submitting the demo job")?;
+    if !quiet {
+        eprintln!(
+            "submitted job {} over {url}/v1/jobs; agents log to {}",
+            job.id,
+            out.join("state/agents").display()
+        );
+    }
+
+    let bar = progress_bar(quiet);
+    let step = Duration::from_secs_f64(args.step_secs / args.speed);
+    let id = proteus_wire::JobId(job.id);
+    let market_end = loop {
+        let tick_started = Instant::now();
+        clock.advance_secs(args.step_secs);
+        broker.tick().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let view = broker
+            .job_view(id)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        update_bar(&bar, &view, clock.now());
+        if view.state != "pending" && view.state != "running" {
+            let end = clock.now();
+            settle(&broker, id).await;
+            break end;
+        }
+        wait_for_handovers(&broker, id, &bar).await;
+        keep_pace_with_training(&broker, id, &bar).await;
+        if let Some(rest) = step.checked_sub(tick_started.elapsed()) {
+            tokio::time::sleep(rest).await;
+        }
+        if clock.now().secs_since(start) > 14.0 * 86_400.0 {
+            broker
+                .cancel(id)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            bail!("the demo job did not finish within two weeks of market time; cancelled it");
+        }
+    };
+    bar.finish_and_clear();
+
+    let job: JobView = client.get(&format!("/v1/jobs/{}", job.id)).await?;
+    let cost: CostReport = client.get(&format!("/v1/jobs/{}/cost", job.id)).await?;
+    let instances = broker.store.instances_of_job(id).await?;
+    let chart_path = out.join("proteus-demo.svg");
+    let title = format!(
+        "Proteus demo: job {} ({}), policy {}",
+        job.id, job.name, job.policy
     );
-    let stats = super::prices::compute_stats(&store, &MarketFilter::default(), None, None).await?;
-    crate::output::emit(args.output, &stats, || super::prices::stats_table(&stats))?;
-    Ok(ExitCode::SUCCESS)
+    let svg = crate::chart::job_chart(
+        &title,
+        &broker.market_data().history,
+        &instances,
+        start,
+        market_end,
+    );
+    std::fs::write(&chart_path, svg)
+        .with_context(|| format!("writing {}", chart_path.display()))?;
+    let digest = decisions_digest(&broker.store, id).await?;
+    if let Some(launcher) = &broker.launcher {
+        launcher.stop_all(Duration::from_secs(2)).await;
+    }
+    api.abort();
+
+    let result = DemoResult {
+        wall_seconds: started.elapsed().as_secs_f64(),
+        market_hours: market_end.secs_since(start) / 3600.0,
+        chart: chart_path,
+        decisions_digest: digest,
+        job,
+        cost,
+    };
+    match args.output {
+        OutputFormat::Json => {
+            crate::output::emit(OutputFormat::Json, &result, crate::output::Table::default)?
+        }
+        _ => print!("{}", summary(&result)),
+    }
+    Ok(if result.job.state == "succeeded" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn output_dir(flag: Option<PathBuf>) -> Result<PathBuf> {
+    let dir = match flag {
+        Some(d) => d,
+        None => {
+            let here = PathBuf::from("proteus-demo");
+            if std::fs::create_dir_all(&here).is_ok() && tempfile_writable(&here) {
+                here
+            } else {
+                std::env::temp_dir().join("proteus-demo")
+            }
+        }
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(std::path::absolute(&dir).unwrap_or(dir))
+}
+
+fn tempfile_writable(dir: &std::path::Path) -> bool {
+    let probe = dir.join(".write-test");
+    let ok = std::fs::write(&probe, b"").is_ok();
+    let _ = std::fs::remove_file(probe);
+    ok
+}
+
+/// The demo's own database: a fresh SQLite file each run (so runs are comparable), unless
+/// `--database-url` names one.
+async fn open_store(global: &GlobalArgs, out: &std::path::Path) -> Result<(Store, String)> {
+    if global.database_url.is_some() {
+        let store = global.open_store().await?;
+        let url = store.url().to_string();
+        return Ok((store, url));
+    }
+    let path = out.join("demo.db");
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    let url = format!("sqlite://{}", path.display());
+    let store = Store::open(&url)
+        .await
+        .with_context(|| format!("opening {url}"))?;
+    Ok((store, format!("{} (fresh)", path.display())))
+}
+
+fn serve_args(out: &std::path::Path, token: &str, args: &DemoArgs) -> ServeArgs {
+    ServeArgs {
+        listen: "127.0.0.1:0".parse().expect("valid address"),
+        advertise_url: None,
+        cloud: CloudKind::Sim,
+        region: "us-east-1".into(),
+        token: Some(token.to_string()),
+        trace: None,
+        on_demand: None,
+        speed: args.speed,
+        start: Some(args.start.clone()),
+        billing: None,
+        market_model: None,
+        tick_ms: 1000,
+        local_agents: Some(true),
+        agent_bin: None,
+        agent_data_dir: None,
+        state_dir: Some(out.join("state")),
+        startup_minutes: None,
+        cooldown_secs: 600.0,
+        // Market time decides evictions; the demo itself waits for warned agents to hand over.
+        min_notice_secs: 0.0,
+        inject_launch_faults: None,
+        ec2: Ec2Args {
+            ami: String::new(),
+            subnet: None,
+            security_group: Vec::new(),
+            instance_profile: None,
+            key_name: None,
+            spot_requests: false,
+            dry_run: false,
+        },
+    }
+}
+
+fn job_spec(args: &DemoArgs) -> JobSpec {
+    let (app, dataset) = match args.app {
+        DemoApp::Mlr => (App::Mlr, "mnist"),
+        DemoApp::Mf => (App::Mf, "movietweetings-100k.csv.gz"),
+    };
+    JobSpec {
+        name: Some(format!(
+            "demo-{}",
+            dataset.split('-').next().unwrap_or(dataset)
+        )),
+        app,
+        dataset: Some(dataset.into()),
+        stop: Some(StopSpec {
+            epochs: Some(args.epochs),
+            clocks: None,
+        }),
+        policy: args.policy.clone(),
+        limits: Limits {
+            max_instances: args.max_instances,
+            max_reliable_instances: Some(1),
+            budget_usd: None,
+            deadline: None,
+            deadline_hours: None,
+        },
+        billing: None,
+        work: Some(WorkSpec {
+            total_work: Some(args.work),
+            reference_type: None,
+            instance_types: None,
+            startup_minutes: None,
+        }),
+        training: Some(TrainingSpec {
+            learning_rate: None,
+            l2: None,
+            rank: None,
+            num_shards: Some(2),
+            backup_sync_interval_ms: Some(500),
+            clocks_per_epoch: None,
+            stage2_ratio: None,
+            stage3_ratio: None,
+            seed: Some(args.seed),
+        }),
+    }
+}
+
+fn check_agent_binary(broker: &crate::service::Broker) -> Result<()> {
+    if let Some(launcher) = &broker.launcher {
+        let bin = &launcher.config().agent_bin;
+        if !bin.is_file() {
+            bail!(
+                "the agent binary {} is missing: build it with `cargo build -p proteus-agent` (the demo starts one per instance)",
+                bin.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn progress_bar(hidden: bool) -> ProgressBar {
+    if hidden {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(1000);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{bar:30.cyan/blue}] {percent:>3}% work | {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
+    bar.set_position((view.progress * 1000.0) as u64);
+    let metric = view
+        .metric
+        .as_ref()
+        .and_then(|m| {
+            Some(format!(
+                "{} {:.3}",
+                m["kind"].as_str()?,
+                m["value"].as_f64()?
+            ))
+        })
+        .unwrap_or_else(|| "-".into());
+    bar.set_message(format!(
+        "{} | spent {} | on-demand {}, spot {} | evictions {} | {metric}",
+        now.to_datetime().format("%m-%d %H:%M"),
+        usd(view.spend_usd),
+        view.instances_by_tier.get("reliable").copied().unwrap_or(0),
+        view.instances_by_tier
+            .get("transient")
+            .copied()
+            .unwrap_or(0),
+        view.evictions,
+    ));
+}
+
+/// Lets warned agents hand their state over (bounded) before market time moves on, as the two
+/// minutes of a real notice would.
+async fn wait_for_handovers(
+    broker: &crate::service::Broker,
+    job: proteus_wire::JobId,
+    bar: &ProgressBar,
+) {
+    let Some(launcher) = &broker.launcher else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let warned = match broker.store.instances_of_job(job).await {
+            Ok(rows) => rows
+                .into_iter()
+                .filter(|i| {
+                    i.state == crate::store::InstanceState::Warned && launcher.is_running(&i.id)
+                })
+                .count(),
+            Err(_) => 0,
+        };
+        if warned == 0 || Instant::now() > deadline {
+            return;
+        }
+        bar.tick();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// After the job ends: a few more ticks at the same market time, so that the terminations it
+/// asked for are seen and billed.
+async fn settle(broker: &crate::service::Broker, job: proteus_wire::JobId) {
+    for _ in 0..20 {
+        let live = broker
+            .store
+            .instances_of_job(job)
+            .await
+            .map(|rows| rows.iter().filter(|i| !i.state.is_final()).count())
+            .unwrap_or(0);
+        if live == 0 {
+            return;
+        }
+        if broker.tick().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Waits (bounded) until the agents' training has caught up with the work the market clock has
+/// credited, so that market time does not race ahead of real training.
+async fn keep_pace_with_training(
+    broker: &crate::service::Broker,
+    job: proteus_wire::JobId,
+    bar: &ProgressBar,
+) {
+    let Some(runtime) = broker.runtime(job) else {
+        return;
+    };
+    let fraction = {
+        let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+        (rt.modelled_units / rt.model.total_work).min(1.0)
+    };
+    let Some(control) = broker.control.get(job) else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(if fraction >= 1.0 { 120 } else { 15 });
+    loop {
+        let status = control.read(|c| c.status());
+        let total = status.progress.total_clocks.max(1);
+        let wanted = ((fraction * total as f64).ceil() as u64).min(total);
+        let caught_up = status.progress.clock >= wanted;
+        let done = status.state == proteus_wire::coordinator::JobState::Completed;
+        if caught_up || done || Instant::now() > deadline || status.members.is_empty() {
+            return;
+        }
+        bar.tick();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Launches, releases and evictions with their market times and markets — not instance ids,
+/// which are random — hashed.
+async fn decisions_digest(store: &Store, job: proteus_wire::JobId) -> Result<String> {
+    let mut lines = Vec::new();
+    for i in store.instances_of_job(job).await? {
+        lines.push(format!(
+            "{} {} {:?} {:?} {:?} {} {:?}\n",
+            i.requested.0,
+            i.market,
+            i.tier,
+            i.bid.map(|b| b.get()),
+            i.ended.map(|t| t.0),
+            i.ended_by_provider,
+            i.end_reason
+        ));
+    }
+    // Instances launched at the same instant come back in id order, and ids are random.
+    lines.sort();
+    let mut hasher = Sha256::new();
+    for line in &lines {
+        hasher.update(line.as_bytes());
+    }
+    Ok(hex::encode(&hasher.finalize()[..8]))
+}
+
+fn summary(r: &DemoResult) -> String {
+    let mut out = String::new();
+    let metric = r
+        .job
+        .metric
+        .as_ref()
+        .and_then(|m| {
+            Some(format!(
+                "{} {:.4}",
+                m["kind"].as_str()?,
+                m["value"].as_f64()?
+            ))
+        })
+        .unwrap_or_else(|| "no evaluation".into());
+    out.push_str(&format!(
+        "\njob {} {} ({}) in {:.1} market hours ({:.0} s of wall time); final test {metric}\n\n",
+        r.job.id,
+        r.job.state,
+        r.job.state_reason.as_deref().unwrap_or(""),
+        r.market_hours,
+        r.wall_seconds
+    ));
+    out.push_str(&super::client::cost_text(&r.cost));
+    let mut vs = Vec::new();
+    for (name, label) in [
+        ("on-demand", "on-demand"),
+        ("standard-bidding", "standard bidding"),
+    ] {
+        if let Some(s) = r.cost.savings.get(name) {
+            vs.push(format!("{} cheaper than {label}", pct(*s)));
+        }
+    }
+    if !vs.is_empty() {
+        out.push_str(&format!("\n{}: {}\n", r.job.policy, vs.join(", ")));
+    }
+    out.push_str(&format!(
+        "chart: {}\ndecisions digest: {} (same seed, same digest)\n",
+        r.chart.display(),
+        r.decisions_digest
+    ));
+    out
 }

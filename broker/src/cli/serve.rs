@@ -154,6 +154,17 @@ pub struct Server {
 }
 
 impl Server {
+    /// Serves the API only; the caller drives the scheduler with [`Broker::tick`].
+    pub fn serve_api(self) -> (Arc<Broker>, tokio::task::JoinHandle<()>) {
+        let broker = self.broker.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = axum::serve(self.listener, self.app).await {
+                tracing::error!(error = %e, "API server failed");
+            }
+        });
+        (broker, task)
+    }
+
     /// Serves the API and runs the scheduler until `shutdown` resolves.
     pub async fn run_until(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
         let (tx, rx) = tokio::sync::watch::channel(false);
@@ -185,6 +196,23 @@ pub async fn start(
     args: ServeArgs,
     listener: tokio::net::TcpListener,
 ) -> Result<Server> {
+    start_with(store, args, listener, StartOptions::default()).await
+}
+
+/// What `proteus demo` changes about a broker: a clock it steps itself, and progress from the
+/// work model so that a replay is deterministic.
+#[derive(Default)]
+pub struct StartOptions {
+    pub clock: Option<SharedClock>,
+    pub pacing: Option<crate::service::Pacing>,
+}
+
+pub async fn start_with(
+    store: Store,
+    args: ServeArgs,
+    listener: tokio::net::TcpListener,
+    options: StartOptions,
+) -> Result<Server> {
     let addr = listener.local_addr().context("listener address")?;
     let region = Region::parse(&args.region).context("--region")?;
     let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
@@ -201,7 +229,11 @@ pub async fn start(
             if !(args.speed.is_finite() && args.speed > 0.0) {
                 bail!("--speed must be a positive number");
             }
-            (history, Arc::new(ScaledClock::new(start, args.speed)))
+            let clock: SharedClock = match options.clock.clone() {
+                Some(c) => c,
+                None => Arc::new(ScaledClock::new(start, args.speed)),
+            };
+            (history, clock)
         }
         CloudKind::Ec2 => {
             let filter = MarketFilter {
@@ -277,6 +309,7 @@ pub async fn start(
         default_startup_minutes: args.startup_minutes.unwrap_or(5.0),
         cooldown_secs: args.cooldown_secs,
         min_notice: Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+        pacing: options.pacing.unwrap_or(crate::service::Pacing::Measured),
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
     let broker = Broker::new(store, clock, cloud, launcher, history, settings);
@@ -324,7 +357,7 @@ async fn user_auth(
     }
 }
 
-fn default_state_dir() -> PathBuf {
+pub fn default_state_dir() -> PathBuf {
     dirs::data_dir()
         .or_else(dirs::home_dir)
         .unwrap_or_else(std::env::temp_dir)

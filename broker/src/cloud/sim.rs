@@ -301,6 +301,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_reclaim_waits_for_the_minimum_wall_notice() {
+        let clock = ManualClock::new(Timestamp(60_000));
+        let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
+        let p = |v| UsdPerHour::new(v).unwrap();
+        let series = PriceSeries::new(
+            m,
+            vec![(Timestamp(0), p(0.05)), (Timestamp(3_600_000), p(0.5))],
+        );
+        let trace = PriceHistory::new(vec![series], OnDemandCatalog::default());
+        let cloud = SimCloud::new(
+            Arc::new(trace),
+            Arc::new(clock.clone()),
+            Duration::from_millis(100),
+        );
+        let spot = cloud
+            .launch(&spec("a", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap();
+        clock.set(Timestamp(7_200_000));
+        let ev = cloud.events().await.unwrap();
+        assert_eq!(ev.len(), 1, "only the warning: {ev:?}");
+        assert!(
+            cloud.events().await.unwrap().is_empty(),
+            "held back by the wall notice"
+        );
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let ev = cloud.events().await.unwrap();
+        assert_eq!(
+            ev,
+            vec![CloudEvent::Ended {
+                cloud_id: spot.cloud_id,
+                at: Timestamp(3_720_000),
+                by_provider: true
+            }]
+        );
+    }
+
+    #[tokio::test]
     async fn a_bid_below_the_price_is_refused() {
         let clock = ManualClock::new(Timestamp(3_700_000));
         let cloud = cloud(&clock);

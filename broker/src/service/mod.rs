@@ -48,6 +48,21 @@ pub enum ModelChoice {
     Hazard,
 }
 
+/// Where a job's progress comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pacing {
+    /// From the agents' training clocks; an instance is ready once its agent registered.
+    /// What a real deployment does.
+    Measured,
+    /// From the work model (units per instance-hour of every ready, unwarned instance, minus
+    /// what evictions lose), on market time only; an instance is ready `startup` after launch.
+    /// With a stepped clock this makes a replay deterministic: the same trace, seed and policy
+    /// give the same decisions at the same market times, whatever the machine's speed. The
+    /// agents still train for real; the job ends when both the model's work and the agents'
+    /// training are done.
+    Modelled,
+}
+
 /// Settings of a running broker.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -63,6 +78,7 @@ pub struct Settings {
     pub cooldown_secs: f64,
     /// How long before an announced interruption the agent is killed at the latest (wall).
     pub min_notice: Duration,
+    pub pacing: Pacing,
 }
 
 /// Prices and the model the policies read, swapped whole when refreshed.
@@ -125,6 +141,9 @@ pub struct JobRuntime {
     pub wake_at: Option<crate::market::Timestamp>,
     /// Last reason acquisitions were held back (budget), shown in status.
     pub held: Option<String>,
+    /// [`Pacing::Modelled`]: units of work done so far, and up to when they are counted.
+    pub modelled_units: f64,
+    pub modelled_at: Option<crate::market::Timestamp>,
 }
 
 /// A running broker.
@@ -301,6 +320,8 @@ impl Broker {
             policy,
             wake_at: None,
             held: None,
+            modelled_units: 0.0,
+            modelled_at: None,
         })
     }
 

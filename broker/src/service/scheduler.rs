@@ -5,7 +5,7 @@
 //! (5) applies the answer through the cloud driver, writing every intent to the store first.
 
 use super::control::wall_ms;
-use super::{Broker, JobRuntime, MarketData, ServiceError, ledger};
+use super::{Broker, JobRuntime, MarketData, Pacing, ServiceError, ledger};
 use crate::billing::BillingModel;
 use crate::cloud::{CloudEvent, LaunchSpec};
 use crate::launcher::metadata::InstanceFacts;
@@ -148,6 +148,17 @@ impl Broker {
                 hours: at.secs_since(launched).max(0.0) / 3600.0,
             });
         }
+        if by_provider
+            && self.settings.pacing == Pacing::Modelled
+            && let Some(runtime) = self.runtime(row.job_id)
+        {
+            // The work the evicted instance did since the job's last safe point is lost.
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let loss_secs = rt.policy.eviction_cost(&rt.model).expected_loss_secs();
+            let rate = rt.model.rate(&row.market.instance_type).unwrap_or(0.0);
+            let alive = row.launched.map_or(0.0, |l| at.secs_since(l).max(0.0));
+            rt.modelled_units = (rt.modelled_units - rate * loss_secs.min(alive) / 3600.0).max(0.0);
+        }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
             data.observe(Observation::Interrupted {
@@ -218,11 +229,19 @@ impl Broker {
             }
         }
         let status = control.read(|c| c.status());
-        let fraction = if status.progress.total_clocks > 0 {
-            (status.progress.clock as f64 / status.progress.total_clocks as f64).min(1.0)
-        } else {
-            0.0
+        let instances = self.store.instances_of_job(job.id).await?;
+        let fraction = match self.settings.pacing {
+            Pacing::Measured if status.progress.total_clocks > 0 => {
+                (status.progress.clock as f64 / status.progress.total_clocks as f64).min(1.0)
+            }
+            Pacing::Measured => 0.0,
+            Pacing::Modelled => {
+                let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+                advance_modelled_work(&mut rt, &instances, now);
+                (rt.modelled_units / rt.model.total_work).min(1.0)
+            }
         };
+        let training_done = status.state == TrainingState::Completed;
         let metric = status
             .final_metric
             .or(status.latest_metric)
@@ -231,7 +250,7 @@ impl Broker {
             .set_job_progress(job.id, fraction, metric.as_deref())
             .await?;
 
-        if status.state == TrainingState::Completed {
+        if training_done && (self.settings.pacing == Pacing::Measured || fraction >= 1.0) {
             self.store
                 .set_job_progress(job.id, 1.0, metric.as_deref())
                 .await?;
@@ -268,18 +287,24 @@ impl Broker {
             .await?;
             return Ok(());
         }
-        let instances = self.store.instances_of_job(job.id).await?;
         if job.state == JobState::Pending && instances.iter().any(|i| i.launched.is_some()) {
             self.store
                 .set_job_state(job.id, JobState::Running, None, now)
                 .await?;
         }
-        let registered: HashSet<String> = status
-            .members
-            .iter()
-            .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
-            .map(|m| m.instance_id.0.clone())
-            .collect();
+        // Which instances the policy sees as ready: those whose agent joined (measured), or
+        // those past their start-up time (modelled, so that it does not depend on wall time).
+        let registered: Option<HashSet<String>> = match self.settings.pacing {
+            Pacing::Measured => Some(
+                status
+                    .members
+                    .iter()
+                    .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
+                    .map(|m| m.instance_id.0.clone())
+                    .collect(),
+            ),
+            Pacing::Modelled => None,
+        };
         let progress = JobProgress {
             done_work: 0.0,
             total_work: 0.0,
@@ -307,7 +332,7 @@ impl Broker {
         &self,
         runtime: &Arc<std::sync::Mutex<JobRuntime>>,
         instances: &[InstanceRow],
-        registered: &HashSet<String>,
+        registered: &Option<HashSet<String>>,
         mut progress: JobProgress,
         fraction: f64,
         _spend: f64,
@@ -327,7 +352,7 @@ impl Broker {
         let startup = rt.model.startup_secs;
         let footprint: Vec<InstanceView> = instances
             .iter()
-            .filter_map(|i| instance_view(i, registered, startup))
+            .filter_map(|i| instance_view(i, registered.as_ref(), startup, now))
             .collect();
         let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
         let inner = TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse);
@@ -686,8 +711,9 @@ impl Broker {
 /// How the policy sees one stored instance; final ones are not part of the footprint.
 fn instance_view(
     i: &InstanceRow,
-    registered: &HashSet<String>,
+    registered: Option<&HashSet<String>>,
     startup_secs: f64,
+    now: Timestamp,
 ) -> Option<InstanceView> {
     let purchase = match i.bid {
         Some(bid) => Purchase::Spot { bid },
@@ -702,7 +728,11 @@ fn instance_view(
             terminate_at: i.warned.unwrap_or(launched_at).plus_secs(NOTICE_SECS),
         },
         InstanceState::Requested | InstanceState::Running => {
-            if i.cloud_id.as_ref().is_some_and(|c| registered.contains(c)) {
+            let ready = match registered {
+                Some(r) => i.cloud_id.as_ref().is_some_and(|c| r.contains(c)),
+                None => i.launched.is_some() && launched_at.plus_secs(startup_secs) <= now,
+            };
+            if ready {
                 PolicyInstanceState::Running
             } else {
                 PolicyInstanceState::Starting {
@@ -804,4 +834,47 @@ impl MarketView for LiveView<'_> {
         self.inner
             .eviction_many(market, bid_deltas_usd, horizon_secs, out)
     }
+}
+
+/// [`Pacing::Modelled`]: adds the work the job's ready, unwarned instances did since the last
+/// count, as the simulator counts it (AgileML stage 3: with many transient instances the
+/// reliable ones only hold backups).
+fn advance_modelled_work(rt: &mut JobRuntime, instances: &[InstanceRow], now: Timestamp) {
+    let since = rt.modelled_at.unwrap_or(now);
+    rt.modelled_at = Some(now);
+    if now <= since {
+        return;
+    }
+    let startup = rt.model.startup_secs;
+    let (mut transient, mut reliable) = (0u32, 0u32);
+    let mut work = [0.0f64; 2];
+    for i in instances {
+        let Some(launched) = i.launched else { continue };
+        // Working from when it became ready until it was warned or ended.
+        let stop = [i.warned, i.ended]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(now)
+            .min(now);
+        let start = launched.plus_secs(startup).max(since);
+        if stop <= start {
+            continue;
+        }
+        let rate = rt.model.rate(&i.market.instance_type).unwrap_or(0.0);
+        let units = rate * stop.secs_since(start) / 3600.0;
+        match i.tier {
+            Tier::Transient => {
+                transient += 1;
+                work[0] += units;
+            }
+            Tier::Reliable => {
+                reliable += 1;
+                work[1] += units;
+            }
+        }
+    }
+    let stage3 =
+        reliable > 0 && f64::from(transient) >= rt.model.stages.stage3_ratio * f64::from(reliable);
+    rt.modelled_units += if stage3 { work[0] } else { work[0] + work[1] };
 }
