@@ -1,6 +1,6 @@
 -- Jobs, the instances bought for them, agents, events and the cost ledger. Kept column-for-column
 -- identical to ../postgres/0002_jobs.sql. Times are epoch milliseconds of *market* time (wall time
--- on a real cloud; the accelerated clock of the simulated cloud). Booleans are INTEGER 0/1.
+-- on a real cloud; the accelerated clock of the simulated cloud). Booleans are BIGINT 0/1.
 
 CREATE TABLE jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -44,7 +44,7 @@ CREATE TABLE instances (
     ended_ms BIGINT,
     end_reason TEXT,
     -- 1 if the provider ended it (eviction): under hourly-2015 billing its partial hour is free.
-    ended_by_provider INTEGER NOT NULL DEFAULT 0,
+    ended_by_provider BIGINT NOT NULL DEFAULT 0,
     launch_error TEXT,
     -- Where a locally launched agent's instance-metadata endpoint listens (sim and LocalStack).
     metadata_addr TEXT
@@ -81,7 +81,7 @@ CREATE TABLE ledger_lines (
     end_ms BIGINT NOT NULL,
     usd_per_hour DOUBLE PRECISION NOT NULL,
     amount_usd DOUBLE PRECISION NOT NULL,
-    free INTEGER NOT NULL DEFAULT 0,
+    free BIGINT NOT NULL DEFAULT 0,
     UNIQUE (instance_id, start_ms)
 );
 CREATE INDEX ledger_by_job ON ledger_lines (job_id);

@@ -9,7 +9,7 @@
 //! [`Pacing::Modelled`]) so that the same seed gives the same decisions and the same cost.
 
 use super::GlobalArgs;
-use super::serve::{CloudKind, Ec2Args, ServeArgs, StartOptions, start_with};
+use super::serve::{ServeArgs, StartOptions, start_with};
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
 use crate::output::{OutputFormat, pct, usd};
@@ -262,36 +262,14 @@ async fn open_store(global: &GlobalArgs, out: &std::path::Path) -> Result<(Store
 
 fn serve_args(out: &std::path::Path, token: &str, args: &DemoArgs) -> ServeArgs {
     ServeArgs {
-        listen: "127.0.0.1:0".parse().expect("valid address"),
-        advertise_url: None,
-        cloud: CloudKind::Sim,
-        region: "us-east-1".into(),
         token: Some(token.to_string()),
-        trace: None,
-        on_demand: None,
         speed: args.speed,
         start: Some(args.start.clone()),
-        billing: None,
-        market_model: None,
-        tick_ms: 1000,
         local_agents: Some(true),
-        agent_bin: None,
-        agent_data_dir: None,
         state_dir: Some(out.join("state")),
-        startup_minutes: None,
-        cooldown_secs: 600.0,
         // Market time decides evictions; the demo itself waits for warned agents to hand over.
         min_notice_secs: 0.0,
-        inject_launch_faults: None,
-        ec2: Ec2Args {
-            ami: String::new(),
-            subnet: None,
-            security_group: Vec::new(),
-            instance_profile: None,
-            key_name: None,
-            spot_requests: false,
-            dry_run: false,
-        },
+        ..ServeArgs::sim_defaults()
     }
 }
 

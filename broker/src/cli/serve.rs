@@ -125,6 +125,44 @@ pub struct Ec2Args {
     pub dry_run: bool,
 }
 
+impl ServeArgs {
+    /// The defaults of `proteus serve` (simulated cloud on the built-in trace), for callers
+    /// that build a broker in-process: the demo and the tests.
+    pub fn sim_defaults() -> ServeArgs {
+        ServeArgs {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise_url: None,
+            cloud: CloudKind::Sim,
+            region: "us-east-1".into(),
+            token: None,
+            trace: None,
+            on_demand: None,
+            speed: 60.0,
+            start: None,
+            billing: None,
+            market_model: None,
+            tick_ms: 1000,
+            local_agents: None,
+            agent_bin: None,
+            agent_data_dir: None,
+            state_dir: None,
+            startup_minutes: None,
+            cooldown_secs: 600.0,
+            min_notice_secs: 6.0,
+            inject_launch_faults: None,
+            ec2: Ec2Args {
+                ami: "ami-00000000000000000".into(),
+                subnet: None,
+                security_group: Vec::new(),
+                instance_profile: None,
+                key_name: None,
+                spot_requests: false,
+                dry_run: false,
+            },
+        }
+    }
+}
+
 pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
     let store = global.open_store().await?;
     let listener = tokio::net::TcpListener::bind(args.listen)

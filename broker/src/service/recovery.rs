@@ -93,6 +93,11 @@ impl Broker {
                 (_, Some(ci)) if !ci.state.is_gone() => {
                     self.adopt(row, &ci.cloud_id).await?;
                     report.adopted += 1;
+                    if job_over {
+                        // The job ended (e.g. a cancel) before its instances were released.
+                        self.terminate_instance(row, "job over").await?;
+                        report.terminations_resumed += 1;
+                    }
                 }
                 (_, ci) => {
                     let by_provider = ci.is_some_and(|c| c.ended_by_provider);

@@ -133,6 +133,12 @@ impl Broker {
         by_provider: bool,
         now: Timestamp,
     ) -> Result<(), ServiceError> {
+        // A warned instance that ends was reclaimed by the provider, whoever reports the end
+        // (EC2 shows a plain termination once the notice period is over).
+        let by_provider = by_provider || row.state == InstanceState::Warned;
+        if by_provider {
+            crate::failpoint::hit("evicted-before-record");
+        }
         let reason = if by_provider { "evicted" } else { "terminated" };
         if !self
             .store
@@ -425,8 +431,12 @@ impl Broker {
         let mut committed = spend;
         let data = self.market_data();
         let mut held = None;
+        let mut refused: HashSet<Market> = HashSet::new();
         for acq in &decision.acquire {
             for _ in 0..acq.count {
+                if refused.contains(&acq.market) {
+                    break;
+                }
                 let tier = acq.purchase.tier();
                 if total >= max_instances || (tier == Tier::Reliable && reliable >= max_reliable) {
                     break;
@@ -449,6 +459,9 @@ impl Broker {
                     if tier == Tier::Reliable {
                         reliable += 1;
                     }
+                } else {
+                    // The cloud refused this market: do not ask it again in this decision.
+                    refused.insert(acq.market.clone());
                 }
             }
         }
@@ -486,6 +499,7 @@ impl Broker {
             metadata_addr: None,
         };
         self.store.insert_instance(&row).await?;
+        crate::failpoint::hit("launch-after-intent");
         self.launch_recorded(&row, &token, now).await
     }
 
@@ -506,6 +520,7 @@ impl Broker {
         };
         match self.cloud.launch(&spec).await {
             Ok(ci) => {
+                crate::failpoint::hit("launch-after-cloud");
                 self.store
                     .mark_launched(&row.id, &ci.cloud_id, ci.launched.unwrap_or(now))
                     .await?;
@@ -617,6 +632,7 @@ impl Broker {
             }
             Some(cloud_id) => {
                 self.store.mark_terminating(&row.id, reason).await?;
+                crate::failpoint::hit("terminate-after-intent");
                 super::metrics::Metrics::inc(&self.metrics.terminations);
                 if let Err(e) = self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
                     tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry");
@@ -640,6 +656,9 @@ impl Broker {
             .await?
         {
             return Ok(());
+        }
+        if state == JobState::Cancelled {
+            crate::failpoint::hit("cancel-after-record");
         }
         tracing::info!(%job, state = %state, reason, "job finished");
         self.store

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod api;
 mod cli_prices;
 #[cfg(feature = "ec2")]
 mod ec2_prices;

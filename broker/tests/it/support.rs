@@ -39,8 +39,19 @@ pub struct TestDb {
     _dir: Option<tempfile::TempDir>,
 }
 
+/// Logs of the code under test, shown with a failing test's output.
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "warn,proteus_broker=info",
+        ))
+        .with_test_writer()
+        .try_init();
+}
+
 impl TestDb {
     pub async fn postgres() -> TestDb {
+        init_logs();
         let admin = pg_admin_url();
         let name = unique_name("proteus_test");
         let admin_store = Store::connect(&admin)
@@ -66,6 +77,7 @@ impl TestDb {
     }
 
     pub async fn sqlite() -> TestDb {
+        init_logs();
         let dir = tempfile::tempdir().expect("temp dir");
         let url = format!("sqlite://{}", dir.path().join("test.db").display());
         let store = Store::open(&url).await.expect("open fresh SQLite database");

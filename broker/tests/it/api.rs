@@ -1,0 +1,558 @@
+//! The REST API over real HTTP against a broker on Postgres with the simulated cloud (no agent
+//! processes here; `tests/e2e` runs those). The market clock is stepped by the test.
+
+use crate::support::TestDb;
+use proteus_broker::cli::serve::{ServeArgs, StartOptions, start_with};
+use proteus_broker::clock::{Clock, ManualClock};
+use proteus_broker::market::Timestamp;
+use proteus_broker::service::{Broker, Pacing};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+const TOKEN: &str = "pt_test-user-token";
+
+struct TestServer {
+    url: String,
+    broker: Arc<Broker>,
+    clock: ManualClock,
+    http: reqwest::Client,
+    task: tokio::task::JoinHandle<()>,
+    _db: TestDb,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TestServer {
+    async fn start(tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
+        let db = TestDb::postgres().await;
+        let clock = ManualClock::new(Timestamp::parse("2015-05-01T00:00:00Z").unwrap());
+        let mut args = ServeArgs::sim_defaults();
+        args.token = Some(TOKEN.into());
+        args.local_agents = Some(false);
+        args.start = Some("2015-05-01T00:00:00Z".into());
+        tweak(&mut args);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = start_with(
+            db.store.clone(),
+            args,
+            listener,
+            StartOptions {
+                clock: Some(Arc::new(clock.clone())),
+                pacing: Some(Pacing::Modelled),
+            },
+        )
+        .await
+        .expect("broker starts");
+        let url = format!("http://{}", server.addr);
+        let (broker, task) = server.serve_api();
+        TestServer {
+            url,
+            broker,
+            clock,
+            http: reqwest::Client::new(),
+            task,
+            _db: db,
+        }
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut req = self.http.request(method, format!("{}{path}", self.url));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.expect("request");
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call(reqwest::Method::POST, path, Some(TOKEN), Some(body))
+            .await
+    }
+    async fn get(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::GET, path, Some(TOKEN), None)
+            .await
+    }
+    async fn delete(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::DELETE, path, Some(TOKEN), None)
+            .await
+    }
+
+    /// Advances market time and runs one scheduler pass.
+    async fn step(&self, secs: f64) {
+        self.clock.advance_secs(secs);
+        self.broker.tick().await.expect("tick");
+    }
+}
+
+fn job(policy: &str) -> Value {
+    json!({
+        "name": "api-test",
+        "app": "mlr",
+        "policy": policy,
+        "limits": {"max_instances": 4, "max_reliable_instances": 1},
+        "work": {"total_work": 8.0}
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_4xx_naming_the_field() {
+    let s = TestServer::start(|_| {}).await;
+    let cases: Vec<(Value, u16, Option<&str>)> = vec![
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": -1}}),
+            422,
+            Some("limits.max_instances"),
+        ),
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 0}}),
+            422,
+            Some("limits.max_instances"),
+        ),
+        (
+            json!({"app": "svm", "policy": "bidbrain", "limits": {"max_instances": 2}}),
+            422,
+            Some("app"),
+        ),
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": "many"}}),
+            422,
+            Some("limits.max_instances"),
+        ),
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 2}, "colour": 1}),
+            422,
+            Some("colour"),
+        ),
+        (
+            json!({"app": "mlr", "policy": "no-such-policy", "limits": {"max_instances": 2}}),
+            422,
+            Some("policy"),
+        ),
+        (json!({"app": "mlr", "policy": "bidbrain"}), 422, None),
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 2, "budget_usd": -5}}),
+            422,
+            Some("limits.budget_usd"),
+        ),
+        (
+            json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 2}, "work": {"instance_types": ["p9.huge"]}}),
+            422,
+            Some("work.instance_types[0]"),
+        ),
+    ];
+    for (body, status, field) in cases {
+        let (got, answer) = s.post("/v1/jobs", body.clone()).await;
+        assert_eq!(got, status, "{body} -> {answer}");
+        assert!(
+            answer["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{answer}"
+        );
+        if let Some(f) = field {
+            assert_eq!(answer["field"], f, "{body} -> {answer}");
+        }
+    }
+    // Malformed JSON and a wrong content type.
+    let resp = s
+        .http
+        .post(format!("{}/v1/jobs", s.url))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body("{\"app\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let resp = s
+        .http
+        .post(format!("{}/v1/jobs", s.url))
+        .bearer_auth(TOKEN)
+        .body("app=mlr")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 415);
+    for path in [
+        "/v1/jobs/abc",
+        "/v1/jobs/0",
+        "/v1/jobs/999999",
+        "/v1/jobs/-3/cost",
+        "/v1/nothing",
+    ] {
+        let (status, _) = s.get(path).await;
+        assert_eq!(status, 404, "{path}");
+    }
+    let (status, answer) = s.get("/v1/prices?market=nowhere").await;
+    assert_eq!((status, answer["field"].as_str()), (422, Some("market")));
+    assert_eq!(
+        s.broker.store.jobs(false).await.unwrap().len(),
+        0,
+        "nothing was stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_checked_and_scoped_to_their_instance() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, _) = s.call(reqwest::Method::GET, "/v1/jobs", None, None).await;
+    assert_eq!(status, 401);
+    let (status, _) = s
+        .call(reqwest::Method::GET, "/v1/jobs", Some("pt_wrong"), None)
+        .await;
+    assert_eq!(status, 401);
+    let (status, _) = s.get("/healthz").await;
+    assert_eq!(status, 200, "health needs no token");
+
+    // Two jobs, each with one launched instance whose agent token we know.
+    let mut tokens = Vec::new();
+    for _ in 0..2 {
+        let (status, view) = s.post("/v1/jobs", job("on-demand")).await;
+        assert_eq!(status, 201, "{view}");
+        let id = proteus_wire::JobId(view["id"].as_i64().unwrap());
+        let market = proteus_broker::market::Market::parse("us-east-1a/c3.xlarge").unwrap();
+        let token = proteus_broker::api::auth::new_token("pa_");
+        let row = proteus_broker::store::InstanceRow {
+            id: format!("pi-test-{}", id.0),
+            job_id: id,
+            cloud_id: None,
+            market,
+            tier: proteus_wire::Tier::Reliable,
+            bid: None,
+            state: proteus_broker::store::InstanceState::Requested,
+            token_hash: proteus_broker::api::auth::hash_token(&token),
+            requested: s.clock.now(),
+            launched: None,
+            warned: None,
+            ended: None,
+            end_reason: None,
+            ended_by_provider: false,
+            launch_error: None,
+            metadata_addr: None,
+        };
+        s.broker.store.insert_instance(&row).await.unwrap();
+        let cloud_id = format!("i-test{}", id.0);
+        s.broker
+            .store
+            .mark_launched(&row.id, &cloud_id, s.clock.now())
+            .await
+            .unwrap();
+        tokens.push((cloud_id, token));
+    }
+    let (a_id, a_token) = &tokens[0];
+    let (b_id, b_token) = &tokens[1];
+    async fn register(s: &TestServer, id: &str, t: Option<&str>) -> u16 {
+        let body = json!({"instance_id": id, "data_addr": "127.0.0.1:9", "vcpus": 2});
+        s.call(reqwest::Method::POST, "/v1/agents/register", t, Some(body))
+            .await
+            .0
+    }
+    assert_eq!(register(&s, a_id, Some(a_token)).await, 200, "own token");
+    assert_eq!(
+        register(&s, b_id, Some(a_token)).await,
+        403,
+        "another instance's token"
+    );
+    assert_eq!(register(&s, b_id, Some("pa_bogus")).await, 401);
+    assert_eq!(register(&s, b_id, None).await, 401);
+    let (status, _) = s
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/agents/{b_id}/heartbeat"),
+            Some(a_token),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(
+        status, 403,
+        "an agent cannot act for another job's instance"
+    );
+    let (status, _) = s
+        .call(reqwest::Method::GET, "/v1/jobs/2", Some(b_token), None)
+        .await;
+    assert_eq!(status, 403, "agent tokens cannot read the job API");
+    let (status, _) = s
+        .call(reqwest::Method::DELETE, "/v1/jobs/1", Some(a_token), None)
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(
+        s.get("/v1/jobs/1").await.1["state"],
+        "pending",
+        "not cancelled by the agent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..5 {
+        s.step(60.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(view["state"], "running", "{view}");
+    let live = view["instances_by_tier"]["reliable"].as_u64().unwrap()
+        + view["instances_by_tier"]["transient"].as_u64().unwrap();
+    assert!((2..=4).contains(&live), "{view}");
+    assert!(view["instances_by_tier"]["reliable"].as_u64().unwrap() <= 1);
+    let described = s.broker.cloud.describe().await.unwrap();
+    assert_eq!(
+        described.iter().filter(|c| !c.state.is_gone()).count() as u64,
+        live,
+        "the cloud agrees with the store"
+    );
+
+    let (status, view) = s.delete(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(
+        (status, view["state"].as_str()),
+        (200, Some("cancelled")),
+        "{view}"
+    );
+    let (status, _) = s.delete(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(status, 409, "cancelling twice is a conflict");
+    s.step(1.0).await;
+    let described = s.broker.cloud.describe().await.unwrap();
+    assert!(
+        described.iter().all(|c| c.state.is_gone()),
+        "every instance terminated: {described:?}"
+    );
+    let rows = s
+        .broker
+        .store
+        .instances_of_job(proteus_wire::JobId(id))
+        .await
+        .unwrap();
+    assert!(rows.iter().all(|r| r.state.is_final()), "{rows:?}");
+
+    let (status, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    assert_eq!(status, 200, "{cost}");
+    let total = cost["total_usd"].as_f64().unwrap();
+    let lines: f64 = cost["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["amount_usd"].as_f64().unwrap())
+        .sum();
+    let tiers: f64 = cost["by_tier"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert!(
+        total > 0.0 && (total - lines).abs() < 1e-9 && (total - tiers).abs() < 1e-9,
+        "{cost}"
+    );
+    s.step(3600.0).await;
+    let (_, later) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    assert_eq!(
+        later["total_usd"], cost["total_usd"],
+        "the ledger is closed"
+    );
+    assert_eq!(cost["counterfactuals"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_errors_cool_the_market_down_and_the_policy_buys_elsewhere() {
+    let s = TestServer::start(|a| {
+        a.inject_launch_faults = Some("*/c3.xlarge=insufficient-capacity".into())
+    })
+    .await;
+    let body = json!({
+        "app": "mlr", "policy": "on-demand",
+        "limits": {"max_instances": 2, "max_reliable_instances": 2},
+        "work": {"total_work": 4.0, "instance_types": ["c3.xlarge", "r3.large"]}
+    });
+    let (status, view) = s.post("/v1/jobs", body).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..5 {
+        s.step(60.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let reasons = view["unavailable_markets"].as_array().unwrap();
+    assert!(
+        reasons.iter().any(|r| r
+            .as_str()
+            .unwrap()
+            .contains("c3.xlarge: insufficient-capacity")),
+        "the reason is visible: {view}"
+    );
+    let instances = view["instances"].as_array().unwrap();
+    assert!(instances.iter().any(|i| i["state"] == "failed" && i["market"].as_str().unwrap().ends_with("c3.xlarge")));
+    assert!(
+        instances.iter().any(|i| i["state"] == "running" && i["market"].as_str().unwrap().ends_with("r3.large")),
+        "bought elsewhere: {view}"
+    );
+    let (_, events) = s.get(&format!("/v1/jobs/{id}/events")).await;
+    assert!(
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "launch_failed")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_and_deadline_end_a_job() {
+    let s = TestServer::start(|_| {}).await;
+    let mut body = job("on-demand");
+    body["limits"]["budget_usd"] = json!(0.5);
+    body["work"]["total_work"] = json!(50.0);
+    let (_, view) = s.post("/v1/jobs", body).await;
+    let budget_job = view["id"].as_i64().unwrap();
+    let mut body = job("on-demand");
+    body["limits"]["deadline_hours"] = json!(2.0);
+    body["work"]["total_work"] = json!(500.0);
+    let (_, view) = s.post("/v1/jobs", body).await;
+    let deadline_job = view["id"].as_i64().unwrap();
+    for _ in 0..12 {
+        s.step(900.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;
+    assert_eq!(view["state"], "failed", "{view}");
+    assert!(
+        view["state_reason"].as_str().unwrap().contains("budget"),
+        "{view}"
+    );
+    assert!(
+        view["spend_usd"].as_f64().unwrap() < 0.5 + 4.0 * 0.21 + 1e-9,
+        "spend stops near the budget: {view}"
+    );
+    let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
+    assert_eq!(view["state"], "failed", "{view}");
+    assert!(
+        view["state_reason"].as_str().unwrap().contains("deadline"),
+        "{view}"
+    );
+    assert!(
+        s.broker
+            .cloud
+            .describe()
+            .await
+            .unwrap()
+            .iter()
+            .all(|c| c.state.is_gone())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_body_causes_a_server_error() {
+    use rand::{Rng, SeedableRng};
+    let s = TestServer::start(|_| {}).await;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let leaves = [
+        json!(null),
+        json!(-1),
+        json!(0),
+        json!(1e308),
+        json!(4_294_967_296u64),
+        json!("x"),
+        json!(""),
+        json!([]),
+        json!({}),
+        json!(true),
+        json!("2015-05-02T00:00:00Z"),
+        json!(f64::MIN_POSITIVE),
+    ];
+    let keys = [
+        "app", "policy", "limits", "work", "training", "stop", "billing", "dataset", "name",
+    ];
+    for case in 0..300 {
+        let mut body = job(["bidbrain", "on-demand", "standard-bidding"][case % 3]);
+        for _ in 0..rng.random_range(1..4) {
+            let key = keys[rng.random_range(0..keys.len())];
+            let leaf = leaves[rng.random_range(0..leaves.len())].clone();
+            match body.get_mut(key) {
+                Some(Value::Object(inner)) if !inner.is_empty() && rng.random_bool(0.6) => {
+                    let k = inner
+                        .keys()
+                        .nth(rng.random_range(0..inner.len()))
+                        .unwrap()
+                        .clone();
+                    inner.insert(k, leaf);
+                }
+                _ => {
+                    body[key] = leaf;
+                }
+            }
+        }
+        let (status, answer) = s.post("/v1/jobs", body.clone()).await;
+        assert!(status < 500, "{body} -> {status} {answer}");
+        if status >= 400 {
+            assert!(answer["message"].is_string(), "{answer}");
+        }
+    }
+    for path in [
+        "/v1/agents/i-x/commands?after=-1",
+        "/v1/agents/i-x/commands?wait_ms=abc",
+        "/v1/prices",
+        "/v1/prices?market=us-east-1a/c3.xlarge&from=x",
+    ] {
+        let (status, _) = s.get(path).await;
+        assert!((400..500).contains(&status), "{path} -> {status}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_describes_every_route() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, doc) = s
+        .call(reqwest::Method::GET, "/v1/openapi.json", None, None)
+        .await;
+    assert_eq!(status, 200);
+    let paths = doc["paths"].as_object().unwrap();
+    for p in [
+        "/v1/jobs",
+        "/v1/jobs/{id}",
+        "/v1/jobs/{id}/cost",
+        "/v1/markets",
+        "/v1/prices",
+        "/v1/agents/register",
+        "/v1/agents/{instance_id}/heartbeat",
+        "/v1/agents/{instance_id}/commands",
+        "/v1/agents/{instance_id}/events",
+        "/healthz",
+        "/metrics",
+    ] {
+        assert!(
+            paths.contains_key(p),
+            "{p} missing from the OpenAPI document"
+        );
+    }
+    assert!(doc["components"]["schemas"]["JobSpec"].is_object());
+    let (status, markets) = s.get("/v1/markets").await;
+    assert_eq!(status, 200);
+    assert_eq!(markets.as_array().unwrap().len(), 15);
+    let (status, prices) = s
+        .get("/v1/prices?market=us-east-1a/c3.xlarge&from=2015-04-01&to=2015-04-02")
+        .await;
+    assert_eq!(status, 200);
+    assert!(!prices.as_array().unwrap().is_empty());
+    let (_, metrics) = s.call(reqwest::Method::GET, "/metrics", None, None).await;
+    assert!(
+        metrics
+            .as_str()
+            .unwrap()
+            .contains("proteus_jobs{state=\"running\"}")
+    );
+}
