@@ -9,7 +9,8 @@ mod common;
 use proteus_agent::testing::TestCoordinator;
 use proteus_agent::transport::{Peers, Request, Response};
 use proteus_wire::Tier;
-use proteus_wire::agent_api::{AgentEvent, AppConfig, TrainingConfig};
+use proteus_wire::agent_api::{AppConfig, TrainingConfig};
+use proteus_wire::coordinator::MemberState;
 use std::time::{Duration, Instant};
 
 const MODEL_LEN: u64 = 25_000_000; // 100 MB of f32
@@ -65,13 +66,15 @@ async fn one_run() -> (f64, f64) {
     let client = Peers::new("bench".into());
     let mut warned_at = None;
     loop {
-        if warned_at.is_none()
-            && coord.status().departed.is_empty()
-            && coord.status().members.iter().any(|m| {
-                m.instance_id.0 == "t" && m.state == proteus_wire::coordinator::MemberState::Leaving
-            })
-        {
-            warned_at = Some(start.elapsed().as_secs_f64());
+        if warned_at.is_none() {
+            let st = coord.status();
+            let leaving = st
+                .members
+                .iter()
+                .any(|m| m.instance_id.0 == "t" && m.state == MemberState::Leaving);
+            if leaving || !st.departed.is_empty() {
+                warned_at = Some(start.elapsed().as_secs_f64());
+            }
         }
         let req = Request::Pull {
             shard: 0,
@@ -86,7 +89,7 @@ async fn one_run() -> (f64, f64) {
             let w = warned_at.unwrap_or(total);
             return (total, total - w);
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
         assert!(
             start.elapsed() < Duration::from_secs(60),
             "shard never served elsewhere"
@@ -115,6 +118,5 @@ fn main() {
              (target < {TARGET_SECS:.1} s: ratio {:.2} of target)",
             med / TARGET_SECS
         );
-        let _ = AgentEvent::Ready { model_len: 0 };
     });
 }

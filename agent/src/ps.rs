@@ -222,6 +222,9 @@ pub struct PsNode {
     events: mpsc::UnboundedSender<PsEvent>,
     /// Hand-overs in flight (the agent may exit only when this is zero).
     handovers: Mutex<usize>,
+    /// The newest view applied, so that an acquisition that finishes after the shard moved on
+    /// passes it along instead of serving a stale copy.
+    latest_view: Mutex<Option<Arc<ClusterView>>>,
 }
 
 impl PsNode {
@@ -241,6 +244,7 @@ impl PsNode {
             changed: Notify::new(),
             events,
             handovers: Mutex::new(0),
+            latest_view: Mutex::new(None),
         })
     }
 
@@ -296,6 +300,11 @@ impl PsNode {
 
     /// Reconcile with a new view: start serving, hand over, keep or drop copies.
     pub fn apply_view(self: &Arc<Self>, view: &ClusterView) {
+        *self.latest_view.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(view.clone()));
+        self.reconcile(view);
+    }
+
+    fn reconcile(self: &Arc<Self>, view: &ClusterView) {
         let mut to_acquire = Vec::new();
         let mut to_hand_over = Vec::new();
         {
@@ -482,6 +491,16 @@ impl PsNode {
             ?source,
             "serving shard"
         );
+        // The layout may have moved on while we were fetching (another backup, or another
+        // owner altogether): catch up with the newest view.
+        let latest = self
+            .latest_view
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(v) = latest {
+            self.reconcile(&v);
+        }
     }
 
     async fn wait_for_handover(&self, shard: u32) -> bool {

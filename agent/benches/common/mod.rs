@@ -34,12 +34,18 @@ pub async fn spawn_agent(broker: &str, name: &str, imds_poll_ms: u64) -> Proc {
             "--exit-margin-secs",
             "1",
         ])
-        .args(["--log", "warn"])
+        .args(["--log", "info"])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log_file(name))
         .spawn()
         .expect("agent binary");
     Proc(child, imds)
+}
+
+/// Agent logs go to `$TMPDIR/proteus-bench-<name>.log` for post-mortems.
+fn log_file(name: &str) -> Stdio {
+    let path = std::env::temp_dir().join(format!("proteus-bench-{name}.log"));
+    std::fs::File::create(path).map_or(Stdio::null(), Stdio::from)
 }
 
 pub fn median(v: &mut [f64]) -> f64 {
