@@ -27,7 +27,7 @@ fn config() -> TrainingConfig {
     cfg.num_shards = 2;
     cfg.num_partitions = 16;
     cfg.clocks_per_epoch = 60;
-    cfg.stop = StopCondition::Epochs { epochs: 20 };
+    cfg.stop = StopCondition::Epochs { epochs: 200 }; // cancelled once measured
     cfg.min_workers = 2;
     cfg.eval_every_epochs = 0;
     cfg
@@ -97,6 +97,7 @@ fn main() {
             let t = Instant::now();
             tokio::time::sleep(Duration::from_secs(3)).await;
             let (b, workers) = samples(&coord.status());
+            assert_eq!(workers, 2, "both workers must still be training");
             let rate = (b - a) as f64 / t.elapsed().as_secs_f64() / workers as f64;
             println!("window: {rate:.0} samples/s per worker ({workers} workers)");
             rates.push(rate);

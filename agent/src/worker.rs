@@ -192,7 +192,23 @@ impl Worker {
     async fn pull_all(&mut self, need: Option<u64>) -> bool {
         let mut fresh = vec![0.0f32; self.ctx.app.model_len()];
         let shards = self.view.shards.len() as u32;
-        for s in 0..shards {
+        // Fast path: ask every shard at once; only shards that did not answer with parameters
+        // go through the patient per-shard loop below.
+        let req = |s| Request::Pull {
+            shard: s,
+            need,
+            wait_ms: PULL_WAIT_MS,
+        };
+        let done = self
+            .fan_out(req, |p, resp| match resp {
+                Response::Params { values, .. } if values.len() as u64 == p.keys.len() => {
+                    fresh[p.keys.start as usize..p.keys.end as usize].copy_from_slice(&values);
+                    true
+                }
+                _ => false,
+            })
+            .await;
+        for s in (0..shards).filter(|s| !done.contains(s)) {
             loop {
                 if self.my_partitions().is_none() {
                     return false;
@@ -284,12 +300,64 @@ impl Worker {
 
     /// Push the clock's update to every shard; false if unassigned meanwhile.
     async fn push_all(&mut self, parts: &[u32], delta: Vec<f32>) -> bool {
-        for s in 0..self.view.shards.len() as u32 {
+        let clock = self.clock;
+        let req = |p: &ShardPlacement| Request::Push {
+            shard: p.shard,
+            clock,
+            partitions: parts.to_vec(),
+            delta: delta[p.keys.start as usize..p.keys.end as usize].to_vec(),
+        };
+        let done = self
+            .fan_out_with(req, |_, resp| {
+                matches!(
+                    resp,
+                    Response::Pushed(PushOutcome::Applied | PushOutcome::Duplicate)
+                )
+            })
+            .await;
+        for s in (0..self.view.shards.len() as u32).filter(|s| !done.contains(s)) {
             if !self.push_one(s, self.clock, parts, &delta).await {
                 return false;
             }
         }
         true
+    }
+
+    /// Send one request per shard concurrently; returns the shards for which `accept` took the
+    /// answer. Anything else (errors, moved shards) is left to the caller's retry loops.
+    async fn fan_out(
+        &self,
+        req: impl Fn(u32) -> Request,
+        accept: impl FnMut(&ShardPlacement, Response) -> bool,
+    ) -> Vec<u32> {
+        self.fan_out_with(|p| req(p.shard), accept).await
+    }
+
+    async fn fan_out_with(
+        &self,
+        req: impl Fn(&ShardPlacement) -> Request,
+        mut accept: impl FnMut(&ShardPlacement, Response) -> bool,
+    ) -> Vec<u32> {
+        let mut calls = Vec::new();
+        for s in 0..self.view.shards.len() as u32 {
+            let Some((p, addr)) = self.placement(s) else {
+                continue;
+            };
+            let (peers, r) = (self.ctx.peers.clone(), req(&p));
+            calls.push((
+                p,
+                tokio::spawn(async move { peers.call(&addr, &r, CALL_TIMEOUT).await }),
+            ));
+        }
+        let mut done = Vec::new();
+        for (p, call) in calls {
+            if let Ok(Ok(resp)) = call.await
+                && accept(&p, resp)
+            {
+                done.push(p.shard);
+            }
+        }
+        done
     }
 
     /// Push `delta`'s slice for shard `s` until it is applied or known to be in already.
