@@ -65,8 +65,10 @@ fn main() {
         tokio::spawn(peers.serve(listener));
 
         let mut rates = Vec::new();
+        let mut per_cpu = Vec::new();
         for round in 0..ROUNDS as u64 {
             let t = Instant::now();
+            let cpu0 = common::cpu_seconds();
             let handles: Vec<_> =
                 (0..CLIENTS).map(|p| tokio::spawn(client(addr.clone(), p, round))).collect();
             let mut bytes = 0;
@@ -74,14 +76,28 @@ fn main() {
                 bytes += h.await.expect("client");
             }
             let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
-            println!("round {round}: {:.2} GB/s ({} MB moved)", gbps, bytes / 1_000_000);
+            let cpu = common::cpu_seconds() - cpu0;
+            let gb_per_cpu_s = if cpu > 0.0 { bytes as f64 / 1e9 / cpu } else { f64::NAN };
+            println!(
+                "round {round}: {:.2} GB/s ({} MB moved, {cpu:.2} CPU-s: {gb_per_cpu_s:.2} GB per CPU-second)",
+                gbps,
+                bytes / 1_000_000
+            );
             rates.push(gbps);
+            per_cpu.push(gb_per_cpu_s);
         }
         let med = common::median(&mut rates);
+        let med_cpu = common::median(&mut per_cpu);
         println!(
             "PS pull/push throughput, 4 MB dense updates, {CLIENTS} clients on loopback: median {med:.2} GB/s aggregate \
              (target >= {TARGET_GBPS:.1} GB/s: ratio {:.2}x)",
             med / TARGET_GBPS
+        );
+        println!(
+            "  work per CPU: median {med_cpu:.2} GB per CPU-second (server and clients together); \
+             with both cores free that is {:.2} GB/s (load average now {})",
+            med_cpu * 2.0,
+            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?")
         );
     });
 }

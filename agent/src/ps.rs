@@ -124,7 +124,9 @@ impl ClockBook {
 #[derive(Debug, Clone)]
 pub struct ShardState {
     pub start: u64,
-    pub values: Vec<f32>,
+    /// Shared with pulls being encoded: a pull takes a reference, not a copy, and a push copies
+    /// only if a pull is still reading (copy-on-write).
+    pub values: Arc<Vec<f32>>,
     pub seq: u64,
     pub clocks: ClockBook,
 }
@@ -133,7 +135,7 @@ impl ShardState {
     pub fn fresh(start: u64, values: Vec<f32>, num_partitions: u32) -> Self {
         ShardState {
             start,
-            values,
+            values: Arc::new(values),
             seq: 0,
             clocks: ClockBook::new(num_partitions),
         }
@@ -144,7 +146,7 @@ impl ShardState {
             start: s.start,
             seq: s.seq,
             clocks: ClockBook::from_state(num_partitions, &s.clocks),
-            values: s.values,
+            values: Arc::new(s.values),
         }
     }
 
@@ -153,7 +155,7 @@ impl ShardState {
             start: self.start,
             seq: self.seq,
             clocks: self.clocks.state(),
-            values: self.values.clone(),
+            values: Vec::clone(&self.values),
         }
     }
 
@@ -173,7 +175,7 @@ impl ShardState {
         }
         let outcome = self.clocks.record(clock, partitions);
         if outcome == PushOutcome::Applied {
-            for (v, d) in self.values.iter_mut().zip(delta) {
+            for (v, d) in Arc::make_mut(&mut self.values).iter_mut().zip(delta) {
                 *v += d;
             }
             self.seq += 1;
@@ -596,7 +598,7 @@ impl PsNode {
                             return Response::Params {
                                 seq: a.state.seq,
                                 done: a.state.clocks.done(),
-                                values: a.state.values.clone(),
+                                values: Arc::clone(&a.state.values),
                             };
                         }
                         need.map(|c| a.state.clocks.missing(c)).unwrap_or_default()

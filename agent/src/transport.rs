@@ -91,7 +91,7 @@ pub enum Response {
     Params {
         seq: u64,
         done: Option<u64>,
-        values: Vec<f32>,
+        values: Arc<Vec<f32>>,
     },
     /// Clock `need` is still incomplete; these partitions are missing.
     NotReady {
@@ -395,7 +395,7 @@ impl Response {
             1 => Response::Params {
                 seq: d.u64()?,
                 done: d.opt_u64()?,
-                values: d.f32s()?,
+                values: Arc::new(d.f32s()?),
             },
             2 => Response::NotReady { missing: d.u32s()? },
             3 => Response::Pushed(match d.u8()? {
@@ -663,8 +663,15 @@ async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>> {
             "frame of {len} bytes exceeds limit"
         )));
     }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body).await?;
+    // Read into spare capacity: no zeroing pass over multi-megabyte tensors.
+    let mut body = Vec::with_capacity(len);
+    (&mut *r).take(len as u64).read_to_end(&mut body).await?;
+    if body.len() != len {
+        return Err(AgentError::Frame(format!(
+            "connection closed after {} of {len} bytes",
+            body.len()
+        )));
+    }
     Ok(body)
 }
 
@@ -708,7 +715,7 @@ mod tests {
             Response::Params {
                 seq: 1,
                 done: None,
-                values: vec![1.0, 2.0],
+                values: Arc::new(vec![1.0, 2.0]),
             },
             Response::Pushed(PushOutcome::Conflict { already: vec![3] }),
             Response::Snapshot(Some(snapshot)),
