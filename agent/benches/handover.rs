@@ -115,8 +115,9 @@ fn main() {
         println!(
             "Hand-over of a 100 MB shard: median {med:.3} s from the IMDS notice to serving on the backup machine \
              (IMDS polled every {IMDS_POLL_MS} ms; {med_after:.3} s from the broker learning of it) \
-             (target < {TARGET_SECS:.1} s: ratio {:.2} of target)",
-            med / TARGET_SECS
+             (target < {TARGET_SECS:.1} s: ratio {:.2} of target; load average {})",
+            med / TARGET_SECS,
+            common::load_average()
         );
     });
 }

@@ -111,9 +111,10 @@ fn main() {
     let overhead = 1.0 - dist_med / single_med;
     println!(
         "MLR on MNIST: median {dist_med:.0} samples/s per worker (2 workers, 2 cores) vs {single_med:.0} single-process: \
-         distribution overhead {:.0}% (target <= {:.0}%: ratio {:.2} of the allowed overhead)",
+         distribution overhead {:.0}% (target <= {:.0}%: ratio {:.2} of the allowed overhead; load average {})",
         overhead * 100.0,
         TARGET_OVERHEAD * 100.0,
-        overhead / TARGET_OVERHEAD
+        overhead / TARGET_OVERHEAD,
+        common::load_average()
     );
 }

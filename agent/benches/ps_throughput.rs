@@ -97,7 +97,7 @@ fn main() {
             "  work per CPU: median {med_cpu:.2} GB per CPU-second (server and clients together); \
              with both cores free that is {:.2} GB/s (load average now {})",
             med_cpu * 2.0,
-            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?")
+            common::load_average()
         );
     });
 }
