@@ -26,20 +26,23 @@ fn config() -> TrainingConfig {
     });
     cfg.num_shards = 2;
     cfg.num_partitions = 16;
-    cfg.clocks_per_epoch = 60;
+    // The default: 20 clocks per epoch, i.e. 3,000 samples per clock (1,500 per worker).
+    cfg.clocks_per_epoch = proteus_wire::agent_api::default_clocks_per_epoch();
     cfg.stop = StopCondition::Epochs { epochs: 200 }; // cancelled once measured
     cfg.min_workers = 2;
     cfg.eval_every_epochs = 0;
     cfg
 }
 
-fn single_process(app: &App, cfg: &TrainingConfig) -> Vec<f64> {
+/// Samples/s and samples per CPU-second of the plain loop.
+fn single_process(app: &App, cfg: &TrainingConfig) -> (Vec<f64>, Vec<f64>) {
     let all: Vec<u32> = (0..cfg.num_partitions).collect();
     let mut params = app.init(0..app.model_len());
-    let mut rates = Vec::new();
+    let (mut rates, mut per_cpu) = (Vec::new(), Vec::new());
     let mut clock = 0;
     for _ in 0..WINDOWS {
         let t = Instant::now();
+        let cpu0 = common::cpu_seconds();
         let mut samples = 0;
         for _ in 0..20 {
             let u = app.compute(&params, &all, clock);
@@ -50,22 +53,26 @@ fn single_process(app: &App, cfg: &TrainingConfig) -> Vec<f64> {
             clock += 1;
         }
         rates.push(samples as f64 / t.elapsed().as_secs_f64());
+        per_cpu.push(samples as f64 / (common::cpu_seconds() - cpu0).max(0.01));
     }
-    rates
+    (rates, per_cpu)
 }
 
 fn main() {
     let cfg = config();
     let app = App::load(&cfg, std::path::Path::new(common::DATA_DIR)).expect("MNIST loads");
-    let mut single = single_process(&app, &cfg);
+    let (mut single, mut single_cpu) = single_process(&app, &cfg);
     let single_med = common::median(&mut single);
-    println!("single-process ndarray loop: median {single_med:.0} samples/s");
+    let single_cpu_med = common::median(&mut single_cpu);
+    println!(
+        "single-process ndarray loop: median {single_med:.0} samples/s ({single_cpu_med:.0} per CPU-second)"
+    );
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    let per_worker = rt.block_on(async {
+    let (per_worker, mut per_cpu) = rt.block_on(async {
         let coord = TestCoordinator::start(
             cfg,
             &[
@@ -75,8 +82,10 @@ fn main() {
         )
         .await
         .expect("coordinator");
-        let _r = common::spawn_agent(&coord.url(), "r", 2000).await;
-        let _t = common::spawn_agent(&coord.url(), "t", 2000).await;
+        let r = common::spawn_agent(&coord.url(), "r", 2000).await;
+        let t = common::spawn_agent(&coord.url(), "t", 2000).await;
+        let pids = [r.0.id().to_string(), t.0.id().to_string()];
+        let agents_cpu = || pids.iter().map(|p| common::proc_cpu_seconds(p)).sum::<f64>();
         coord
             .wait_for(Duration::from_secs(60), |s| s.state == JobState::Running)
             .await
@@ -85,7 +94,7 @@ fn main() {
             .wait_for(Duration::from_secs(60), |s| s.progress.clock >= 60)
             .await
             .expect("warms up");
-        let mut rates = Vec::new();
+        let (mut rates, mut per_cpu) = (Vec::new(), Vec::new());
         for _ in 0..WINDOWS {
             let samples = |s: &proteus_wire::coordinator::JobStatus| -> (u64, usize) {
                 (
@@ -94,21 +103,25 @@ fn main() {
                 )
             };
             let (a, _) = samples(&coord.status());
+            let cpu0 = agents_cpu();
             let t = Instant::now();
             tokio::time::sleep(Duration::from_secs(3)).await;
             let (b, workers) = samples(&coord.status());
             assert_eq!(workers, 2, "both workers must still be training");
             let rate = (b - a) as f64 / t.elapsed().as_secs_f64() / workers as f64;
-            println!("window: {rate:.0} samples/s per worker ({workers} workers)");
+            let cpu_rate = (b - a) as f64 / (agents_cpu() - cpu0).max(0.01);
+            println!("window: {rate:.0} samples/s per worker ({workers} workers), {cpu_rate:.0} samples per CPU-second");
             rates.push(rate);
+            per_cpu.push(cpu_rate);
         }
         coord.with(|c| c.cancel("benchmark over"));
         tokio::time::sleep(Duration::from_millis(500)).await;
-        rates
+        (rates, per_cpu)
     });
     let mut per_worker = per_worker;
     let dist_med = common::median(&mut per_worker);
     let overhead = 1.0 - dist_med / single_med;
+    let cpu_med = common::median(&mut per_cpu);
     println!(
         "MLR on MNIST: median {dist_med:.0} samples/s per worker (2 workers, 2 cores) vs {single_med:.0} single-process: \
          distribution overhead {:.0}% (target <= {:.0}%: ratio {:.2} of the allowed overhead; load average {})",
@@ -116,5 +129,10 @@ fn main() {
         TARGET_OVERHEAD * 100.0,
         overhead / TARGET_OVERHEAD,
         common::load_average()
+    );
+    println!(
+        "  per CPU-second (unaffected by other load): {cpu_med:.0} samples distributed (agents' CPU incl. PS and \
+         transport) vs {single_cpu_med:.0} single-process: CPU overhead {:.0}%",
+        (1.0 - cpu_med / single_cpu_med) * 100.0
     );
 }

@@ -272,10 +272,15 @@ impl Worker {
         parts: Vec<u32>,
         clock: u64,
     ) -> crate::apps::Update {
+        // On a multi-threaded runtime, compute in place: no hand-off to the blocking pool and
+        // back (two thread wake-ups per clock, which under CPU contention cost more than the
+        // copy they avoid); the runtime's other thread keeps serving shards meanwhile.
         let app = self.ctx.app.clone();
-        tokio::task::spawn_blocking(move || app.compute(&params, &parts, clock))
-            .await
-            .unwrap_or_default()
+        let run = move || app.compute(&params, &parts, clock);
+        match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(run),
+            _ => tokio::task::spawn_blocking(run).await.unwrap_or_default(),
+        }
     }
 
     /// The model as it is now on every shard, without waiting for any clock (one attempt each).

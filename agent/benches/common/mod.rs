@@ -64,7 +64,12 @@ pub fn median(v: &mut [f64]) -> f64 {
 /// CPU seconds (user + system) this process has used, from /proc (0 where unavailable): lets a
 /// benchmark on a shared machine report work per CPU-second, which other load does not distort.
 pub fn cpu_seconds() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+    proc_cpu_seconds("self")
+}
+
+/// CPU seconds of process `pid` ("self" for this one).
+pub fn proc_cpu_seconds(pid: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
     };
     // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
