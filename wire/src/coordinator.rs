@@ -170,7 +170,7 @@ pub struct JobStatus {
     pub end_reason: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Member {
     tier: Tier,
     data_addr: String,
@@ -200,7 +200,9 @@ impl Member {
 }
 
 /// The control-plane state of one job. See the module documentation.
-#[derive(Debug, Clone)]
+/// Serialisable, so that a broker can store it and resume a job's control plane after a restart
+/// (see [`Coordinator::resume`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Coordinator {
     job_id: JobId,
     training: TrainingConfig,
@@ -244,6 +246,14 @@ impl Coordinator {
             latest_metric: None,
             departed_samples: 0,
         })
+    }
+
+    /// After a broker restart: the members' last heartbeats are as old as the outage, which says
+    /// nothing about the agents, so every member gets a fresh dead-member timeout from `now_ms`.
+    pub fn resume(&mut self, now_ms: u64) {
+        for m in self.members.values_mut() {
+            m.last_seen_ms = m.last_seen_ms.max(now_ms);
+        }
     }
 
     /// Override the heartbeat interval and the longest long-poll wait told to agents.
