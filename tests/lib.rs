@@ -1,1 +1,463 @@
-//! Helpers for the end-to-end tests live here.
+//! Helpers for the end-to-end tests: the binaries, fresh databases, a broker process that is
+//! killed with everything it started, and a LocalStack EC2 client.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A binary of the workspace, from the target directory this test was built into.
+/// `cargo test --workspace` builds every package's binaries (each has integration tests).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run the suite with `scripts/test` (or `cargo build --workspace --bins` first)",
+        path.display()
+    );
+    path
+}
+
+pub fn pg_admin_url() -> String {
+    std::env::var("PROTEUS_TEST_PG_URL")
+        .expect("PROTEUS_TEST_PG_URL is not set: run the suite through scripts/test")
+}
+
+pub fn localstack_url() -> String {
+    std::env::var("PROTEUS_TEST_LOCALSTACK_URL")
+        .expect("PROTEUS_TEST_LOCALSTACK_URL is not set: run the suite through scripts/test")
+}
+
+/// A name no other test of this run uses.
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A fresh Postgres database on the test cluster; returns its URL.
+pub async fn fresh_pg_database() -> String {
+    use sqlx::Executor;
+    let admin = pg_admin_url();
+    let name = unique("proteus_e2e");
+    let pool = sqlx::PgPool::connect(&admin)
+        .await
+        .expect("connect to the test Postgres");
+    pool.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .await
+        .expect("create database");
+    pool.close().await;
+    let (base, _) = admin
+        .rsplit_once('/')
+        .expect("admin URL ends with a database");
+    format!("{base}/{name}")
+}
+
+pub const TOKEN: &str = "pt_e2e-user-token";
+
+/// A `proteus serve` process. Dropping it kills the broker (SIGKILL) and every agent it started.
+pub struct BrokerProcess {
+    pub child: Option<Child>,
+    pub url: String,
+    pub port: u16,
+    pub state_dir: PathBuf,
+    pub log: PathBuf,
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl BrokerProcess {
+    /// Starts `proteus serve` with `args` (plus listen address, token, state dir and log) and
+    /// waits until it answers `/healthz`.
+    pub async fn start(
+        dir: &Path,
+        database_url: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> BrokerProcess {
+        let port = free_port();
+        let mut b = BrokerProcess {
+            child: None,
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+            state_dir: dir.join("state"),
+            log: dir.join("broker.log"),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        b.envs
+            .push(("PROTEUS_DATABASE_URL".into(), database_url.into()));
+        b.spawn(&[]).await;
+        b
+    }
+
+    /// (Re)starts the process with the same settings plus `extra_env`.
+    pub async fn spawn(&mut self, extra_env: &[(&str, &str)]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("broker log");
+        let mut cmd = Command::new(bin("proteus"));
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(&self.args)
+            .env("PROTEUS_TOKEN", TOKEN)
+            .env("PROTEUS_LOG", "info,tower_http=warn")
+            .env_remove("PROTEUS_FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        for (k, v) in &self.envs {
+            cmd.env(k, v);
+        }
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().expect("start proteus serve"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let http = reqwest::Client::new();
+        loop {
+            if let Ok(r) = http.get(format!("{}/healthz", self.url)).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "proteus serve exited with {status} during start; its log:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "proteus serve did not answer within 60 s:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `kill -9` the broker only (its agents, like VMs, keep running).
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the broker to exit by itself (a failpoint), up to `timeout`.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every agent log the launcher wrote.
+    pub fn agent_logs(&self) -> String {
+        let mut out = String::new();
+        if let Ok(rd) = std::fs::read_dir(self.state_dir.join("agents")) {
+            for e in rd.flatten() {
+                if e.path().extension().is_some_and(|x| x == "log") {
+                    out.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+                }
+            }
+        }
+        out
+    }
+
+    pub fn kill_agents(&self) {
+        if let Ok(rd) = std::fs::read_dir(self.state_dir.join("agents")) {
+            for e in rd.flatten() {
+                if e.path().extension().is_some_and(|x| x == "pid")
+                    && let Ok(pid) = std::fs::read_to_string(e.path())
+                        .unwrap_or_default()
+                        .trim()
+                        .parse::<i32>()
+                {
+                    // SAFETY: signalling a process this test's broker started.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+
+    pub fn client(&self) -> Api {
+        Api {
+            base: self.url.clone(),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .expect("client"),
+        }
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        self.kill9();
+        self.kill_agents();
+    }
+}
+
+/// The user API over HTTP.
+pub struct Api {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Api {
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> (u16, serde_json::Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        // A broker that dies mid-request (the crash tests) answers with status 0.
+        let resp = match req.send().await {
+            Ok(r) => r,
+            Err(e) => return (0, serde_json::Value::String(e.to_string())),
+        };
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap_or_default();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        )
+    }
+    pub async fn get(&self, path: &str) -> serde_json::Value {
+        let (status, v) = self.call(reqwest::Method::GET, path, None).await;
+        assert_eq!(status, 200, "GET {path}: {v}");
+        v
+    }
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> serde_json::Value {
+        let (status, v) = self.call(reqwest::Method::POST, path, Some(body)).await;
+        assert!((200..300).contains(&status), "POST {path}: {status} {v}");
+        v
+    }
+    pub async fn delete(&self, path: &str) -> serde_json::Value {
+        let (status, v) = self.call(reqwest::Method::DELETE, path, None).await;
+        assert_eq!(status, 200, "DELETE {path}: {v}");
+        v
+    }
+
+    /// Polls `GET path` until `pred` holds, up to `timeout`; returns the last answer.
+    pub async fn wait_for(
+        &self,
+        path: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (status, v) = self.call(reqwest::Method::GET, path, None).await;
+            if status == 200 && pred(&v) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; last {path}: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// An EC2 client on LocalStack.
+pub async fn localstack_ec2() -> aws_sdk_ec2::Client {
+    let creds = aws_sdk_ec2::config::Credentials::new("test", "test", None, None, "e2e");
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .region(aws_config::Region::new("us-east-1"))
+        .endpoint_url(localstack_url())
+        .credentials_provider(creds)
+        .load()
+        .await;
+    aws_sdk_ec2::Client::new(&config)
+}
+
+/// An instance as LocalStack sees it: (cloud id, proteus:instance-id tag, job tag, state).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Seen {
+    pub cloud_id: String,
+    pub proteus_id: String,
+    pub job: String,
+    pub state: String,
+    pub lifecycle: Option<String>,
+}
+
+/// Every instance LocalStack holds for one deployment.
+pub async fn localstack_instances(ec2: &aws_sdk_ec2::Client, deployment: &str) -> Vec<Seen> {
+    let out = ec2
+        .describe_instances()
+        .filters(
+            aws_sdk_ec2::types::Filter::builder()
+                .name("tag:proteus:managed")
+                .values(deployment)
+                .build(),
+        )
+        .send()
+        .await
+        .expect("DescribeInstances on LocalStack");
+    let mut seen = Vec::new();
+    for r in out.reservations() {
+        for i in r.instances() {
+            let tag = |k: &str| {
+                i.tags()
+                    .iter()
+                    .find(|t| t.key() == Some(k))
+                    .and_then(|t| t.value())
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            seen.push(Seen {
+                cloud_id: i.instance_id().unwrap_or_default().to_string(),
+                proteus_id: tag("proteus:instance-id"),
+                job: tag("proteus:job-id"),
+                state: i
+                    .state()
+                    .and_then(|s| s.name())
+                    .map(|n| n.as_str().to_string())
+                    .unwrap_or_default(),
+                lifecycle: i.instance_lifecycle().map(|l| l.as_str().to_string()),
+            });
+        }
+    }
+    seen
+}
+
+/// A tiny price history for LocalStack runs (LocalStack's own prices are placeholders): two
+/// types in two zones, recent enough to be "now", with on-demand prices.
+pub fn write_small_prices(dir: &Path) -> (PathBuf, PathBuf) {
+    let trace = dir.join("prices.csv");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut text =
+        String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
+    for day in (1..=10).rev() {
+        let t = now - day * 86_400;
+        let stamp = format_rfc3339(t);
+        for (zone, ty, price) in [
+            ("us-east-1a", "c5.large", 0.031),
+            ("us-east-1b", "c5.large", 0.033),
+            ("us-east-1a", "m5.large", 0.037),
+            ("us-east-1b", "m5.large", 0.036),
+        ] {
+            text.push_str(&format!("{stamp},{zone},{ty},Linux/UNIX,{price}\n"));
+        }
+    }
+    std::fs::write(&trace, text).expect("write prices");
+    let od = dir.join("on-demand.csv");
+    std::fs::write(
+        &od,
+        "instance_type,vcpus,memory_gib,on_demand_usd_per_hour,region\nc5.large,2,4,0.085,us-east-1\nm5.large,2,8,0.096,us-east-1\n",
+    )
+    .expect("write on-demand");
+    (trace, od)
+}
+
+fn format_rfc3339(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// Runs `proteus` (not serve) with a database URL and returns (status, stdout, stderr).
+pub fn proteus(
+    database_url: Option<&str>,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (i32, String, String) {
+    let mut cmd = Command::new(bin("proteus"));
+    cmd.args(args).env("PROTEUS_LOG", "warn");
+    if let Some(url) = database_url {
+        cmd.env("PROTEUS_DATABASE_URL", url);
+    }
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run proteus");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Whether `text` holds something shaped like an agent token (`pa_` and 48 hex digits).
+pub fn contains_agent_token(text: &str) -> bool {
+    text.match_indices("pa_").any(|(i, _)| {
+        let rest = &text[i + 3..];
+        rest.len() >= 48 && rest.as_bytes()[..48].iter().all(|b| b.is_ascii_hexdigit())
+    })
+}

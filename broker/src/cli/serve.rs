@@ -123,6 +123,10 @@ pub struct Ec2Args {
     /// Check the account's permissions with DryRun calls, print what is missing, and exit.
     #[arg(long)]
     pub dry_run: bool,
+    /// Name of this broker's deployment: the value of the `proteus:managed` tag it puts on
+    /// instances and the only instances it lists, adopts or terminates as leaks.
+    #[arg(long, env = "PROTEUS_DEPLOYMENT", default_value = "default")]
+    pub deployment: String,
 }
 
 impl ServeArgs {
@@ -158,6 +162,7 @@ impl ServeArgs {
                 key_name: None,
                 spot_requests: false,
                 dry_run: false,
+                deployment: "default".into(),
             },
         }
     }
@@ -448,6 +453,7 @@ async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Resul
             .advertise_url
             .clone()
             .unwrap_or_else(|| format!("http://{addr}")),
+        deployment: args.ec2.deployment.clone(),
     };
     let cloud = Ec2Cloud::new(config).await;
     if args.ec2.dry_run {

@@ -44,6 +44,9 @@ pub struct Ec2Config {
     pub spot_requests: bool,
     /// What the launched agents call.
     pub broker_url: String,
+    /// Tags every instance and scopes every listing, so that several brokers (or a test's
+    /// brokers) can share an account without taking each other's instances for leaks.
+    pub deployment: String,
 }
 
 /// The EC2 cloud.
@@ -88,7 +91,7 @@ impl Ec2Cloud {
         let tag = |k: &str, v: String| Tag::builder().key(k).value(v).build();
         TagSpecification::builder()
             .resource_type(resource)
-            .tags(tag(tags::MANAGED, "true".into()))
+            .tags(tag(tags::MANAGED, self.config.deployment.clone()))
             .tags(tag(tags::INSTANCE_ID, spec.instance_id.clone()))
             .tags(tag(tags::JOB_ID, spec.job_id.to_string()))
             .tags(tag(tags::TIER, spec.tier.to_string()))
@@ -251,7 +254,7 @@ impl Ec2Cloud {
             .filters(
                 Filter::builder()
                     .name(format!("tag:{}", tags::MANAGED))
-                    .values("true")
+                    .values(&self.config.deployment)
                     .build(),
             )
             .into_paginator()
@@ -339,7 +342,12 @@ impl Ec2Cloud {
                 .create_tags()
                 .dry_run(true)
                 .resources("i-00000000000000000")
-                .tags(Tag::builder().key(tags::MANAGED).value("true").build())
+                .tags(
+                    Tag::builder()
+                        .key(tags::MANAGED)
+                        .value(&self.config.deployment)
+                        .build()
+                )
                 .send()
         );
         check!(
@@ -476,6 +484,7 @@ impl Cloud for Ec2Cloud {
             *last = Some(Instant::now());
         }
         let all = self.describe_all().await?;
+        tracing::debug!(listed = all.len(), states = ?all.iter().map(|i| (&i.cloud_id, i.state)).collect::<Vec<_>>(), "DescribeInstances");
         let now = Timestamp::now();
         let mut alive = self.alive.lock().unwrap_or_else(|e| e.into_inner());
         let mut events = Vec::new();

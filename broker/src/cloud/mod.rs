@@ -21,7 +21,8 @@ pub mod tags {
     /// The broker's id of the instance (also the launch's idempotency token).
     pub const INSTANCE_ID: &str = "proteus:instance-id";
     pub const JOB_ID: &str = "proteus:job-id";
-    /// Present on everything Proteus launched: what reconciliation lists.
+    /// Present on everything Proteus launched, valued with the broker's deployment name:
+    /// what reconciliation lists.
     pub const MANAGED: &str = "proteus:managed";
     pub const TIER: &str = "proteus:tier";
 }

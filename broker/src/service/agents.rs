@@ -130,6 +130,9 @@ impl Broker {
         let response = control
             .update(|c| c.register(req.clone(), identity.tier, wall_ms()))
             .map_err(coordinator_error)?;
+        self.save_control(job.id)
+            .await
+            .map_err(ApiError::internal)?;
         let now = self.clock.now();
         self.store
             .upsert_agent(&identity.instance_id, job.id, &data_addr, vcpus, now)
@@ -156,7 +159,7 @@ impl Broker {
         let control = self.control_of(identity.job_id)?;
         let rate = hb.progress.samples_per_sec;
         control
-            .update(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))
+            .update_quietly(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))
             .map_err(coordinator_error)?;
         let _ = rate;
         Ok(())
@@ -211,6 +214,9 @@ impl Broker {
                 .update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))
                 .map_err(coordinator_error)?;
         }
+        self.save_control(identity.job_id)
+            .await
+            .map_err(ApiError::internal)?;
         if wake {
             self.nudge.notify_one();
         }

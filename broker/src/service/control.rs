@@ -26,6 +26,8 @@ pub struct JobControl {
     coordinator: Mutex<Coordinator>,
     changed: Notify,
     finished: Mutex<Option<std::time::Instant>>,
+    /// Changed since last saved to the store.
+    dirty: std::sync::atomic::AtomicBool,
 }
 
 impl JobControl {
@@ -36,8 +38,28 @@ impl JobControl {
             let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
             f(&mut c)
         };
+        self.dirty.store(true, std::sync::atomic::Ordering::Release);
         self.changed.notify_waiters();
         r
+    }
+
+    /// Like [`JobControl::update`] for changes not worth saving on their own (heartbeats: they
+    /// move only liveness and progress, which the next save picks up).
+    pub fn update_quietly<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
+        let r = {
+            let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut c)
+        };
+        self.changed.notify_waiters();
+        r
+    }
+
+    /// The coordinator as JSON if it changed since the last call.
+    pub fn snapshot_if_dirty(&self) -> Option<String> {
+        if !self.dirty.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            return None;
+        }
+        self.read(|c| serde_json::to_string(c).ok())
     }
 
     pub fn read<R>(&self, f: impl FnOnce(&Coordinator) -> R) -> R {
@@ -77,20 +99,38 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// The job's control state, creating its coordinator on first use.
+    /// The job's control state, creating its coordinator on first use — from `saved` (a
+    /// snapshot in the store, after a restart) when there is one.
     pub fn ensure(
         &self,
         job: JobId,
         training: &TrainingConfig,
+        saved: Option<&str>,
     ) -> Result<Arc<JobControl>, CoordinatorError> {
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = jobs.get(&job) {
             return Ok(c.clone());
         }
+        let restored = saved.and_then(|text| match serde_json::from_str::<Coordinator>(text) {
+            Ok(mut c) => {
+                c.resume(wall_ms());
+                tracing::info!(%job, "resumed the job's control plane from its saved state");
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!(%job, error = %e, "saved control state unreadable; starting afresh");
+                None
+            }
+        });
+        let coordinator = match restored {
+            Some(c) => c,
+            None => Coordinator::new(job, training.clone())?,
+        };
         let control = Arc::new(JobControl {
-            coordinator: Mutex::new(Coordinator::new(job, training.clone())?),
+            coordinator: Mutex::new(coordinator),
             changed: Notify::new(),
             finished: Mutex::new(None),
+            dirty: std::sync::atomic::AtomicBool::new(true),
         });
         jobs.insert(job, control.clone());
         Ok(control)

@@ -273,7 +273,11 @@ impl Broker {
             })?;
         let runtime = self.build_runtime(valid)?;
         self.control
-            .ensure(job.id, &runtime.valid.training)
+            .ensure(
+                job.id,
+                &runtime.valid.training,
+                job.control_state.as_deref(),
+            )
             .map_err(|e| ServiceError::Internal(e.to_string()))?;
         let runtime = Arc::new(Mutex::new(runtime));
         self.runtimes
@@ -405,6 +409,14 @@ impl Broker {
             Tier::Reliable => "on-demand",
             Tier::Transient => "spot",
         }
+    }
+
+    /// Saves a job's coordinator if it changed, so that a restart resumes the same layout.
+    pub async fn save_control(&self, job: JobId) -> Result<(), ServiceError> {
+        if let Some(snapshot) = self.control.get(job).and_then(|c| c.snapshot_if_dirty()) {
+            self.store.save_control_state(job, &snapshot).await?;
+        }
+        Ok(())
     }
 
     /// Looks up the spot series of a market in the current data.

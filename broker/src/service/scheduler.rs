@@ -248,6 +248,7 @@ impl Broker {
             }
         };
         let training_done = status.state == TrainingState::Completed;
+        self.save_control(job.id).await?;
         let metric = status
             .final_metric
             .or(status.latest_metric)

@@ -1,0 +1,195 @@
+//! Crash safety against LocalStack (which, unlike EC2, ignores idempotency tokens): the broker
+//! dies at chosen points — failpoints that exit on the spot, and a plain `kill -9` — and is
+//! restarted. Nothing may be launched twice for one decision, nothing may leak, and the job
+//! goes on.
+
+use crate::localstack::{assert_no_duplicates_or_leaks, job, live, start_ec2_broker};
+use proteus_e2e::{localstack_ec2, localstack_instances, unique};
+use std::time::Duration;
+
+/// Kills the broker at `failpoint` during a launch, restarts it, and checks the job's instances.
+async fn crash_during_launch(failpoint: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let deployment = unique("crash");
+    let (mut broker, _db) = start_ec2_broker(dir.path(), &deployment).await;
+    broker.kill9();
+    broker.spawn(&[("PROTEUS_FAILPOINTS", failpoint)]).await;
+    let api = broker.client();
+    let submitted = api.post("/v1/jobs", job("crash", 100, 3)).await;
+    let id = submitted["id"].as_i64().unwrap();
+    let status = broker.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some(),
+        "the broker should have died at {failpoint}:\n{}",
+        broker.log_text()
+    );
+    assert!(
+        broker
+            .log_text()
+            .contains(&format!("failpoint `{failpoint}` reached"))
+    );
+
+    broker.spawn(&[]).await;
+    let api = broker.client();
+    let path = format!("/v1/jobs/{id}");
+    let view = api
+        .wait_for(
+            &path,
+            Duration::from_secs(120),
+            "the job to run on 3 instances after the restart",
+            |v| live(v).len() == 3 && live(v).iter().all(|i| i["state"] == "running"),
+        )
+        .await;
+    let ec2 = localstack_ec2().await;
+    // Let a few ticks pass: a duplicate would show up as an extra instance.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let seen = localstack_instances(&ec2, &deployment).await;
+    assert_no_duplicates_or_leaks(&seen, &[api.get(&path).await]);
+    let per_intent = seen.iter().filter(|s| s.state != "terminated").count();
+    assert_eq!(
+        per_intent, 3,
+        "one cloud instance per intent: {seen:?} {view}"
+    );
+    api.wait_for(
+        &path,
+        Duration::from_secs(120),
+        "training progress after the restart",
+        |v| v["progress"].as_f64().unwrap_or(0.0) > 0.0,
+    )
+    .await;
+    api.delete(&path).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_recording_a_launch_intent() {
+    crash_during_launch("launch-after-intent").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_the_cloud_launched_but_before_recording_it() {
+    crash_during_launch("launch-after-cloud").await;
+}
+
+/// Kills the broker at `failpoint` during a cancel, restarts it: every instance is terminated.
+async fn crash_during_cancel(failpoint: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let deployment = unique("crash");
+    let (mut broker, _db) = start_ec2_broker(dir.path(), &deployment).await;
+    let api = broker.client();
+    let id = api.post("/v1/jobs", job("crash-cancel", 100, 3)).await["id"]
+        .as_i64()
+        .unwrap();
+    let path = format!("/v1/jobs/{id}");
+    api.wait_for(
+        &path,
+        Duration::from_secs(120),
+        "3 running instances",
+        |v| live(v).len() == 3 && live(v).iter().all(|i| i["state"] == "running"),
+    )
+    .await;
+    broker.kill9();
+    broker.spawn(&[("PROTEUS_FAILPOINTS", failpoint)]).await;
+    let api = broker.client();
+    let (status, _) = api.call(reqwest::Method::DELETE, &path, None).await;
+    // The broker dies while answering.
+    assert!(status == 0 || status >= 500 || status == 200, "{status}");
+    let died = broker.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        died.is_some(),
+        "the broker should have died at {failpoint}:\n{}",
+        broker.log_text()
+    );
+
+    broker.spawn(&[]).await;
+    let api = broker.client();
+    let view = api
+        .wait_for(
+            &path,
+            Duration::from_secs(60),
+            "the cancel to finish after the restart",
+            |v| v["state"] == "cancelled" && live(v).is_empty(),
+        )
+        .await;
+    let ec2 = localstack_ec2().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let seen = localstack_instances(&ec2, &deployment).await;
+        if seen
+            .iter()
+            .all(|s| s.state == "terminated" || s.state == "shutting-down")
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "instances leaked after the cancel: {seen:?} {view}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_recording_a_cancel() {
+    crash_during_cancel("cancel-after-record").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_recording_a_termination() {
+    crash_during_cancel("terminate-after-intent").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_job_then_restart_leaves_no_leak_and_no_duplicate_and_the_job_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let deployment = unique("kill9");
+    let (mut broker, _db) = start_ec2_broker(dir.path(), &deployment).await;
+    let api = broker.client();
+    let id = api.post("/v1/jobs", job("kill9", 6, 3)).await["id"]
+        .as_i64()
+        .unwrap();
+    let path = format!("/v1/jobs/{id}");
+    api.wait_for(&path, Duration::from_secs(120), "training to start", |v| {
+        live(v).len() == 3 && v["progress"].as_f64().unwrap_or(0.0) > 0.0
+    })
+    .await;
+    let before = localstack_instances(&localstack_ec2().await, &deployment).await;
+    broker.kill9();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.spawn(&[]).await;
+    let api = broker.client();
+    let done = api
+        .wait_for(
+            &path,
+            Duration::from_secs(300),
+            "the job to finish after the restart",
+            |v| v["state"] != "running" && v["state"] != "pending",
+        )
+        .await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
+    let after = localstack_instances(&localstack_ec2().await, &deployment).await;
+    for s in &before {
+        let twins = after
+            .iter()
+            .filter(|a| a.proteus_id == s.proteus_id)
+            .count();
+        assert_eq!(
+            twins, 1,
+            "{} was launched again after the restart: {after:?}",
+            s.proteus_id
+        );
+    }
+    api.wait_for(
+        &path,
+        Duration::from_secs(30),
+        "every instance to end",
+        |v| live(v).is_empty(),
+    )
+    .await;
+    let after = localstack_instances(&localstack_ec2().await, &deployment).await;
+    assert!(
+        after
+            .iter()
+            .all(|s| s.state == "terminated" || s.state == "shutting-down"),
+        "leak: {after:?}"
+    );
+}

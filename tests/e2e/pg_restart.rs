@@ -1,0 +1,191 @@
+//! Postgres restarted under a running broker: requests fail while it is down (503 from
+//! /healthz, no panic), and the broker recovers by itself when it is back.
+
+use proteus_e2e::{BrokerProcess, free_port};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+struct PrivatePostgres {
+    bin: String,
+    data: std::path::PathBuf,
+    port: u16,
+    running: bool,
+    as_postgres: bool,
+}
+
+impl PrivatePostgres {
+    fn init(dir: &std::path::Path) -> PrivatePostgres {
+        let bin = std::env::var("PROTEUS_TEST_PG_BIN")
+            .expect("PROTEUS_TEST_PG_BIN is not set: run the suite through scripts/test");
+        let as_postgres = unsafe { libc::geteuid() } == 0;
+        let data = dir.join("pgdata");
+        if as_postgres {
+            let status = Command::new("chown")
+                .arg("-R")
+                .arg("postgres")
+                .arg(dir)
+                .status()
+                .unwrap();
+            assert!(status.success());
+        }
+        let mut pg = PrivatePostgres {
+            bin,
+            data,
+            port: free_port(),
+            running: false,
+            as_postgres,
+        };
+        let out = pg
+            .command("initdb")
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "-D",
+            ])
+            .arg(&pg.data)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        pg.start();
+        pg
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let path = format!("{}/{tool}", self.bin);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", &path]);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn start(&mut self) {
+        let options = format!(
+            "-h 127.0.0.1 -p {} -k {} -c fsync=off",
+            self.port,
+            self.data.parent().unwrap().display()
+        );
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-o", &options, "-l"])
+            .arg(self.data.parent().unwrap().join("postgres.log"))
+            .args(["-w", "start"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.running = true;
+    }
+
+    fn stop(&mut self) {
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-m", "fast", "-w", "stop"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_ctl stop: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.running = false;
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        if self.running {
+            let _ = self
+                .command("pg_ctl")
+                .arg("-D")
+                .arg(&self.data)
+                .args(["-m", "immediate", "-w", "stop"])
+                .output();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_rides_out_a_postgres_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut pg = PrivatePostgres::init(dir.path());
+    let work = dir.path().join("broker");
+    std::fs::create_dir_all(&work).unwrap();
+    let broker = BrokerProcess::start(
+        &work,
+        &pg.url(),
+        &[
+            "--cloud",
+            "sim",
+            "--speed",
+            "300",
+            "--start",
+            "2015-05-01T00:00:00Z",
+            "--tick-ms",
+            "250",
+        ],
+        &[],
+    )
+    .await;
+    let api = broker.client();
+    let job = serde_json::json!({
+        "app": "mlr", "dataset": "mnist", "policy": "on-demand",
+        "stop": {"epochs": 8}, "limits": {"max_instances": 2, "max_reliable_instances": 2},
+        "work": {"total_work": 2.0}
+    });
+    let id = api.post("/v1/jobs", job).await["id"].as_i64().unwrap();
+    let path = format!("/v1/jobs/{id}");
+    api.wait_for(&path, Duration::from_secs(120), "training to start", |v| {
+        v["progress"].as_f64().unwrap_or(0.0) > 0.0
+    })
+    .await;
+
+    pg.stop();
+    let (status, _) = api.call(reqwest::Method::GET, "/healthz", None).await;
+    assert_eq!(status, 503, "health reports the database down");
+    let (status, body) = api.call(reqwest::Method::GET, &path, None).await;
+    assert_eq!(status, 500, "a clean error, not a hang or a crash: {body}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pg.start();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, _) = api.call(reqwest::Method::GET, "/healthz", None).await;
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker did not reconnect:\n{}",
+            broker.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let done = api
+        .wait_for(&path, Duration::from_secs(240), "the job to finish", |v| {
+            v["state"] != "running" && v["state"] != "pending"
+        })
+        .await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
+}
