@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod apps;
+pub mod cli;
 pub mod control;
 pub mod data;
 pub mod error;

@@ -1,12 +1,22 @@
 //! `proteus`: the broker's command line. All logic lives in the library.
 
 use clap::Parser;
-use proteus_broker::cli::{Cli, init_tracing, run};
+use proteus_broker::cli::{Cli, init_tracing_for, run};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // `proteus agent …` is the agent itself (what `proteus-agent` runs), so that one binary is
+    // enough where instances are local processes (the demo, the simulated cloud).
+    let mut args = std::env::args_os();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "agent") {
+        let _ = args.next();
+        let _ = args.next();
+        return proteus_agent::cli::main_from(
+            std::iter::once(std::ffi::OsString::from("proteus agent")).chain(args),
+        );
+    }
     let cli = Cli::parse();
-    init_tracing(&cli.global);
+    init_tracing_for(&cli.global, &cli.command);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -262,3 +262,22 @@ async fn localstack_job_survives_an_interruption_and_cancel_releases_everything(
     let b_view = api.get(&format!("/v1/jobs/{b_id}")).await;
     assert!(live(&b_view).is_empty(), "{b_view}");
 }
+
+#[test]
+fn dry_run_checks_every_ec2_action_against_the_account() {
+    let env = aws_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (code, out, err) = proteus(None, &["serve", "--cloud", "ec2", "--dry-run"], &env);
+    assert_eq!(code, 0, "{out}{err}");
+    for action in [
+        "ec2:RunInstances",
+        "ec2:TerminateInstances",
+        "ec2:DescribeInstances",
+        "ec2:CreateTags",
+    ] {
+        assert!(out.contains(&format!("ok       {action}")), "{out}");
+    }
+    let (code, _, err) = proteus(None, &["serve", "--cloud", "sim", "--dry-run"], &env);
+    assert_eq!(code, 1);
+    assert!(err.contains("--cloud ec2"), "{err}");
+}

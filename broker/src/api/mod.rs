@@ -36,6 +36,15 @@ pub fn openapi_json() -> String {
 pub struct AppState {
     pub broker: Arc<Broker>,
     pub auth: UserAuth,
+    /// What `GET /v1/downloads/…` serves to agents on real VMs (see `docs/aws.md`).
+    pub downloads: Downloads,
+}
+
+/// Files agents fetch at boot: their binary and the data sets.
+#[derive(Clone, Debug, Default)]
+pub struct Downloads {
+    pub agent_binary: Option<std::path::PathBuf>,
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 /// The whole API.
@@ -52,6 +61,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/markets", get(list_markets))
         .route("/v1/prices", get(list_prices))
+        .route("/v1/downloads/proteus-agent", get(download_agent))
+        .route("/v1/downloads/data/{name}", get(download_data))
         .route(paths::REGISTER, post(agent_register))
         .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
         .route(paths::COMMANDS_ROUTE, get(agent_commands))
@@ -383,4 +394,71 @@ async fn agent_event(
         .agent_event(agent_token(&headers), &id, event)
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Downloads need a live instance's token: only the broker's own VMs may fetch.
+async fn download_guard(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let token = bearer(headers).ok_or_else(|| {
+        ApiError::unauthorized("missing `Authorization: Bearer <instance token>`")
+    })?;
+    match s
+        .broker
+        .store
+        .instance_by_token_hash(&auth::hash_token(token))
+        .await?
+    {
+        Some(row) if !row.state.is_final() => Ok(()),
+        Some(_) => Err(ApiError::forbidden("this instance has ended")),
+        None => Err(ApiError::unauthorized("invalid instance token")),
+    }
+}
+
+async fn send_file(
+    path: &std::path::Path,
+    content_type: &'static str,
+) -> Result<Response, ApiError> {
+    let bytes = tokio::fs::read(path).await.map_err(|e| {
+        ApiError::not_found(format!("{} is not available here: {e}", path.display()))
+    })?;
+    Ok(([("content-type", content_type)], bytes).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/downloads/proteus-agent",
+    responses((status = 200, description = "the agent binary"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn download_agent(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    download_guard(&s, &headers).await?;
+    let path = s.downloads.agent_binary.clone().ok_or_else(|| {
+        ApiError::not_found("this broker serves no agent binary (see --agent-download)")
+    })?;
+    send_file(&path, "application/octet-stream").await
+}
+
+#[utoipa::path(get, path = "/v1/downloads/data/{name}", params(("name" = String, Path)),
+    responses((status = 200, description = "a data set file"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn download_data(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    download_guard(&s, &headers).await?;
+    // A plain file name inside the data directory, nothing else.
+    let plain = !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !plain {
+        return Err(ApiError::not_found(format!("no data set `{name}`")));
+    }
+    let dir = s
+        .downloads
+        .data_dir
+        .clone()
+        .ok_or_else(|| ApiError::not_found("this broker serves no data sets"))?;
+    send_file(&dir.join(&name), "application/octet-stream").await
 }

@@ -21,7 +21,9 @@ use utoipa::{Modify, OpenApi};
         super::agent_register,
         super::agent_heartbeat,
         super::agent_commands,
-        super::agent_event,
+                super::agent_event,
+        super::download_agent,
+        super::download_data,
     ),
     components(schemas(super::error::ErrorBody, crate::service::spec::JobSpec)),
     modifiers(&Security)

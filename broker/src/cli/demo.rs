@@ -123,7 +123,6 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     .await?;
     let url = format!("http://{}", server.addr);
     let (broker, api) = server.serve_api();
-    check_agent_binary(&broker)?;
 
     let remote = super::client::Remote {
         url: url.clone(),
@@ -316,19 +315,6 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
             seed: Some(args.seed),
         }),
     }
-}
-
-fn check_agent_binary(broker: &crate::service::Broker) -> Result<()> {
-    if let Some(launcher) = &broker.launcher {
-        let bin = &launcher.config().agent_bin;
-        if !bin.is_file() {
-            bail!(
-                "the agent binary {} is missing: build it with `cargo build -p proteus-agent` (the demo starts one per instance)",
-                bin.display()
-            );
-        }
-    }
-    Ok(())
 }
 
 fn progress_bar(hidden: bool) -> ProgressBar {

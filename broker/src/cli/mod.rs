@@ -44,14 +44,10 @@ pub struct GlobalArgs {
     /// Log format on stderr.
     #[arg(long, env = "PROTEUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
-    /// Log filter, e.g. `info`, `proteus_broker=debug` (RUST_LOG syntax).
-    #[arg(
-        long,
-        env = "PROTEUS_LOG",
-        default_value = "warn,proteus_broker=info",
-        global = true
-    )]
-    pub log: String,
+    /// Log filter, e.g. `info`, `proteus_broker=debug` (RUST_LOG syntax). Default:
+    /// `warn,proteus_broker=info` (`warn` for the demo, whose progress bar says it all).
+    #[arg(long, env = "PROTEUS_LOG", global = true)]
+    pub log: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -108,8 +104,22 @@ impl GlobalArgs {
     }
 }
 
+/// Logs to stderr with the default filter of an ordinary command.
 pub fn init_tracing(global: &GlobalArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&global.log)
+    init_tracing_with_default(global, "warn,proteus_broker=info");
+}
+
+/// Logs to stderr with the default filter suited to `command`.
+pub fn init_tracing_for(global: &GlobalArgs, command: &Command) {
+    let default = match command {
+        Command::Demo(_) => "warn",
+        _ => "warn,proteus_broker=info",
+    };
+    init_tracing_with_default(global, default);
+}
+
+fn init_tracing_with_default(global: &GlobalArgs, default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(global.log.as_deref().unwrap_or(default))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -80,7 +80,12 @@ pub struct ServeArgs {
     /// The agent binary for local agents. Default: `proteus-agent` next to this binary.
     #[arg(long, env = "PROTEUS_AGENT_BIN")]
     pub agent_bin: Option<PathBuf>,
-    /// Data sets for local agents. Default: the project's data/ml.
+    /// The agent binary served at /v1/downloads/proteus-agent to VMs booting with the user-data
+    /// script (build it for the VMs' platform). Default: `proteus-agent` next to this binary.
+    #[arg(long, env = "PROTEUS_AGENT_DOWNLOAD")]
+    pub agent_download: Option<PathBuf>,
+    /// Data sets for local agents, also served at /v1/downloads/data/. Default: the project's
+    /// data/ml.
     #[arg(long, env = "PROTEUS_AGENT_DATA_DIR")]
     pub agent_data_dir: Option<PathBuf>,
     /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
@@ -148,6 +153,7 @@ impl ServeArgs {
             tick_ms: 1000,
             local_agents: None,
             agent_bin: None,
+            agent_download: None,
             agent_data_dir: None,
             state_dir: None,
             startup_minutes: None,
@@ -169,6 +175,12 @@ impl ServeArgs {
 }
 
 pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
+    if args.ec2.dry_run {
+        if args.cloud != CloudKind::Ec2 {
+            bail!("--dry-run checks an EC2 account: use it with --cloud ec2");
+        }
+        return dry_run(&args).await;
+    }
     let store = global.open_store().await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -316,11 +328,13 @@ pub async fn start_with(
         .unwrap_or(args.cloud == CloudKind::Sim || std::env::var_os("AWS_ENDPOINT_URL").is_some());
     let launcher = if local_agents {
         let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+        let (agent_bin, agent_prefix) = match &args.agent_bin {
+            Some(bin) => (bin.clone(), Vec::new()),
+            None => LauncherConfig::default_agent_command(),
+        };
         let config = LauncherConfig {
-            agent_bin: args
-                .agent_bin
-                .clone()
-                .unwrap_or_else(LauncherConfig::default_agent_bin),
+            agent_bin,
+            agent_prefix,
             broker_url: advertise.clone(),
             data_dir: args
                 .agent_data_dir
@@ -360,9 +374,23 @@ pub async fn start_with(
         .recover()
         .await
         .context("recovering state after start")?;
+    let downloads = crate::api::Downloads {
+        agent_binary: args.agent_download.clone().or_else(|| {
+            let exe = std::env::current_exe().ok()?;
+            exe.parent()
+                .map(|d| d.join("proteus-agent"))
+                .filter(|p| p.is_file())
+        }),
+        data_dir: Some(
+            args.agent_data_dir
+                .clone()
+                .unwrap_or_else(|| data::data_dir().join("ml")),
+        ),
+    };
     let app = router(AppState {
         broker: broker.clone(),
         auth,
+        downloads,
     })
     .layer(tower_http::trace::TraceLayer::new_for_http());
     Ok(Server {
@@ -439,9 +467,8 @@ async fn load_sim_trace(store: &Store, args: &ServeArgs, region: &Region) -> Res
 }
 
 #[cfg(feature = "ec2")]
-async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Result<Arc<dyn Cloud>> {
-    use crate::cloud::ec2::{Ec2Cloud, Ec2Config};
-    let config = Ec2Config {
+fn ec2_config(args: &ServeArgs, region: &Region, addr: SocketAddr) -> crate::cloud::ec2::Ec2Config {
+    crate::cloud::ec2::Ec2Config {
         region: region.clone(),
         ami: args.ec2.ami.clone(),
         subnet: args.ec2.subnet.clone(),
@@ -454,17 +481,38 @@ async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Resul
             .clone()
             .unwrap_or_else(|| format!("http://{addr}")),
         deployment: args.ec2.deployment.clone(),
-    };
-    let cloud = Ec2Cloud::new(config).await;
-    if args.ec2.dry_run {
-        let report = cloud.dry_run().await;
-        print!("{report}");
-        std::process::exit(if report.all_allowed() { 0 } else { 1 });
     }
-    Ok(Arc::new(cloud))
+}
+
+#[cfg(feature = "ec2")]
+async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    Ok(Arc::new(
+        crate::cloud::ec2::Ec2Cloud::new(ec2_config(args, region, addr)).await,
+    ))
+}
+
+/// `serve --cloud ec2 --dry-run`: every EC2 action the broker uses, checked with `DryRun`.
+#[cfg(feature = "ec2")]
+async fn dry_run(args: &ServeArgs) -> Result<ExitCode> {
+    let region = Region::parse(&args.region).context("--region")?;
+    let cloud = crate::cloud::ec2::Ec2Cloud::new(ec2_config(args, &region, args.listen)).await;
+    let report = cloud.dry_run().await;
+    print!("{report}");
+    if report.all_allowed() {
+        println!("every EC2 action the broker uses is allowed in {region}");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("see docs/aws.md for the IAM policy the broker needs");
+        Ok(ExitCode::FAILURE)
+    }
 }
 
 #[cfg(not(feature = "ec2"))]
 async fn ec2_cloud(_: &ServeArgs, _: &Region, _: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
+}
+
+#[cfg(not(feature = "ec2"))]
+async fn dry_run(_: &ServeArgs) -> Result<ExitCode> {
     bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
 }

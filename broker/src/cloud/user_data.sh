@@ -4,7 +4,8 @@
 #   {{TOKEN}}       this instance's agent token (valid only for this instance and its job)
 set -euo pipefail
 BROKER_URL='{{BROKER_URL}}'
-install -d -m 0700 /etc/proteus /var/lib/proteus/data
+install -d -m 0700 /etc/proteus
+install -d -m 0755 /var/lib/proteus/data
 umask 077
 cat > /etc/proteus/agent.env <<ENV
 PROTEUS_BROKER_URL=${BROKER_URL}
@@ -12,14 +13,24 @@ PROTEUS_AGENT_TOKEN={{TOKEN}}
 PROTEUS_AGENT_DATA_DIR=/var/lib/proteus/data
 PROTEUS_AGENT_LISTEN=0.0.0.0:7070
 ENV
-# The agent binary and its data sets come from the broker, authenticated by the token.
-for attempt in $(seq 1 30); do
-    if curl -fsS -H "Authorization: Bearer {{TOKEN}}" "${BROKER_URL}/v1/downloads/proteus-agent" \
-        -o /usr/local/bin/proteus-agent; then break; fi
-    sleep 5
-done
+fetch() { # fetch PATH DEST: from the broker, authenticated by this instance's token, with retries
+    for attempt in $(seq 1 30); do
+        if curl -fsS -H "Authorization: Bearer {{TOKEN}}" "${BROKER_URL}$1" -o "$2.part"; then
+            mv "$2.part" "$2"
+            return 0
+        fi
+        sleep 5
+    done
+    echo "proteus bootstrap: cannot fetch $1 from ${BROKER_URL}" >&2
+    return 1
+}
+fetch /v1/downloads/proteus-agent /usr/local/bin/proteus-agent
 chmod 0755 /usr/local/bin/proteus-agent
-cat > /etc/systemd/system/proteus-agent.service <<UNIT
+umask 022
+for f in mnist-train-1of2.csv.gz mnist-train-2of2.csv.gz mnist-test.csv.gz digits-8x8.csv.gz movietweetings-100k.csv.gz; do
+    fetch "/v1/downloads/data/$f" "/var/lib/proteus/data/$f" || true
+done
+cat > /etc/systemd/system/proteus-agent.service <<'UNIT'
 [Unit]
 Description=Proteus training agent
 After=network-online.target
@@ -27,9 +38,12 @@ Wants=network-online.target
 
 [Service]
 EnvironmentFile=/etc/proteus/agent.env
-ExecStart=/usr/local/bin/proteus-agent --advertise \$(hostname -I | cut -d' ' -f1):7070
+# The agent advertises the instance's local-ipv4 (from instance metadata) to its peers.
+ExecStart=/usr/local/bin/proteus-agent
 Restart=on-failure
 RestartSec=2
+# Interruption notices give two minutes; the agent hands over and exits well within them.
+TimeoutStopSec=100
 
 [Install]
 WantedBy=multi-user.target

@@ -43,8 +43,10 @@ pub enum LaunchError {
 /// How agents are started.
 #[derive(Debug, Clone)]
 pub struct LauncherConfig {
-    /// The `proteus-agent` binary.
+    /// The agent program: `proteus-agent`, or this `proteus` binary run as `proteus agent`.
     pub agent_bin: PathBuf,
+    /// Arguments before the agent's own (`["agent"]` when `agent_bin` is `proteus`).
+    pub agent_prefix: Vec<String>,
     /// The broker URL agents register with.
     pub broker_url: String,
     /// Where the agents find their data sets.
@@ -60,13 +62,18 @@ pub struct LauncherConfig {
 }
 
 impl LauncherConfig {
-    /// The agent binary next to the running `proteus` (as cargo and installs lay them out).
-    pub fn default_agent_bin() -> PathBuf {
-        std::env::current_exe()
-            .ok()
-            .and_then(|exe| exe.parent().map(|d| d.join("proteus-agent")))
-            .filter(|p| p.is_file())
-            .unwrap_or_else(|| PathBuf::from("proteus-agent"))
+    /// `proteus-agent` next to the running binary if it is there (as cargo and installs lay
+    /// them out), else the running `proteus` itself as `proteus agent`.
+    pub fn default_agent_command() -> (PathBuf, Vec<String>) {
+        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("proteus"));
+        let sibling = exe
+            .parent()
+            .map(|d| d.join("proteus-agent"))
+            .filter(|p| p.is_file());
+        match sibling {
+            Some(bin) => (bin, Vec::new()),
+            None => (exe, vec!["agent".to_string()]),
+        }
     }
 }
 
@@ -169,7 +176,8 @@ impl LocalLauncher {
         let log = std::fs::File::create(&log_path).map_err(|e| state_err(&log_path, e))?;
         let log2 = log.try_clone().map_err(|e| state_err(&log_path, e))?;
         let mut cmd = std::process::Command::new(&self.config.agent_bin);
-        cmd.arg("--broker")
+        cmd.args(&self.config.agent_prefix)
+            .arg("--broker")
             .arg(&self.config.broker_url)
             .arg("--imds-endpoint")
             .arg(imds)

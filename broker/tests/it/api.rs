@@ -296,6 +296,45 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
         "pending",
         "not cancelled by the agent"
     );
+
+    // What a booting VM fetches: data sets (and the agent binary), with its instance token only.
+    let fetch = |path: &str, token: Option<&str>| {
+        let mut req = s.http.get(format!("{}{path}", s.url));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    let resp = fetch("/v1/downloads/data/digits-8x8.csv.gz", Some(a_token))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.bytes().await.unwrap();
+    assert_eq!(
+        &body[..],
+        &std::fs::read(crate::support::data("ml/digits-8x8.csv.gz")).unwrap()[..]
+    );
+    assert_eq!(
+        fetch("/v1/downloads/data/digits-8x8.csv.gz", None)
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        fetch("/v1/downloads/data/digits-8x8.csv.gz", Some(TOKEN))
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    for bad in ["..%2FSOURCES.md", ".hidden", "nope.csv"] {
+        let status = fetch(&format!("/v1/downloads/data/{bad}"), Some(a_token))
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 404, "{bad}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

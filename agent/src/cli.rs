@@ -1,0 +1,108 @@
+//! The `proteus-agent` command line.
+//!
+//! Exit codes: 0 stopped or handed over after an interruption warning; 1 error (message on
+//! stderr); 2 bad command line.
+
+use crate::agent::{self, AgentOptions};
+use anyhow::Context;
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Elastic AgileML parameter server and worker for Proteus.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    after_help = "Examples:\n  \
+proteus-agent --broker http://10.0.0.5:8080 --token $TOKEN\n  \
+proteus-agent --broker http://127.0.0.1:8080 --token t1 --instance-id sim-1 \\\n      \
+--imds-endpoint http://127.0.0.1:9001 --data-dir data/ml --listen 127.0.0.1:0\n\n\
+Every flag can also be given by environment variable (shown in brackets)."
+)]
+pub struct Cli {
+    /// Base URL of the broker's agent API.
+    #[arg(long, env = "PROTEUS_BROKER_URL")]
+    broker: String,
+    /// Per-instance bearer token issued by the broker.
+    #[arg(long, env = "PROTEUS_AGENT_TOKEN", hide_env_values = true)]
+    token: String,
+    /// Instance id; read from instance metadata (`instance-id`) when absent.
+    #[arg(long, env = "PROTEUS_AGENT_INSTANCE_ID")]
+    instance_id: Option<String>,
+    /// Instance metadata (IMDSv2) base URL; `off` disables interruption polling.
+    #[arg(
+        long,
+        env = "PROTEUS_AGENT_IMDS_ENDPOINT",
+        default_value = "http://169.254.169.254"
+    )]
+    imds_endpoint: String,
+    /// How often to poll instance metadata for interruption notices, in milliseconds.
+    #[arg(long, env = "PROTEUS_AGENT_IMDS_POLL_MS", default_value_t = 2000)]
+    imds_poll_ms: u64,
+    /// Directory holding the data sets (MNIST, digits, ratings).
+    #[arg(long, env = "PROTEUS_AGENT_DATA_DIR", default_value = "data/ml")]
+    data_dir: PathBuf,
+    /// Address for peer (data-plane) TCP connections; port 0 picks a free one.
+    #[arg(long, env = "PROTEUS_AGENT_LISTEN", default_value = "0.0.0.0:0")]
+    listen: SocketAddr,
+    /// `host:port` peers should dial. Default: the bound address; with a wildcard bind, the
+    /// instance's `local-ipv4` from metadata.
+    #[arg(long, env = "PROTEUS_AGENT_ADVERTISE")]
+    advertise: Option<String>,
+    /// Leave at the latest this many seconds before an interruption's action time.
+    #[arg(long, env = "PROTEUS_AGENT_EXIT_MARGIN_SECS", default_value_t = 10)]
+    exit_margin_secs: u64,
+    /// Log filter (tracing `EnvFilter` syntax).
+    #[arg(long, env = "PROTEUS_AGENT_LOG", default_value = "info")]
+    log: String,
+}
+
+/// Runs the agent with these command-line arguments (the first is the program name). Used by
+/// the `proteus-agent` binary and by `proteus agent`, so that a single `proteus` binary can be
+/// its own agent where instances are local processes.
+pub fn main_from<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = Cli::parse_from(args);
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("proteus-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let opts = AgentOptions {
+        broker: cli.broker,
+        token: cli.token,
+        instance_id: cli.instance_id,
+        imds_endpoint: (cli.imds_endpoint != "off").then_some(cli.imds_endpoint),
+        imds_poll: Duration::from_millis(cli.imds_poll_ms.max(10)),
+        data_dir: cli.data_dir,
+        listen: cli.listen,
+        advertise: cli.advertise,
+        vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        exit_margin: Duration::from_secs(cli.exit_margin_secs),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
+    let outcome = runtime.block_on(agent::run(opts)).context("agent failed")?;
+    tracing::info!(?outcome, "done");
+    // Background tasks (long polls, peer connections) must not hold the process open.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    Ok(())
+}
