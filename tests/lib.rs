@@ -383,15 +383,12 @@ pub async fn localstack_instances(ec2: &aws_sdk_ec2::Client, deployment: &str) -
 /// types in two zones, recent enough to be "now", with on-demand prices.
 pub fn write_small_prices(dir: &Path) -> (PathBuf, PathBuf) {
     let trace = dir.join("prices.csv");
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let now = chrono::Utc::now();
     let mut text =
         String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
     for day in (1..=10).rev() {
-        let t = now - day * 86_400;
-        let stamp = format_rfc3339(t);
+        let stamp =
+            (now - chrono::Duration::days(day)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         for (zone, ty, price) in [
             ("us-east-1a", "c5.large", 0.031),
             ("us-east-1b", "c5.large", 0.033),
@@ -409,27 +406,6 @@ pub fn write_small_prices(dir: &Path) -> (PathBuf, PathBuf) {
     )
     .expect("write on-demand");
     (trace, od)
-}
-
-fn format_rfc3339(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since the epoch (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
 }
 
 /// Runs `proteus` (not serve) with a database URL and returns (status, stdout, stderr).

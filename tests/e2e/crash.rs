@@ -166,6 +166,20 @@ async fn kill_9_mid_job_then_restart_leaves_no_leak_and_no_duplicate_and_the_job
         )
         .await;
     assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
+    // The agents that outlived the crash finished the job: the resumed control plane kept them.
+    let events = api.get(&format!("{path}/events")).await;
+    let lost: Vec<&serde_json::Value> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["kind"] == "agent_lost" || (e["kind"] == "agent_exit" && e["detail"] != "Stopped")
+        })
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "agents were lost across the restart: {lost:?}"
+    );
     let after = localstack_instances(&localstack_ec2().await, &deployment).await;
     for s in &before {
         let twins = after
@@ -191,5 +205,112 @@ async fn kill_9_mid_job_then_restart_leaves_no_leak_and_no_duplicate_and_the_job
             .iter()
             .all(|s| s.state == "terminated" || s.state == "shutting-down"),
         "leak: {after:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_while_recording_an_eviction() {
+    let dir = tempfile::tempdir().unwrap();
+    let deployment = unique("crash-evict");
+    let (mut broker, _db) = start_ec2_broker(dir.path(), &deployment).await;
+    let api = broker.client();
+    let id = api.post("/v1/jobs", job("crash-evict", 20, 3)).await["id"]
+        .as_i64()
+        .unwrap();
+    let path = format!("/v1/jobs/{id}");
+    let view = api
+        .wait_for(
+            &path,
+            Duration::from_secs(120),
+            "training on 3 instances",
+            |v| live(v).len() == 3 && v["progress"].as_f64().unwrap_or(0.0) > 0.0,
+        )
+        .await;
+    let victim = live(&view)
+        .into_iter()
+        .find(|i| i["tier"] == "transient")
+        .unwrap();
+    let victim_id = victim["id"].as_str().unwrap().to_string();
+    // Restart with the eviction failpoint armed, then evict: notice, hand-over, termination.
+    broker.kill9();
+    broker
+        .spawn(&[("PROTEUS_FAILPOINTS", "evicted-before-record")])
+        .await;
+    let api = broker.client();
+    let metadata = victim["metadata_url"].as_str().unwrap().to_string();
+    let resp = reqwest::Client::new()
+        .post(format!("{metadata}/_proteus/interrupt"))
+        .json(&serde_json::json!({"action": "terminate"}))
+        .send()
+        .await;
+    assert!(
+        resp.is_ok(),
+        "the metadata endpoint is served again after the restart: {resp:?}"
+    );
+    api.wait_for(
+        &format!("{path}/events"),
+        Duration::from_secs(60),
+        "the victim's exit",
+        |ev| {
+            ev.as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["instance_id"] == victim_id.as_str() && e["kind"] == "agent_exit")
+        },
+    )
+    .await;
+    let ec2 = localstack_ec2().await;
+    ec2.terminate_instances()
+        .instance_ids(victim["cloud_id"].as_str().unwrap())
+        .send()
+        .await
+        .unwrap();
+    let died = broker.wait_exit(Duration::from_secs(30)).await;
+    if died.is_none() {
+        let events = api.get(&format!("{path}/events")).await;
+        let view = api.get(&path).await;
+        panic!(
+            "the broker should have died recording the eviction:\n{events}\n{view}\n{}",
+            broker.log_text()
+        );
+    }
+
+    broker.spawn(&[]).await;
+    let api = broker.client();
+    let done = api
+        .wait_for(&path, Duration::from_secs(300), "the job to finish", |v| {
+            v["state"] != "running" && v["state"] != "pending"
+        })
+        .await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
+    let victim_after = done["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["id"] == victim_id.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(
+        victim_after["end_reason"], "evicted",
+        "the eviction was recorded after the restart: {victim_after}"
+    );
+    assert!(
+        api.get(&format!("{path}/cost")).await["evictions"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
+    api.wait_for(
+        &path,
+        Duration::from_secs(30),
+        "every instance to end",
+        |v| live(v).is_empty(),
+    )
+    .await;
+    let seen = localstack_instances(&ec2, &deployment).await;
+    assert!(
+        seen.iter()
+            .all(|s| s.state == "terminated" || s.state == "shutting-down"),
+        "leak: {seen:?}"
     );
 }

@@ -199,9 +199,9 @@ impl Member {
     }
 }
 
-/// The control-plane state of one job. See the module documentation.
-/// Serialisable, so that a broker can store it and resume a job's control plane after a restart
-/// (see [`Coordinator::resume`]).
+/// The control-plane state of one job. See the module documentation. Serialisable, so that a
+/// broker can store it and resume a job's control plane after a restart (see
+/// [`Coordinator::resume`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Coordinator {
     job_id: JobId,
@@ -250,9 +250,19 @@ impl Coordinator {
 
     /// After a broker restart: the members' last heartbeats are as old as the outage, which says
     /// nothing about the agents, so every member gets a fresh dead-member timeout from `now_ms`.
+    ///
+    /// The snapshot may predate commands the crashed broker issued after saving it, which agents
+    /// may already have seen; so sequence numbers jump well past anything it could have issued,
+    /// and every member is sent the current layout again under the new numbers.
     pub fn resume(&mut self, now_ms: u64) {
+        const SEQ_GAP: u64 = 1 << 20;
+        let view = self.view.clone();
         for m in self.members.values_mut() {
             m.last_seen_ms = m.last_seen_ms.max(now_ms);
+            m.next_seq += SEQ_GAP;
+            if let Some(view) = &view {
+                m.push(Command::Configure(view.clone()));
+            }
         }
     }
 
@@ -1236,6 +1246,33 @@ mod tests {
             c.commands_after(&id("nobody"), 0),
             Err(CoordinatorError::UnknownInstance(_))
         ));
+    }
+
+    #[test]
+    fn a_saved_coordinator_resumes_past_anything_agents_saw() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        join(&mut c, "r1", Tier::Reliable, 0);
+        join(&mut c, "t1", Tier::Transient, 0);
+        let saved = serde_json::to_string(&c).unwrap();
+        // After the save, the crashed broker issued more commands the agent saw.
+        join(&mut c, "t2", Tier::Transient, 0);
+        let seen = c.latest_seq(&id("r1")).unwrap();
+
+        let mut restored: Coordinator = serde_json::from_str(&saved).unwrap();
+        assert_eq!(
+            restored.view(),
+            serde_json::from_str::<Coordinator>(&saved).unwrap().view()
+        );
+        restored.resume(60_000);
+        let cmds = restored.commands_after(&id("r1"), seen).unwrap();
+        assert_eq!(cmds.len(), 1, "the current layout again, under new numbers");
+        assert!(
+            matches!(&cmds[0].command, Command::Configure(v) if v.epoch == view(&restored).epoch)
+        );
+        assert!(
+            restored.tick(60_000 + 5_000).is_empty(),
+            "a fresh timeout after the outage"
+        );
     }
 
     #[test]

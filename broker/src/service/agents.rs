@@ -157,11 +157,9 @@ impl Broker {
     ) -> Result<(), ApiError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let control = self.control_of(identity.job_id)?;
-        let rate = hb.progress.samples_per_sec;
         control
             .update_quietly(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))
             .map_err(coordinator_error)?;
-        let _ = rate;
         Ok(())
     }
 

@@ -137,22 +137,18 @@ impl Broker {
             )
             .await?;
         drop(runtime);
-        let job = self
-            .store
-            .job(id)
-            .await?
-            .ok_or(ServiceError::NoSuchJob(id))?;
+        let job = self.job_row(id).await?;
         self.ensure_runtime(&job)?;
         self.nudge.notify_one();
         self.job_view(id).await
     }
 
+    async fn job_row(&self, id: JobId) -> Result<JobRow, ServiceError> {
+        self.store.job(id).await?.ok_or(ServiceError::NoSuchJob(id))
+    }
+
     pub async fn job_view(&self, id: JobId) -> Result<JobView, ServiceError> {
-        let job = self
-            .store
-            .job(id)
-            .await?
-            .ok_or(ServiceError::NoSuchJob(id))?;
+        let job = self.job_row(id).await?;
         let instances = self.store.instances_of_job(id).await?;
         let spend = self.store.spend_of_job(id).await?;
         Ok(self.view_of(&job, &instances, spend).await?)
@@ -227,11 +223,7 @@ impl Broker {
 
     /// Cancels a job: every instance is released and the ledger closed.
     pub async fn cancel(&self, id: JobId) -> Result<JobView, ServiceError> {
-        let job = self
-            .store
-            .job(id)
-            .await?
-            .ok_or(ServiceError::NoSuchJob(id))?;
+        let job = self.job_row(id).await?;
         if job.state.is_over() {
             return Err(ServiceError::JobOver(id));
         }
@@ -243,11 +235,7 @@ impl Broker {
     }
 
     pub async fn cost_report(&self, id: JobId) -> Result<CostReport, ServiceError> {
-        let job = self
-            .store
-            .job(id)
-            .await?
-            .ok_or(ServiceError::NoSuchJob(id))?;
+        let job = self.job_row(id).await?;
         let instances = self.store.instances_of_job(id).await?;
         let lines = self.store.ledger_of_job(id).await?;
         let mut by_tier = BTreeMap::from([

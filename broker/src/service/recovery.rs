@@ -27,6 +27,13 @@ impl Broker {
     pub async fn recover(&self) -> Result<RecoveryReport, ServiceError> {
         let mut report = RecoveryReport::default();
         let now = self.clock.now();
+        // Control planes first: agents that outlived the crash poll as soon as the API is up,
+        // and must find their job's coordinator, not a "job over".
+        for job in self.store.jobs(true).await? {
+            if let Err(e) = self.ensure_runtime(&job) {
+                tracing::warn!(job = %job.id, error = %e, "cannot resume a job; the scheduler will fail it");
+            }
+        }
         let described = self.cloud.describe().await.map_err(|e| {
             ServiceError::Internal(format!("cannot list the cloud's instances: {e}"))
         })?;

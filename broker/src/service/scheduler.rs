@@ -318,15 +318,7 @@ impl Broker {
             started_at: job.started.unwrap_or(job.created),
         };
         let decision = self
-            .decide(
-                &runtime,
-                &instances,
-                &registered,
-                progress,
-                fraction,
-                spend,
-                now,
-            )
+            .decide(&runtime, &instances, &registered, progress, fraction, now)
             .await?;
         self.apply(job, &runtime, decision, &instances, spend, now)
             .await
@@ -334,7 +326,6 @@ impl Broker {
 
     /// Asks the policy. The market view hides markets in a cool-down, so the policy picks
     /// elsewhere without knowing why.
-    #[allow(clippy::too_many_arguments)]
     async fn decide(
         &self,
         runtime: &Arc<std::sync::Mutex<JobRuntime>>,
@@ -342,7 +333,6 @@ impl Broker {
         registered: &Option<HashSet<String>>,
         mut progress: JobProgress,
         fraction: f64,
-        _spend: f64,
         now: Timestamp,
     ) -> Result<Decision, ServiceError> {
         let cooled: HashSet<(String, String)> = self
