@@ -50,6 +50,8 @@ pg_start() {
         -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300 \
         >"$work/pg/postgres.log" 2>&1 &
     PG_PID=$!
+    # Stopped by pg_stop; bash need not report its end as a killed job.
+    disown "$PG_PID" 2>/dev/null || true
     local _
     for _ in $(seq 1 150); do
         "$PG_BIN/pg_isready" -h 127.0.0.1 -p "$port" -q 2>/dev/null && break

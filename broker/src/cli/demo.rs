@@ -490,8 +490,10 @@ fn summary(r: &DemoResult) -> String {
         ("on-demand", "on-demand"),
         ("standard-bidding", "standard bidding"),
     ] {
-        if let Some(s) = r.cost.savings.get(name) {
-            vs.push(format!("{} cheaper than {label}", pct(*s)));
+        match r.cost.savings.get(name) {
+            Some(s) if *s >= 0.0 => vs.push(format!("{} cheaper than {label}", pct(*s))),
+            Some(s) => vs.push(format!("{} dearer than {label}", pct(-*s))),
+            None => {}
         }
     }
     if !vs.is_empty() {
