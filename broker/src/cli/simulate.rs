@@ -4,13 +4,11 @@ use crate::billing::BillingModel;
 use crate::data;
 use crate::job::WorkModelSpec;
 use crate::market::{Region, Timestamp};
-use crate::market_model::{
-    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
-};
+use crate::market_model::{HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig};
 use crate::output::{OutputFormat, Table, emit, pct, usd};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::inputs::{check_policy, load_history};
-use crate::sim::sweep::{PolicyEntry, PolicySummary, run_sweep, start_times, summarize};
+use crate::sim::sweep::{PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize};
 use crate::sim::view::FutureReads;
 use crate::sim::world::HazardTruth;
 use crate::sim::{RunResult, Scenario, World};
@@ -47,12 +45,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "us-east-1")]
     pub region: String,
     /// The policy to simulate (file or name).
-    #[arg(
-        long,
-        value_name = "POLICY",
-        conflicts_with = "compare",
-        required_unless_present = "compare"
-    )]
+    #[arg(long, value_name = "POLICY", conflicts_with = "compare", required_unless_present = "compare")]
     pub policy: Option<String>,
     /// Several policies, run on the same start times.
     #[arg(long, value_name = "POLICY", num_args = 1..)]
@@ -99,6 +92,9 @@ pub struct SimulateArgs {
     /// Also write every run as JSON lines to this file.
     #[arg(long, value_name = "FILE")]
     pub runs_out: Option<PathBuf>,
+    /// Include every policy decision in the runs written by --runs-out (large).
+    #[arg(long, requires = "runs_out")]
+    pub record_decisions: bool,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
 }
@@ -117,11 +113,10 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         .trace
         .clone()
         .unwrap_or_else(|| data::data_dir().join("spot").join(data::TRACE_2015_NAME));
-    let on_demand = args.on_demand.clone().unwrap_or_else(|| {
-        data::data_dir()
-            .join("spot")
-            .join(data::ON_DEMAND_2015_NAME)
-    });
+    let on_demand = args
+        .on_demand
+        .clone()
+        .unwrap_or_else(|| data::data_dir().join("spot").join(data::ON_DEMAND_2015_NAME));
     let history = Arc::new(load_history(&trace, &on_demand, &region)?);
     if history.is_empty() {
         bail!("{}: no price rows", trace.display());
@@ -130,10 +125,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     let job = WorkModelSpec::load(&args.job)?.resolve(&job_file, history.on_demand(), &region)?;
     for (t, _) in job.rates() {
         if !history.markets().any(|m| &m.instance_type == t) {
-            eprintln!(
-                "warning: {job_file}: instance type {t} has no spot market in {}",
-                trace.display()
-            );
+            eprintln!("warning: {job_file}: instance type {t} has no spot market in {}", trace.display());
         }
     }
 
@@ -147,15 +139,9 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         let path = resolve_policy_path(name)?;
         entries.push(PolicyEntry::load(&path)?);
     }
-    for (kind, name) in [
-        (PolicyKind::OnDemand, "on-demand"),
-        (PolicyKind::StandardBidding, "standard-bidding"),
-    ] {
+    for (kind, name) in [(PolicyKind::OnDemand, "on-demand"), (PolicyKind::StandardBidding, "standard-bidding")] {
         if !entries.iter().any(|e| e.kind == kind) {
-            match resolve_policy_path(name)
-                .map_err(anyhow::Error::from)
-                .and_then(|p| Ok(PolicyEntry::load(&p)?))
-            {
+            match resolve_policy_path(name).map_err(anyhow::Error::from).and_then(|p| Ok(PolicyEntry::load(&p)?)) {
                 Ok(e) => entries.push(e),
                 Err(e) => eprintln!("warning: no {kind} baseline for the ratios: {e:#}"),
             }
@@ -167,9 +153,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     }
 
     let kind = match (args.market_model, args.billing) {
-        (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => {
-            ModelChoice::Price
-        }
+        (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => ModelChoice::Price,
         _ => ModelChoice::Hazard,
     };
     let lookback_secs = args.lookback_days * 86_400.0;
@@ -192,8 +176,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
                 interruptions_per_instance_hour: args.hazard_prior,
                 weight_instance_hours: args.hazard_prior_weight,
             };
-            if !(prior.interruptions_per_instance_hour >= 0.0 && prior.weight_instance_hours >= 0.0)
-            {
+            if !(prior.interruptions_per_instance_hour >= 0.0 && prior.weight_instance_hours >= 0.0) {
                 bail!("--hazard-prior and --hazard-prior-weight must be zero or positive");
             }
             let truth = HazardTruth {
@@ -236,23 +219,19 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} simulating {pos}/{len} runs [{bar:30}] {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("{spinner} simulating {pos}/{len} runs [{bar:30}] {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let results = run_sweep(
-        &scenario,
-        &entries,
-        &starts,
-        args.seed,
+    let options = SweepOptions {
+        seed: args.seed,
         threads,
-        FutureReads::Refuse,
-        &|| bar.inc(1),
-    )?;
+        future_reads: FutureReads::Refuse,
+        record_decisions: args.record_decisions,
+    };
+    let results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
     let summaries = summarize(&results, scenario.job.total_work);
 
@@ -264,23 +243,11 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         total_runs,
         entries.len(),
         starts.len(),
-        starts
-            .iter()
-            .min()
-            .map(Timestamp::to_string)
-            .unwrap_or_default(),
-        starts
-            .iter()
-            .max()
-            .map(Timestamp::to_string)
-            .unwrap_or_default(),
+        starts.iter().min().map(Timestamp::to_string).unwrap_or_default(),
+        starts.iter().max().map(Timestamp::to_string).unwrap_or_default(),
         trace.display(),
         args.billing,
-        if kind == ModelChoice::Price {
-            "price-driven"
-        } else {
-            "interruption-hazard"
-        },
+        if kind == ModelChoice::Price { "price-driven" } else { "interruption-hazard" },
         began.elapsed().as_secs_f64()
     );
     emit(args.output, &summaries, || summary_table(&summaries))?;
@@ -293,8 +260,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
 
 fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> {
     use std::io::Write;
-    let file =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);
     for r in results.iter().flatten() {
         serde_json::to_writer(&mut w, r)?;
@@ -349,16 +315,16 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
 fn breakdown_table(rows: &[PolicySummary]) -> Table {
     let mut t = Table::new(&[
         "policy",
-        "gross $/capacity-unit",
-        "free share",
+        "$ per paid unit-hour",
+        "paid share of capacity",
         "useful fraction",
         "lost work (units)",
     ]);
     for s in rows {
         t.push(vec![
             s.policy.clone(),
-            format!("${:.4}", s.median_gross_usd_per_capacity_unit),
-            pct(s.median_free_share),
+            format!("${:.4}", s.median_usd_per_paid_unit_hour),
+            pct(s.median_paid_share),
             pct(s.median_useful_fraction),
             format!("{:.1}", s.median_lost_work),
         ]);

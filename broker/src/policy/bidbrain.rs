@@ -30,8 +30,8 @@
 //! the grid search picks it when the expected work stays worth it.
 
 use super::{
-    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
-    PolicyKind, Purchase, cheapest_on_demand, rate_of,
+    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError, PolicyKind, Purchase,
+    cheapest_on_demand, rate_of,
 };
 use crate::billing::BillingModel;
 use crate::job::{EvictionCost, JobModel};
@@ -75,6 +75,14 @@ pub struct BidBrainConfig {
     /// (the cheapest on-demand type per unit of work).
     #[serde(default = "one")]
     pub max_cost_vs_on_demand: f64,
+    /// While filling up to the capacity target, take only allocations within this fraction of
+    /// the best one available now (0.5 = up to 50% dearer per unit of work); beyond it, the
+    /// allocation waits for a better moment. Large values fill at any price under the ceiling.
+    #[serde(default = "default_fill_slack")]
+    pub fill_slack: f64,
+    /// Allocations per market per decision (each at a different bid delta).
+    #[serde(default = "one_u32")]
+    pub allocations_per_market: u32,
     /// Replace a kept allocation only when a new one is at least this much cheaper per unit of
     /// work (0.15 = 15%); damps flapping between near-equal markets.
     #[serde(default = "default_switch_margin")]
@@ -163,6 +171,9 @@ fn one() -> f64 {
 fn one_u32() -> u32 {
     1
 }
+fn default_fill_slack() -> f64 {
+    1e9
+}
 fn default_switch_margin() -> f64 {
     0.15
 }
@@ -172,22 +183,10 @@ impl BidBrainConfig {
     pub(crate) fn validate(&self) -> Result<Vec<Market>, (String, String, String)> {
         let bad = |k: &str, p: String, a: &str| Err((k.to_string(), p, a.to_string()));
         if self.bid_deltas.is_empty() {
-            return bad(
-                "bid_deltas",
-                "is empty".into(),
-                "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]",
-            );
+            return bad("bid_deltas", "is empty".into(), "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]");
         }
-        if self
-            .bid_deltas
-            .iter()
-            .any(|d| !(d.is_finite() && *d >= 0.0))
-        {
-            return bad(
-                "bid_deltas",
-                format!("{:?} has a negative or non-finite value", self.bid_deltas),
-                "fractions ≥ 0",
-            );
+        if self.bid_deltas.iter().any(|d| !(d.is_finite() && *d >= 0.0)) {
+            return bad("bid_deltas", format!("{:?} has a negative or non-finite value", self.bid_deltas), "fractions ≥ 0");
         }
         for (k, v) in [
             ("horizon_minutes", self.horizon_minutes),
@@ -209,12 +208,14 @@ impl BidBrainConfig {
                 "0 ≤ minutes < 60",
             );
         }
+        if !(self.fill_slack >= 0.0) {
+            return bad("fill_slack", format!("{} is negative", self.fill_slack), "a fraction ≥ 0");
+        }
+        if self.allocations_per_market == 0 {
+            return bad("allocations_per_market", "is 0".into(), "a whole number ≥ 1");
+        }
         if !(self.switch_margin.is_finite() && self.switch_margin >= 0.0) {
-            return bad(
-                "switch_margin",
-                format!("{} is negative", self.switch_margin),
-                "a fraction ≥ 0",
-            );
+            return bad("switch_margin", format!("{} is negative", self.switch_margin), "a fraction ≥ 0");
         }
         if self.max_per_allocation == 0 {
             return bad("max_per_allocation", "is 0".into(), "a whole number ≥ 1");
@@ -223,18 +224,14 @@ impl BidBrainConfig {
             .iter()
             .map(|m| {
                 Market::parse(m).map_err(|e| {
-                    (
-                        "markets".to_string(),
-                        format!("`{m}`: {e}"),
-                        "zone/type, e.g. us-east-1a/c3.xlarge".to_string(),
-                    )
+                    ("markets".to_string(), format!("`{m}`: {e}"), "zone/type, e.g. us-east-1a/c3.xlarge".to_string())
                 })
             })
             .collect()
     }
 }
 
-/// Expected cost and useful work of one instance over the horizon.
+/// Expected cost and useful work of one instance per horizon of its life.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Economics {
     cost: f64,
@@ -243,18 +240,58 @@ struct Economics {
 
 impl Economics {
     fn cpw(self) -> f64 {
-        if self.work > 0.0 {
-            self.cost / self.work
-        } else {
-            f64::INFINITY
+        if self.work > 0.0 { self.cost / self.work } else { f64::INFINITY }
+    }
+}
+
+/// What a decision assumes about the job when it judges allocations.
+#[derive(Debug, Clone, Copy)]
+struct JobCosts {
+    /// Seconds from launch to work.
+    startup: f64,
+    /// Work-seconds an evicted instance loses (its own work since the last sync).
+    loss: f64,
+    /// Units the whole footprint loses per membership change (AgileML re-splits partitions).
+    rebalance_units: f64,
+    /// Instances assumed to join and leave together (one membership change for all).
+    batch: f64,
+    /// Horizons the job still needs at its target speed (at least one): an instance cannot
+    /// amortise its start-up over a longer life than that.
+    periods_left: f64,
+    /// Seconds until the job finishes at the footprint's current speed (tail releases).
+    finish_secs: f64,
+}
+
+impl JobCosts {
+    /// A new spot instance bought now at `price` with eviction risk `est`. Its start-up is
+    /// spread over its expected life (1/P horizons, capped by the job's), because an instance
+    /// that survives the horizon keeps working without starting again.
+    fn new_spot(&self, billing: BillingModel, price: f64, est: &EvictionEstimate, rate: f64) -> Economics {
+        let p = est.probability;
+        let periods = if p > 0.0 { (1.0 / p).min(self.periods_left) } else { self.periods_left }.max(1.0);
+        let secs = est.expected_secs - self.startup / periods - p * self.loss;
+        let overhead = self.rebalance_units * (1.0 / periods + p) / self.batch;
+        Economics {
+            cost: spot_cost(billing, price, est),
+            work: (rate * secs / 3600.0 - overhead).max(0.0),
+        }
+    }
+
+    /// A new on-demand instance: never evicted, list price for the whole horizon.
+    fn new_on_demand(&self, billing: BillingModel, od: f64, rate: f64, horizon_secs: f64) -> Economics {
+        let periods = self.periods_left.max(1.0);
+        let secs = horizon_secs - self.startup / periods;
+        Economics {
+            cost: od * billed_hours(billing, horizon_secs),
+            work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
         }
     }
 }
 
 /// One allocation BidBrain could make.
 #[derive(Debug, Clone)]
-struct Candidate {
-    market: Market,
+struct Candidate<'v> {
+    market: &'v Market,
     purchase: Purchase,
     rate: f64,
     per_instance: Economics,
@@ -268,7 +305,6 @@ pub struct BidBrain {
     // Scratch space reused across decisions (a decision allocates little).
     deltas: Vec<f64>,
     estimates: Vec<EvictionEstimate>,
-    candidates: Vec<Candidate>,
 }
 
 impl BidBrain {
@@ -280,7 +316,6 @@ impl BidBrain {
             markets,
             deltas: Vec::new(),
             estimates: Vec::new(),
-            candidates: Vec::new(),
         })
     }
 
@@ -293,25 +328,28 @@ impl BidBrain {
     }
 
     fn allowed(&self, market: &Market, job: &JobModel) -> bool {
-        job.rate(&market.instance_type).is_some()
-            && (self.markets.is_empty() || self.markets.contains(market))
+        job.rate(&market.instance_type).is_some() && (self.markets.is_empty() || self.markets.contains(market))
     }
 
-    /// A new spot instance bought now at `price` whose eviction risk is `est`.
-    fn new_spot(
-        &self,
-        billing: BillingModel,
-        price: f64,
-        est: &EvictionEstimate,
-        rate: f64,
-        startup: f64,
-        loss: f64,
-    ) -> Economics {
-        let cost = spot_cost(billing, price, est);
-        let useful = (est.expected_secs - startup - est.probability * loss).max(0.0);
-        Economics {
-            cost,
-            work: rate * useful / 3600.0,
+    fn target_speed(&self, job: &JobModel) -> f64 {
+        self.config.capacity_target * job.full_speed()
+    }
+
+    fn job_costs(&self, ctx: &DecisionContext<'_>, working_rate: f64) -> JobCosts {
+        let job = ctx.job;
+        let remaining = ctx.progress.remaining();
+        let target = self.target_speed(job).max(1e-9);
+        let rebalance_secs = match self.eviction_cost(job) {
+            EvictionCost::AgileMl { rebalance_secs, .. } => rebalance_secs,
+            EvictionCost::Checkpoint { .. } => 0.0,
+        };
+        JobCosts {
+            startup: job.startup_secs,
+            loss: self.eviction_cost(job).expected_loss_secs(),
+            rebalance_units: target * rebalance_secs / 3600.0,
+            batch: f64::from(self.config.max_per_allocation).max(1.0),
+            periods_left: (remaining / target * 3600.0 / self.horizon_secs()).max(1.0),
+            finish_secs: if working_rate > 0.0 { remaining / working_rate * 3600.0 } else { f64::INFINITY },
         }
     }
 
@@ -319,12 +357,8 @@ impl BidBrain {
     fn reliable_market<'v>(&self, ctx: &DecisionContext<'v>) -> Option<&'v Market> {
         let view = ctx.market;
         match &self.config.reliable.instance_type {
-            ReliableTypeChoice::CheapestPerWork => {
-                cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m)
-            }
-            ReliableTypeChoice::Type(t) => {
-                cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m)
-            }
+            ReliableTypeChoice::CheapestPerWork => cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m),
+            ReliableTypeChoice::Type(t) => cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m),
             ReliableTypeChoice::CheapestPerHour => view
                 .markets()
                 .into_iter()
@@ -335,45 +369,39 @@ impl BidBrain {
         }
     }
 
-    /// Fills `self.candidates` with every allocation BidBrain could make now, cheapest first.
-    fn gather_candidates(
+    /// Every allocation BidBrain could make now, cheapest per unit of work first: per market,
+    /// an on-demand worker and the best `allocations_per_market` spot bids.
+    fn gather_candidates<'v>(
         &mut self,
-        ctx: &DecisionContext<'_>,
-        loss: f64,
-    ) -> Result<(), PolicyError> {
+        ctx: &DecisionContext<'v>,
+        costs: &JobCosts,
+    ) -> Result<Vec<Candidate<'v>>, PolicyError> {
         let view = ctx.market;
         let job = ctx.job;
         let h = self.horizon_secs();
-        let startup = job.startup_secs;
-        let mut candidates = std::mem::take(&mut self.candidates);
-        candidates.clear();
+        let keep = self.config.allocations_per_market as usize;
+        let mut candidates = Vec::with_capacity(32);
+        let mut spot: Vec<Candidate<'v>> = Vec::with_capacity(self.config.bid_deltas.len());
         let price_driven = view.model_kind() == ModelKind::PriceDriven;
         for market in view.markets() {
             if !self.allowed(market, job) {
                 continue;
             }
-            let (Some(rate), Some(od), Some(price)) = (
-                rate_of(job, market),
-                view.on_demand_price(market),
-                view.spot_price(market),
-            ) else {
+            let (Some(rate), Some(od), Some(price)) =
+                (rate_of(job, market), view.on_demand_price(market), view.spot_price(market))
+            else {
                 continue;
             };
             let (od, price) = (od.get(), price.get());
-            // On-demand workers: never evicted, list price for the whole horizon.
             candidates.push(Candidate {
-                market: market.clone(),
+                market,
                 purchase: Purchase::OnDemand,
                 rate,
-                per_instance: Economics {
-                    cost: od * billed_hours(ctx.billing, h),
-                    work: rate * (h - startup).max(0.0) / 3600.0,
-                },
+                per_instance: costs.new_on_demand(ctx.billing, od, rate, h),
             });
             self.deltas.clear();
             if price_driven {
-                self.deltas
-                    .extend(self.config.bid_deltas.iter().map(|f| f * od));
+                self.deltas.extend(self.config.bid_deltas.iter().map(|f| f * od));
             } else if price <= od {
                 // Evictions do not follow the bid: bid the on-demand price (today's default cap).
                 self.deltas.push(od - price);
@@ -382,79 +410,86 @@ impl BidBrain {
             match view.eviction_many(market, &self.deltas, h, &mut self.estimates) {
                 Ok(()) => {}
                 // A market without enough history is not a candidate; others still are.
-                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => {
-                    continue;
-                }
+                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => continue,
                 Err(e) => return Err(e.into()),
             }
+            spot.clear();
             for (&delta, est) in self.deltas.iter().zip(&self.estimates) {
-                let Ok(bid) = UsdPerHour::new(price + delta) else {
-                    continue;
-                };
-                candidates.push(Candidate {
-                    market: market.clone(),
+                let Ok(bid) = UsdPerHour::new(price + delta) else { continue };
+                spot.push(Candidate {
+                    market,
                     purchase: Purchase::Spot { bid },
                     rate,
-                    per_instance: self.new_spot(ctx.billing, price, est, rate, startup, loss),
+                    per_instance: costs.new_spot(ctx.billing, price, est, rate),
                 });
             }
+            spot.sort_by(|a, b| a.per_instance.cpw().total_cmp(&b.per_instance.cpw()));
+            candidates.extend(spot.drain(..).take(keep));
         }
         candidates.sort_by(|a, b| {
             a.per_instance
                 .cpw()
                 .total_cmp(&b.per_instance.cpw())
                 .then(b.rate.total_cmp(&a.rate))
-                .then_with(|| a.market.cmp(&b.market))
+                .then_with(|| a.market.cmp(b.market))
         });
-        self.candidates = candidates;
-        Ok(())
+        Ok(candidates)
     }
 
-    /// Expected cost and work of keeping `inst` for one more horizon from now.
-    fn keep_economics(
+    /// Expected cost and work of keeping `inst` for one more horizon from now, counting only
+    /// work the job can still use after `usable_after` seconds (its paid period's end).
+    fn keep_economics<'f>(
         &self,
         ctx: &DecisionContext<'_>,
-        inst: &InstanceView,
-        loss: f64,
+        inst: &'f InstanceView,
+        costs: &JobCosts,
         backup: bool,
+        memo: &mut Vec<(&'f Market, f64, f64, EvictionEstimate)>,
     ) -> Economics {
         let view = ctx.market;
         let now = ctx.now();
         let h = self.horizon_secs();
-        let rate = if backup {
-            0.0
-        } else {
-            rate_of(ctx.job, &inst.market).unwrap_or(0.0)
-        };
+        let rate = if backup { 0.0 } else { rate_of(ctx.job, &inst.market).unwrap_or(0.0) };
         let startup_left = match inst.state {
             InstanceState::Starting { ready_at } => ready_at.secs_since(now).max(0.0),
             _ => 0.0,
         };
+        // Work after the job is done is worth nothing: near the end, the next period is only
+        // partly useful (what makes releasing before the last boundaries pay).
+        let period_left = ctx.billing.period_end(inst.launched_at, now).secs_since(now).max(0.0);
+        let useful_cap = match ctx.billing {
+            BillingModel::Hourly2015 => (costs.finish_secs - period_left).max(0.0),
+            BillingModel::PerSecond => costs.finish_secs,
+        };
         match inst.purchase {
             Purchase::OnDemand => {
-                let od = view
-                    .on_demand_price(&inst.market)
-                    .map_or(0.0, UsdPerHour::get);
+                let od = view.on_demand_price(&inst.market).map_or(0.0, UsdPerHour::get);
                 Economics {
                     cost: od * billed_hours(ctx.billing, h),
-                    work: rate * (h - startup_left).max(0.0) / 3600.0,
+                    work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
                 }
             }
             Purchase::Spot { bid } => {
-                let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
-                    return Economics {
-                        cost: 0.0,
-                        work: 0.0,
-                    };
+                // Instances of one allocation share market and bid: estimate each pair once.
+                let cached = memo.iter().find(|(m, b, _, _)| *m == &inst.market && *b == bid.get());
+                let (price, est) = match cached {
+                    Some(&(_, _, price, est)) => (price, est),
+                    None => {
+                        let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
+                            return Economics { cost: 0.0, work: 0.0 };
+                        };
+                        let est = view
+                            .eviction(&inst.market, (bid.get() - price).max(0.0), h)
+                            .unwrap_or(EvictionEstimate::never(h));
+                        memo.push((&inst.market, bid.get(), price, est));
+                        (price, est)
+                    }
                 };
-                let est = view
-                    .eviction(&inst.market, (bid.get() - price).max(0.0), h)
-                    .unwrap_or(EvictionEstimate::never(h));
+                let p = est.probability;
+                let secs = est.expected_secs.min(useful_cap) - startup_left - p * costs.loss;
                 Economics {
                     cost: spot_cost(ctx.billing, price, &est),
-                    work: rate
-                        * (est.expected_secs - startup_left - est.probability * loss).max(0.0)
-                        / 3600.0,
+                    work: (rate * secs / 3600.0 - costs.rebalance_units * p / costs.batch).max(0.0),
                 }
             }
         }
@@ -465,9 +500,7 @@ impl BidBrain {
 fn spot_cost(billing: BillingModel, price: f64, est: &EvictionEstimate) -> f64 {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
-        BillingModel::Hourly2015 => {
-            price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0)
-        }
+        BillingModel::Hourly2015 => price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0),
         BillingModel::PerSecond => price * est.expected_secs.max(60.0) / 3600.0,
     }
 }
@@ -518,106 +551,80 @@ impl Policy for BidBrain {
         }
         let Some((_, od_cpw, _)) = cheapest_on_demand(ctx.market, job, None) else {
             return Err(PolicyError::NoMarket {
-                types: job
-                    .rates()
-                    .map(|(t, _)| t.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                types: job.rates().map(|(t, _)| t.to_string()).collect::<Vec<_>>().join(", "),
                 now,
             });
         };
         let ceiling = self.config.max_cost_vs_on_demand * od_cpw;
-        let loss = self.eviction_cost(job).expected_loss_secs();
-        self.gather_candidates(ctx, loss)?;
 
-        // The backup tier: the oldest active on-demand instances, up to the tier's size.
+        // The footprint: the backup tier is the oldest active on-demand instances, up to the
+        // tier's size; they hold state, not work (stage 3), and are never released.
         let tier_size = self.config.reliable.count.min(job.max_reliable_instances) as usize;
-        let mut active: Vec<&InstanceView> =
-            ctx.footprint.iter().filter(|i| i.is_active()).collect();
+        let mut active: Vec<&InstanceView> = ctx.footprint.iter().filter(|i| i.is_active()).collect();
         active.sort_by_key(|i| (i.launched_at, i.id.clone()));
         let mut backups = 0usize;
-        let mut kept: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(active.len());
-        // Instances of one allocation share market and bid; judge each pair once.
-        let mut memo: Vec<(&Market, Option<f64>, bool, Economics)> = Vec::new();
+        let mut members: Vec<(&InstanceView, bool)> = Vec::with_capacity(active.len());
         for inst in active {
             let backup = inst.purchase == Purchase::OnDemand && backups < tier_size;
             backups += usize::from(backup);
-            let key_bid = inst.purchase.bid().map(UsdPerHour::get);
-            let startup_free = !matches!(inst.state, InstanceState::Starting { .. });
-            let econ = match memo
-                .iter()
-                .find(|(m, b, s, _)| *m == &inst.market && *b == key_bid && *s == startup_free)
-            {
-                Some(&(_, _, _, e)) if startup_free => e,
-                _ => {
-                    let e = self.keep_economics(ctx, inst, loss, backup);
-                    if startup_free && !backup {
-                        memo.push((&inst.market, key_bid, startup_free, e));
-                    }
-                    e
-                }
-            };
-            kept.push((inst, backup, econ));
+            members.push((inst, backup));
         }
-
-        // Releases.
-        let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
-        let best_new = self
-            .candidates
+        let working_rate: f64 = members
+            .iter()
+            .filter(|(_, backup)| !backup)
+            .map(|(i, _)| rate_of(job, &i.market).unwrap_or(0.0))
+            .sum();
+        let mut costs = self.job_costs(ctx, working_rate);
+        let candidates = self.gather_candidates(ctx, &costs)?;
+        let best_new = candidates
             .iter()
             .map(|c| c.per_instance.cpw())
             .find(|c| c.is_finite())
             .unwrap_or(f64::INFINITY);
-        let target = self.config.capacity_target * job.full_speed();
-        let working_rate: f64 = kept
-            .iter()
-            .filter(|(_, backup, _)| !backup)
-            .map(|(i, _, _)| rate_of(job, &i.market).unwrap_or(0.0))
-            .sum();
-        let full = kept.len() >= job.max_instances as usize;
+        let target = self.target_speed(job);
+        let full = members.len() >= job.max_instances as usize;
         let fast_enough = working_rate >= target;
+
+        // Releases: judged one by one, each seeing the footprint shrunk by the ones before.
+        let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
         let mut next_wake = tick;
-        let mut released_rate = 0.0;
-        kept.retain(|(inst, backup, econ)| {
-            if *backup {
-                return true;
-            }
-            let releasable_now = match ctx.billing {
-                BillingModel::Hourly2015 => {
-                    let end = ctx.billing.period_end(inst.launched_at, now);
-                    let mut wake = Timestamp(end.0 - window_ms);
-                    let inside = wake <= now;
-                    if inside {
-                        wake = Timestamp(wake.0 + crate::billing::HOUR_MS);
+        let mut rate_left = working_rate;
+        let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(members.len());
+        let mut memo = Vec::with_capacity(8);
+        for (inst, backup) in members {
+            let releasable_now = !backup
+                && match ctx.billing {
+                    BillingModel::Hourly2015 => {
+                        let end = ctx.billing.period_end(inst.launched_at, now);
+                        let mut wake = Timestamp(end.0 - window_ms);
+                        let inside = wake <= now;
+                        if inside {
+                            wake = Timestamp(wake.0 + crate::billing::HOUR_MS);
+                        }
+                        next_wake = next_wake.min(wake);
+                        inside
                     }
-                    next_wake = next_wake.min(wake);
-                    inside
-                }
-                BillingModel::PerSecond => !matches!(inst.state, InstanceState::Starting { .. }),
-            };
-            if !releasable_now {
-                return true;
-            }
+                    BillingModel::PerSecond => !matches!(inst.state, InstanceState::Starting { .. }),
+                };
+            costs.finish_secs = if rate_left > 0.0 { remaining / rate_left * 3600.0 } else { f64::INFINITY };
+            let econ = self.keep_economics(ctx, inst, &costs, backup, &mut memo);
             let cpw = econ.cpw();
-            let release = cpw > ceiling
-                || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough));
+            let release = releasable_now
+                && (cpw > ceiling || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough)));
             if release {
                 decision.release.push(inst.id.clone());
-                released_rate += rate_of(job, &inst.market).unwrap_or(0.0);
+                rate_left -= rate_of(job, &inst.market).unwrap_or(0.0);
+            } else {
+                kept.push((inst, econ));
             }
-            !release
-        });
+        }
         decision.wake_at = Some(next_wake.max(Timestamp(now.0 + 1_000)));
 
         // Acquisitions.
         let mut slots = (job.max_instances as usize).saturating_sub(kept.len());
-        let reliable_active = kept
-            .iter()
-            .filter(|(i, _, _)| i.purchase == Purchase::OnDemand)
-            .count();
-        let backups_kept = kept.iter().filter(|(_, b, _)| *b).count();
-        let mut reliable_room =
-            (job.max_reliable_instances as usize).saturating_sub(reliable_active);
+        let reliable_active = kept.iter().filter(|(i, _)| i.purchase == Purchase::OnDemand).count();
+        let backups_kept = backups.min(reliable_active);
+        let mut reliable_room = (job.max_reliable_instances as usize).saturating_sub(reliable_active);
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
             if need > 0 {
@@ -632,17 +639,16 @@ impl Policy for BidBrain {
                 }
             }
         }
-        let mut rate = working_rate - released_rate;
-        let (mut fp_cost, mut fp_work) = kept
-            .iter()
-            .fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+        let mut rate = rate_left;
+        let (mut fp_cost, mut fp_work) = kept.iter().fold((0.0, 0.0), |(c, w), (_, e)| (c + e.cost, w + e.work));
         // Near the end, the footprint finishes within the horizon: nothing new is worth starting.
         if fp_work >= remaining {
             return Ok(decision);
         }
         let mut used_markets: Vec<&Market> = Vec::new();
+        let fill_ceiling = ceiling.min(best_new * (1.0 + self.config.fill_slack));
         for pass in 0..2 {
-            for cand in &self.candidates {
+            for cand in &candidates {
                 if slots == 0 || fp_work >= remaining {
                     break;
                 }
@@ -650,19 +656,16 @@ impl Policy for BidBrain {
                 if !(cpw <= ceiling) {
                     break;
                 }
-                if used_markets.contains(&&cand.market) {
+                let uses = used_markets.iter().filter(|m| **m == cand.market).count();
+                if uses >= self.config.allocations_per_market as usize {
                     continue;
                 }
-                let below_target = rate < target;
+                let below_target = rate < target && cpw <= fill_ceiling;
                 // First pass: skip types too small to reach the target with the slots left.
                 if pass == 0 && below_target && cand.rate * (slots as f64) < target - rate {
                     continue;
                 }
-                let fp_cpw = if fp_work > 0.0 {
-                    fp_cost / fp_work
-                } else {
-                    f64::INFINITY
-                };
+                let fp_cpw = if fp_work > 0.0 { fp_cost / fp_work } else { f64::INFINITY };
                 let mut count = if below_target {
                     ((target - rate) / cand.rate).ceil() as usize
                 } else if cpw < fp_cpw {
@@ -670,9 +673,7 @@ impl Policy for BidBrain {
                 } else {
                     0
                 };
-                count = count
-                    .min(slots)
-                    .min(self.config.max_per_allocation as usize);
+                count = count.min(slots).min(self.config.max_per_allocation as usize);
                 if cand.purchase == Purchase::OnDemand {
                     count = count.min(reliable_room);
                 }
@@ -687,7 +688,7 @@ impl Policy for BidBrain {
                     purchase: cand.purchase,
                     count: count as u32,
                 });
-                used_markets.push(&cand.market);
+                used_markets.push(cand.market);
                 slots -= count;
                 if cand.purchase == Purchase::OnDemand {
                     reliable_room -= count;
