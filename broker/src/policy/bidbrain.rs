@@ -56,7 +56,7 @@ pub struct BidBrainConfig {
     /// Horizon over which allocations are judged, minutes. Default 60 (one billing hour).
     #[serde(default = "default_horizon")]
     pub horizon_minutes: f64,
-    /// How often the policy wants to be asked even if nothing happens, minutes. Default 10.
+    /// How often the policy wants to be asked even if nothing happens, minutes. Default 5.
     #[serde(default = "default_tick")]
     pub tick_minutes: f64,
     /// Under `hourly-2015`, an allocation is reconsidered this many minutes before its billing
@@ -100,7 +100,9 @@ pub struct ReliableTier {
     /// `max_reliable_instances`). Default 1.
     #[serde(default = "one_u32")]
     pub count: u32,
-    /// `cheapest-per-work` (default), `cheapest-per-hour`, or an instance type of the job.
+    /// `cheapest-per-hour` (default: in stage 3 the tier holds backups and does no work, so
+    /// the cheapest instance per hour is the right one), `cheapest-per-work`, or an instance
+    /// type of the job.
     #[serde(default)]
     pub instance_type: ReliableTypeChoice,
 }
@@ -109,7 +111,7 @@ impl Default for ReliableTier {
     fn default() -> Self {
         ReliableTier {
             count: 1,
-            instance_type: ReliableTypeChoice::CheapestPerWork,
+            instance_type: ReliableTypeChoice::CheapestPerHour,
         }
     }
 }
@@ -119,9 +121,9 @@ impl Default for ReliableTier {
 #[serde(try_from = "String", into = "String")]
 pub enum ReliableTypeChoice {
     /// The job's type with the lowest on-demand price per unit of work (it may also do work).
-    #[default]
     CheapestPerWork,
     /// The job's type with the lowest on-demand price per hour (backups need memory, not speed).
+    #[default]
     CheapestPerHour,
     /// This type.
     Type(InstanceType),
@@ -157,13 +159,13 @@ fn default_horizon() -> f64 {
     60.0
 }
 fn default_tick() -> f64 {
-    10.0
+    5.0
 }
 fn default_release_window() -> f64 {
     3.0
 }
 fn default_max_per_allocation() -> u32 {
-    16
+    32
 }
 fn one() -> f64 {
     1.0
@@ -172,7 +174,7 @@ fn one_u32() -> u32 {
     1
 }
 fn default_fill_slack() -> f64 {
-    1e9
+    0.3
 }
 fn default_switch_margin() -> f64 {
     0.15
@@ -331,8 +333,12 @@ impl BidBrain {
         job.rate(&market.instance_type).is_some() && (self.markets.is_empty() || self.markets.contains(market))
     }
 
+    /// Units per hour BidBrain fills up to: the job's full speed on the slots the backup tier
+    /// leaves, times `capacity_target`.
     fn target_speed(&self, job: &JobModel) -> f64 {
-        self.config.capacity_target * job.full_speed()
+        let tier = self.config.reliable.count.min(job.max_reliable_instances);
+        let worker_slots = f64::from(job.max_instances.saturating_sub(tier).max(1));
+        self.config.capacity_target * job.full_speed() * worker_slots / f64::from(job.max_instances.max(1))
     }
 
     fn job_costs(&self, ctx: &DecisionContext<'_>, working_rate: f64) -> JobCosts {
@@ -457,9 +463,10 @@ impl BidBrain {
         // Work after the job is done is worth nothing: near the end, the next period is only
         // partly useful (what makes releasing before the last boundaries pay).
         let period_left = ctx.billing.period_end(inst.launched_at, now).secs_since(now).max(0.0);
+        // Per-second billing has no sunk period, so nothing is gained by leaving early.
         let useful_cap = match ctx.billing {
             BillingModel::Hourly2015 => (costs.finish_secs - period_left).max(0.0),
-            BillingModel::PerSecond => costs.finish_secs,
+            BillingModel::PerSecond => f64::INFINITY,
         };
         match inst.purchase {
             Purchase::OnDemand => {
@@ -585,12 +592,13 @@ impl Policy for BidBrain {
         let full = members.len() >= job.max_instances as usize;
         let fast_enough = working_rate >= target;
 
-        // Releases: judged one by one, each seeing the footprint shrunk by the ones before.
+        // Releases. First every member's economics for one more horizon and whether it may go
+        // now; then, dearest first, each judged against the footprint shrunk by the ones before.
         let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
         let mut next_wake = tick;
-        let mut rate_left = working_rate;
-        let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(members.len());
         let mut memo = Vec::with_capacity(8);
+        let finish_all = costs.finish_secs;
+        let mut judged: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(members.len());
         for (inst, backup) in members {
             let releasable_now = !backup
                 && match ctx.billing {
@@ -606,14 +614,48 @@ impl Policy for BidBrain {
                     }
                     BillingModel::PerSecond => !matches!(inst.state, InstanceState::Starting { .. }),
                 };
-            costs.finish_secs = if rate_left > 0.0 { remaining / rate_left * 3600.0 } else { f64::INFINITY };
+            costs.finish_secs = finish_all;
             let econ = self.keep_economics(ctx, inst, &costs, backup, &mut memo);
+            judged.push((inst, releasable_now, econ));
+        }
+        judged.sort_by(|a, b| b.2.cpw().total_cmp(&a.2.cpw()));
+        let (mut fp_cost, mut fp_work) = judged.iter().fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+        let mut rate_left = working_rate;
+        let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(judged.len());
+        for (inst, releasable_now, econ) in judged {
+            let inst_rate = rate_of(job, &inst.market).unwrap_or(0.0);
+            let mut econ = econ;
+            if releasable_now && matches!(ctx.billing, BillingModel::Hourly2015) {
+                // Near the end, judge with the finish time of the footprint as it is now.
+                costs.finish_secs = if rate_left > 0.0 { remaining / rate_left * 3600.0 } else { f64::INFINITY };
+                econ = self.keep_economics(ctx, inst, &costs, false, &mut memo);
+            }
             let cpw = econ.cpw();
+            // A replacement must be at least as fast per slot, or releasing would only make
+            // room that the footprint cannot fill as well (and the next decision would flap back).
+            let best_replacement = candidates
+                .iter()
+                .filter(|c| c.rate >= inst_rate - 1e-9)
+                .map(|c| c.per_instance.cpw())
+                .find(|c| c.is_finite())
+                .unwrap_or(f64::INFINITY);
+            let margin = 1.0 + self.config.switch_margin;
+            let others_cpw = if fp_work - econ.work > 0.0 {
+                (fp_cost - econ.cost) / (fp_work - econ.work)
+            } else {
+                f64::INFINITY
+            };
             let release = releasable_now
-                && (cpw > ceiling || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough)));
+                && (cpw > ceiling
+                    || (cpw > best_replacement * margin && (full || fast_enough))
+                    // The paper's rule: keeping it raises the footprint's cost per work, and
+                    // the footprint stays at its target speed without it.
+                    || (cpw > others_cpw * margin && rate_left - inst_rate >= target));
             if release {
                 decision.release.push(inst.id.clone());
-                rate_left -= rate_of(job, &inst.market).unwrap_or(0.0);
+                rate_left -= inst_rate;
+                fp_cost -= econ.cost;
+                fp_work -= econ.work;
             } else {
                 kept.push((inst, econ));
             }
@@ -640,7 +682,6 @@ impl Policy for BidBrain {
             }
         }
         let mut rate = rate_left;
-        let (mut fp_cost, mut fp_work) = kept.iter().fold((0.0, 0.0), |(c, w), (_, e)| (c + e.cost, w + e.work));
         // Near the end, the footprint finishes within the horizon: nothing new is worth starting.
         if fp_work >= remaining {
             return Ok(decision);
