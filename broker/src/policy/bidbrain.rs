@@ -562,7 +562,7 @@ impl Policy for BidBrain {
                 now,
             });
         };
-        let ceiling = self.config.max_cost_vs_on_demand * od_cpw;
+        let mut ceiling = self.config.max_cost_vs_on_demand * od_cpw;
 
         // The footprint: the backup tier is the oldest active on-demand instances, up to the
         // tier's size; they hold state, not work (stage 3), and are never released.
@@ -583,6 +583,16 @@ impl Policy for BidBrain {
             .sum();
         let mut costs = self.job_costs(ctx, working_rate);
         let candidates = self.gather_candidates(ctx, &costs)?;
+        // On-demand candidates carry start-up like any other: measure the ceiling the same way,
+        // so that with no usable spot market BidBrain still runs the job on-demand.
+        if let Some(od_new) = candidates
+            .iter()
+            .filter(|c| c.purchase == Purchase::OnDemand)
+            .map(|c| c.per_instance.cpw())
+            .min_by(f64::total_cmp)
+        {
+            ceiling = ceiling.max(self.config.max_cost_vs_on_demand * od_new);
+        }
         let best_new = candidates
             .iter()
             .map(|c| c.per_instance.cpw())
