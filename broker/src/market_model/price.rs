@@ -245,19 +245,22 @@ impl PriceDrivenModel {
         let lookback_ms = (self.config.lookback_secs * 1000.0) as i64;
         let (from, to) = (now.0 - lookback_ms, now.0 - h_ms);
         let needed = self.config.min_samples.max(1);
-        if self.config.match_state {
-            if let Some(state) = MarketState::at(self.series(market)?, now) {
-                let samples = &idx.classes[state.class()];
-                let (lo, hi) = samples.range(from, to);
-                if (hi - lo) as u32 >= needed {
-                    return Ok(Window {
-                        samples,
-                        lo,
-                        hi,
-                        h_ms,
-                        on_demand: idx.on_demand,
-                    });
-                }
+        let state = if self.config.match_state {
+            MarketState::at(self.series(market)?, now)
+        } else {
+            None
+        };
+        if let Some(state) = state {
+            let samples = &idx.classes[state.class()];
+            let (lo, hi) = samples.range(from, to);
+            if (hi - lo) as u32 >= needed {
+                return Ok(Window {
+                    samples,
+                    lo,
+                    hi,
+                    h_ms,
+                    on_demand: idx.on_demand,
+                });
             }
         }
         let (lo, hi) = idx.grid.range(from, to);
@@ -403,7 +406,11 @@ pub fn state_start_times(series: &PriceSeries, until: Timestamp) -> Vec<(Timesta
         let rose = prices[i] > prices[i - 1];
         let mut push = |age: i64, bucket: usize| {
             if times[i].0 + age < next {
-                let class = MarketState { rose, age_bucket: bucket }.class();
+                let class = MarketState {
+                    rose,
+                    age_bucket: bucket,
+                }
+                .class();
                 out.push((Timestamp(times[i].0 + age), class));
             }
         };
@@ -422,7 +429,15 @@ fn ceil_div(a: i64, b: i64) -> i64 {
 }
 
 /// Outcomes of a start time for every grid delta (ascending, in USD), into `out`.
-fn outcomes(series: &PriceSeries, i: usize, s: i64, h_ms: i64, grid_usd: &[f64], breaks: &mut Vec<(f64, i64)>, out: &mut Vec<(u32, u64)>) {
+fn outcomes(
+    series: &PriceSeries,
+    i: usize,
+    s: i64,
+    h_ms: i64,
+    grid_usd: &[f64],
+    breaks: &mut Vec<(f64, i64)>,
+    out: &mut Vec<(u32, u64)>,
+) {
     let (times, prices) = (series.times(), series.prices());
     // Running-maximum breakpoints of the price after `s`: (excess over p0, ms after s).
     breaks.clear();
@@ -501,7 +516,10 @@ mod tests {
         let market = Market::parse("us-east-1a/c3.xlarge").unwrap();
         let series = PriceSeries::new(
             market.clone(),
-            points.iter().map(|&(m, p)| (Timestamp(m * M), UsdPerHour::new(p).unwrap())).collect(),
+            points
+                .iter()
+                .map(|&(m, p)| (Timestamp(m * M), UsdPerHour::new(p).unwrap()))
+                .collect(),
         );
         let od = OnDemandCatalog::new([InstanceOffer {
             region: Region::parse("us-east-1").unwrap(),
@@ -549,19 +567,18 @@ mod tests {
         let (mut n, mut ev, mut secs) = (0u32, 0u32, 0.0);
         let mut s = 0i64;
         while s <= now_min {
-            if s >= now_min - lookback_min && s + horizon_min <= now_min {
-                if let Some(p0) = price_at(s as f64) {
-                    n += 1;
-                    let hit = points
-                        .iter()
-                        .find(|(m, p)| *m > s && *m <= s + horizon_min && *p > p0 + delta);
-                    match hit {
-                        Some((m, _)) => {
-                            ev += 1;
-                            secs += ((m - s) * 60) as f64;
-                        }
-                        None => secs += (horizon_min * 60) as f64,
+            let in_window = s >= now_min - lookback_min && s + horizon_min <= now_min;
+            if let Some(p0) = price_at(s as f64).filter(|_| in_window) {
+                n += 1;
+                let hit = points
+                    .iter()
+                    .find(|(m, p)| *m > s && *m <= s + horizon_min && *p > p0 + delta);
+                match hit {
+                    Some((m, _)) => {
+                        ev += 1;
+                        secs += ((m - s) * 60) as f64;
                     }
+                    None => secs += (horizon_min * 60) as f64,
                 }
             }
             s += 10;
@@ -579,8 +596,16 @@ mod tests {
                 let e = model.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
                 let (p, secs, n) = brute(&points, now, delta, 360, 60);
                 assert_eq!(e.samples, n, "now={now} delta={delta}");
-                assert!((e.probability - p).abs() < 1e-12, "now={now} delta={delta}: {} vs {p}", e.probability);
-                assert!((e.expected_secs - secs).abs() < 1e-9, "now={now} delta={delta}: {} vs {secs}", e.expected_secs);
+                assert!(
+                    (e.probability - p).abs() < 1e-12,
+                    "now={now} delta={delta}: {} vs {p}",
+                    e.probability
+                );
+                assert!(
+                    (e.expected_secs - secs).abs() < 1e-9,
+                    "now={now} delta={delta}: {} vs {secs}",
+                    e.expected_secs
+                );
             }
         }
     }
@@ -599,7 +624,10 @@ mod tests {
         let b = model.eviction(&market, 0.1, 3600.0, now).unwrap();
         let mid = model.eviction(&market, 0.075, 3600.0, now).unwrap();
         assert!((mid.probability - (a.probability + b.probability) / 2.0).abs() < 1e-12);
-        assert!(a.probability >= b.probability, "a higher bid is never evicted more often");
+        assert!(
+            a.probability >= b.probability,
+            "a higher bid is never evicted more often"
+        );
     }
 
     #[test]
@@ -682,25 +710,44 @@ mod tests {
     fn state_is_direction_and_age_of_the_last_change() {
         let (h, market) = history(&trace());
         let s = h.get(&market).unwrap();
-        assert_eq!(MarketState::at(s, Timestamp(5 * M)), None, "one change: no direction yet");
+        assert_eq!(
+            MarketState::at(s, Timestamp(5 * M)),
+            None,
+            "one change: no direction yet"
+        );
         assert_eq!(
             MarketState::at(s, Timestamp(18 * M)),
-            Some(MarketState { rose: true, age_bucket: 0 })
+            Some(MarketState {
+                rose: true,
+                age_bucket: 0
+            })
         );
         assert_eq!(
             MarketState::at(s, Timestamp(41 * M + 4 * 60_000)),
-            Some(MarketState { rose: false, age_bucket: 1 })
+            Some(MarketState {
+                rose: false,
+                age_bucket: 1
+            })
         );
         assert_eq!(
             MarketState::at(s, Timestamp(100 * M)),
-            Some(MarketState { rose: false, age_bucket: 3 })
+            Some(MarketState {
+                rose: false,
+                age_bucket: 3
+            })
         );
     }
 
     #[test]
     fn too_little_history_is_an_error() {
         let (h, market) = history(&trace());
-        let model = PriceDrivenModel::new(h, PriceModelConfig { min_samples: 5, ..small_config() });
+        let model = PriceDrivenModel::new(
+            h,
+            PriceModelConfig {
+                min_samples: 5,
+                ..small_config()
+            },
+        );
         let err = model.eviction(&market, 0.0, 3600.0, Timestamp(90 * M)).unwrap_err();
         assert!(matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }), "{err}");
         let other = Market::parse("us-east-1b/c3.xlarge").unwrap();

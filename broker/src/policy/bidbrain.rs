@@ -185,10 +185,18 @@ impl BidBrainConfig {
     pub(crate) fn validate(&self) -> Result<Vec<Market>, (String, String, String)> {
         let bad = |k: &str, p: String, a: &str| Err((k.to_string(), p, a.to_string()));
         if self.bid_deltas.is_empty() {
-            return bad("bid_deltas", "is empty".into(), "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]");
+            return bad(
+                "bid_deltas",
+                "is empty".into(),
+                "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]",
+            );
         }
         if self.bid_deltas.iter().any(|d| !(d.is_finite() && *d >= 0.0)) {
-            return bad("bid_deltas", format!("{:?} has a negative or non-finite value", self.bid_deltas), "fractions ≥ 0");
+            return bad(
+                "bid_deltas",
+                format!("{:?} has a negative or non-finite value", self.bid_deltas),
+                "fractions ≥ 0",
+            );
         }
         for (k, v) in [
             ("horizon_minutes", self.horizon_minutes),
@@ -210,14 +218,22 @@ impl BidBrainConfig {
                 "0 ≤ minutes < 60",
             );
         }
-        if !(self.fill_slack >= 0.0) {
-            return bad("fill_slack", format!("{} is negative", self.fill_slack), "a fraction ≥ 0");
+        if self.fill_slack.is_nan() || self.fill_slack < 0.0 {
+            return bad(
+                "fill_slack",
+                format!("{} is negative", self.fill_slack),
+                "a fraction ≥ 0",
+            );
         }
         if self.allocations_per_market == 0 {
             return bad("allocations_per_market", "is 0".into(), "a whole number ≥ 1");
         }
         if !(self.switch_margin.is_finite() && self.switch_margin >= 0.0) {
-            return bad("switch_margin", format!("{} is negative", self.switch_margin), "a fraction ≥ 0");
+            return bad(
+                "switch_margin",
+                format!("{} is negative", self.switch_margin),
+                "a fraction ≥ 0",
+            );
         }
         if self.max_per_allocation == 0 {
             return bad("max_per_allocation", "is 0".into(), "a whole number ≥ 1");
@@ -226,7 +242,11 @@ impl BidBrainConfig {
             .iter()
             .map(|m| {
                 Market::parse(m).map_err(|e| {
-                    ("markets".to_string(), format!("`{m}`: {e}"), "zone/type, e.g. us-east-1a/c3.xlarge".to_string())
+                    (
+                        "markets".to_string(),
+                        format!("`{m}`: {e}"),
+                        "zone/type, e.g. us-east-1a/c3.xlarge".to_string(),
+                    )
                 })
             })
             .collect()
@@ -242,7 +262,11 @@ struct Economics {
 
 impl Economics {
     fn cpw(self) -> f64 {
-        if self.work > 0.0 { self.cost / self.work } else { f64::INFINITY }
+        if self.work > 0.0 {
+            self.cost / self.work
+        } else {
+            f64::INFINITY
+        }
     }
 }
 
@@ -270,7 +294,12 @@ impl JobCosts {
     /// that survives the horizon keeps working without starting again.
     fn new_spot(&self, billing: BillingModel, price: f64, est: &EvictionEstimate, rate: f64) -> Economics {
         let p = est.probability;
-        let periods = if p > 0.0 { (1.0 / p).min(self.periods_left) } else { self.periods_left }.max(1.0);
+        let periods = if p > 0.0 {
+            (1.0 / p).min(self.periods_left)
+        } else {
+            self.periods_left
+        }
+        .max(1.0);
         let secs = est.expected_secs - self.startup / periods - p * self.loss;
         let overhead = self.rebalance_units * (1.0 / periods + p) / self.batch;
         Economics {
@@ -355,7 +384,11 @@ impl BidBrain {
             rebalance_units: target * rebalance_secs / 3600.0,
             batch: f64::from(self.config.max_per_allocation).max(1.0),
             periods_left: (remaining / target * 3600.0 / self.horizon_secs()).max(1.0),
-            finish_secs: if working_rate > 0.0 { remaining / working_rate * 3600.0 } else { f64::INFINITY },
+            finish_secs: if working_rate > 0.0 {
+                remaining / working_rate * 3600.0
+            } else {
+                f64::INFINITY
+            },
         }
     }
 
@@ -393,9 +426,11 @@ impl BidBrain {
             if !self.allowed(market, job) {
                 continue;
             }
-            let (Some(rate), Some(od), Some(price)) =
-                (rate_of(job, market), view.on_demand_price(market), view.spot_price(market))
-            else {
+            let (Some(rate), Some(od), Some(price)) = (
+                rate_of(job, market),
+                view.on_demand_price(market),
+                view.spot_price(market),
+            ) else {
                 continue;
             };
             let (od, price) = (od.get(), price.get());
@@ -421,7 +456,9 @@ impl BidBrain {
             }
             spot.clear();
             for (&delta, est) in self.deltas.iter().zip(&self.estimates) {
-                let Ok(bid) = UsdPerHour::new(price + delta) else { continue };
+                let Ok(bid) = UsdPerHour::new(price + delta) else {
+                    continue;
+                };
                 spot.push(Candidate {
                     market,
                     purchase: Purchase::Spot { bid },
@@ -455,7 +492,11 @@ impl BidBrain {
         let view = ctx.market;
         let now = ctx.now();
         let h = self.horizon_secs();
-        let rate = if backup { 0.0 } else { rate_of(ctx.job, &inst.market).unwrap_or(0.0) };
+        let rate = if backup {
+            0.0
+        } else {
+            rate_of(ctx.job, &inst.market).unwrap_or(0.0)
+        };
         let startup_left = match inst.state {
             InstanceState::Starting { ready_at } => ready_at.secs_since(now).max(0.0),
             _ => 0.0,
@@ -629,7 +670,9 @@ impl Policy for BidBrain {
             judged.push((inst, releasable_now, econ));
         }
         judged.sort_by(|a, b| b.2.cpw().total_cmp(&a.2.cpw()));
-        let (mut fp_cost, mut fp_work) = judged.iter().fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+        let (mut fp_cost, mut fp_work) = judged
+            .iter()
+            .fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
         let mut rate_left = working_rate;
         let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(judged.len());
         for (inst, releasable_now, econ) in judged {
@@ -637,7 +680,11 @@ impl Policy for BidBrain {
             let mut econ = econ;
             if releasable_now && matches!(ctx.billing, BillingModel::Hourly2015) {
                 // Near the end, judge with the finish time of the footprint as it is now.
-                costs.finish_secs = if rate_left > 0.0 { remaining / rate_left * 3600.0 } else { f64::INFINITY };
+                costs.finish_secs = if rate_left > 0.0 {
+                    remaining / rate_left * 3600.0
+                } else {
+                    f64::INFINITY
+                };
                 econ = self.keep_economics(ctx, inst, &costs, false, &mut memo);
             }
             let cpw = econ.cpw();
@@ -679,16 +726,14 @@ impl Policy for BidBrain {
         let mut reliable_room = (job.max_reliable_instances as usize).saturating_sub(reliable_active);
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
-            if need > 0 {
-                if let Some(m) = self.reliable_market(ctx) {
-                    decision.acquire.push(Acquisition {
-                        market: m.clone(),
-                        purchase: Purchase::OnDemand,
-                        count: need as u32,
-                    });
-                    slots -= need;
-                    reliable_room -= need;
-                }
+            if let Some(m) = self.reliable_market(ctx).filter(|_| need > 0) {
+                decision.acquire.push(Acquisition {
+                    market: m.clone(),
+                    purchase: Purchase::OnDemand,
+                    count: need as u32,
+                });
+                slots -= need;
+                reliable_room -= need;
             }
         }
         let mut rate = rate_left;
@@ -704,7 +749,7 @@ impl Policy for BidBrain {
                     break;
                 }
                 let cpw = cand.per_instance.cpw();
-                if !(cpw <= ceiling) {
+                if cpw.is_nan() || cpw > ceiling {
                     break;
                 }
                 let uses = used_markets.iter().filter(|m| **m == cand.market).count();
@@ -716,7 +761,11 @@ impl Policy for BidBrain {
                 if pass == 0 && below_target && cand.rate * (slots as f64) < target - rate {
                     continue;
                 }
-                let fp_cpw = if fp_work > 0.0 { fp_cost / fp_work } else { f64::INFINITY };
+                let fp_cpw = if fp_work > 0.0 {
+                    fp_cost / fp_work
+                } else {
+                    f64::INFINITY
+                };
                 let mut count = if below_target {
                     ((target - rate) / cand.rate).ceil() as usize
                 } else if cpw < fp_cpw {

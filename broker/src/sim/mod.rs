@@ -503,7 +503,7 @@ impl<'a> Engine<'a> {
         let mut membership_changed = false;
         for i in 0..self.views.len() {
             let s = &self.sims[i];
-            if s.terminate_at.is_some() || !s.warn_at.is_some_and(|w| w <= now) {
+            if s.terminate_at.is_some() || s.warn_at.is_none_or(|w| w > now) {
                 continue;
             }
             let terminate_at = Timestamp(now.0 + (self.sc.warning_secs * 1000.0) as i64);
@@ -683,11 +683,9 @@ impl<'a> Engine<'a> {
         let now = self.now;
         let mut released_any = false;
         for id in &decision.release {
-            if let Some(i) = self.index_of(id) {
-                if self.sims[i].terminate_at.is_none() {
-                    self.end_instance(i, EndedBy::User);
-                    released_any = true;
-                }
+            if let Some(i) = self.index_of(id).filter(|&i| self.sims[i].terminate_at.is_none()) {
+                self.end_instance(i, EndedBy::User);
+                released_any = true;
             }
         }
         if released_any {
