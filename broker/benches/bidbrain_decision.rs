@@ -8,8 +8,8 @@ use proteus_broker::job::WorkModelSpec;
 use proteus_broker::market::{Region, Timestamp, UsdPerHour};
 use proteus_broker::market_model::{PriceDrivenModel, PriceModelConfig};
 use proteus_broker::policy::{
-    DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, MarketView, Purchase, load_policy_file,
-    resolve_policy_path,
+    DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, MarketView, Purchase,
+    load_policy_file, resolve_policy_path,
 };
 use proteus_broker::sim::inputs::load_history;
 use proteus_broker::sim::view::{FutureReads, SimMarkets, TraceView};
@@ -18,7 +18,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 fn repo(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path)
 }
 
 fn decision(c: &mut Criterion) {
@@ -41,7 +43,11 @@ fn decision(c: &mut Criterion) {
     let markets = SimMarkets::new(history.clone());
     let now = Timestamp::parse("2015-05-12T14:23:00Z").expect("time");
     let view = TraceView::new(now, &markets, &model, FutureReads::Panic);
-    assert_eq!(view.markets().len(), 15, "all 15 markets have prices by then");
+    assert_eq!(
+        view.markets().len(),
+        15,
+        "all 15 markets have prices by then"
+    );
 
     // 40 running spot instances over four markets, launched at different times, plus a backup.
     let mut footprint = Vec::new();
@@ -81,10 +87,12 @@ fn decision(c: &mut Criterion) {
         footprint: &footprint,
         billing: BillingModel::Hourly2015,
     };
-    let mut policy = load_policy_file(&resolve_policy_path("bidbrain").expect("policy")).expect("policy");
-    c.bench_function("bidbrain decision, 15 markets x delta grid, 41 instances", |b| {
-        b.iter(|| black_box(policy.decide(black_box(&ctx)).expect("decision")))
-    });
+    let mut policy =
+        load_policy_file(&resolve_policy_path("bidbrain").expect("policy")).expect("policy");
+    c.bench_function(
+        "bidbrain decision, 15 markets x delta grid, 41 instances",
+        |b| b.iter(|| black_box(policy.decide(black_box(&ctx)).expect("decision"))),
+    );
 }
 
 criterion_group!(benches, decision);

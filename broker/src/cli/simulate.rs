@@ -4,11 +4,15 @@ use crate::billing::BillingModel;
 use crate::data;
 use crate::job::WorkModelSpec;
 use crate::market::{Region, Timestamp};
-use crate::market_model::{HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig};
+use crate::market_model::{
+    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
+};
 use crate::output::{OutputFormat, Table, emit, pct, usd};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::inputs::{check_policy, load_history};
-use crate::sim::sweep::{PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize};
+use crate::sim::sweep::{
+    PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
+};
 use crate::sim::view::FutureReads;
 use crate::sim::world::HazardTruth;
 use crate::sim::{RunResult, Scenario, World};
@@ -45,7 +49,12 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "us-east-1")]
     pub region: String,
     /// The policy to simulate (file or name).
-    #[arg(long, value_name = "POLICY", conflicts_with = "compare", required_unless_present = "compare")]
+    #[arg(
+        long,
+        value_name = "POLICY",
+        conflicts_with = "compare",
+        required_unless_present = "compare"
+    )]
     pub policy: Option<String>,
     /// Several policies, run on the same start times.
     #[arg(long, value_name = "POLICY", num_args = 1..)]
@@ -113,10 +122,11 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         .trace
         .clone()
         .unwrap_or_else(|| data::data_dir().join("spot").join(data::TRACE_2015_NAME));
-    let on_demand = args
-        .on_demand
-        .clone()
-        .unwrap_or_else(|| data::data_dir().join("spot").join(data::ON_DEMAND_2015_NAME));
+    let on_demand = args.on_demand.clone().unwrap_or_else(|| {
+        data::data_dir()
+            .join("spot")
+            .join(data::ON_DEMAND_2015_NAME)
+    });
     let history = Arc::new(load_history(&trace, &on_demand, &region)?);
     if history.is_empty() {
         bail!("{}: no price rows", trace.display());
@@ -125,7 +135,10 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     let job = WorkModelSpec::load(&args.job)?.resolve(&job_file, history.on_demand(), &region)?;
     for (t, _) in job.rates() {
         if !history.markets().any(|m| &m.instance_type == t) {
-            eprintln!("warning: {job_file}: instance type {t} has no spot market in {}", trace.display());
+            eprintln!(
+                "warning: {job_file}: instance type {t} has no spot market in {}",
+                trace.display()
+            );
         }
     }
 
@@ -139,9 +152,15 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         let path = resolve_policy_path(name)?;
         entries.push(PolicyEntry::load(&path)?);
     }
-    for (kind, name) in [(PolicyKind::OnDemand, "on-demand"), (PolicyKind::StandardBidding, "standard-bidding")] {
+    for (kind, name) in [
+        (PolicyKind::OnDemand, "on-demand"),
+        (PolicyKind::StandardBidding, "standard-bidding"),
+    ] {
         if !entries.iter().any(|e| e.kind == kind) {
-            match resolve_policy_path(name).map_err(anyhow::Error::from).and_then(|p| Ok(PolicyEntry::load(&p)?)) {
+            match resolve_policy_path(name)
+                .map_err(anyhow::Error::from)
+                .and_then(|p| Ok(PolicyEntry::load(&p)?))
+            {
                 Ok(e) => entries.push(e),
                 Err(e) => eprintln!("warning: no {kind} baseline for the ratios: {e:#}"),
             }
@@ -153,7 +172,9 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     }
 
     let kind = match (args.market_model, args.billing) {
-        (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => ModelChoice::Price,
+        (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => {
+            ModelChoice::Price
+        }
         _ => ModelChoice::Hazard,
     };
     let lookback_secs = args.lookback_days * 86_400.0;
@@ -176,7 +197,8 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
                 interruptions_per_instance_hour: args.hazard_prior,
                 weight_instance_hours: args.hazard_prior_weight,
             };
-            if !(prior.interruptions_per_instance_hour >= 0.0 && prior.weight_instance_hours >= 0.0) {
+            if !(prior.interruptions_per_instance_hour >= 0.0 && prior.weight_instance_hours >= 0.0)
+            {
                 bail!("--hazard-prior and --hazard-prior-weight must be zero or positive");
             }
             let truth = HazardTruth {
@@ -219,8 +241,10 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} simulating {pos}/{len} runs [{bar:30}] {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} simulating {pos}/{len} runs [{bar:30}] {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let threads = args
         .threads
@@ -243,11 +267,23 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         total_runs,
         entries.len(),
         starts.len(),
-        starts.iter().min().map(Timestamp::to_string).unwrap_or_default(),
-        starts.iter().max().map(Timestamp::to_string).unwrap_or_default(),
+        starts
+            .iter()
+            .min()
+            .map(Timestamp::to_string)
+            .unwrap_or_default(),
+        starts
+            .iter()
+            .max()
+            .map(Timestamp::to_string)
+            .unwrap_or_default(),
         trace.display(),
         args.billing,
-        if kind == ModelChoice::Price { "price-driven" } else { "interruption-hazard" },
+        if kind == ModelChoice::Price {
+            "price-driven"
+        } else {
+            "interruption-hazard"
+        },
         began.elapsed().as_secs_f64()
     );
     emit(args.output, &summaries, || summary_table(&summaries))?;
@@ -260,7 +296,8 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
 
 fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> {
     use std::io::Write;
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);
     for r in results.iter().flatten() {
         serde_json::to_writer(&mut w, r)?;

@@ -59,7 +59,9 @@ impl Default for PriceModelConfig {
             horizon_secs: 3_600.0,
             sample_every_secs: 900.0,
             min_samples: 24,
-            delta_grid: vec![0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0],
+            delta_grid: vec![
+                0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+            ],
             match_state: true,
         }
     }
@@ -183,7 +185,10 @@ impl Window<'_> {
 
 impl PriceDrivenModel {
     pub fn new(history: Arc<PriceHistory>, config: PriceModelConfig) -> Self {
-        let indexes = history.markets().map(|m| (m.clone(), OnceLock::new())).collect();
+        let indexes = history
+            .markets()
+            .map(|m| (m.clone(), OnceLock::new()))
+            .collect();
         PriceDrivenModel {
             history,
             config: Arc::new(config),
@@ -207,7 +212,9 @@ impl PriceDrivenModel {
             .indexes
             .get(market)
             .ok_or_else(|| ModelError::UnknownMarket(market.to_string()))?;
-        cell.get_or_init(|| self.build(market)).as_ref().map_err(Clone::clone)
+        cell.get_or_init(|| self.build(market))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     fn series(&self, market: &Market) -> Result<&PriceSeries, ModelError> {
@@ -236,7 +243,12 @@ impl PriceDrivenModel {
     }
 
     /// The start times that answer a query at `now` for `horizon_secs`.
-    fn window(&self, market: &Market, horizon_secs: f64, now: Timestamp) -> Result<Window<'_>, ModelError> {
+    fn window(
+        &self,
+        market: &Market,
+        horizon_secs: f64,
+        now: Timestamp,
+    ) -> Result<Window<'_>, ModelError> {
         if !(horizon_secs.is_finite() && horizon_secs > 0.0) {
             return Err(ModelError::BadHorizon(horizon_secs));
         }
@@ -282,7 +294,12 @@ impl PriceDrivenModel {
         Ok(w)
     }
 
-    fn at_delta(&self, market: &Market, w: &Window<'_>, bid_delta_usd: f64) -> Result<EvictionEstimate, ModelError> {
+    fn at_delta(
+        &self,
+        market: &Market,
+        w: &Window<'_>,
+        bid_delta_usd: f64,
+    ) -> Result<EvictionEstimate, ModelError> {
         let horizon_secs = w.h_ms as f64 / 1000.0;
         let samples = w.count();
         if bid_delta_usd < 0.0 {
@@ -303,7 +320,10 @@ impl PriceDrivenModel {
         let s = w.samples;
         let at = |g: usize| {
             let (ev, secs) = s.between(w.lo, w.hi, g);
-            (f64::from(ev) / f64::from(samples), f64::from(secs) / f64::from(samples))
+            (
+                f64::from(ev) / f64::from(samples),
+                f64::from(secs) / f64::from(samples),
+            )
         };
         // Position of `frac` in the grid: the last grid point at or below it.
         let j = grid.partition_point(|&g| g <= frac).saturating_sub(1);
@@ -324,7 +344,12 @@ impl PriceDrivenModel {
     }
 
     /// The slow path: replays the window's start times with any horizon and delta.
-    fn replay_window(&self, market: &Market, w: &Window<'_>, delta_usd: f64) -> Result<EvictionEstimate, ModelError> {
+    fn replay_window(
+        &self,
+        market: &Market,
+        w: &Window<'_>,
+        delta_usd: f64,
+    ) -> Result<EvictionEstimate, ModelError> {
         let series = self.series(market)?;
         let (mut evicted, mut survived_ms) = (0u64, 0i64);
         for &s in &w.samples.times[w.lo..w.hi] {
@@ -387,7 +412,12 @@ impl MarketModel for PriceDrivenModel {
 /// `None` if the market has no price at `start`; `Some(None)` if it survives `horizon_ms`;
 /// `Some(Some(ms))` if it is evicted `ms` after `start`. This is the definition; the index
 /// and the tests are checked against it.
-pub fn replay_once(series: &PriceSeries, start: Timestamp, delta_usd: f64, horizon_ms: i64) -> Option<Option<i64>> {
+pub fn replay_once(
+    series: &PriceSeries,
+    start: Timestamp,
+    delta_usd: f64,
+    horizon_ms: i64,
+) -> Option<Option<i64>> {
     let p0 = series.price_at(start)?;
     Some(
         series
@@ -465,7 +495,12 @@ fn outcomes(
     }
 }
 
-fn build_index(series: &PriceSeries, on_demand: f64, config: &PriceModelConfig, until: Timestamp) -> MarketIndex {
+fn build_index(
+    series: &PriceSeries,
+    on_demand: f64,
+    config: &PriceModelConfig,
+    until: Timestamp,
+) -> MarketIndex {
     let step_ms = ((config.sample_every_secs * 1000.0).round() as i64).max(1);
     let h_ms = (config.horizon_secs * 1000.0).round() as i64;
     let grid_usd: Vec<f64> = config.delta_grid.iter().map(|f| f * on_demand).collect();
@@ -562,8 +597,20 @@ mod tests {
     }
 
     /// The brute force: every grid start time in the window, replayed by a plain scan.
-    fn brute(points: &[(i64, f64)], now_min: i64, delta: f64, lookback_min: i64, horizon_min: i64) -> (f64, f64, u32) {
-        let price_at = |t: f64| points.iter().rev().find(|(m, _)| (*m as f64) <= t).map(|p| p.1);
+    fn brute(
+        points: &[(i64, f64)],
+        now_min: i64,
+        delta: f64,
+        lookback_min: i64,
+        horizon_min: i64,
+    ) -> (f64, f64, u32) {
+        let price_at = |t: f64| {
+            points
+                .iter()
+                .rev()
+                .find(|(m, _)| (*m as f64) <= t)
+                .map(|p| p.1)
+        };
         let (mut n, mut ev, mut secs) = (0u32, 0u32, 0.0);
         let mut s = 0i64;
         while s <= now_min {
@@ -593,7 +640,9 @@ mod tests {
         let model = PriceDrivenModel::new(h, small_config());
         for now in [70, 125, 200, 299, 360, 480, 600] {
             for delta in [0.0, 0.05, 0.1, 0.3, 1.0] {
-                let e = model.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
+                let e = model
+                    .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                    .unwrap();
                 let (p, secs, n) = brute(&points, now, delta, 360, 60);
                 assert_eq!(e.samples, n, "now={now} delta={delta}");
                 assert!(
@@ -644,8 +693,12 @@ mod tests {
         let (h2, _) = history(&altered);
         let model2 = PriceDrivenModel::new(h2, small_config());
         for delta in [0.0, 0.01, 0.05, 0.2, 2.0] {
-            let a = model.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
-            let b = model2.eviction(&market, delta, 3600.0, Timestamp(now * M)).unwrap();
+            let a = model
+                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .unwrap();
+            let b = model2
+                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .unwrap();
             assert_eq!(a, b, "delta {delta}");
         }
     }
@@ -670,7 +723,9 @@ mod tests {
             let mut starts = Vec::new();
             for k in 1..points.len() {
                 let next = points.get(k + 1).map_or(i64::MAX, |p| p.0 * M);
-                for age_min in [1.0, 3.5, 7.5, 15.0, 30.0, 45.0, 60.0, 75.0, 90.0, 105.0, 120.0] {
+                for age_min in [
+                    1.0, 3.5, 7.5, 15.0, 30.0, 45.0, 60.0, 75.0, 90.0, 105.0, 120.0,
+                ] {
                     let s = points[k].0 * M + (age_min * 60_000.0) as i64;
                     if s >= next {
                         continue;
@@ -698,12 +753,25 @@ mod tests {
                 }
                 let n = starts.len() as f64;
                 let e = model.eviction(&market, delta, 3600.0, now).unwrap();
-                assert_eq!(e.samples as usize, starts.len(), "now {now_min} state {state:?}");
-                assert!((e.probability - ev / n).abs() < 1e-12, "now {now_min} delta {delta}");
-                assert!((e.expected_secs - secs / n).abs() < 1e-9, "now {now_min} delta {delta}");
+                assert_eq!(
+                    e.samples as usize,
+                    starts.len(),
+                    "now {now_min} state {state:?}"
+                );
+                assert!(
+                    (e.probability - ev / n).abs() < 1e-12,
+                    "now {now_min} delta {delta}"
+                );
+                assert!(
+                    (e.expected_secs - secs / n).abs() < 1e-9,
+                    "now {now_min} delta {delta}"
+                );
             }
         }
-        assert!(checked >= 3, "only {checked} decision times had state-matched samples");
+        assert!(
+            checked >= 3,
+            "only {checked} decision times had state-matched samples"
+        );
     }
 
     #[test]
@@ -748,8 +816,13 @@ mod tests {
                 ..small_config()
             },
         );
-        let err = model.eviction(&market, 0.0, 3600.0, Timestamp(90 * M)).unwrap_err();
-        assert!(matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }), "{err}");
+        let err = model
+            .eviction(&market, 0.0, 3600.0, Timestamp(90 * M))
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }),
+            "{err}"
+        );
         let other = Market::parse("us-east-1b/c3.xlarge").unwrap();
         assert!(matches!(
             model.eviction(&other, 0.0, 3600.0, Timestamp(600 * M)),

@@ -30,8 +30,8 @@
 //! the grid search picks it when the expected work stays worth it.
 
 use super::{
-    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError, PolicyKind, Purchase,
-    cheapest_on_demand, rate_of,
+    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
+    PolicyKind, Purchase, cheapest_on_demand, rate_of,
 };
 use crate::billing::BillingModel;
 use crate::job::{EvictionCost, JobModel};
@@ -191,7 +191,11 @@ impl BidBrainConfig {
                 "a list of fractions ≥ 0, e.g. [0.0, 0.01, 0.1]",
             );
         }
-        if self.bid_deltas.iter().any(|d| !(d.is_finite() && *d >= 0.0)) {
+        if self
+            .bid_deltas
+            .iter()
+            .any(|d| !(d.is_finite() && *d >= 0.0))
+        {
             return bad(
                 "bid_deltas",
                 format!("{:?} has a negative or non-finite value", self.bid_deltas),
@@ -226,7 +230,11 @@ impl BidBrainConfig {
             );
         }
         if self.allocations_per_market == 0 {
-            return bad("allocations_per_market", "is 0".into(), "a whole number ≥ 1");
+            return bad(
+                "allocations_per_market",
+                "is 0".into(),
+                "a whole number ≥ 1",
+            );
         }
         if !(self.switch_margin.is_finite() && self.switch_margin >= 0.0) {
             return bad(
@@ -292,7 +300,13 @@ impl JobCosts {
     /// A new spot instance bought now at `price` with eviction risk `est`. Its start-up is
     /// spread over its expected life (1/P horizons, capped by the job's), because an instance
     /// that survives the horizon keeps working without starting again.
-    fn new_spot(&self, billing: BillingModel, price: f64, est: &EvictionEstimate, rate: f64) -> Economics {
+    fn new_spot(
+        &self,
+        billing: BillingModel,
+        price: f64,
+        est: &EvictionEstimate,
+        rate: f64,
+    ) -> Economics {
         let p = est.probability;
         let periods = if p > 0.0 {
             (1.0 / p).min(self.periods_left)
@@ -309,7 +323,13 @@ impl JobCosts {
     }
 
     /// A new on-demand instance: never evicted, list price for the whole horizon.
-    fn new_on_demand(&self, billing: BillingModel, od: f64, rate: f64, horizon_secs: f64) -> Economics {
+    fn new_on_demand(
+        &self,
+        billing: BillingModel,
+        od: f64,
+        rate: f64,
+        horizon_secs: f64,
+    ) -> Economics {
         let periods = self.periods_left.max(1.0);
         let secs = horizon_secs - self.startup / periods;
         Economics {
@@ -359,7 +379,8 @@ impl BidBrain {
     }
 
     fn allowed(&self, market: &Market, job: &JobModel) -> bool {
-        job.rate(&market.instance_type).is_some() && (self.markets.is_empty() || self.markets.contains(market))
+        job.rate(&market.instance_type).is_some()
+            && (self.markets.is_empty() || self.markets.contains(market))
     }
 
     /// Units per hour BidBrain fills up to: the job's full speed on the slots the backup tier
@@ -367,7 +388,8 @@ impl BidBrain {
     fn target_speed(&self, job: &JobModel) -> f64 {
         let tier = self.config.reliable.count.min(job.max_reliable_instances);
         let worker_slots = f64::from(job.max_instances.saturating_sub(tier).max(1));
-        self.config.capacity_target * job.full_speed() * worker_slots / f64::from(job.max_instances.max(1))
+        self.config.capacity_target * job.full_speed() * worker_slots
+            / f64::from(job.max_instances.max(1))
     }
 
     fn job_costs(&self, ctx: &DecisionContext<'_>, working_rate: f64) -> JobCosts {
@@ -396,8 +418,12 @@ impl BidBrain {
     fn reliable_market<'v>(&self, ctx: &DecisionContext<'v>) -> Option<&'v Market> {
         let view = ctx.market;
         match &self.config.reliable.instance_type {
-            ReliableTypeChoice::CheapestPerWork => cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m),
-            ReliableTypeChoice::Type(t) => cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m),
+            ReliableTypeChoice::CheapestPerWork => {
+                cheapest_on_demand(view, ctx.job, None).map(|(m, _, _)| m)
+            }
+            ReliableTypeChoice::Type(t) => {
+                cheapest_on_demand(view, ctx.job, Some(t)).map(|(m, _, _)| m)
+            }
             ReliableTypeChoice::CheapestPerHour => view
                 .markets()
                 .into_iter()
@@ -442,7 +468,8 @@ impl BidBrain {
             });
             self.deltas.clear();
             if price_driven {
-                self.deltas.extend(self.config.bid_deltas.iter().map(|f| f * od));
+                self.deltas
+                    .extend(self.config.bid_deltas.iter().map(|f| f * od));
             } else if price <= od {
                 // Evictions do not follow the bid: bid the on-demand price (today's default cap).
                 self.deltas.push(od - price);
@@ -451,7 +478,9 @@ impl BidBrain {
             match view.eviction_many(market, &self.deltas, h, &mut self.estimates) {
                 Ok(()) => {}
                 // A market without enough history is not a candidate; others still are.
-                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => continue,
+                Err(ModelError::NotEnoughHistory { .. }) | Err(ModelError::NoOnDemandPrice(_)) => {
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
             spot.clear();
@@ -503,7 +532,11 @@ impl BidBrain {
         };
         // Work after the job is done is worth nothing: near the end, the next period is only
         // partly useful (what makes releasing before the last boundaries pay).
-        let period_left = ctx.billing.period_end(inst.launched_at, now).secs_since(now).max(0.0);
+        let period_left = ctx
+            .billing
+            .period_end(inst.launched_at, now)
+            .secs_since(now)
+            .max(0.0);
         // Per-second billing has no sunk period, so nothing is gained by leaving early.
         let useful_cap = match ctx.billing {
             BillingModel::Hourly2015 => (costs.finish_secs - period_left).max(0.0),
@@ -511,7 +544,9 @@ impl BidBrain {
         };
         match inst.purchase {
             Purchase::OnDemand => {
-                let od = view.on_demand_price(&inst.market).map_or(0.0, UsdPerHour::get);
+                let od = view
+                    .on_demand_price(&inst.market)
+                    .map_or(0.0, UsdPerHour::get);
                 Economics {
                     cost: od * billed_hours(ctx.billing, h),
                     work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
@@ -519,12 +554,17 @@ impl BidBrain {
             }
             Purchase::Spot { bid } => {
                 // Instances of one allocation share market and bid: estimate each pair once.
-                let cached = memo.iter().find(|(m, b, _, _)| *m == &inst.market && *b == bid.get());
+                let cached = memo
+                    .iter()
+                    .find(|(m, b, _, _)| *m == &inst.market && *b == bid.get());
                 let (price, est) = match cached {
                     Some(&(_, _, price, est)) => (price, est),
                     None => {
                         let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
-                            return Economics { cost: 0.0, work: 0.0 };
+                            return Economics {
+                                cost: 0.0,
+                                work: 0.0,
+                            };
                         };
                         let est = view
                             .eviction(&inst.market, (bid.get() - price).max(0.0), h)
@@ -548,7 +588,9 @@ impl BidBrain {
 fn spot_cost(billing: BillingModel, price: f64, est: &EvictionEstimate) -> f64 {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
-        BillingModel::Hourly2015 => price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0),
+        BillingModel::Hourly2015 => {
+            price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0)
+        }
         BillingModel::PerSecond => price * est.expected_secs.max(60.0) / 3600.0,
     }
 }
@@ -599,7 +641,11 @@ impl Policy for BidBrain {
         }
         let Some((_, od_cpw, _)) = cheapest_on_demand(ctx.market, job, None) else {
             return Err(PolicyError::NoMarket {
-                types: job.rates().map(|(t, _)| t.to_string()).collect::<Vec<_>>().join(", "),
+                types: job
+                    .rates()
+                    .map(|(t, _)| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 now,
             });
         };
@@ -608,7 +654,8 @@ impl Policy for BidBrain {
         // The footprint: the backup tier is the oldest active on-demand instances, up to the
         // tier's size; they hold state, not work (stage 3), and are never released.
         let tier_size = self.config.reliable.count.min(job.max_reliable_instances) as usize;
-        let mut active: Vec<&InstanceView> = ctx.footprint.iter().filter(|i| i.is_active()).collect();
+        let mut active: Vec<&InstanceView> =
+            ctx.footprint.iter().filter(|i| i.is_active()).collect();
         active.sort_by_key(|i| (i.launched_at, i.id.clone()));
         let mut backups = 0usize;
         let mut members: Vec<(&InstanceView, bool)> = Vec::with_capacity(active.len());
@@ -663,7 +710,9 @@ impl Policy for BidBrain {
                         next_wake = next_wake.min(wake);
                         inside
                     }
-                    BillingModel::PerSecond => !matches!(inst.state, InstanceState::Starting { .. }),
+                    BillingModel::PerSecond => {
+                        !matches!(inst.state, InstanceState::Starting { .. })
+                    }
                 };
             costs.finish_secs = finish_all;
             let econ = self.keep_economics(ctx, inst, &costs, backup, &mut memo);
@@ -721,9 +770,13 @@ impl Policy for BidBrain {
 
         // Acquisitions.
         let mut slots = (job.max_instances as usize).saturating_sub(kept.len());
-        let reliable_active = kept.iter().filter(|(i, _)| i.purchase == Purchase::OnDemand).count();
+        let reliable_active = kept
+            .iter()
+            .filter(|(i, _)| i.purchase == Purchase::OnDemand)
+            .count();
         let backups_kept = backups.min(reliable_active);
-        let mut reliable_room = (job.max_reliable_instances as usize).saturating_sub(reliable_active);
+        let mut reliable_room =
+            (job.max_reliable_instances as usize).saturating_sub(reliable_active);
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
             if let Some(m) = self.reliable_market(ctx).filter(|_| need > 0) {
@@ -773,7 +826,9 @@ impl Policy for BidBrain {
                 } else {
                     0
                 };
-                count = count.min(slots).min(self.config.max_per_allocation as usize);
+                count = count
+                    .min(slots)
+                    .min(self.config.max_per_allocation as usize);
                 if cand.purchase == Purchase::OnDemand {
                     count = count.min(reliable_room);
                 }

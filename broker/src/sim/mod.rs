@@ -26,8 +26,8 @@ use crate::job::{EvictionCost, JobModel};
 use crate::market::{Market, Timestamp};
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::{
-    Decision, DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, Policy, PolicyError, PolicyEvent,
-    PolicyKind, Purchase, Tier,
+    Decision, DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, Policy,
+    PolicyError, PolicyEvent, PolicyKind, Purchase, Tier,
 };
 use crate::prices::PriceHistory;
 use rand::SeedableRng;
@@ -152,7 +152,9 @@ pub enum SimError {
     NoSpotPrice(String),
     #[error("no on-demand price for {0}, which the policy bought on-demand")]
     NoOnDemandPrice(String),
-    #[error("the simulation did not finish after {0} steps (a policy that never acquires anything?)")]
+    #[error(
+        "the simulation did not finish after {0} steps (a policy that never acquires anything?)"
+    )]
     Runaway(u64),
 }
 
@@ -238,7 +240,12 @@ pub struct InstanceRecord {
 }
 
 /// Simulates `policy` running the scenario's job from `start`.
-pub fn run(scenario: &Scenario, policy: &mut dyn Policy, start: Timestamp, options: &RunOptions) -> Result<RunResult, SimError> {
+pub fn run(
+    scenario: &Scenario,
+    policy: &mut dyn Policy,
+    start: Timestamp,
+    options: &RunOptions,
+) -> Result<RunResult, SimError> {
     let (first, last) = scenario.span();
     if start < first || start >= last {
         return Err(SimError::StartOutsideTrace { start, first, last });
@@ -308,7 +315,12 @@ struct Engine<'a> {
 }
 
 impl<'a> Engine<'a> {
-    fn new(sc: &'a Scenario, policy: &'a mut dyn Policy, start: Timestamp, options: &'a RunOptions) -> Self {
+    fn new(
+        sc: &'a Scenario,
+        policy: &'a mut dyn Policy,
+        start: Timestamp,
+        options: &'a RunOptions,
+    ) -> Self {
         let cost_model = policy.eviction_cost(&sc.job);
         let hazard = match &sc.world {
             World::Price => None,
@@ -443,7 +455,10 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        for x in [self.restart_at, self.next_checkpoint, self.checkpoint_done].into_iter().flatten() {
+        for x in [self.restart_at, self.next_checkpoint, self.checkpoint_done]
+            .into_iter()
+            .flatten()
+        {
             t = t.min(x);
         }
         if self.stall_until > self.now {
@@ -512,8 +527,14 @@ impl<'a> Engine<'a> {
             warned.push(self.views[i].id.clone());
             self.evictions += 1;
             let market = self.views[i].market.clone();
-            self.model.observe(Observation::Interrupted { market: &market, at: now });
-            if let EvictionCost::AgileMl { sync_interval_secs, .. } = self.cost_model {
+            self.model.observe(Observation::Interrupted {
+                market: &market,
+                at: now,
+            });
+            if let EvictionCost::AgileMl {
+                sync_interval_secs, ..
+            } = self.cost_model
+            {
                 let s = &self.sims[i];
                 if s.ready {
                     let since_ready = (now.0 - s.ready_at.0) as f64 / 1000.0;
@@ -582,8 +603,14 @@ impl<'a> Engine<'a> {
         };
         let now = self.now;
         let after = |secs: f64| Timestamp(now.0 + (secs * 1000.0) as i64);
-        let any_ready = self.sims.iter().any(|s| s.ready && s.terminate_at.is_none());
-        let any_starting = self.sims.iter().any(|s| !s.ready && s.terminate_at.is_none());
+        let any_ready = self
+            .sims
+            .iter()
+            .any(|s| s.ready && s.terminate_at.is_none());
+        let any_starting = self
+            .sims
+            .iter()
+            .any(|s| !s.ready && s.terminate_at.is_none());
         if self.down {
             match self.restart_at {
                 Some(r) if r <= now => {
@@ -618,7 +645,8 @@ impl<'a> Engine<'a> {
         let hours = self.now.secs_since(v.launched_at) / 3600.0;
         self.overheads.startup += s.rate * (hours.min(self.sc.job.startup_secs / 3600.0));
         if let Some(end) = s.terminate_at {
-            let warned_at = Timestamp(end.0 - (self.sc.warning_secs * 1000.0) as i64).max(s.ready_at);
+            let warned_at =
+                Timestamp(end.0 - (self.sc.warning_secs * 1000.0) as i64).max(s.ready_at);
             self.overheads.warned += s.rate * (self.now.secs_since(warned_at) / 3600.0).max(0.0);
         }
         self.model.observe(Observation::Ran {
@@ -650,7 +678,12 @@ impl<'a> Engine<'a> {
     }
 
     fn ask(&mut self, event: Option<&PolicyEvent>) -> Result<Decision, SimError> {
-        let view = TraceView::new(self.now, &self.sc.markets, self.model.as_ref(), self.options.future_reads);
+        let view = TraceView::new(
+            self.now,
+            &self.sc.markets,
+            self.model.as_ref(),
+            self.options.future_reads,
+        );
         let ctx = DecisionContext {
             market: &view,
             job: &self.sc.job,
@@ -683,7 +716,10 @@ impl<'a> Engine<'a> {
         let now = self.now;
         let mut released_any = false;
         for id in &decision.release {
-            if let Some(i) = self.index_of(id).filter(|&i| self.sims[i].terminate_at.is_none()) {
+            if let Some(i) = self
+                .index_of(id)
+                .filter(|&i| self.sims[i].terminate_at.is_none())
+            {
                 self.end_instance(i, EndedBy::User);
                 released_any = true;
             }
@@ -702,7 +738,11 @@ impl<'a> Engine<'a> {
         }
         let mut failures = Vec::new();
         for acq in &decision.acquire {
-            let active = self.sims.iter().filter(|s| s.terminate_at.is_none()).count();
+            let active = self
+                .sims
+                .iter()
+                .filter(|s| s.terminate_at.is_none())
+                .count();
             let room = (self.sc.job.max_instances as usize).saturating_sub(active);
             let count = (acq.count as usize).min(room);
             if count == 0 {
@@ -710,7 +750,10 @@ impl<'a> Engine<'a> {
             }
             let Some(rate) = self.sc.job.rate(&acq.market.instance_type) else {
                 self.failed_launches += 1;
-                failures.push((acq.market.clone(), format!("the job does not run on {}", acq.market.instance_type)));
+                failures.push((
+                    acq.market.clone(),
+                    format!("the job does not run on {}", acq.market.instance_type),
+                ));
                 continue;
             };
             let series = self.sc.markets.series(&acq.market);
@@ -732,7 +775,10 @@ impl<'a> Engine<'a> {
                     };
                     if price > bid.get() {
                         self.failed_launches += 1;
-                        failures.push((acq.market.clone(), format!("bid {bid} is below the price ${price:.4}/h")));
+                        failures.push((
+                            acq.market.clone(),
+                            format!("bid {bid} is below the price ${price:.4}/h"),
+                        ));
                         continue;
                     }
                     let Some(tree) = self.sc.trees.get(&acq.market) else {
@@ -745,7 +791,9 @@ impl<'a> Engine<'a> {
             };
             for _ in 0..count {
                 let hazard_at = match (&mut self.hazard, acq.purchase) {
-                    (Some(h), Purchase::Spot { .. }) => h.interruption(&acq.market, now, self.sc.end, &mut self.rng),
+                    (Some(h), Purchase::Spot { .. }) => {
+                        h.interruption(&acq.market, now, self.sc.end, &mut self.rng)
+                    }
                     _ => None,
                 };
                 let warn = match (warn_at, hazard_at) {
@@ -780,7 +828,9 @@ impl<'a> Engine<'a> {
                 self.launches += 1;
             }
         }
-        let wake = decision.wake_at.unwrap_or(Timestamp(now.0 + DEFAULT_TICK_MS));
+        let wake = decision
+            .wake_at
+            .unwrap_or(Timestamp(now.0 + DEFAULT_TICK_MS));
         self.next_decision = wake.max(Timestamp(now.0 + 1_000));
         failures
     }
@@ -852,7 +902,9 @@ impl<'a> Engine<'a> {
                 Tier::Transient => r.instance_hours_transient += hours,
             }
             r.capacity_units += e.rate * hours;
-            *r.cost_by_type.entry(e.market.instance_type.to_string()).or_default() += cost;
+            *r.cost_by_type
+                .entry(e.market.instance_type.to_string())
+                .or_default() += cost;
             if self.options.record_decisions {
                 r.instances.push(InstanceRecord {
                     market: e.market.to_string(),
@@ -861,13 +913,19 @@ impl<'a> Engine<'a> {
                     launch: e.launch,
                     end: e.end,
                     ended_by: e.by,
-                    price_at_launch: self.sc.markets.series(&e.market).and_then(|s| s.price_at(e.launch)),
+                    price_at_launch: self
+                        .sc
+                        .markets
+                        .series(&e.market)
+                        .and_then(|s| s.price_at(e.launch)),
                     predicted_probability: e.predicted.map(|p| p.0),
                     predicted_secs: e.predicted.map(|p| p.1),
                     cost_usd: cost,
                 });
             }
-            *r.hours_by_type.entry(e.market.instance_type.to_string()).or_default() += hours;
+            *r.hours_by_type
+                .entry(e.market.instance_type.to_string())
+                .or_default() += hours;
         }
         r.overheads.unused_billed =
             (r.paid_capacity_units + r.free_capacity_units - r.capacity_units).max(0.0);

@@ -129,8 +129,13 @@ pub fn run_sweep(
         }
         worker();
     });
-    let slots = slots.into_inner().unwrap_or_else(|poison| poison.into_inner());
-    let mut results: Vec<Vec<RunResult>> = policies.iter().map(|_| Vec::with_capacity(starts.len())).collect();
+    let slots = slots
+        .into_inner()
+        .unwrap_or_else(|poison| poison.into_inner());
+    let mut results: Vec<Vec<RunResult>> = policies
+        .iter()
+        .map(|_| Vec::with_capacity(starts.len()))
+        .collect();
     for (slot, &(p, _)) in slots.into_iter().zip(&jobs) {
         match slot {
             Some(Ok(r)) => results[p].push(r),
@@ -189,7 +194,11 @@ pub struct PolicySummary {
 
 /// Summarises `results[p][k]`; ratios are against the first policy of each baseline kind.
 pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySummary> {
-    let baseline = |kind: PolicyKind| results.iter().find(|r| r.first().is_some_and(|x| x.kind == kind));
+    let baseline = |kind: PolicyKind| {
+        results
+            .iter()
+            .find(|r| r.first().is_some_and(|x| x.kind == kind))
+    };
     let od = baseline(PolicyKind::OnDemand);
     let sb = baseline(PolicyKind::StandardBidding);
     results
@@ -216,8 +225,14 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 p10_runtime_hours: percentile(&times, 10.0),
                 p90_runtime_hours: percentile(&times, 90.0),
                 median_evictions: percentile(&col(&|r| f64::from(r.evictions)), 50.0),
-                median_instance_hours_reliable: percentile(&col(&|r| r.instance_hours_reliable), 50.0),
-                median_instance_hours_transient: percentile(&col(&|r| r.instance_hours_transient), 50.0),
+                median_instance_hours_reliable: percentile(
+                    &col(&|r| r.instance_hours_reliable),
+                    50.0,
+                ),
+                median_instance_hours_transient: percentile(
+                    &col(&|r| r.instance_hours_transient),
+                    50.0,
+                ),
                 median_free_instance_hours: percentile(&col(&|r| r.free_instance_hours), 50.0),
                 cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd),
                 cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd),
@@ -228,12 +243,15 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 ),
                 median_paid_share: percentile(
                     &col(&|r| {
-                        r.paid_capacity_units / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
+                        r.paid_capacity_units
+                            / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
                     }),
                     50.0,
                 ),
                 median_useful_fraction: percentile(
-                    &col(&|r| total_work / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)),
+                    &col(&|r| {
+                        total_work / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
+                    }),
                     50.0,
                 ),
                 median_lost_work: percentile(&col(&|r| r.lost_work), 50.0),
@@ -261,7 +279,10 @@ mod tests {
         assert_eq!(s, start_times(Timestamp(0), Timestamp(1000), 10, 7));
         assert_ne!(s, start_times(Timestamp(0), Timestamp(1000), 10, 8));
         for (k, t) in s.iter().enumerate() {
-            assert!(t.0 >= k as i64 * 100 && t.0 < (k as i64 + 1) * 100, "{k}: {t:?}");
+            assert!(
+                t.0 >= k as i64 * 100 && t.0 < (k as i64 + 1) * 100,
+                "{k}: {t:?}"
+            );
         }
     }
 }

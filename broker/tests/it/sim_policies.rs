@@ -4,9 +4,12 @@ use proptest::prelude::*;
 use proteus_broker::billing::{BillingModel, EndedBy, PriceSource};
 use proteus_broker::job::{JobModel, WorkModelSpec};
 use proteus_broker::market::{InstanceType, Market, Region, Timestamp, UsdPerHour};
-use proteus_broker::market_model::{HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig};
+use proteus_broker::market_model::{
+    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
+};
 use proteus_broker::policy::{
-    DecisionContext, JobProgress, Policy, PolicyKind, load_policy_file, parse_policy, resolve_policy_path,
+    DecisionContext, JobProgress, Policy, PolicyKind, load_policy_file, parse_policy,
+    resolve_policy_path,
 };
 use proteus_broker::prices::{InstanceOffer, OnDemandCatalog, PriceHistory, PriceSeries};
 use proteus_broker::sim::inputs::load_history;
@@ -41,13 +44,19 @@ fn synthetic(markets: &[(&str, f64, f64)], days: i64, seed: u64) -> PriceHistory
         while t < T0 + days * 24 * H {
             let spike = rng.random::<f64>() < 0.01;
             let price = if spike { od * 1.5 } else { p };
-            points.push((Timestamp(t), UsdPerHour::new((price * 1e4).round() / 1e4).unwrap()));
+            points.push((
+                Timestamp(t),
+                UsdPerHour::new((price * 1e4).round() / 1e4).unwrap(),
+            ));
             let step = if rng.random::<bool>() { 1.0 } else { -1.0 };
             p = (p + step * base * 0.02).clamp(base * 0.8, base * 1.3);
             t += rng.random_range(4 * 60_000..10 * 60_000);
         }
         series.push(PriceSeries::new(market.clone(), points));
-        if !offers.iter().any(|o: &InstanceOffer| o.instance_type == market.instance_type) {
+        if !offers
+            .iter()
+            .any(|o: &InstanceOffer| o.instance_type == market.instance_type)
+        {
             offers.push(InstanceOffer {
                 region: region(),
                 instance_type: market.instance_type.clone(),
@@ -109,11 +118,27 @@ fn on_demand_cost_is_instance_hours_times_price_exactly() {
     let history = Arc::new(synthetic(&small_markets(), 10, 1));
     for billing in BillingModel::ALL {
         let job = small_job(&history, 37.0, 8);
-        let sc = Scenario::new(history.clone(), job, billing, World::Price, price_model(&history, 2.0)).unwrap();
+        let sc = Scenario::new(
+            history.clone(),
+            job,
+            billing,
+            World::Price,
+            price_model(&history, 2.0),
+        )
+        .unwrap();
         let mut policy = shipped("on-demand");
-        let r = run(&sc, policy.as_mut(), Timestamp(T0 + 5 * 24 * H), &RunOptions::default()).unwrap();
+        let r = run(
+            &sc,
+            policy.as_mut(),
+            Timestamp(T0 + 5 * 24 * H),
+            &RunOptions::default(),
+        )
+        .unwrap();
         assert_eq!(r.kind, PolicyKind::OnDemand);
-        assert_eq!(r.launches, 8, "eight c3.xlarge, the cheapest per unit of work");
+        assert_eq!(
+            r.launches, 8,
+            "eight c3.xlarge, the cheapest per unit of work"
+        );
         assert_eq!(r.instance_hours_transient, 0.0);
         // Every instance lives from the start to the end of the job (start-up included).
         let life_hours = r.runtime_hours;
@@ -129,7 +154,10 @@ fn on_demand_cost_is_instance_hours_times_price_exactly() {
         assert!((r.instance_hours_reliable - 8.0 * life_hours).abs() < 1e-9);
         // 37 units on 8 instances of 1 unit/h after 5 minutes of start-up (and 10 s rebalance).
         let expected_hours = 37.0 / 8.0 + (300.0 + 10.0) / 3600.0;
-        assert!((life_hours - expected_hours).abs() < 1e-6, "{life_hours} vs {expected_hours}");
+        assert!(
+            (life_hours - expected_hours).abs() < 1e-6,
+            "{life_hours} vs {expected_hours}"
+        );
     }
 }
 
@@ -138,7 +166,12 @@ fn standard_bidding_loses_work_since_its_checkpoint_and_restarts() {
     // One market at 0.05 with one spike to 0.50 (above on-demand 0.21) at 3h03m.
     let market = Market::parse("us-east-1a/c3.xlarge").unwrap();
     let mut points: Vec<(Timestamp, UsdPerHour)> = (0..24 * 12 * 10)
-        .map(|k| (Timestamp(T0 + k * 5 * 60_000), UsdPerHour::new(0.05).unwrap()))
+        .map(|k| {
+            (
+                Timestamp(T0 + k * 5 * 60_000),
+                UsdPerHour::new(0.05).unwrap(),
+            )
+        })
         .collect();
     let spike = T0 + 9 * 24 * H + 3 * H + 3 * 60_000;
     points.push((Timestamp(spike), UsdPerHour::new(0.5).unwrap()));
@@ -157,7 +190,14 @@ fn standard_bidding_loses_work_since_its_checkpoint_and_restarts() {
         "total_work = 20.0\nreference_type = \"c3.xlarge\"\ninstance_types = [\"c3.xlarge\"]\nmax_instances = 4\n",
         &history,
     );
-    let sc = Scenario::new(history.clone(), job, BillingModel::Hourly2015, World::Price, price_model(&history, 2.0)).unwrap();
+    let sc = Scenario::new(
+        history.clone(),
+        job,
+        BillingModel::Hourly2015,
+        World::Price,
+        price_model(&history, 2.0),
+    )
+    .unwrap();
     let policy_text = "kind = \"standard-bidding\"\nrank_by = \"current-price\"\n\
         [checkpoint]\ninterval_minutes = 60\ncheckpoint_minutes = 2\nrestart_minutes = 3\n";
     let mut policy = parse_policy("sb.toml", policy_text).unwrap();
@@ -191,9 +231,18 @@ fn same_seed_same_result_and_threads_do_not_matter() {
         Box::new(HazardModel::new(HazardPrior::default())),
     )
     .unwrap();
-    let entries = vec![entry("bidbrain"), entry("standard-bidding"), entry("on-demand")];
+    let entries = vec![
+        entry("bidbrain"),
+        entry("standard-bidding"),
+        entry("on-demand"),
+    ];
     let (first, last) = sc.span();
-    let starts = start_times(Timestamp(first.0 + 2 * 24 * H), Timestamp(last.0 - 3 * 24 * H), 6, 9);
+    let starts = start_times(
+        Timestamp(first.0 + 2 * 24 * H),
+        Timestamp(last.0 - 3 * 24 * H),
+        6,
+        9,
+    );
     let sweep = |seed: u64, threads: usize| {
         let options = SweepOptions {
             seed,
@@ -206,26 +255,54 @@ fn same_seed_same_result_and_threads_do_not_matter() {
     let key = |rs: &Vec<Vec<RunResult>>| {
         rs.iter()
             .flatten()
-            .map(|r| (r.policy.clone(), r.start, r.end, r.cost_usd.to_bits(), r.evictions))
+            .map(|r| {
+                (
+                    r.policy.clone(),
+                    r.start,
+                    r.end,
+                    r.cost_usd.to_bits(),
+                    r.evictions,
+                )
+            })
             .collect::<Vec<_>>()
     };
     let a = sweep(5, 1);
     assert_eq!(key(&a), key(&sweep(5, 1)), "same seed, same result");
     assert_eq!(key(&a), key(&sweep(5, 2)), "threads do not change results");
     let evictions: u32 = a.iter().flatten().map(|r| r.evictions).sum();
-    assert!(evictions > 0, "the stressed hazard world interrupts something");
+    assert!(
+        evictions > 0,
+        "the stressed hazard world interrupts something"
+    );
     assert_ne!(key(&a), key(&sweep(6, 1)), "another seed, another world");
 }
 
 #[test]
 fn policies_never_read_the_future_on_the_2015_trace() {
     // Every read a policy makes goes through a view that panics on a time after its clock.
-    let history = Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
     let job = small_job(&history, 150.0, 16);
-    let sc = Scenario::new(history.clone(), job, BillingModel::Hourly2015, World::Price, price_model(&history, 7.0)).unwrap();
-    let entries = vec![entry("bidbrain"), entry("standard-bidding"), entry("on-demand")];
+    let sc = Scenario::new(
+        history.clone(),
+        job,
+        BillingModel::Hourly2015,
+        World::Price,
+        price_model(&history, 7.0),
+    )
+    .unwrap();
+    let entries = vec![
+        entry("bidbrain"),
+        entry("standard-bidding"),
+        entry("on-demand"),
+    ];
     let (first, last) = sc.span();
-    let starts = start_times(Timestamp(first.0 + 7 * 24 * H), Timestamp(last.0 - 2 * 24 * H), 4, 3);
+    let starts = start_times(
+        Timestamp(first.0 + 7 * 24 * H),
+        Timestamp(last.0 - 2 * 24 * H),
+        4,
+        3,
+    );
     let options = SweepOptions {
         seed: 1,
         threads: 2,
@@ -245,10 +322,17 @@ fn altered_after(history: &PriceHistory, cut: Timestamp, seed: u64) -> PriceHist
             .iter()
             .zip(s.prices())
             .map(|(&t, &p)| {
-                let p = if t > cut { p * rng.random_range(0.1..20.0) } else { p };
+                let p = if t > cut {
+                    p * rng.random_range(0.1..20.0)
+                } else {
+                    p
+                };
                 (t, UsdPerHour::new(p).unwrap())
             })
-            .chain(std::iter::once((Timestamp(cut.0 + 1), UsdPerHour::new(0.0001).unwrap())))
+            .chain(std::iter::once((
+                Timestamp(cut.0 + 1),
+                UsdPerHour::new(0.0001).unwrap(),
+            )))
             .collect();
         PriceSeries::new(s.market().clone(), points)
     });
@@ -257,14 +341,22 @@ fn altered_after(history: &PriceHistory, cut: Timestamp, seed: u64) -> PriceHist
 
 #[test]
 fn decisions_do_not_change_when_the_future_changes() {
-    let history = Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
     let start = Timestamp::parse("2015-05-10T06:00:00Z").unwrap();
     let cut = Timestamp(start.0 + 4 * H + 17 * 60_000);
     let altered = Arc::new(altered_after(&history, cut, 11));
     for name in ["bidbrain", "standard-bidding", "on-demand"] {
         let decisions = |h: &Arc<PriceHistory>| {
             let job = small_job(h, 400.0, 32);
-            let sc = Scenario::new(h.clone(), job, BillingModel::Hourly2015, World::Price, price_model(h, 7.0)).unwrap();
+            let sc = Scenario::new(
+                h.clone(),
+                job,
+                BillingModel::Hourly2015,
+                World::Price,
+                price_model(h, 7.0),
+            )
+            .unwrap();
             let mut policy = shipped(name);
             let options = RunOptions {
                 seed: 1,
@@ -272,10 +364,17 @@ fn decisions_do_not_change_when_the_future_changes() {
                 record_decisions: true,
             };
             let r = run(&sc, policy.as_mut(), start, &options).unwrap();
-            r.decisions.into_iter().filter(|(t, _)| *t <= cut).collect::<Vec<_>>()
+            r.decisions
+                .into_iter()
+                .filter(|(t, _)| *t <= cut)
+                .collect::<Vec<_>>()
         };
         let before = decisions(&history);
-        assert!(before.len() > 5, "{name}: {} decisions before the cut", before.len());
+        assert!(
+            before.len() > 5,
+            "{name}: {} decisions before the cut",
+            before.len()
+        );
         assert!(before.iter().any(|(_, d)| !d.acquire.is_empty()));
         assert_eq!(before, decisions(&altered), "{name} decided differently");
     }
@@ -284,7 +383,8 @@ fn decisions_do_not_change_when_the_future_changes() {
 #[test]
 fn a_decision_is_a_function_of_the_past() {
     // The same policy, footprint and clock over two traces that differ only after the clock.
-    let history = Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
     let now = Timestamp::parse("2015-04-20T13:37:00Z").unwrap();
     let altered = Arc::new(altered_after(&history, now, 12));
     let decide = |h: &Arc<PriceHistory>| {
@@ -303,7 +403,8 @@ fn a_decision_is_a_function_of_the_past() {
             footprint: &[],
             billing: BillingModel::Hourly2015,
         };
-        ["bidbrain", "standard-bidding", "on-demand"].map(|name| shipped(name).decide(&ctx).unwrap())
+        ["bidbrain", "standard-bidding", "on-demand"]
+            .map(|name| shipped(name).decide(&ctx).unwrap())
     };
     let a = decide(&history);
     assert!(a.iter().all(|d| !d.acquire.is_empty()), "{a:?}");
@@ -314,7 +415,14 @@ fn a_decision_is_a_function_of_the_past() {
 fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
     let history = Arc::new(synthetic(&small_markets(), 10, 3));
     let job = small_job(&history, 60.0, 12);
-    let sc = Scenario::new(history.clone(), job, BillingModel::Hourly2015, World::Price, price_model(&history, 2.0)).unwrap();
+    let sc = Scenario::new(
+        history.clone(),
+        job,
+        BillingModel::Hourly2015,
+        World::Price,
+        price_model(&history, 2.0),
+    )
+    .unwrap();
     let mut policy = shipped("bidbrain");
     let options = RunOptions {
         seed: 1,
@@ -330,11 +438,17 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
             Some(_) => PriceSource::Spot(series),
             None => PriceSource::Fixed(history.on_demand().for_market(&market).unwrap().on_demand),
         };
-        let items = BillingModel::Hourly2015.bill(inst.launch, inst.end, inst.ended_by, source).unwrap();
+        let items = BillingModel::Hourly2015
+            .bill(inst.launch, inst.end, inst.ended_by, source)
+            .unwrap();
         let cost: f64 = items.iter().map(|i| i.amount_usd).sum();
         assert!((cost - inst.cost_usd).abs() < 1e-12);
         if inst.ended_by == EndedBy::Provider {
-            assert!(items.last().is_some_and(|i| i.free || i.end.0 - i.start.0 == H));
+            assert!(
+                items
+                    .last()
+                    .is_some_and(|i| i.free || i.end.0 - i.start.0 == H)
+            );
         }
         total += cost;
     }
