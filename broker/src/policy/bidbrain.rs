@@ -1,33 +1,40 @@
 //! BidBrain (Proteus, EuroSys'17): buy capacity to minimise the expected cost per unit of work.
 //!
 //! Every allocation (a count of instances in one market at one bid) is judged by its expected
-//! cost and expected useful work over a horizon (one billing hour by default):
+//! cost and expected useful work per horizon of its life (one billing hour by default), from the
+//! market model's eviction estimate `(P, E)` (probability of eviction within the horizon,
+//! expected running time within it):
 //!
-//! - a new spot instance bid at `price + delta` costs, under `hourly-2015`, the current price
-//!   times the probability that it is *not* evicted within the hour (an eviction makes the
-//!   started hour free), and under `per-second`, the price times its expected running time;
-//! - it works at its type's rate for its expected running time, minus the start-up time and
-//!   minus the expected work lost to an eviction (AgileML: half a sync interval);
+//! - a new spot instance bid at `price + delta` costs, under `hourly-2015`, `price × (1 − P)`
+//!   (an eviction makes the started hour free), and under `per-second`, `price × E`;
+//! - it works at its type's rate for `E`, minus its start-up spread over its expected life
+//!   (`1/P` horizons, capped by the job's remaining time: a survivor keeps working without
+//!   starting again), minus `P ×` the work an eviction loses (AgileML: half a sync interval),
+//!   minus its share of the pauses every membership change costs the whole footprint;
 //! - an on-demand instance costs the list price and is never evicted.
 //!
-//! The footprint's cost per work (CPW) is the sum of expected costs over the sum of expected
-//! work of what it keeps. At each decision BidBrain
+//! A footprint's cost per work (CPW) is the sum of expected costs over the sum of expected work.
+//! At each decision BidBrain
 //!
 //! 1. keeps a small reliable tier of on-demand instances for the backup parameter-server shards
 //!    (AgileML needs state that outlives a bulk eviction);
-//! 2. releases an allocation when keeping it for another billing period would cost more per
-//!    unit of work than the on-demand ceiling, or clearly more than the best allocation it
-//!    could buy instead while the footprint is full (or fast enough) — under `hourly-2015` only
-//!    in the last minutes before the allocation's hour ends, because the hour is paid anyway;
+//! 2. releases an instance — under `hourly-2015` only in the last minutes before its billing
+//!    hour ends, because the hour is paid anyway — when keeping it for another horizon would
+//!    cost more per unit of work than the on-demand ceiling; or clearly more (`switch_margin`)
+//!    than a new allocation that is at least as fast per slot, while the footprint is full or
+//!    at its target speed; or clearly more than the rest of the footprint while the rest stays
+//!    at its target speed without it (the paper's rule: keeping it raises the CPW). Near the
+//!    end of the job only the work still needed counts, so hours the job will not use are not
+//!    renewed;
 //! 3. acquires the cheapest allocations per unit of work — over every market of the job's types
-//!    and every bid delta of its grid — while the footprint is below its capacity target (by
-//!    default the job's full speed: `max_instances` reference instances) and the allocation is
-//!    below the ceiling, and beyond the target while an allocation lowers the footprint's CPW
-//!    (the paper's rule), up to `max_instances`.
+//!    and every bid delta of its grid — up to its capacity target (the job's full speed on the
+//!    worker slots) with allocations within `fill_slack` of the best one, and beyond the target
+//!    while an allocation lowers the footprint's CPW (the paper's rule), up to `max_instances`.
 //!
-//! The free partial hour of `hourly-2015` is exploited through the first term: a small delta in a
-//! market that moves often gives a high eviction probability, hence a low expected cost, and
-//! the grid search picks it when the expected work stays worth it.
+//! The free partial hour of `hourly-2015` is exploited through the cost term: a small delta in a
+//! market that is about to move gives a high eviction probability, hence a low expected cost, and
+//! the grid search picks it when the expected work stays worth it. How well that works depends
+//! on the estimates; see [`crate::market_model::PriceDrivenModel`] (state-matched replay).
 
 use super::{
     Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
