@@ -86,9 +86,12 @@ pub struct MarketState {
 impl MarketState {
     /// The state at `t`, if the series has two changes at or before it.
     pub fn at(series: &PriceSeries, t: Timestamp) -> Option<MarketState> {
-        let i = series.index_at(t)?;
+        Self::from_changes(series.times(), series.prices(), t)
+    }
+
+    fn from_changes(times: &[Timestamp], prices: &[f64], t: Timestamp) -> Option<MarketState> {
+        let i = times.partition_point(|&x| x <= t).checked_sub(1)?;
         let prev = i.checked_sub(1)?;
-        let (times, prices) = (series.times(), series.prices());
         let age = t.0 - times[i].0;
         Some(MarketState {
             rose: prices[i] > prices[prev],
@@ -166,6 +169,10 @@ struct MarketIndex {
     on_demand: f64,
     grid: Samples,
     classes: Vec<Samples>,
+    /// The series' changes, kept here so that finding the state at a decision time does not
+    /// look the market up in the history again (a hot path: every candidate of every decision).
+    times: Vec<Timestamp>,
+    prices: Vec<f64>,
 }
 
 /// The start times a query averages: a set, and the index range inside it.
@@ -258,7 +265,7 @@ impl PriceDrivenModel {
         let (from, to) = (now.0 - lookback_ms, now.0 - h_ms);
         let needed = self.config.min_samples.max(1);
         let state = if self.config.match_state {
-            MarketState::at(self.series(market)?, now)
+            MarketState::from_changes(&idx.times, &idx.prices, now)
         } else {
             None
         };
@@ -508,6 +515,8 @@ fn build_index(
         on_demand,
         grid: Samples::new(grid_usd.len()),
         classes: (0..CLASSES).map(|_| Samples::new(grid_usd.len())).collect(),
+        times: series.times().to_vec(),
+        prices: series.prices().to_vec(),
     };
     let times = series.times();
     let Some(first) = series.first_time() else {
