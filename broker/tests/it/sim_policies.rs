@@ -468,7 +468,9 @@ proptest! {
         per_second in any::<bool>(),
         checkpoint in any::<bool>(),
     ) {
-        let history = Arc::new(synthetic(&small_markets(), 9, seed));
+        // Long enough for the slowest case: one m3.medium (0.25 units/h) doing 80 units.
+        let history = Arc::new(synthetic(&small_markets(), 20, seed));
+        let work = work.min(f64::from(max_instances) * 0.25 * 300.0);
         let eviction = if checkpoint {
             "[eviction_cost]\nmodel = \"checkpoint\"\ninterval_minutes = 30\ncheckpoint_minutes = 1\nrestart_minutes = 2\n"
         } else {
