@@ -10,7 +10,9 @@ use crate::market_model::{
 use crate::output::{OutputFormat, Table, emit, pct, usd};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::inputs::{check_policy, load_history};
-use crate::sim::sweep::{PolicyEntry, PolicySummary, run_sweep, start_times, summarize};
+use crate::sim::sweep::{
+    PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
+};
 use crate::sim::view::FutureReads;
 use crate::sim::world::HazardTruth;
 use crate::sim::{RunResult, Scenario, World};
@@ -99,6 +101,9 @@ pub struct SimulateArgs {
     /// Also write every run as JSON lines to this file.
     #[arg(long, value_name = "FILE")]
     pub runs_out: Option<PathBuf>,
+    /// Include every policy decision in the runs written by --runs-out (large).
+    #[arg(long, requires = "runs_out")]
+    pub record_decisions: bool,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
 }
@@ -244,15 +249,13 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let results = run_sweep(
-        &scenario,
-        &entries,
-        &starts,
-        args.seed,
+    let options = SweepOptions {
+        seed: args.seed,
         threads,
-        FutureReads::Refuse,
-        &|| bar.inc(1),
-    )?;
+        future_reads: FutureReads::Refuse,
+        record_decisions: args.record_decisions,
+    };
+    let results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
     let summaries = summarize(&results, scenario.job.total_work);
 
@@ -349,16 +352,16 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
 fn breakdown_table(rows: &[PolicySummary]) -> Table {
     let mut t = Table::new(&[
         "policy",
-        "gross $/capacity-unit",
-        "free share",
+        "$ per paid unit-hour",
+        "paid share of capacity",
         "useful fraction",
         "lost work (units)",
     ]);
     for s in rows {
         t.push(vec![
             s.policy.clone(),
-            format!("${:.4}", s.median_gross_usd_per_capacity_unit),
-            pct(s.median_free_share),
+            format!("${:.4}", s.median_usd_per_paid_unit_hour),
+            pct(s.median_paid_share),
             pct(s.median_useful_fraction),
             format!("{:.1}", s.median_lost_work),
         ]);

@@ -20,7 +20,7 @@ mod hazard;
 mod price;
 
 pub use hazard::{HazardModel, HazardPrior};
-pub use price::{PriceDrivenModel, PriceModelConfig, replay_once};
+pub use price::{MarketState, PriceDrivenModel, PriceModelConfig, replay_once, state_start_times};
 
 use crate::market::{Market, Timestamp};
 use serde::Serialize;

@@ -4,15 +4,27 @@
 //! outcome: with the bid set to the price at `s` plus `d`, the instance is evicted at the first
 //! price change in `(s, s + H]` that is strictly above the bid (the rule of
 //! [`PriceSeries::first_above`]), or survives the horizon. The estimate at a decision time `now`
-//! averages the outcomes of every start time `s` on a regular grid with
-//! `now − lookback ≤ s` and `s + H ≤ now`: a start time whose horizon reaches past `now` would
-//! need prices from the future, so it is not used.
+//! averages the outcomes of the start times `s` with `now − lookback ≤ s` and `s + H ≤ now`: a
+//! start time whose horizon reaches past `now` would need prices from the future, so it is not
+//! used.
+//!
+//! Which start times? Two sets, both built only from the past of each decision:
+//!
+//! - **Unconditional**: a regular grid (every `sample_every_secs`), the paper's replay.
+//! - **State-matched** (on by default, [`PriceModelConfig::match_state`]): the 2015 prices move
+//!   in small steps every few minutes and revert: right after a *fall*, a bid at the price is
+//!   evicted by the next rise within minutes (about 90% within the hour, after ~10 minutes on
+//!   c3.xlarge); right after a *rise* it survives half an hour on average. So the replay uses
+//!   start times in the same state as the market at `now`: the last change in the same
+//!   direction (rise or fall), and about as long ago (under 2, 2–5, 5–10, or over 10 minutes).
+//!   Each historical change contributes start times at those ages. When a state has fewer than
+//!   `min_samples` start times in the window, the unconditional grid answers.
 //!
 //! Replaying per query would cost milliseconds; instead, the outcome of every start time is
-//! computed once per market (for a grid of deltas, expressed as fractions of the type's
-//! on-demand price) into prefix sums, and a query is two binary-search-free index computations
-//! and a subtraction. Deltas between grid points are interpolated linearly; other horizons are
-//! replayed directly (slow path, same answer as a brute-force replay).
+//! computed once per market, for a grid of deltas expressed as fractions of the type's
+//! on-demand price, into prefix sums; a query is two binary searches and a subtraction. Deltas
+//! between grid points are interpolated linearly; other horizons are replayed directly (slow
+//! path, same answer as a brute-force replay of the same start times).
 
 use super::{EvictionEstimate, MarketModel, ModelError, ModelKind};
 use crate::market::{Market, Timestamp};
@@ -29,12 +41,15 @@ pub struct PriceModelConfig {
     /// The horizon the fast path serves, seconds. Default one hour: the billing period of
     /// `hourly-2015`, over which BidBrain weighs each allocation.
     pub horizon_secs: f64,
-    /// Spacing of the start-time grid, seconds. Default 15 minutes (672 samples per week).
+    /// Spacing of the unconditional start-time grid, seconds. Default 15 minutes.
     pub sample_every_secs: f64,
-    /// Fewer usable start times than this in the window is an error, not a guess.
+    /// Fewer usable start times than this in the window is an error (unconditional) or a
+    /// fallback to the unconditional grid (state-matched).
     pub min_samples: u32,
     /// Bid deltas precomputed, as fractions of the market's on-demand price, ascending from 0.
     pub delta_grid: Vec<f64>,
+    /// Replay only start times in the market's current state (see the module documentation).
+    pub match_state: bool,
 }
 
 impl Default for PriceModelConfig {
@@ -45,10 +60,47 @@ impl Default for PriceModelConfig {
             sample_every_secs: 900.0,
             min_samples: 24,
             delta_grid: vec![
-                0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                1.0, 1.5, 2.0, 3.0, 5.0,
+                0.0, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
             ],
+            match_state: true,
         }
+    }
+}
+
+/// Upper ends of the age buckets of the market state, ms (the last is open).
+const AGE_BUCKETS_MS: [i64; 3] = [120_000, 300_000, 600_000];
+/// The ages at which a change contributes start times to each bucket, ms. The open bucket gets
+/// a start time every 15 minutes while the price holds (at most 8).
+const AGE_REPRESENTATIVES_MS: [i64; 3] = [60_000, 210_000, 450_000];
+const OPEN_BUCKET_STEP_MS: i64 = 900_000;
+const OPEN_BUCKET_MAX: i64 = 8;
+const CLASSES: usize = 2 * (AGE_BUCKETS_MS.len() + 1);
+
+/// The state of a market at a time: the direction of its last change and how long ago it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MarketState {
+    pub rose: bool,
+    pub age_bucket: usize,
+}
+
+impl MarketState {
+    /// The state at `t`, if the series has two changes at or before it.
+    pub fn at(series: &PriceSeries, t: Timestamp) -> Option<MarketState> {
+        Self::from_changes(series.times(), series.prices(), t)
+    }
+
+    fn from_changes(times: &[Timestamp], prices: &[f64], t: Timestamp) -> Option<MarketState> {
+        let i = times.partition_point(|&x| x <= t).checked_sub(1)?;
+        let prev = i.checked_sub(1)?;
+        let age = t.0 - times[i].0;
+        Some(MarketState {
+            rose: prices[i] > prices[prev],
+            age_bucket: AGE_BUCKETS_MS.partition_point(|&b| b <= age),
+        })
+    }
+
+    fn class(self) -> usize {
+        usize::from(self.rose) * (AGE_BUCKETS_MS.len() + 1) + self.age_bucket
     }
 }
 
@@ -61,21 +113,81 @@ pub struct PriceDrivenModel {
     indexes: Arc<HashMap<Market, OnceLock<Result<MarketIndex, ModelError>>>>,
 }
 
+/// Outcomes of a sorted set of start times, as prefix sums per grid delta.
+///
+/// Laid out by position then delta (`sums[k * grid + g]`), so that a query touches two short
+/// runs of memory rather than two entries in each of `2 × grid` arrays.
+#[derive(Debug, Default)]
+struct Samples {
+    /// Start times, ms, ascending.
+    times: Vec<i64>,
+    grid: usize,
+    /// `sums[k * grid + g]`: over the first `k` samples, for grid delta `g`, the number evicted
+    /// within the horizon and Σ min(time to eviction, H) in whole seconds (saturating; a class
+    /// would need over a million samples in one look-back window to saturate).
+    sums: Vec<[u32; 2]>,
+}
+
+impl Samples {
+    fn new(grid: usize) -> Self {
+        Samples {
+            times: Vec::new(),
+            grid,
+            sums: vec![[0, 0]; grid],
+        }
+    }
+
+    fn push(&mut self, t: i64, outcomes: &[(u32, u64)]) {
+        self.times.push(t);
+        let base = self.sums.len() - self.grid;
+        for (g, &(ev, secs)) in outcomes.iter().enumerate() {
+            let [e, s] = self.sums[base + g];
+            let secs = u32::try_from(secs).unwrap_or(u32::MAX);
+            self.sums.push([e + ev, s.saturating_add(secs)]);
+        }
+    }
+
+    /// (evicted, survived seconds) over samples `lo..hi` for grid delta `g`.
+    fn between(&self, lo: usize, hi: usize, g: usize) -> (u32, u32) {
+        let [e1, s1] = self.sums[hi * self.grid + g];
+        let [e0, s0] = self.sums[lo * self.grid + g];
+        (e1 - e0, s1 - s0)
+    }
+
+    /// Samples with `from ≤ t ≤ to`, as a range of indices.
+    fn range(&self, from: i64, to: i64) -> (usize, usize) {
+        let lo = self.times.partition_point(|&t| t < from);
+        let hi = self.times.partition_point(|&t| t <= to);
+        (lo, hi.max(lo))
+    }
+}
+
 /// Precomputed outcomes of one market's start times.
 #[derive(Debug)]
 struct MarketIndex {
-    /// Time of sample 0, ms (a multiple of the step, so samples do not depend on anything but
-    /// the step).
-    origin_ms: i64,
-    step_ms: i64,
     /// On-demand price, USD/h: the unit of the delta grid.
     on_demand: f64,
-    /// `valid[k]`: samples before `k` that had a price (prefix count).
-    valid: Vec<u32>,
-    /// Per grid delta, prefix counts of evicted samples.
-    evicted: Vec<Vec<u32>>,
-    /// Per grid delta, prefix sums of `min(time to eviction, H)` in whole seconds.
-    survived_secs: Vec<Vec<u64>>,
+    grid: Samples,
+    classes: Vec<Samples>,
+    /// The series' changes, kept here so that finding the state at a decision time does not
+    /// look the market up in the history again (a hot path: every candidate of every decision).
+    times: Vec<Timestamp>,
+    prices: Vec<f64>,
+}
+
+/// The start times a query averages: a set, and the index range inside it.
+struct Window<'a> {
+    samples: &'a Samples,
+    lo: usize,
+    hi: usize,
+    h_ms: i64,
+    on_demand: f64,
+}
+
+impl Window<'_> {
+    fn count(&self) -> u32 {
+        (self.hi - self.lo) as u32
+    }
 }
 
 impl PriceDrivenModel {
@@ -112,11 +224,14 @@ impl PriceDrivenModel {
             .map_err(Clone::clone)
     }
 
-    fn build(&self, market: &Market) -> Result<MarketIndex, ModelError> {
-        let series = self
-            .history
+    fn series(&self, market: &Market) -> Result<&PriceSeries, ModelError> {
+        self.history
             .get(market)
-            .ok_or_else(|| ModelError::UnknownMarket(market.to_string()))?;
+            .ok_or_else(|| ModelError::UnknownMarket(market.to_string()))
+    }
+
+    fn build(&self, market: &Market) -> Result<MarketIndex, ModelError> {
+        let series = self.series(market)?;
         let on_demand = self
             .history
             .on_demand()
@@ -134,58 +249,66 @@ impl PriceDrivenModel {
         Ok(build_index(series, on_demand, &self.config, until))
     }
 
-    /// The sample range `[lo, hi)` usable at `now` for horizon `h_ms`.
-    fn sample_range(&self, idx: &MarketIndex, now: Timestamp, h_ms: i64) -> (usize, usize) {
-        let n = idx.valid.len() - 1;
-        let lookback_ms = (self.config.lookback_secs * 1000.0) as i64;
-        let first = now.0 - lookback_ms - idx.origin_ms;
-        let last = now.0 - h_ms - idx.origin_ms; // s_k + H <= now  ⇔  k <= last / step
-        let lo = ceil_div(first, idx.step_ms).clamp(0, n as i64) as usize;
-        let hi = if last < 0 {
-            0
-        } else {
-            (last / idx.step_ms + 1).clamp(0, n as i64) as usize
-        };
-        (lo, hi.max(lo))
-    }
-
-    /// The index and the usable sample range of `market` at `now` for `horizon_secs`.
+    /// The start times that answer a query at `now` for `horizon_secs`.
     fn window(
         &self,
         market: &Market,
         horizon_secs: f64,
         now: Timestamp,
-    ) -> Result<(&MarketIndex, usize, usize, u32, i64), ModelError> {
+    ) -> Result<Window<'_>, ModelError> {
         if !(horizon_secs.is_finite() && horizon_secs > 0.0) {
             return Err(ModelError::BadHorizon(horizon_secs));
         }
         let idx = self.index(market)?;
         let h_ms = (horizon_secs * 1000.0).round() as i64;
-        let (lo, hi) = self.sample_range(idx, now, h_ms);
-        let samples = idx.valid[hi] - idx.valid[lo];
-        if samples < self.config.min_samples.max(1) {
+        let lookback_ms = (self.config.lookback_secs * 1000.0) as i64;
+        let (from, to) = (now.0 - lookback_ms, now.0 - h_ms);
+        let needed = self.config.min_samples.max(1);
+        let state = if self.config.match_state {
+            MarketState::from_changes(&idx.times, &idx.prices, now)
+        } else {
+            None
+        };
+        if let Some(state) = state {
+            let samples = &idx.classes[state.class()];
+            let (lo, hi) = samples.range(from, to);
+            if (hi - lo) as u32 >= needed {
+                return Ok(Window {
+                    samples,
+                    lo,
+                    hi,
+                    h_ms,
+                    on_demand: idx.on_demand,
+                });
+            }
+        }
+        let (lo, hi) = idx.grid.range(from, to);
+        let w = Window {
+            samples: &idx.grid,
+            lo,
+            hi,
+            h_ms,
+            on_demand: idx.on_demand,
+        };
+        if w.count() < needed {
             return Err(ModelError::NotEnoughHistory {
                 market: market.to_string(),
                 now,
-                samples,
-                needed: self.config.min_samples.max(1),
+                samples: w.count(),
+                needed,
             });
         }
-        Ok((idx, lo, hi, samples, h_ms))
+        Ok(w)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn at_delta(
         &self,
         market: &Market,
-        idx: &MarketIndex,
-        lo: usize,
-        hi: usize,
-        samples: u32,
-        h_ms: i64,
+        w: &Window<'_>,
         bid_delta_usd: f64,
     ) -> Result<EvictionEstimate, ModelError> {
-        let horizon_secs = h_ms as f64 / 1000.0;
+        let horizon_secs = w.h_ms as f64 / 1000.0;
+        let samples = w.count();
         if bid_delta_usd < 0.0 {
             // A bid below the current price is not fulfilled; treat it as evicted at once.
             return Ok(EvictionEstimate {
@@ -196,15 +319,18 @@ impl PriceDrivenModel {
             });
         }
         let fast_horizon_ms = (self.config.horizon_secs * 1000.0).round() as i64;
-        if h_ms != fast_horizon_ms {
-            return self.replay_range(market, idx, lo, hi, bid_delta_usd, h_ms, samples);
+        if w.h_ms != fast_horizon_ms {
+            return self.replay_window(market, w, bid_delta_usd);
         }
-        let frac = bid_delta_usd / idx.on_demand;
+        let frac = bid_delta_usd / w.on_demand;
         let grid = &self.config.delta_grid;
+        let s = w.samples;
         let at = |g: usize| {
-            let ev = idx.evicted[g][hi] - idx.evicted[g][lo];
-            let secs = idx.survived_secs[g][hi] - idx.survived_secs[g][lo];
-            (ev as f64 / samples as f64, secs as f64 / samples as f64)
+            let (ev, secs) = s.between(w.lo, w.hi, g);
+            (
+                f64::from(ev) / f64::from(samples),
+                f64::from(secs) / f64::from(samples),
+            )
         };
         // Position of `frac` in the grid: the last grid point at or below it.
         let j = grid.partition_point(|&g| g <= frac).saturating_sub(1);
@@ -224,38 +350,31 @@ impl PriceDrivenModel {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn replay_range(
+    /// The slow path: replays the window's start times with any horizon and delta.
+    fn replay_window(
         &self,
         market: &Market,
-        idx: &MarketIndex,
-        lo: usize,
-        hi: usize,
+        w: &Window<'_>,
         delta_usd: f64,
-        h_ms: i64,
-        samples: u32,
     ) -> Result<EvictionEstimate, ModelError> {
-        let series = self
-            .history
-            .get(market)
-            .ok_or_else(|| ModelError::UnknownMarket(market.to_string()))?;
+        let series = self.series(market)?;
         let (mut evicted, mut survived_ms) = (0u64, 0i64);
-        for k in lo..hi {
-            let s = Timestamp(idx.origin_ms + k as i64 * idx.step_ms);
-            match replay_once(series, s, delta_usd, h_ms) {
+        for &s in &w.samples.times[w.lo..w.hi] {
+            match replay_once(series, Timestamp(s), delta_usd, w.h_ms) {
                 None => {}
                 Some(Some(after)) => {
                     evicted += 1;
                     survived_ms += after;
                 }
-                Some(None) => survived_ms += h_ms,
+                Some(None) => survived_ms += w.h_ms,
             }
         }
+        let n = f64::from(w.count().max(1));
         Ok(EvictionEstimate {
-            probability: evicted as f64 / samples as f64,
-            expected_secs: survived_ms as f64 / 1000.0 / samples as f64,
-            horizon_secs: h_ms as f64 / 1000.0,
-            samples,
+            probability: evicted as f64 / n,
+            expected_secs: survived_ms as f64 / 1000.0 / n,
+            horizon_secs: w.h_ms as f64 / 1000.0,
+            samples: w.count(),
         })
     }
 }
@@ -272,8 +391,8 @@ impl MarketModel for PriceDrivenModel {
         horizon_secs: f64,
         now: Timestamp,
     ) -> Result<EvictionEstimate, ModelError> {
-        let (idx, lo, hi, samples, h_ms) = self.window(market, horizon_secs, now)?;
-        self.at_delta(market, idx, lo, hi, samples, h_ms, bid_delta_usd)
+        let w = self.window(market, horizon_secs, now)?;
+        self.at_delta(market, &w, bid_delta_usd)
     }
 
     fn eviction_many(
@@ -284,9 +403,9 @@ impl MarketModel for PriceDrivenModel {
         now: Timestamp,
         out: &mut Vec<EvictionEstimate>,
     ) -> Result<(), ModelError> {
-        let (idx, lo, hi, samples, h_ms) = self.window(market, horizon_secs, now)?;
+        let w = self.window(market, horizon_secs, now)?;
         for &d in bid_deltas_usd {
-            out.push(self.at_delta(market, idx, lo, hi, samples, h_ms, d)?);
+            out.push(self.at_delta(market, &w, d)?);
         }
         Ok(())
     }
@@ -314,8 +433,73 @@ pub fn replay_once(
     )
 }
 
+/// The state-matched start times of a series: for every change with a predecessor, start times
+/// at the bucket ages while the price holds, with the class they belong to.
+pub fn state_start_times(series: &PriceSeries, until: Timestamp) -> Vec<(Timestamp, usize)> {
+    let (times, prices) = (series.times(), series.prices());
+    let mut out = Vec::with_capacity(times.len() * 3);
+    for i in 1..times.len() {
+        let next = times.get(i + 1).map_or(until.0, |t| t.0);
+        let rose = prices[i] > prices[i - 1];
+        let mut push = |age: i64, bucket: usize| {
+            if times[i].0 + age < next {
+                let class = MarketState {
+                    rose,
+                    age_bucket: bucket,
+                }
+                .class();
+                out.push((Timestamp(times[i].0 + age), class));
+            }
+        };
+        for (b, &age) in AGE_REPRESENTATIVES_MS.iter().enumerate() {
+            push(age, b);
+        }
+        for k in 1..=OPEN_BUCKET_MAX {
+            push(k * OPEN_BUCKET_STEP_MS, AGE_BUCKETS_MS.len());
+        }
+    }
+    out
+}
+
 fn ceil_div(a: i64, b: i64) -> i64 {
     a.div_euclid(b) + i64::from(a.rem_euclid(b) != 0)
+}
+
+/// Outcomes of a start time for every grid delta (ascending, in USD), into `out`.
+fn outcomes(
+    series: &PriceSeries,
+    i: usize,
+    s: i64,
+    h_ms: i64,
+    grid_usd: &[f64],
+    breaks: &mut Vec<(f64, i64)>,
+    out: &mut Vec<(u32, u64)>,
+) {
+    let (times, prices) = (series.times(), series.prices());
+    // Running-maximum breakpoints of the price after `s`: (excess over p0, ms after s).
+    breaks.clear();
+    let p0 = prices[i];
+    let mut max = p0;
+    let mut j = i + 1;
+    while j < times.len() && times[j].0 <= s + h_ms {
+        if prices[j] > max {
+            max = prices[j];
+            breaks.push((max - p0, times[j].0 - s));
+        }
+        j += 1;
+    }
+    // Grid ascending, breakpoints ascending in excess: one pointer walks both.
+    out.clear();
+    let mut b = 0usize;
+    for &d in grid_usd {
+        while b < breaks.len() && breaks[b].0 <= d {
+            b += 1;
+        }
+        out.push(match breaks.get(b) {
+            Some(&(_, after)) => (1, (after / 1000) as u64),
+            None => (0, (h_ms / 1000) as u64),
+        });
+    }
 }
 
 fn build_index(
@@ -327,88 +511,40 @@ fn build_index(
     let step_ms = ((config.sample_every_secs * 1000.0).round() as i64).max(1);
     let h_ms = (config.horizon_secs * 1000.0).round() as i64;
     let grid_usd: Vec<f64> = config.delta_grid.iter().map(|f| f * on_demand).collect();
+    let mut index = MarketIndex {
+        on_demand,
+        grid: Samples::new(grid_usd.len()),
+        classes: (0..CLASSES).map(|_| Samples::new(grid_usd.len())).collect(),
+        times: series.times().to_vec(),
+        prices: series.prices().to_vec(),
+    };
     let times = series.times();
-    let prices = series.prices();
-    let (Some(first), Some(last)) = (
-        series.first_time(),
-        series.last_time().map(|l| l.max(until)),
-    ) else {
-        return MarketIndex {
-            origin_ms: 0,
-            step_ms,
-            on_demand,
-            valid: vec![0],
-            evicted: vec![vec![0]; grid_usd.len()],
-            survived_secs: vec![vec![0]; grid_usd.len()],
-        };
+    let Some(first) = series.first_time() else {
+        return index;
     };
-    let origin_ms = ceil_div(first.0, step_ms) * step_ms;
-    // Start times up to the trace's end; a decision after it has nothing to decide anyway.
-    let n = if last.0 < origin_ms {
-        0
-    } else {
-        ((last.0 - origin_ms) / step_ms + 1) as usize
-    };
-    let mut valid = Vec::with_capacity(n + 1);
-    let mut evicted: Vec<Vec<u32>> = grid_usd.iter().map(|_| Vec::with_capacity(n + 1)).collect();
-    let mut survived: Vec<Vec<u64>> = grid_usd.iter().map(|_| Vec::with_capacity(n + 1)).collect();
-    valid.push(0u32);
-    for g in 0..grid_usd.len() {
-        evicted[g].push(0);
-        survived[g].push(0);
-    }
-    // Running-maximum breakpoints of the price after a start time: (excess over p0, ms after s).
-    let mut breaks: Vec<(f64, i64)> = Vec::with_capacity(64);
-    let mut i = 0usize; // index of the change in force at s
-    for k in 0..n {
-        let s = origin_ms + k as i64 * step_ms;
+    let (mut breaks, mut out) = (Vec::with_capacity(64), Vec::with_capacity(grid_usd.len()));
+    // The unconditional grid: multiples of the step from the first change to `until`.
+    let mut s = ceil_div(first.0, step_ms) * step_ms;
+    let mut i = 0usize; // the change in force at s
+    while s <= until.0 {
         while i + 1 < times.len() && times[i + 1].0 <= s {
             i += 1;
         }
-        let has_price = times[i].0 <= s;
-        let v = *valid.last().unwrap_or(&0) + u32::from(has_price);
-        valid.push(v);
-        breaks.clear();
-        if has_price {
-            let p0 = prices[i];
-            let mut max = p0;
-            let mut j = i + 1;
-            while j < times.len() && times[j].0 <= s + h_ms {
-                if prices[j] > max {
-                    max = prices[j];
-                    breaks.push((max - p0, times[j].0 - s));
-                }
-                j += 1;
+        outcomes(series, i, s, h_ms, &grid_usd, &mut breaks, &mut out);
+        index.grid.push(s, &out);
+        s += step_ms;
+    }
+    if config.match_state {
+        let mut i = 0usize;
+        for (t, class) in state_start_times(series, until) {
+            while i + 1 < times.len() && times[i + 1] <= t {
+                i += 1;
             }
-        }
-        // Grid ascending, breakpoints ascending in excess: one pointer walks both.
-        let mut b = 0usize;
-        for (g, &d) in grid_usd.iter().enumerate() {
-            let (ev, secs) = if !has_price {
-                (0, 0)
-            } else {
-                while b < breaks.len() && breaks[b].0 <= d {
-                    b += 1;
-                }
-                match breaks.get(b) {
-                    Some(&(_, after)) => (1, (after / 1000) as u64),
-                    None => (0, (h_ms / 1000) as u64),
-                }
-            };
-            let e = evicted[g].last().copied().unwrap_or(0) + ev;
-            evicted[g].push(e);
-            let t = survived[g].last().copied().unwrap_or(0) + secs;
-            survived[g].push(t);
+            outcomes(series, i, t.0, h_ms, &grid_usd, &mut breaks, &mut out);
+            index.classes[class].push(t.0, &out);
         }
     }
-    MarketIndex {
-        origin_ms,
-        step_ms,
-        on_demand,
-        valid,
-        evicted,
-        survived_secs: survived,
-    }
+    index
 }
 
 #[cfg(test)]
@@ -446,6 +582,7 @@ mod tests {
             sample_every_secs: 600.0,
             min_samples: 1,
             delta_grid: vec![0.0, 0.05, 0.1, 0.3, 1.0],
+            match_state: false,
         }
     }
 
@@ -486,19 +623,18 @@ mod tests {
         let (mut n, mut ev, mut secs) = (0u32, 0u32, 0.0);
         let mut s = 0i64;
         while s <= now_min {
-            if s >= now_min - lookback_min && s + horizon_min <= now_min {
-                if let Some(p0) = price_at(s as f64) {
-                    n += 1;
-                    let hit = points
-                        .iter()
-                        .find(|(m, p)| *m > s && *m <= s + horizon_min && *p > p0 + delta);
-                    match hit {
-                        Some((m, _)) => {
-                            ev += 1;
-                            secs += ((m - s) * 60) as f64;
-                        }
-                        None => secs += (horizon_min * 60) as f64,
+            let in_window = s >= now_min - lookback_min && s + horizon_min <= now_min;
+            if let Some(p0) = price_at(s as f64).filter(|_| in_window) {
+                n += 1;
+                let hit = points
+                    .iter()
+                    .find(|(m, p)| *m > s && *m <= s + horizon_min && *p > p0 + delta);
+                match hit {
+                    Some((m, _)) => {
+                        ev += 1;
+                        secs += ((m - s) * 60) as f64;
                     }
+                    None => secs += (horizon_min * 60) as f64,
                 }
             }
             s += 10;
@@ -574,6 +710,109 @@ mod tests {
                 .unwrap();
             assert_eq!(a, b, "delta {delta}");
         }
+    }
+
+    #[test]
+    fn state_matched_estimates_equal_a_brute_force_replay_of_same_state_start_times() {
+        let points = trace();
+        let (h, market) = history(&points);
+        let config = PriceModelConfig {
+            match_state: true,
+            min_samples: 2,
+            ..small_config()
+        };
+        let model = PriceDrivenModel::new(h.clone(), config);
+        let series = h.get(&market).unwrap();
+        let mut checked = 0;
+        for now_min in [200, 265, 300, 333, 404, 480, 523, 560] {
+            let now = Timestamp(now_min * M);
+            let state = MarketState::at(series, now).unwrap();
+            // Brute force: every change with a predecessor, at each age, if the state is the same
+            // as now's and the price still holds; then the window rule.
+            let mut starts = Vec::new();
+            for k in 1..points.len() {
+                let next = points.get(k + 1).map_or(i64::MAX, |p| p.0 * M);
+                for age_min in [
+                    1.0, 3.5, 7.5, 15.0, 30.0, 45.0, 60.0, 75.0, 90.0, 105.0, 120.0,
+                ] {
+                    let s = points[k].0 * M + (age_min * 60_000.0) as i64;
+                    if s >= next {
+                        continue;
+                    }
+                    let st = MarketState::at(series, Timestamp(s)).unwrap();
+                    if st == state && s >= now.0 - 360 * M && s + 60 * M <= now.0 {
+                        starts.push(s);
+                    }
+                }
+            }
+            if starts.len() < 2 {
+                continue;
+            }
+            checked += 1;
+            for delta in [0.0, 0.05, 0.3] {
+                let (mut ev, mut secs) = (0.0, 0.0);
+                for &s in &starts {
+                    match replay_once(series, Timestamp(s), delta, 60 * M).unwrap() {
+                        Some(ms) => {
+                            ev += 1.0;
+                            secs += (ms / 1000) as f64;
+                        }
+                        None => secs += 3600.0,
+                    }
+                }
+                let n = starts.len() as f64;
+                let e = model.eviction(&market, delta, 3600.0, now).unwrap();
+                assert_eq!(
+                    e.samples as usize,
+                    starts.len(),
+                    "now {now_min} state {state:?}"
+                );
+                assert!(
+                    (e.probability - ev / n).abs() < 1e-12,
+                    "now {now_min} delta {delta}"
+                );
+                assert!(
+                    (e.expected_secs - secs / n).abs() < 1e-9,
+                    "now {now_min} delta {delta}"
+                );
+            }
+        }
+        assert!(
+            checked >= 3,
+            "only {checked} decision times had state-matched samples"
+        );
+    }
+
+    #[test]
+    fn state_is_direction_and_age_of_the_last_change() {
+        let (h, market) = history(&trace());
+        let s = h.get(&market).unwrap();
+        assert_eq!(
+            MarketState::at(s, Timestamp(5 * M)),
+            None,
+            "one change: no direction yet"
+        );
+        assert_eq!(
+            MarketState::at(s, Timestamp(18 * M)),
+            Some(MarketState {
+                rose: true,
+                age_bucket: 0
+            })
+        );
+        assert_eq!(
+            MarketState::at(s, Timestamp(41 * M + 4 * 60_000)),
+            Some(MarketState {
+                rose: false,
+                age_bucket: 1
+            })
+        );
+        assert_eq!(
+            MarketState::at(s, Timestamp(100 * M)),
+            Some(MarketState {
+                rose: false,
+                age_bucket: 3
+            })
+        );
     }
 
     #[test]

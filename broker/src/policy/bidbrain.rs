@@ -1,33 +1,40 @@
 //! BidBrain (Proteus, EuroSys'17): buy capacity to minimise the expected cost per unit of work.
 //!
 //! Every allocation (a count of instances in one market at one bid) is judged by its expected
-//! cost and expected useful work over a horizon (one billing hour by default):
+//! cost and expected useful work per horizon of its life (one billing hour by default), from the
+//! market model's eviction estimate `(P, E)` (probability of eviction within the horizon,
+//! expected running time within it):
 //!
-//! - a new spot instance bid at `price + delta` costs, under `hourly-2015`, the current price
-//!   times the probability that it is *not* evicted within the hour (an eviction makes the
-//!   started hour free), and under `per-second`, the price times its expected running time;
-//! - it works at its type's rate for its expected running time, minus the start-up time and
-//!   minus the expected work lost to an eviction (AgileML: half a sync interval);
+//! - a new spot instance bid at `price + delta` costs, under `hourly-2015`, `price × (1 − P)`
+//!   (an eviction makes the started hour free), and under `per-second`, `price × E`;
+//! - it works at its type's rate for `E`, minus its start-up spread over its expected life
+//!   (`1/P` horizons, capped by the job's remaining time: a survivor keeps working without
+//!   starting again), minus `P ×` the work an eviction loses (AgileML: half a sync interval),
+//!   minus its share of the pauses every membership change costs the whole footprint;
 //! - an on-demand instance costs the list price and is never evicted.
 //!
-//! The footprint's cost per work (CPW) is the sum of expected costs over the sum of expected
-//! work of what it keeps. At each decision BidBrain
+//! A footprint's cost per work (CPW) is the sum of expected costs over the sum of expected work.
+//! At each decision BidBrain
 //!
 //! 1. keeps a small reliable tier of on-demand instances for the backup parameter-server shards
 //!    (AgileML needs state that outlives a bulk eviction);
-//! 2. releases an allocation when keeping it for another billing period would cost more per
-//!    unit of work than the on-demand ceiling, or clearly more than the best allocation it
-//!    could buy instead while the footprint is full (or fast enough) — under `hourly-2015` only
-//!    in the last minutes before the allocation's hour ends, because the hour is paid anyway;
+//! 2. releases an instance — under `hourly-2015` only in the last minutes before its billing
+//!    hour ends, because the hour is paid anyway — when keeping it for another horizon would
+//!    cost more per unit of work than the on-demand ceiling; or clearly more (`switch_margin`)
+//!    than a new allocation that is at least as fast per slot, while the footprint is full or
+//!    at its target speed; or clearly more than the rest of the footprint while the rest stays
+//!    at its target speed without it (the paper's rule: keeping it raises the CPW). Near the
+//!    end of the job only the work still needed counts, so hours the job will not use are not
+//!    renewed;
 //! 3. acquires the cheapest allocations per unit of work — over every market of the job's types
-//!    and every bid delta of its grid — while the footprint is below its capacity target (by
-//!    default the job's full speed: `max_instances` reference instances) and the allocation is
-//!    below the ceiling, and beyond the target while an allocation lowers the footprint's CPW
-//!    (the paper's rule), up to `max_instances`.
+//!    and every bid delta of its grid — up to its capacity target (the job's full speed on the
+//!    worker slots) with allocations within `fill_slack` of the best one, and beyond the target
+//!    while an allocation lowers the footprint's CPW (the paper's rule), up to `max_instances`.
 //!
-//! The free partial hour of `hourly-2015` is exploited through the first term: a small delta in a
-//! market that moves often gives a high eviction probability, hence a low expected cost, and
-//! the grid search picks it when the expected work stays worth it.
+//! The free partial hour of `hourly-2015` is exploited through the cost term: a small delta in a
+//! market that is about to move gives a high eviction probability, hence a low expected cost, and
+//! the grid search picks it when the expected work stays worth it. How well that works depends
+//! on the estimates; see [`crate::market_model::PriceDrivenModel`] (state-matched replay).
 
 use super::{
     Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
@@ -56,7 +63,7 @@ pub struct BidBrainConfig {
     /// Horizon over which allocations are judged, minutes. Default 60 (one billing hour).
     #[serde(default = "default_horizon")]
     pub horizon_minutes: f64,
-    /// How often the policy wants to be asked even if nothing happens, minutes. Default 10.
+    /// How often the policy wants to be asked even if nothing happens, minutes. Default 5.
     #[serde(default = "default_tick")]
     pub tick_minutes: f64,
     /// Under `hourly-2015`, an allocation is reconsidered this many minutes before its billing
@@ -75,6 +82,14 @@ pub struct BidBrainConfig {
     /// (the cheapest on-demand type per unit of work).
     #[serde(default = "one")]
     pub max_cost_vs_on_demand: f64,
+    /// While filling up to the capacity target, take only allocations within this fraction of
+    /// the best one available now (0.5 = up to 50% dearer per unit of work); beyond it, the
+    /// allocation waits for a better moment. Large values fill at any price under the ceiling.
+    #[serde(default = "default_fill_slack")]
+    pub fill_slack: f64,
+    /// Allocations per market per decision (each at a different bid delta).
+    #[serde(default = "one_u32")]
+    pub allocations_per_market: u32,
     /// Replace a kept allocation only when a new one is at least this much cheaper per unit of
     /// work (0.15 = 15%); damps flapping between near-equal markets.
     #[serde(default = "default_switch_margin")]
@@ -92,7 +107,9 @@ pub struct ReliableTier {
     /// `max_reliable_instances`). Default 1.
     #[serde(default = "one_u32")]
     pub count: u32,
-    /// `cheapest-per-work` (default), `cheapest-per-hour`, or an instance type of the job.
+    /// `cheapest-per-hour` (default: in stage 3 the tier holds backups and does no work, so
+    /// the cheapest instance per hour is the right one), `cheapest-per-work`, or an instance
+    /// type of the job.
     #[serde(default)]
     pub instance_type: ReliableTypeChoice,
 }
@@ -101,7 +118,7 @@ impl Default for ReliableTier {
     fn default() -> Self {
         ReliableTier {
             count: 1,
-            instance_type: ReliableTypeChoice::CheapestPerWork,
+            instance_type: ReliableTypeChoice::CheapestPerHour,
         }
     }
 }
@@ -111,9 +128,9 @@ impl Default for ReliableTier {
 #[serde(try_from = "String", into = "String")]
 pub enum ReliableTypeChoice {
     /// The job's type with the lowest on-demand price per unit of work (it may also do work).
-    #[default]
     CheapestPerWork,
     /// The job's type with the lowest on-demand price per hour (backups need memory, not speed).
+    #[default]
     CheapestPerHour,
     /// This type.
     Type(InstanceType),
@@ -149,19 +166,22 @@ fn default_horizon() -> f64 {
     60.0
 }
 fn default_tick() -> f64 {
-    10.0
+    5.0
 }
 fn default_release_window() -> f64 {
     3.0
 }
 fn default_max_per_allocation() -> u32 {
-    16
+    32
 }
 fn one() -> f64 {
     1.0
 }
 fn one_u32() -> u32 {
     1
+}
+fn default_fill_slack() -> f64 {
+    0.3
 }
 fn default_switch_margin() -> f64 {
     0.15
@@ -209,6 +229,20 @@ impl BidBrainConfig {
                 "0 ≤ minutes < 60",
             );
         }
+        if self.fill_slack.is_nan() || self.fill_slack < 0.0 {
+            return bad(
+                "fill_slack",
+                format!("{} is negative", self.fill_slack),
+                "a fraction ≥ 0",
+            );
+        }
+        if self.allocations_per_market == 0 {
+            return bad(
+                "allocations_per_market",
+                "is 0".into(),
+                "a whole number ≥ 1",
+            );
+        }
         if !(self.switch_margin.is_finite() && self.switch_margin >= 0.0) {
             return bad(
                 "switch_margin",
@@ -234,7 +268,7 @@ impl BidBrainConfig {
     }
 }
 
-/// Expected cost and useful work of one instance over the horizon.
+/// Expected cost and useful work of one instance per horizon of its life.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Economics {
     cost: f64,
@@ -251,10 +285,71 @@ impl Economics {
     }
 }
 
+/// What a decision assumes about the job when it judges allocations.
+#[derive(Debug, Clone, Copy)]
+struct JobCosts {
+    /// Seconds from launch to work.
+    startup: f64,
+    /// Work-seconds an evicted instance loses (its own work since the last sync).
+    loss: f64,
+    /// Units the whole footprint loses per membership change (AgileML re-splits partitions).
+    rebalance_units: f64,
+    /// Instances assumed to join and leave together (one membership change for all).
+    batch: f64,
+    /// Horizons the job still needs at its target speed (at least one): an instance cannot
+    /// amortise its start-up over a longer life than that.
+    periods_left: f64,
+    /// Seconds until the job finishes at the footprint's current speed (tail releases).
+    finish_secs: f64,
+}
+
+impl JobCosts {
+    /// A new spot instance bought now at `price` with eviction risk `est`. Its start-up is
+    /// spread over its expected life (1/P horizons, capped by the job's), because an instance
+    /// that survives the horizon keeps working without starting again.
+    fn new_spot(
+        &self,
+        billing: BillingModel,
+        price: f64,
+        est: &EvictionEstimate,
+        rate: f64,
+    ) -> Economics {
+        let p = est.probability;
+        let periods = if p > 0.0 {
+            (1.0 / p).min(self.periods_left)
+        } else {
+            self.periods_left
+        }
+        .max(1.0);
+        let secs = est.expected_secs - self.startup / periods - p * self.loss;
+        let overhead = self.rebalance_units * (1.0 / periods + p) / self.batch;
+        Economics {
+            cost: spot_cost(billing, price, est),
+            work: (rate * secs / 3600.0 - overhead).max(0.0),
+        }
+    }
+
+    /// A new on-demand instance: never evicted, list price for the whole horizon.
+    fn new_on_demand(
+        &self,
+        billing: BillingModel,
+        od: f64,
+        rate: f64,
+        horizon_secs: f64,
+    ) -> Economics {
+        let periods = self.periods_left.max(1.0);
+        let secs = horizon_secs - self.startup / periods;
+        Economics {
+            cost: od * billed_hours(billing, horizon_secs),
+            work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
+        }
+    }
+}
+
 /// One allocation BidBrain could make.
 #[derive(Debug, Clone)]
-struct Candidate {
-    market: Market,
+struct Candidate<'v> {
+    market: &'v Market,
     purchase: Purchase,
     rate: f64,
     per_instance: Economics,
@@ -268,7 +363,6 @@ pub struct BidBrain {
     // Scratch space reused across decisions (a decision allocates little).
     deltas: Vec<f64>,
     estimates: Vec<EvictionEstimate>,
-    candidates: Vec<Candidate>,
 }
 
 impl BidBrain {
@@ -280,7 +374,6 @@ impl BidBrain {
             markets,
             deltas: Vec::new(),
             estimates: Vec::new(),
-            candidates: Vec::new(),
         })
     }
 
@@ -297,21 +390,34 @@ impl BidBrain {
             && (self.markets.is_empty() || self.markets.contains(market))
     }
 
-    /// A new spot instance bought now at `price` whose eviction risk is `est`.
-    fn new_spot(
-        &self,
-        billing: BillingModel,
-        price: f64,
-        est: &EvictionEstimate,
-        rate: f64,
-        startup: f64,
-        loss: f64,
-    ) -> Economics {
-        let cost = spot_cost(billing, price, est);
-        let useful = (est.expected_secs - startup - est.probability * loss).max(0.0);
-        Economics {
-            cost,
-            work: rate * useful / 3600.0,
+    /// Units per hour BidBrain fills up to: the job's full speed on the slots the backup tier
+    /// leaves, times `capacity_target`.
+    fn target_speed(&self, job: &JobModel) -> f64 {
+        let tier = self.config.reliable.count.min(job.max_reliable_instances);
+        let worker_slots = f64::from(job.max_instances.saturating_sub(tier).max(1));
+        self.config.capacity_target * job.full_speed() * worker_slots
+            / f64::from(job.max_instances.max(1))
+    }
+
+    fn job_costs(&self, ctx: &DecisionContext<'_>, working_rate: f64) -> JobCosts {
+        let job = ctx.job;
+        let remaining = ctx.progress.remaining();
+        let target = self.target_speed(job).max(1e-9);
+        let rebalance_secs = match self.eviction_cost(job) {
+            EvictionCost::AgileMl { rebalance_secs, .. } => rebalance_secs,
+            EvictionCost::Checkpoint { .. } => 0.0,
+        };
+        JobCosts {
+            startup: job.startup_secs,
+            loss: self.eviction_cost(job).expected_loss_secs(),
+            rebalance_units: target * rebalance_secs / 3600.0,
+            batch: f64::from(self.config.max_per_allocation).max(1.0),
+            periods_left: (remaining / target * 3600.0 / self.horizon_secs()).max(1.0),
+            finish_secs: if working_rate > 0.0 {
+                remaining / working_rate * 3600.0
+            } else {
+                f64::INFINITY
+            },
         }
     }
 
@@ -335,18 +441,19 @@ impl BidBrain {
         }
     }
 
-    /// Fills `self.candidates` with every allocation BidBrain could make now, cheapest first.
-    fn gather_candidates(
+    /// Every allocation BidBrain could make now, cheapest per unit of work first: per market,
+    /// an on-demand worker and the best `allocations_per_market` spot bids.
+    fn gather_candidates<'v>(
         &mut self,
-        ctx: &DecisionContext<'_>,
-        loss: f64,
-    ) -> Result<(), PolicyError> {
+        ctx: &DecisionContext<'v>,
+        costs: &JobCosts,
+    ) -> Result<Vec<Candidate<'v>>, PolicyError> {
         let view = ctx.market;
         let job = ctx.job;
         let h = self.horizon_secs();
-        let startup = job.startup_secs;
-        let mut candidates = std::mem::take(&mut self.candidates);
-        candidates.clear();
+        let keep = self.config.allocations_per_market as usize;
+        let mut candidates = Vec::with_capacity(32);
+        let mut spot: Vec<Candidate<'v>> = Vec::with_capacity(self.config.bid_deltas.len());
         let price_driven = view.model_kind() == ModelKind::PriceDriven;
         for market in view.markets() {
             if !self.allowed(market, job) {
@@ -360,15 +467,11 @@ impl BidBrain {
                 continue;
             };
             let (od, price) = (od.get(), price.get());
-            // On-demand workers: never evicted, list price for the whole horizon.
             candidates.push(Candidate {
-                market: market.clone(),
+                market,
                 purchase: Purchase::OnDemand,
                 rate,
-                per_instance: Economics {
-                    cost: od * billed_hours(ctx.billing, h),
-                    work: rate * (h - startup).max(0.0) / 3600.0,
-                },
+                per_instance: costs.new_on_demand(ctx.billing, od, rate, h),
             });
             self.deltas.clear();
             if price_driven {
@@ -387,36 +490,40 @@ impl BidBrain {
                 }
                 Err(e) => return Err(e.into()),
             }
+            spot.clear();
             for (&delta, est) in self.deltas.iter().zip(&self.estimates) {
                 let Ok(bid) = UsdPerHour::new(price + delta) else {
                     continue;
                 };
-                candidates.push(Candidate {
-                    market: market.clone(),
+                spot.push(Candidate {
+                    market,
                     purchase: Purchase::Spot { bid },
                     rate,
-                    per_instance: self.new_spot(ctx.billing, price, est, rate, startup, loss),
+                    per_instance: costs.new_spot(ctx.billing, price, est, rate),
                 });
             }
+            spot.sort_by(|a, b| a.per_instance.cpw().total_cmp(&b.per_instance.cpw()));
+            candidates.extend(spot.drain(..).take(keep));
         }
         candidates.sort_by(|a, b| {
             a.per_instance
                 .cpw()
                 .total_cmp(&b.per_instance.cpw())
                 .then(b.rate.total_cmp(&a.rate))
-                .then_with(|| a.market.cmp(&b.market))
+                .then_with(|| a.market.cmp(b.market))
         });
-        self.candidates = candidates;
-        Ok(())
+        Ok(candidates)
     }
 
-    /// Expected cost and work of keeping `inst` for one more horizon from now.
-    fn keep_economics(
+    /// Expected cost and work of keeping `inst` for one more horizon from now, counting only
+    /// work the job can still use after `usable_after` seconds (its paid period's end).
+    fn keep_economics<'f>(
         &self,
         ctx: &DecisionContext<'_>,
-        inst: &InstanceView,
-        loss: f64,
+        inst: &'f InstanceView,
+        costs: &JobCosts,
         backup: bool,
+        memo: &mut Vec<(&'f Market, f64, f64, EvictionEstimate)>,
     ) -> Economics {
         let view = ctx.market;
         let now = ctx.now();
@@ -430,6 +537,18 @@ impl BidBrain {
             InstanceState::Starting { ready_at } => ready_at.secs_since(now).max(0.0),
             _ => 0.0,
         };
+        // Work after the job is done is worth nothing: near the end, the next period is only
+        // partly useful (what makes releasing before the last boundaries pay).
+        let period_left = ctx
+            .billing
+            .period_end(inst.launched_at, now)
+            .secs_since(now)
+            .max(0.0);
+        // Per-second billing has no sunk period, so nothing is gained by leaving early.
+        let useful_cap = match ctx.billing {
+            BillingModel::Hourly2015 => (costs.finish_secs - period_left).max(0.0),
+            BillingModel::PerSecond => f64::INFINITY,
+        };
         match inst.purchase {
             Purchase::OnDemand => {
                 let od = view
@@ -437,24 +556,35 @@ impl BidBrain {
                     .map_or(0.0, UsdPerHour::get);
                 Economics {
                     cost: od * billed_hours(ctx.billing, h),
-                    work: rate * (h - startup_left).max(0.0) / 3600.0,
+                    work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
                 }
             }
             Purchase::Spot { bid } => {
-                let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
-                    return Economics {
-                        cost: 0.0,
-                        work: 0.0,
-                    };
+                // Instances of one allocation share market and bid: estimate each pair once.
+                let cached = memo
+                    .iter()
+                    .find(|(m, b, _, _)| *m == &inst.market && *b == bid.get());
+                let (price, est) = match cached {
+                    Some(&(_, _, price, est)) => (price, est),
+                    None => {
+                        let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
+                            return Economics {
+                                cost: 0.0,
+                                work: 0.0,
+                            };
+                        };
+                        let est = view
+                            .eviction(&inst.market, (bid.get() - price).max(0.0), h)
+                            .unwrap_or(EvictionEstimate::never(h));
+                        memo.push((&inst.market, bid.get(), price, est));
+                        (price, est)
+                    }
                 };
-                let est = view
-                    .eviction(&inst.market, (bid.get() - price).max(0.0), h)
-                    .unwrap_or(EvictionEstimate::never(h));
+                let p = est.probability;
+                let secs = est.expected_secs.min(useful_cap) - startup_left - p * costs.loss;
                 Economics {
                     cost: spot_cost(ctx.billing, price, &est),
-                    work: rate
-                        * (est.expected_secs - startup_left - est.probability * loss).max(0.0)
-                        / 3600.0,
+                    work: (rate * secs / 3600.0 - costs.rebalance_units * p / costs.batch).max(0.0),
                 }
             }
         }
@@ -526,134 +656,167 @@ impl Policy for BidBrain {
                 now,
             });
         };
-        let ceiling = self.config.max_cost_vs_on_demand * od_cpw;
-        let loss = self.eviction_cost(job).expected_loss_secs();
-        self.gather_candidates(ctx, loss)?;
+        let mut ceiling = self.config.max_cost_vs_on_demand * od_cpw;
 
-        // The backup tier: the oldest active on-demand instances, up to the tier's size.
+        // The footprint: the backup tier is the oldest active on-demand instances, up to the
+        // tier's size; they hold state, not work (stage 3), and are never released.
         let tier_size = self.config.reliable.count.min(job.max_reliable_instances) as usize;
         let mut active: Vec<&InstanceView> =
             ctx.footprint.iter().filter(|i| i.is_active()).collect();
         active.sort_by_key(|i| (i.launched_at, i.id.clone()));
         let mut backups = 0usize;
-        let mut kept: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(active.len());
-        // Instances of one allocation share market and bid; judge each pair once.
-        let mut memo: Vec<(&Market, Option<f64>, bool, Economics)> = Vec::new();
+        let mut members: Vec<(&InstanceView, bool)> = Vec::with_capacity(active.len());
         for inst in active {
             let backup = inst.purchase == Purchase::OnDemand && backups < tier_size;
             backups += usize::from(backup);
-            let key_bid = inst.purchase.bid().map(UsdPerHour::get);
-            let startup_free = !matches!(inst.state, InstanceState::Starting { .. });
-            let econ = match memo
-                .iter()
-                .find(|(m, b, s, _)| *m == &inst.market && *b == key_bid && *s == startup_free)
-            {
-                Some(&(_, _, _, e)) if startup_free => e,
-                _ => {
-                    let e = self.keep_economics(ctx, inst, loss, backup);
-                    if startup_free && !backup {
-                        memo.push((&inst.market, key_bid, startup_free, e));
-                    }
-                    e
-                }
-            };
-            kept.push((inst, backup, econ));
+            members.push((inst, backup));
         }
-
-        // Releases.
-        let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
-        let best_new = self
-            .candidates
+        let working_rate: f64 = members
+            .iter()
+            .filter(|(_, backup)| !backup)
+            .map(|(i, _)| rate_of(job, &i.market).unwrap_or(0.0))
+            .sum();
+        let mut costs = self.job_costs(ctx, working_rate);
+        let candidates = self.gather_candidates(ctx, &costs)?;
+        // On-demand candidates carry start-up like any other: measure the ceiling the same way,
+        // so that with no usable spot market BidBrain still runs the job on-demand.
+        if let Some(od_new) = candidates
+            .iter()
+            .filter(|c| c.purchase == Purchase::OnDemand)
+            .map(|c| c.per_instance.cpw())
+            .min_by(f64::total_cmp)
+        {
+            ceiling = ceiling.max(self.config.max_cost_vs_on_demand * od_new);
+        }
+        let best_new = candidates
             .iter()
             .map(|c| c.per_instance.cpw())
             .find(|c| c.is_finite())
             .unwrap_or(f64::INFINITY);
-        let target = self.config.capacity_target * job.full_speed();
-        let working_rate: f64 = kept
-            .iter()
-            .filter(|(_, backup, _)| !backup)
-            .map(|(i, _, _)| rate_of(job, &i.market).unwrap_or(0.0))
-            .sum();
-        let full = kept.len() >= job.max_instances as usize;
+        let target = self.target_speed(job);
+        let full = members.len() >= job.max_instances as usize;
         let fast_enough = working_rate >= target;
+
+        // Releases. First every member's economics for one more horizon and whether it may go
+        // now; then, dearest first, each judged against the footprint shrunk by the ones before.
+        let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
         let mut next_wake = tick;
-        let mut released_rate = 0.0;
-        kept.retain(|(inst, backup, econ)| {
-            if *backup {
-                return true;
-            }
-            let releasable_now = match ctx.billing {
-                BillingModel::Hourly2015 => {
-                    let end = ctx.billing.period_end(inst.launched_at, now);
-                    let mut wake = Timestamp(end.0 - window_ms);
-                    let inside = wake <= now;
-                    if inside {
-                        wake = Timestamp(wake.0 + crate::billing::HOUR_MS);
+        let mut memo = Vec::with_capacity(8);
+        let finish_all = costs.finish_secs;
+        let mut judged: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(members.len());
+        for (inst, backup) in members {
+            let releasable_now = !backup
+                && match ctx.billing {
+                    BillingModel::Hourly2015 => {
+                        let end = ctx.billing.period_end(inst.launched_at, now);
+                        let mut wake = Timestamp(end.0 - window_ms);
+                        let inside = wake <= now;
+                        if inside {
+                            wake = Timestamp(wake.0 + crate::billing::HOUR_MS);
+                        }
+                        next_wake = next_wake.min(wake);
+                        inside
                     }
-                    next_wake = next_wake.min(wake);
-                    inside
-                }
-                BillingModel::PerSecond => !matches!(inst.state, InstanceState::Starting { .. }),
-            };
-            if !releasable_now {
-                return true;
+                    BillingModel::PerSecond => {
+                        !matches!(inst.state, InstanceState::Starting { .. })
+                    }
+                };
+            costs.finish_secs = finish_all;
+            let econ = self.keep_economics(ctx, inst, &costs, backup, &mut memo);
+            judged.push((inst, releasable_now, econ));
+        }
+        judged.sort_by(|a, b| b.2.cpw().total_cmp(&a.2.cpw()));
+        let (mut fp_cost, mut fp_work) = judged
+            .iter()
+            .fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+        let mut rate_left = working_rate;
+        let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(judged.len());
+        for (inst, releasable_now, econ) in judged {
+            let inst_rate = rate_of(job, &inst.market).unwrap_or(0.0);
+            let mut econ = econ;
+            if releasable_now && matches!(ctx.billing, BillingModel::Hourly2015) {
+                // Near the end, judge with the finish time of the footprint as it is now.
+                costs.finish_secs = if rate_left > 0.0 {
+                    remaining / rate_left * 3600.0
+                } else {
+                    f64::INFINITY
+                };
+                econ = self.keep_economics(ctx, inst, &costs, false, &mut memo);
             }
             let cpw = econ.cpw();
-            let release = cpw > ceiling
-                || (cpw > best_new * (1.0 + self.config.switch_margin) && (full || fast_enough));
+            // A replacement must be at least as fast per slot, or releasing would only make
+            // room that the footprint cannot fill as well (and the next decision would flap back).
+            let best_replacement = candidates
+                .iter()
+                .filter(|c| c.rate >= inst_rate - 1e-9)
+                .map(|c| c.per_instance.cpw())
+                .find(|c| c.is_finite())
+                .unwrap_or(f64::INFINITY);
+            let margin = 1.0 + self.config.switch_margin;
+            let others_cpw = if fp_work - econ.work > 0.0 {
+                (fp_cost - econ.cost) / (fp_work - econ.work)
+            } else {
+                f64::INFINITY
+            };
+            let release = releasable_now
+                && (cpw > ceiling
+                    || (cpw > best_replacement * margin && (full || fast_enough))
+                    // The paper's rule: keeping it raises the footprint's cost per work, and
+                    // the footprint stays at its target speed without it.
+                    || (cpw > others_cpw * margin && rate_left - inst_rate >= target));
             if release {
                 decision.release.push(inst.id.clone());
-                released_rate += rate_of(job, &inst.market).unwrap_or(0.0);
+                rate_left -= inst_rate;
+                fp_cost -= econ.cost;
+                fp_work -= econ.work;
+            } else {
+                kept.push((inst, econ));
             }
-            !release
-        });
+        }
         decision.wake_at = Some(next_wake.max(Timestamp(now.0 + 1_000)));
 
         // Acquisitions.
         let mut slots = (job.max_instances as usize).saturating_sub(kept.len());
         let reliable_active = kept
             .iter()
-            .filter(|(i, _, _)| i.purchase == Purchase::OnDemand)
+            .filter(|(i, _)| i.purchase == Purchase::OnDemand)
             .count();
-        let backups_kept = kept.iter().filter(|(_, b, _)| *b).count();
+        let backups_kept = backups.min(reliable_active);
         let mut reliable_room =
             (job.max_reliable_instances as usize).saturating_sub(reliable_active);
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
-            if need > 0 {
-                if let Some(m) = self.reliable_market(ctx) {
-                    decision.acquire.push(Acquisition {
-                        market: m.clone(),
-                        purchase: Purchase::OnDemand,
-                        count: need as u32,
-                    });
-                    slots -= need;
-                    reliable_room -= need;
-                }
+            if let Some(m) = self.reliable_market(ctx).filter(|_| need > 0) {
+                decision.acquire.push(Acquisition {
+                    market: m.clone(),
+                    purchase: Purchase::OnDemand,
+                    count: need as u32,
+                });
+                slots -= need;
+                reliable_room -= need;
             }
         }
-        let mut rate = working_rate - released_rate;
-        let (mut fp_cost, mut fp_work) = kept
-            .iter()
-            .fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+        let mut rate = rate_left;
         // Near the end, the footprint finishes within the horizon: nothing new is worth starting.
         if fp_work >= remaining {
             return Ok(decision);
         }
         let mut used_markets: Vec<&Market> = Vec::new();
+        let fill_ceiling = ceiling.min(best_new * (1.0 + self.config.fill_slack));
         for pass in 0..2 {
-            for cand in &self.candidates {
+            for cand in &candidates {
                 if slots == 0 || fp_work >= remaining {
                     break;
                 }
                 let cpw = cand.per_instance.cpw();
-                if !(cpw <= ceiling) {
+                if cpw.is_nan() || cpw > ceiling {
                     break;
                 }
-                if used_markets.contains(&&cand.market) {
+                let uses = used_markets.iter().filter(|m| **m == cand.market).count();
+                if uses >= self.config.allocations_per_market as usize {
                     continue;
                 }
-                let below_target = rate < target;
+                let below_target = rate < target && cpw <= fill_ceiling;
                 // First pass: skip types too small to reach the target with the slots left.
                 if pass == 0 && below_target && cand.rate * (slots as f64) < target - rate {
                     continue;
@@ -687,7 +850,7 @@ impl Policy for BidBrain {
                     purchase: cand.purchase,
                     count: count as u32,
                 });
-                used_markets.push(&cand.market);
+                used_markets.push(cand.market);
                 slots -= count;
                 if cand.purchase == Purchase::OnDemand {
                     reliable_room -= count;

@@ -23,12 +23,27 @@
 //!
 //! Decisions must be idempotent with respect to the footprint: a policy asks for what it wants
 //! *given* the instances it is shown, so a driver that crashed after launching can rebuild the
-//! footprint, ask again and not launch twice. Policies may keep small caches in `&mut self`
-//! (standard bidding remembers the market it settled on) but must behave sensibly when shown a
-//! footprint they did not create.
+//! footprint, ask again and not launch twice. The three policies here keep no state between
+//! decisions beyond scratch buffers (standard bidding finds "its" market from the survivors'
+//! market), so a restarted driver can build fresh instances with [`load_policy_file`].
 //!
-//! Policies are data: `policies/*.toml`, loaded by [`load_policy_file`] (`kind` selects the
-//! implementation; see each config type for the documented keys).
+//! # The market view in production
+//!
+//! [`crate::sim::view::TraceView`] is the reference [`MarketView`]: a
+//! [`crate::prices::PriceHistory`] (from the store), a [`crate::market_model::MarketModel`] and
+//! the clock. Build the model once per broker: [`crate::market_model::PriceDrivenModel`] for the
+//! 2015-style market (rebuild it when new prices arrive: its per-market indexes are computed on
+//! first use from the history it was given), [`crate::market_model::HazardModel`] for today's,
+//! fed every observed interruption and every instance's running hours through
+//! [`crate::market_model::MarketModel::observe`]. A driver that wants to hide markets (a
+//! cool-down after a capacity error) wraps the view and filters [`MarketView::markets`].
+//!
+//! # Policies are data
+//!
+//! `policies/*.toml`, loaded by [`load_policy_file`] (or [`resolve_policy_path`] for a bare
+//! name); `kind` selects the implementation, see [`BidBrainConfig`], [`OnDemandConfig`] and
+//! [`StandardBiddingConfig`] for the documented keys. Errors name the file, the key and the
+//! allowed values ([`PolicyLoadError`]).
 
 mod bidbrain;
 mod config;

@@ -174,6 +174,8 @@ pub struct RunResult {
     pub launches: u32,
     /// Launches refused (bid below the price, no such market).
     pub failed_launches: u32,
+    /// Times the policy was asked (ticks and events).
+    pub decisions_made: u32,
     pub instance_hours_reliable: f64,
     pub instance_hours_transient: f64,
     /// Instance-hours inside free partial hours (`hourly-2015`, provider-ended).
@@ -182,9 +184,16 @@ pub struct RunResult {
     pub free_value_usd: f64,
     /// Units of work lost to evictions (and redone).
     pub lost_work: f64,
-    /// Units the instances could have done had they worked every billed second
+    /// Units the instances could have done had they worked every second they ran
     /// (Σ rate × instance-hours); `total_work / capacity` is the useful fraction.
     pub capacity_units: f64,
+    /// Capacity (rate × hours) inside charged billing periods, as billed (a charged partial
+    /// hour counts in full): `cost / paid_capacity_units` is the price paid per unit-hour.
+    pub paid_capacity_units: f64,
+    /// Capacity used inside free periods.
+    pub free_capacity_units: f64,
+    /// Where capacity (rate × instance-hours) did no useful work, in units.
+    pub overheads: Overheads,
     /// Cost per type, USD.
     pub cost_by_type: BTreeMap<String, f64>,
     /// Instance-hours per type.
@@ -192,6 +201,42 @@ pub struct RunResult {
     /// Every decision with its time (only with [`RunOptions::record_decisions`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub decisions: Vec<(Timestamp, Decision)>,
+    /// Every instance's life (only with [`RunOptions::record_decisions`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<InstanceRecord>,
+}
+
+/// Capacity that did no useful work, in units (rate × hours).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Overheads {
+    /// Starting instances (billed, not yet working).
+    pub startup: f64,
+    /// Warned instances handing over their work before termination.
+    pub warned: f64,
+    /// Ready instances paused: rebalancing, writing checkpoints, waiting for a restart.
+    pub stalled: f64,
+    /// Reliable instances holding only backup shards (AgileML stage 3).
+    pub idle: f64,
+    /// Billed but unused: the rest of each charged hour after a user ended the instance.
+    pub unused_billed: f64,
+}
+
+/// One instance's life, for calibration and debugging: what the market model expected at
+/// launch (spot only) and what happened.
+#[derive(Debug, Clone, Serialize)]
+pub struct InstanceRecord {
+    pub market: String,
+    pub tier: Tier,
+    pub bid: Option<f64>,
+    pub launch: Timestamp,
+    pub end: Timestamp,
+    pub ended_by: EndedBy,
+    pub price_at_launch: Option<f64>,
+    /// The model's eviction probability within its horizon at launch.
+    pub predicted_probability: Option<f64>,
+    /// The model's expected running time within its horizon at launch, seconds.
+    pub predicted_secs: Option<f64>,
+    pub cost_usd: f64,
 }
 
 /// Simulates `policy` running the scenario's job from `start`.
@@ -211,6 +256,7 @@ pub fn run(
 /// The simulator's record of an instance beside the policy's [`InstanceView`].
 #[derive(Debug, Clone)]
 struct SimInstance {
+    predicted: Option<(f64, f64)>,
     rate: f64,
     ready_at: Timestamp,
     ready: bool,
@@ -221,6 +267,8 @@ struct SimInstance {
 
 /// An instance that has ended, to be billed.
 struct Ended {
+    /// The model's estimate at launch (probability, seconds), when recording.
+    predicted: Option<(f64, f64)>,
     market: Market,
     purchase: Purchase,
     launch: Timestamp,
@@ -260,7 +308,9 @@ struct Engine<'a> {
     eviction_events: u32,
     launches: u32,
     failed_launches: u32,
+    decisions_made: u32,
     lost_work: f64,
+    overheads: Overheads,
     decisions: Vec<(Timestamp, Decision)>,
 }
 
@@ -302,7 +352,9 @@ impl<'a> Engine<'a> {
             eviction_events: 0,
             launches: 0,
             failed_launches: 0,
+            decisions_made: 0,
             lost_work: 0.0,
+            overheads: Overheads::default(),
             decisions: Vec::new(),
         }
     }
@@ -348,11 +400,14 @@ impl<'a> Engine<'a> {
         self.finish(done_at)
     }
 
-    /// Units per hour the footprint is doing right now (0 while stalled or down).
+    /// Units per hour the footprint is doing right now (0 while down; stalls are applied by
+    /// the caller).
     fn working_rate(&self) -> f64 {
-        if self.down {
-            return 0.0;
-        }
+        self.rates().0
+    }
+
+    /// (working rate, rate of every ready instance that is not warned).
+    fn rates(&self) -> (f64, f64) {
         let (mut transient, mut reliable) = (0usize, 0usize);
         let (mut t_rate, mut r_rate) = (0.0, 0.0);
         for (v, s) in self.views.iter().zip(&self.sims) {
@@ -374,7 +429,14 @@ impl<'a> Engine<'a> {
         let stage3 = matches!(self.cost_model, EvictionCost::AgileMl { .. })
             && reliable > 0
             && transient as f64 >= self.sc.job.stages.stage3_ratio * reliable as f64;
-        if stage3 { t_rate } else { t_rate + r_rate }
+        let ready = t_rate + r_rate;
+        if self.down {
+            (0.0, ready)
+        } else if stage3 {
+            (t_rate, ready)
+        } else {
+            (ready, ready)
+        }
     }
 
     /// The next time anything happens, and when the job would complete at the current rate.
@@ -416,10 +478,20 @@ impl<'a> Engine<'a> {
 
     /// Accrues work from `now` to `t` (the rate is constant in between by construction).
     fn advance(&mut self, t: Timestamp) {
-        let from = self.now.max(self.stall_until);
-        if t > from {
-            let rate = self.working_rate();
-            self.progress += rate * (t.0 - from.0) as f64 / 3_600_000.0;
+        if t <= self.now {
+            return;
+        }
+        let (working, ready) = self.rates();
+        let from = self.now.max(self.stall_until).min(t);
+        let hours = |a: Timestamp, b: Timestamp| (b.0 - a.0) as f64 / 3_600_000.0;
+        self.progress += working * hours(from, t);
+        // Where ready capacity did no work: stalls (and the whole time while down), and reliable
+        // instances holding only backups.
+        if self.down {
+            self.overheads.stalled += ready * hours(self.now, t);
+        } else {
+            self.overheads.stalled += working * hours(self.now, from);
+            self.overheads.idle += (ready - working) * hours(self.now, t);
         }
     }
 
@@ -446,7 +518,7 @@ impl<'a> Engine<'a> {
         let mut membership_changed = false;
         for i in 0..self.views.len() {
             let s = &self.sims[i];
-            if s.terminate_at.is_some() || !s.warn_at.is_some_and(|w| w <= now) {
+            if s.terminate_at.is_some() || s.warn_at.is_none_or(|w| w > now) {
                 continue;
             }
             let terminate_at = Timestamp(now.0 + (self.sc.warning_secs * 1000.0) as i64);
@@ -571,11 +643,18 @@ impl<'a> Engine<'a> {
         let v = self.views.remove(i);
         let s = self.sims.remove(i);
         let hours = self.now.secs_since(v.launched_at) / 3600.0;
+        self.overheads.startup += s.rate * (hours.min(self.sc.job.startup_secs / 3600.0));
+        if let Some(end) = s.terminate_at {
+            let warned_at =
+                Timestamp(end.0 - (self.sc.warning_secs * 1000.0) as i64).max(s.ready_at);
+            self.overheads.warned += s.rate * (self.now.secs_since(warned_at) / 3600.0).max(0.0);
+        }
         self.model.observe(Observation::Ran {
             market: &v.market,
             hours,
         });
         self.ended.push(Ended {
+            predicted: s.predicted,
             market: v.market,
             purchase: v.purchase,
             launch: v.launched_at,
@@ -616,6 +695,7 @@ impl<'a> Engine<'a> {
             footprint: &self.views,
             billing: self.sc.billing,
         };
+        self.decisions_made += 1;
         let result = match event {
             None => self.policy.decide(&ctx),
             Some(e) => self.policy.on_event(&ctx, e),
@@ -636,11 +716,12 @@ impl<'a> Engine<'a> {
         let now = self.now;
         let mut released_any = false;
         for id in &decision.release {
-            if let Some(i) = self.index_of(id) {
-                if self.sims[i].terminate_at.is_none() {
-                    self.end_instance(i, EndedBy::User);
-                    released_any = true;
-                }
+            if let Some(i) = self
+                .index_of(id)
+                .filter(|&i| self.sims[i].terminate_at.is_none())
+            {
+                self.end_instance(i, EndedBy::User);
+                released_any = true;
             }
         }
         if released_any {
@@ -728,7 +809,16 @@ impl<'a> Engine<'a> {
                     launched_at: now,
                     state: InstanceState::Starting { ready_at },
                 });
+                let predicted = match (self.options.record_decisions, acq.purchase, price) {
+                    (true, Purchase::Spot { bid }, Some(p)) => self
+                        .model
+                        .eviction(&acq.market, bid.get() - p, 3600.0, now)
+                        .ok()
+                        .map(|e| (e.probability, e.expected_secs)),
+                    _ => None,
+                };
                 self.sims.push(SimInstance {
+                    predicted,
                     rate,
                     ready_at,
                     ready: false,
@@ -763,15 +853,20 @@ impl<'a> Engine<'a> {
             eviction_events: self.eviction_events,
             launches: self.launches,
             failed_launches: self.failed_launches,
+            decisions_made: self.decisions_made,
             instance_hours_reliable: 0.0,
             instance_hours_transient: 0.0,
             free_instance_hours: 0.0,
             free_value_usd: 0.0,
             lost_work: self.lost_work,
             capacity_units: 0.0,
+            paid_capacity_units: 0.0,
+            free_capacity_units: 0.0,
+            overheads: self.overheads,
             cost_by_type: BTreeMap::new(),
             hours_by_type: BTreeMap::new(),
             decisions: std::mem::take(&mut self.decisions),
+            instances: Vec::new(),
         };
         for e in &self.ended {
             let source = match e.purchase {
@@ -792,9 +887,14 @@ impl<'a> Engine<'a> {
             let items = self.sc.billing.bill(e.launch, e.end, e.by, source)?;
             let hours = e.end.secs_since(e.launch) / 3600.0;
             let cost: f64 = items.iter().map(|i| i.amount_usd).sum();
-            for item in items.iter().filter(|i| i.free) {
-                r.free_instance_hours += item.used_hours();
-                r.free_value_usd += item.price_usd_per_hour;
+            for item in &items {
+                if item.free {
+                    r.free_instance_hours += item.used_hours();
+                    r.free_value_usd += item.price_usd_per_hour;
+                    r.free_capacity_units += e.rate * item.used_hours();
+                } else {
+                    r.paid_capacity_units += e.rate * item.billed_seconds / 3600.0;
+                }
             }
             r.cost_usd += cost;
             match e.purchase.tier() {
@@ -805,10 +905,30 @@ impl<'a> Engine<'a> {
             *r.cost_by_type
                 .entry(e.market.instance_type.to_string())
                 .or_default() += cost;
+            if self.options.record_decisions {
+                r.instances.push(InstanceRecord {
+                    market: e.market.to_string(),
+                    tier: e.purchase.tier(),
+                    bid: e.purchase.bid().map(|b| b.get()),
+                    launch: e.launch,
+                    end: e.end,
+                    ended_by: e.by,
+                    price_at_launch: self
+                        .sc
+                        .markets
+                        .series(&e.market)
+                        .and_then(|s| s.price_at(e.launch)),
+                    predicted_probability: e.predicted.map(|p| p.0),
+                    predicted_secs: e.predicted.map(|p| p.1),
+                    cost_usd: cost,
+                });
+            }
             *r.hours_by_type
                 .entry(e.market.instance_type.to_string())
                 .or_default() += hours;
         }
+        r.overheads.unused_billed =
+            (r.paid_capacity_units + r.free_capacity_units - r.capacity_units).max(0.0);
         Ok(r)
     }
 }

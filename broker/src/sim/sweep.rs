@@ -77,15 +77,24 @@ pub fn run_seed(seed: u64, k: usize) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Runs every policy from every start time on `threads` threads. `results[p][k]` is policy `p`
-/// from start `k`. `on_done` is called after each run (progress bars).
+/// How a sweep runs.
+#[derive(Debug, Clone, Default)]
+pub struct SweepOptions {
+    /// Base seed; run `k` gets [`run_seed`]`(seed, k)`.
+    pub seed: u64,
+    /// Worker threads (at least 1).
+    pub threads: usize,
+    pub future_reads: FutureReads,
+    pub record_decisions: bool,
+}
+
+/// Runs every policy from every start time. `results[p][k]` is policy `p` from start `k`;
+/// results do not depend on the number of threads. `on_done` is called after each run.
 pub fn run_sweep(
     scenario: &Scenario,
     policies: &[PolicyEntry],
     starts: &[Timestamp],
-    seed: u64,
-    threads: usize,
-    future_reads: FutureReads,
+    sweep: &SweepOptions,
     on_done: &(dyn Fn() + Sync),
 ) -> Result<Vec<Vec<RunResult>>, SimError> {
     let jobs: Vec<(usize, usize)> = (0..starts.len())
@@ -99,9 +108,9 @@ pub fn run_sweep(
             let j = next.fetch_add(1, Ordering::Relaxed);
             let Some(&(p, k)) = jobs.get(j) else { break };
             let options = RunOptions {
-                seed: run_seed(seed, k),
-                future_reads,
-                record_decisions: false,
+                seed: run_seed(sweep.seed, k),
+                future_reads: sweep.future_reads,
+                record_decisions: sweep.record_decisions,
             };
             let outcome = match policies[p].build() {
                 Ok(mut policy) => run(scenario, policy.as_mut(), starts[k], &options),
@@ -113,7 +122,7 @@ pub fn run_sweep(
             on_done();
         }
     };
-    let threads = threads.clamp(1, jobs.len().max(1));
+    let threads = sweep.threads.clamp(1, jobs.len().max(1));
     std::thread::scope(|scope| {
         for _ in 1..threads {
             scope.spawn(worker);
@@ -171,12 +180,14 @@ pub struct PolicySummary {
     pub cost_ratio_vs_standard: Option<f64>,
     /// Median over starts of this policy's runtime / standard bidding's runtime.
     pub runtime_ratio_vs_standard: Option<f64>,
-    /// Where the money goes (medians): the price paid per unit of capacity before free hours…
-    pub median_gross_usd_per_capacity_unit: f64,
-    /// …the share of that gross charge that free hours waived…
-    pub median_free_share: f64,
-    /// …and the share of paid capacity that became useful work (start-up, stalls, lost work
-    /// and idle warned time are the rest).
+    /// Where the money goes (medians). Cost per unit of work = price per paid unit-hour ×
+    /// paid share of the capacity used ÷ useful fraction. The price paid per unit-hour of
+    /// capacity (cheaper markets, cheaper hours)…
+    pub median_usd_per_paid_unit_hour: f64,
+    /// …the share of the capacity used that was paid for (the rest came in free hours)…
+    pub median_paid_share: f64,
+    /// …and the share of the capacity (paid and free) that became useful work (start-up,
+    /// stalls, lost work and warned time are the rest).
     pub median_useful_fraction: f64,
     pub median_lost_work: f64,
 }
@@ -226,16 +237,21 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd),
                 cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd),
                 runtime_ratio_vs_standard: ratio(sb, &|r| r.runtime_hours),
-                median_gross_usd_per_capacity_unit: percentile(
-                    &col(&|r| (r.cost_usd + r.free_value_usd) / r.capacity_units.max(1e-9)),
+                median_usd_per_paid_unit_hour: percentile(
+                    &col(&|r| r.cost_usd / r.paid_capacity_units.max(1e-9)),
                     50.0,
                 ),
-                median_free_share: percentile(
-                    &col(&|r| r.free_value_usd / (r.cost_usd + r.free_value_usd).max(1e-12)),
+                median_paid_share: percentile(
+                    &col(&|r| {
+                        r.paid_capacity_units
+                            / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
+                    }),
                     50.0,
                 ),
                 median_useful_fraction: percentile(
-                    &col(&|r| total_work / r.capacity_units.max(1e-9)),
+                    &col(&|r| {
+                        total_work / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
+                    }),
                     50.0,
                 ),
                 median_lost_work: percentile(&col(&|r| r.lost_work), 50.0),

@@ -8,4 +8,6 @@ mod api;
 mod cli_prices;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
+mod sim_cli;
+mod sim_policies;
 mod store_prices;

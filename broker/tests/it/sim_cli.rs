@@ -1,0 +1,254 @@
+//! `proteus simulate` through the real binary: output contract and bad input.
+
+use crate::support::{ON_DEMAND_2015, TRACE_2015, data};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn proteus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(args)
+        .env("PROTEUS_LOG", "warn")
+        .env_remove("PROTEUS_POLICIES_DIR")
+        .output()
+        .expect("run proteus")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn repo(path: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path)
+        .display()
+        .to_string()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+fn trace_2015() -> String {
+    data(TRACE_2015).display().to_string()
+}
+fn on_demand_2015() -> String {
+    data(ON_DEMAND_2015).display().to_string()
+}
+
+#[test]
+fn compare_prints_one_json_object_per_policy_with_the_contract_fields() {
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let out = proteus(&[
+        "simulate",
+        "--trace",
+        &trace,
+        "--on-demand",
+        &od,
+        "--job",
+        &job,
+        "--compare",
+        "bidbrain",
+        "standard-bidding",
+        "on-demand",
+        "--starts",
+        "3",
+        "--seed",
+        "7",
+        "--output",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 3);
+    for row in rows {
+        for field in [
+            "policy",
+            "runs",
+            "median_cost_usd",
+            "median_runtime_hours",
+            "median_evictions",
+            "cost_ratio_vs_on_demand",
+            "cost_ratio_vs_standard",
+        ] {
+            assert!(
+                row.get(field).is_some_and(|v| !v.is_null()),
+                "{field} missing in {row}"
+            );
+        }
+        assert_eq!(row["runs"], 3);
+    }
+    let od_row = rows.iter().find(|r| r["policy"] == "on-demand").unwrap();
+    assert_eq!(od_row["cost_ratio_vs_on_demand"], 1.0);
+    let bb = rows.iter().find(|r| r["policy"] == "bidbrain").unwrap();
+    assert!(
+        bb["cost_ratio_vs_on_demand"].as_f64().unwrap() < 0.5,
+        "{bb}"
+    );
+}
+
+#[test]
+fn help_shows_examples() {
+    let out = proteus(&["simulate", "--help"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("Examples:") && text.contains("--compare bidbrain"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_policy_naming_a_market_without_prices_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write(
+        dir.path(),
+        "narrow.toml",
+        "kind = \"standard-bidding\"\nmarkets = [\"us-east-1d/c3.xlarge\"]\n\
+         [checkpoint]\ninterval_minutes = 60\ncheckpoint_minutes = 2\nrestart_minutes = 3\n",
+    );
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let out = proteus(&[
+        "simulate",
+        "--trace",
+        &trace,
+        "--on-demand",
+        &od,
+        "--job",
+        &job,
+        "--policy",
+        &policy,
+        "--starts",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("narrow.toml: key `markets`: market us-east-1d/c3.xlarge has no price rows"),
+        "{err}"
+    );
+    assert!(
+        err.contains("us-east-1b/c3.xlarge"),
+        "lists the markets that do have prices: {err}"
+    );
+}
+
+#[test]
+fn a_policy_file_with_a_bad_value_names_file_key_and_allowed_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write(
+        dir.path(),
+        "bb.toml",
+        "kind = \"bidbrain\"\nbid_deltas = [0.1, -0.5]\n",
+    );
+    let job = repo("examples/jobs/reference-2015.toml");
+    let out = proteus(&[
+        "simulate", "--job", &job, "--policy", &policy, "--starts", "2",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("bb.toml: key `bid_deltas`") && err.contains("allowed: fractions ≥ 0"),
+        "{err}"
+    );
+    let out = proteus(&["simulate", "--job", &job, "--policy", "no-such-policy"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no policy named `no-such-policy`"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_job_naming_an_unknown_instance_type_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write(
+        dir.path(),
+        "job.toml",
+        "total_work = 100.0\nreference_type = \"c3.xlarge\"\ninstance_types = [\"c3.xlarge\", \"c9.huge\"]\nmax_instances = 8\n",
+    );
+    let (trace, od) = (trace_2015(), on_demand_2015());
+    let out = proteus(&[
+        "simulate",
+        "--trace",
+        &trace,
+        "--on-demand",
+        &od,
+        "--job",
+        &job,
+        "--policy",
+        "bidbrain",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("job.toml: key `instance_types`: unknown instance type `c9.huge`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_trace_shorter_than_the_job_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut csv =
+        String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
+    for k in 0..36 {
+        csv.push_str(&format!(
+            "2015-04-01T{:02}:{:02}:00Z,us-east-1a,c3.xlarge,Linux/UNIX,0.03\n",
+            k / 6,
+            (k % 6) * 10
+        ));
+    }
+    let trace = write(dir.path(), "short.csv", &csv);
+    let od = on_demand_2015();
+    let job = repo("examples/jobs/reference-2015.toml");
+    let out = proteus(&[
+        "simulate",
+        "--trace",
+        &trace,
+        "--on-demand",
+        &od,
+        "--job",
+        &job,
+        "--policy",
+        "on-demand",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("covers 0.2 days") && err.contains("use a longer trace"),
+        "{err}"
+    );
+    // A single start inside it: the run itself finds the end.
+    let out = proteus(&[
+        "simulate",
+        "--trace",
+        &trace,
+        "--on-demand",
+        &od,
+        "--job",
+        &job,
+        "--policy",
+        "on-demand",
+        "--start",
+        "2015-04-01T01:00:00Z",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("the trace ends at 2015-04-01T05:50:00Z, before the job"),
+        "{err}"
+    );
+}
