@@ -236,6 +236,14 @@ macro_rules! name_type {
                 if text.is_empty() {
                     return Err(InvalidValue::Empty($what));
                 }
+                // No name has one, and Postgres cannot even store a NUL.
+                if text.chars().any(char::is_control) {
+                    return Err(InvalidValue::Malformed {
+                        what: $what,
+                        value: text.escape_debug().to_string(),
+                        why: "contains a control character",
+                    });
+                }
                 let check: fn(&str) -> Result<(), &'static str> = $check;
                 check(text).map_err(|why| InvalidValue::Malformed {
                     what: $what,
@@ -464,6 +472,8 @@ mod tests {
         assert!(Zone::parse("").is_err());
         assert!(Zone::parse("us-east-1").is_err());
         assert!(InstanceType::parse("c3xlarge").is_err());
+        assert!(InstanceType::parse("c3.x\u{0}large").is_err());
+        assert!(Product::parse("Linux/UNIX\u{0}").is_err());
         assert_eq!(InstanceType::parse("c3.xlarge").unwrap().family(), "c3");
         let m = Market::parse("us-east-1b/r3.large").unwrap();
         assert_eq!(m.product, Product::linux());

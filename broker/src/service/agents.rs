@@ -67,6 +67,9 @@ impl Broker {
             .cloned();
         let identity = match cached {
             Some(i) => Some(i),
+            // Not a name any cloud gives an instance (and Postgres could not even look up one
+            // with a NUL in it): no such instance.
+            None if !plausible_cloud_id(cloud_id) => None,
             None => {
                 let row = self.store.instance_by_cloud_id(cloud_id).await?;
                 let identity = row.as_ref().map(AgentIdentity::from);
@@ -99,6 +102,18 @@ impl Broker {
         req: RegisterRequest,
     ) -> Result<RegisterResponse, ApiError> {
         let identity = self.authenticate_agent(token, &req.instance_id.0).await?;
+        if req.data_addr.is_empty()
+            || req.data_addr.len() > 256
+            || req
+                .data_addr
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
+        {
+            return Err(ApiError::invalid(
+                "data_addr",
+                "the `host:port` on which the agent's peers reach it",
+            ));
+        }
         let row = self
             .store
             .instance(&identity.instance_id)
@@ -187,6 +202,7 @@ impl Broker {
         event: AgentEvent,
     ) -> Result<(), ApiError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
+        check_event_text(&event)?;
         let now = self.clock.now();
         let (kind, detail) = describe(&event);
         self.store
@@ -201,6 +217,7 @@ impl Broker {
         if matches!(event, AgentEvent::InterruptionWarning { .. })
             && self.store.mark_warned(&identity.instance_id, now).await?
         {
+            self.status_cache.invalidate();
             Metrics::inc(&self.metrics.warnings);
         }
         let wake = matches!(
@@ -234,6 +251,37 @@ impl Broker {
     }
 }
 
+/// Whether `id` could be a cloud's instance id (`i-0abc…`, `sim-…`): short, printable.
+fn plausible_cloud_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 256 && !id.chars().any(char::is_control)
+}
+
+/// The texts of an event go into the event log as they are: no control characters (a NUL
+/// cannot even be stored in Postgres).
+fn check_event_text(event: &AgentEvent) -> Result<(), ApiError> {
+    let texts: Vec<(&str, &str)> = match event {
+        AgentEvent::InterruptionWarning {
+            action,
+            action_time,
+        } => vec![("action", action), ("action_time", action_time)],
+        AgentEvent::RebalanceRecommendation {
+            notice_time: Some(t),
+        } => vec![("notice_time", t)],
+        AgentEvent::HandoverComplete { to, .. } => vec![("to", &to.0)],
+        _ => vec![],
+    };
+    match texts
+        .into_iter()
+        .find(|(_, text)| text.len() > 256 || text.chars().any(char::is_control))
+    {
+        Some((field, _)) => Err(ApiError::invalid(
+            field,
+            "at most 256 characters, none of them a control character",
+        )),
+        None => Ok(()),
+    }
+}
+
 fn describe(event: &AgentEvent) -> (&'static str, String) {
     match event {
         AgentEvent::InterruptionWarning {
@@ -260,5 +308,45 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             format!("{} {:.4}", metric.kind, metric.value),
         ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_no_cloud_gives_are_not_looked_up() {
+        assert!(plausible_cloud_id("i-0123456789abcdef0"));
+        assert!(plausible_cloud_id("sim-0000002a"));
+        assert!(!plausible_cloud_id(""));
+        assert!(!plausible_cloud_id("i-0\u{0}1"));
+        assert!(!plausible_cloud_id(&"i".repeat(300)));
+    }
+
+    #[test]
+    fn event_texts_with_control_characters_are_refused() {
+        let warning = |action: &str| AgentEvent::InterruptionWarning {
+            action: action.into(),
+            action_time: "2026-01-01T00:00:00Z".into(),
+        };
+        assert!(check_event_text(&warning("terminate")).is_ok());
+        let err = check_event_text(&warning("term\u{0}inate")).unwrap_err();
+        assert_eq!(err.status, 422);
+        assert_eq!(err.body.field.as_deref(), Some("action"));
+        let handover = AgentEvent::HandoverComplete {
+            shard: 0,
+            to: InstanceId("i-1\u{0}".into()),
+            seq: 1,
+        };
+        assert_eq!(
+            check_event_text(&handover)
+                .unwrap_err()
+                .body
+                .field
+                .as_deref(),
+            Some("to")
+        );
+        assert!(check_event_text(&AgentEvent::Ready { model_len: 1 }).is_ok());
     }
 }

@@ -1,8 +1,9 @@
 //! The user side: submit, list, inspect, cancel jobs and read their cost.
 
+use super::status_cache::JobRecord;
 use super::{Broker, ServiceError, ledger};
 use crate::market::Timestamp;
-use crate::store::{InstanceRow, InstanceState, JobRow, JobState, NewJob};
+use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, NewJob};
 use proteus_wire::{JobId, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -148,18 +149,41 @@ impl Broker {
     }
 
     pub async fn job_view(&self, id: JobId) -> Result<JobView, ServiceError> {
-        let job = self.job_row(id).await?;
-        let instances = self.store.instances_of_job(id).await?;
-        let spend = self.store.spend_of_job(id).await?;
-        Ok(self.view_of(&job, &instances, spend).await?)
+        let cache = &self.status_cache;
+        let record = match cache.get(id) {
+            Some(r) => r,
+            None => {
+                let lock = cache.read_lock(id);
+                let _reading = lock.lock().await;
+                match cache.get(id) {
+                    Some(r) => r,
+                    None => {
+                        let started = std::time::Instant::now();
+                        let record = JobRecord::read(&self.store, id, self.clock.now())
+                            .await?
+                            .ok_or(ServiceError::NoSuchJob(id))?;
+                        let record = std::sync::Arc::new(record);
+                        cache.put(id, started, record.clone());
+                        record
+                    }
+                }
+            }
+        };
+        Ok(self.view_of(
+            &record.job,
+            &record.instances,
+            record.spend_usd,
+            &record.cooldowns,
+        ))
     }
 
-    async fn view_of(
+    fn view_of(
         &self,
         job: &JobRow,
         instances: &[InstanceRow],
         spend: f64,
-    ) -> Result<JobView, ServiceError> {
+        cooldowns: &[Cooldown],
+    ) -> JobView {
         let mut by_tier =
             BTreeMap::from([("reliable".to_string(), 0), ("transient".to_string(), 0)]);
         for i in instances.iter().filter(|i| is_live(i)) {
@@ -172,11 +196,10 @@ impl Broker {
         let held = self
             .runtime(job.id)
             .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).held.clone());
-        let unavailable = self
-            .store
-            .cooldowns(self.clock.now())
-            .await?
-            .into_iter()
+        let now = self.clock.now();
+        let unavailable = cooldowns
+            .iter()
+            .filter(|c| c.until > now)
             .map(|c| {
                 format!(
                     "{}/{}: {} until {}",
@@ -184,7 +207,7 @@ impl Broker {
                 )
             })
             .collect();
-        Ok(JobView {
+        JobView {
             id: job.id.0,
             name: job.name.clone(),
             state: job.state.to_string(),
@@ -208,15 +231,16 @@ impl Broker {
             instances: instances.iter().map(summary).collect(),
             held,
             unavailable_markets: unavailable,
-        })
+        }
     }
 
     pub async fn job_views(&self) -> Result<Vec<JobView>, ServiceError> {
         let mut out = Vec::new();
+        let cooldowns = self.store.cooldowns(self.clock.now()).await?;
         for job in self.store.jobs(false).await? {
             let instances = self.store.instances_of_job(job.id).await?;
             let spend = self.store.spend_of_job(job.id).await?;
-            out.push(self.view_of(&job, &instances, spend).await?);
+            out.push(self.view_of(&job, &instances, spend, &cooldowns));
         }
         Ok(out)
     }
@@ -228,8 +252,11 @@ impl Broker {
             return Err(ServiceError::JobOver(id));
         }
         let now = self.clock.now();
-        self.finish_job(id, JobState::Cancelled, "cancelled by the user", now)
-            .await?;
+        let finished = self
+            .finish_job(id, JobState::Cancelled, "cancelled by the user", now)
+            .await;
+        self.status_cache.invalidate();
+        finished?;
         self.nudge.notify_one();
         self.job_view(id).await
     }

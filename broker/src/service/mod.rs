@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod recovery;
 pub mod scheduler;
 pub mod spec;
+pub mod status_cache;
 
 use crate::billing::BillingModel;
 use crate::clock::SharedClock;
@@ -161,6 +162,8 @@ pub struct Broker {
     pub nudge: Notify,
     /// Agent tokens by cloud id, so heartbeats need no database read.
     pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
+    /// Job statuses as last read from the store; see [`status_cache`].
+    pub status_cache: status_cache::StatusCache,
 }
 
 impl std::fmt::Debug for Broker {
@@ -217,6 +220,7 @@ impl Broker {
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),
             agent_cache: Mutex::new(HashMap::new()),
+            status_cache: Default::default(),
         })
     }
 

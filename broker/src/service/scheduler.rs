@@ -44,6 +44,15 @@ impl Broker {
 
     /// One pass of the control loop.
     pub async fn tick(&self) -> Result<(), ServiceError> {
+        let outcome = self.tick_jobs().await;
+        // Job statuses show what the tick wrote from now on.
+        self.status_cache
+            .refresh(&self.store, self.clock.now())
+            .await;
+        outcome
+    }
+
+    async fn tick_jobs(&self) -> Result<(), ServiceError> {
         let now = self.clock.now();
         self.control.sweep(Duration::from_secs(30));
         self.apply_cloud_events(now).await?;

@@ -294,8 +294,11 @@ impl JobSpec {
             }
         }
         let name = match &self.name {
-            Some(n) if n.trim().is_empty() || n.len() > 200 => {
-                return Err(bad("name", "must be 1–200 characters"));
+            Some(n) if n.trim().is_empty() || n.len() > 200 || n.chars().any(char::is_control) => {
+                return Err(bad(
+                    "name",
+                    "must be 1–200 characters, none of them a control character",
+                ));
             }
             Some(n) => n.trim().to_string(),
             None => format!("{}-{}", training.app.name(), self.dataset_name()),
@@ -366,6 +369,7 @@ impl JobSpec {
                     || file.contains('/')
                     || file.contains('\\')
                     || file.starts_with('.')
+                    || file.chars().any(char::is_control)
                 {
                     return Err(bad(
                         "dataset",
@@ -505,6 +509,15 @@ mod tests {
             (
                 r#"{"app":"mf","policy":"x","dataset":"../x.csv","limits":{"max_instances":2}}"#,
                 "dataset",
+            ),
+            // Postgres cannot store a NUL character: refused here rather than a 500 there.
+            (
+                r#"{"app":"mf","policy":"x","dataset":"a\u0000.csv","limits":{"max_instances":2}}"#,
+                "dataset",
+            ),
+            (
+                r#"{"name":"a\u0000b","app":"mlr","policy":"x","limits":{"max_instances":2}}"#,
+                "name",
             ),
             (
                 r#"{"app":"mlr","policy":"x","stop":{"epochs":1,"clocks":3},"limits":{"max_instances":2}}"#,

@@ -1,0 +1,191 @@
+//! `GET /v1/jobs/{id}` against a running broker (a separate `proteus serve` process).
+//!
+//! Submits a job, waits until it has instances (so the view has something to show), then runs
+//! `rounds` closed-loop rounds (throughput) and `rounds` fixed-rate rounds at `--rate`
+//! (latency at the target rate), and prints the medians over rounds.
+
+use crate::load::{client, closed_loop, fixed_rate};
+use crate::stats::{Samples, median};
+use anyhow::{Context, Result, bail};
+use std::time::Duration;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The broker, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub url: String,
+    /// The user token.
+    #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Connections of the throughput rounds.
+    #[arg(long, default_value_t = 16)]
+    pub connections: usize,
+    /// Requests per second of the latency rounds.
+    #[arg(long, default_value_t = 5000.0)]
+    pub rate: f64,
+    /// Senders of the latency rounds (each at rate / senders).
+    #[arg(long, default_value_t = 50)]
+    pub senders: usize,
+    /// Seconds per round.
+    #[arg(long, default_value_t = 5.0)]
+    pub secs: f64,
+    /// Rounds of each kind.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Most instances of the job whose view is read.
+    #[arg(long, default_value_t = 8)]
+    pub max_instances: u32,
+    /// Targets, for the ratios printed.
+    #[arg(long, default_value_t = 5000.0)]
+    pub target_rps: f64,
+    #[arg(long, default_value_t = 20.0)]
+    pub target_p99_ms: f64,
+}
+
+pub async fn run(args: Args) -> Result<bool> {
+    let http = client();
+    let auth = format!("Bearer {}", args.token);
+    let spec = serde_json::json!({
+        "name": "bench-get-job",
+        "app": "mlr",
+        "dataset": "digits",
+        "policy": "bidbrain",
+        "limits": {"max_instances": args.max_instances, "max_reliable_instances": 1},
+    });
+    let resp = http
+        .post(format!("{}/v1/jobs", args.url))
+        .header("authorization", &auth)
+        .json(&spec)
+        .send()
+        .await
+        .context("submitting the job")?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.context("the submit answer")?;
+    if status.as_u16() != 201 {
+        bail!("submit answered {status}: {body}");
+    }
+    let id = body["id"].as_i64().context("the job id")?;
+    let url = format!("{}/v1/jobs/{id}", args.url);
+
+    // Wait for the scheduler to buy something, so the view lists instances.
+    let mut view = serde_json::Value::Null;
+    for _ in 0..100 {
+        view = http
+            .get(&url)
+            .header("authorization", &auth)
+            .send()
+            .await?
+            .json()
+            .await?;
+        if view["instances"].as_array().is_some_and(|a| !a.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body_len = serde_json::to_vec(&view)?.len();
+    eprintln!(
+        "job {id}: state {}, {} instances, view of {body_len} bytes",
+        view["state"],
+        view["instances"].as_array().map_or(0, Vec::len)
+    );
+
+    let clients: Vec<reqwest::Client> = (0..args.connections.max(args.senders))
+        .map(|_| client())
+        .collect();
+    let request = {
+        let (clients, url, auth) = (clients.clone(), url.clone(), auth.clone());
+        move |worker: usize, _seq: u64| {
+            let http = clients[worker % clients.len()].clone();
+            let (url, auth) = (url.clone(), auth.clone());
+            async move {
+                let resp = http
+                    .get(&url)
+                    .header("authorization", &auth)
+                    .send()
+                    .await
+                    .map_err(|e| format!("transport: {e}"))?;
+                let status = resp.status();
+                let body = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
+                if status.as_u16() != 200 {
+                    return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+                }
+                Ok(())
+            }
+        }
+    };
+
+    let secs = Duration::from_secs_f64(args.secs);
+    // Warm-up: connections open, caches filled.
+    let _ = closed_loop(
+        args.connections,
+        Duration::from_secs(1),
+        u64::MAX,
+        request.clone(),
+    )
+    .await;
+
+    let mut all = Samples::default();
+    let mut rates = Vec::new();
+    let mut closed_p50 = Vec::new();
+    let mut closed_p99 = Vec::new();
+    for round in 1..=args.rounds {
+        let (samples, took) = closed_loop(args.connections, secs, 5_000_000, request.clone()).await;
+        let rps = samples.count() as f64 / took.as_secs_f64();
+        let s = samples.summary();
+        eprintln!(
+            "throughput round {round}: {rps:.0} req/s with {} connections; {s}; {} errors",
+            args.connections, samples.errors
+        );
+        rates.push(rps);
+        closed_p50.push(s.p50_ms);
+        closed_p99.push(s.p99_ms);
+        all.merge(samples);
+    }
+    let mut p50s = Vec::new();
+    let mut p99s = Vec::new();
+    let mut achieved = Vec::new();
+    let interval = Duration::from_secs_f64(args.senders as f64 / args.rate);
+    for round in 1..=args.rounds {
+        let (samples, took) = fixed_rate(args.senders, interval, secs, request.clone()).await;
+        let s = samples.summary();
+        let rps = samples.count() as f64 / took.as_secs_f64();
+        eprintln!(
+            "latency round {round}: {rps:.0} req/s offered at {:.0}; {s}; {} errors",
+            args.rate, samples.errors
+        );
+        p50s.push(s.p50_ms);
+        p99s.push(s.p99_ms);
+        achieved.push(rps);
+        all.merge(samples);
+    }
+    for e in &all.first_errors {
+        eprintln!("error: {e}");
+    }
+
+    let rps = median(&rates);
+    let p99 = median(&p99s);
+    println!(
+        "GET /v1/jobs/{{id}} on Postgres, throughput ({} connections, {} x {:.0} s): median {rps:.0} req/s \
+         (p50 {:.2} ms, p99 {:.2} ms) — target >= {:.0} req/s: ratio {:.2}x",
+        args.connections,
+        args.rounds,
+        args.secs,
+        median(&closed_p50),
+        median(&closed_p99),
+        args.target_rps,
+        rps / args.target_rps
+    );
+    println!(
+        "GET /v1/jobs/{{id}} on Postgres, latency at {:.0} req/s offered ({} x {:.0} s, {:.0} req/s achieved): \
+         median p50 {:.2} ms, median p99 {p99:.2} ms — target p99 < {:.0} ms: {:.2} of budget",
+        args.rate,
+        args.rounds,
+        args.secs,
+        median(&achieved),
+        median(&p50s),
+        args.target_p99_ms,
+        p99 / args.target_p99_ms
+    );
+    println!("requests: {} answered, {} errors", all.count(), all.errors);
+    Ok(rps >= args.target_rps && p99 < args.target_p99_ms && all.errors == 0)
+}

@@ -1,0 +1,266 @@
+//! What `GET /v1/jobs/{id}` reads from the store, kept for a moment.
+//!
+//! A job's status is polled far more often than it changes: the store rows behind it (the job,
+//! its instances, its ledger, the market cool-downs) are written by the scheduler once a tick and
+//! by a few API calls, while a dashboard or a fleet of scripts may read it thousands of times a
+//! second. Each read costs four queries; a read served from here costs none.
+//!
+//! Reads stay consistent with writes: every place that writes what a status shows says so once
+//! its writes are done — the end of each scheduler tick reads the statuses being asked for again
+//! ([`StatusCache::refresh`]), a cancel or an agent's event drops them
+//! ([`StatusCache::invalidate`]) — and a read that *started* before that is neither served nor
+//! kept, so a status fetched while a write was under way cannot outlive it. A write this does
+//! not hear of (another process on the same database) shows after [`TTL`] at most. When a status
+//! must be read, one request per job reads it; the others wait for it.
+
+use super::ServiceError;
+use crate::market::Timestamp;
+use crate::store::{Cooldown, InstanceRow, JobRow, Store};
+use proteus_wire::JobId;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Longest time a status is served without being read again: longer than a scheduler tick,
+/// which reads again what is being asked for (see [`StatusCache::refresh`]).
+pub const TTL: Duration = Duration::from_secs(2);
+
+/// Entries kept at most (statuses of jobs nobody asks about expire and are dropped).
+const CAPACITY: usize = 4096;
+
+/// The store rows a job's status is made of.
+#[derive(Debug, Clone)]
+pub struct JobRecord {
+    pub job: JobRow,
+    pub instances: Vec<InstanceRow>,
+    pub spend_usd: f64,
+    /// Market cool-downs in force when read; filter by `until` again when shown.
+    pub cooldowns: Vec<Cooldown>,
+}
+
+impl JobRecord {
+    /// Reads a job's rows; `None` if there is no such job.
+    pub async fn read(
+        store: &Store,
+        id: JobId,
+        now: Timestamp,
+    ) -> Result<Option<JobRecord>, ServiceError> {
+        let Some(job) = store.job(id).await? else {
+            return Ok(None);
+        };
+        Ok(Some(JobRecord {
+            job,
+            instances: store.instances_of_job(id).await?,
+            spend_usd: store.spend_of_job(id).await?,
+            cooldowns: store.cooldowns(now).await?,
+        }))
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct StatusCache {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Reads that started before this may have missed a write: not served, not kept.
+    valid_from: Option<Instant>,
+    /// Per job: when the read started, and what it found.
+    jobs: HashMap<JobId, (Instant, Arc<JobRecord>)>,
+    /// Per job: held while reading it from the store, so that the requests that find the entry
+    /// gone after a tick wait for one read instead of each making their own.
+    reading: HashMap<JobId, Arc<tokio::sync::Mutex<()>>>,
+}
+
+impl StatusCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A record read at or after the last invalidation, less than [`TTL`] ago.
+    pub fn get(&self, id: JobId) -> Option<Arc<JobRecord>> {
+        let inner = self.lock();
+        let (started, record) = inner.jobs.get(&id)?;
+        let fresh = started.elapsed() < TTL && inner.valid_from.is_none_or(|v| *started >= v);
+        fresh.then(|| record.clone())
+    }
+
+    /// Keeps a record whose read started at `started`, unless a write may have happened since
+    /// or a newer read is already kept.
+    pub fn put(&self, id: JobId, started: Instant, record: Arc<JobRecord>) {
+        let mut inner = self.lock();
+        if inner.valid_from.is_some_and(|v| started < v)
+            || inner.jobs.get(&id).is_some_and(|(s, _)| *s >= started)
+        {
+            return;
+        }
+        if inner.jobs.len() >= CAPACITY {
+            inner.jobs.retain(|_, (s, _)| s.elapsed() < TTL);
+        }
+        if inner.jobs.len() < CAPACITY {
+            inner.jobs.insert(id, (started, record));
+        }
+    }
+
+    /// The lock to hold while reading job `id` from the store (then [`StatusCache::get`] again
+    /// before reading: whoever held it may have just done so).
+    pub fn read_lock(&self, id: JobId) -> Arc<tokio::sync::Mutex<()>> {
+        let mut inner = self.lock();
+        if inner.reading.len() >= CAPACITY {
+            inner.reading.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        inner.reading.entry(id).or_default().clone()
+    }
+
+    /// Reads again every job whose status was read in the last [`TTL`], and forgets the rest:
+    /// call after writing anything a job's status shows, as [`StatusCache::invalidate`] but
+    /// without leaving the next requests to find nothing. Until this returns, requests are
+    /// answered from before the writes, as if they had not happened yet.
+    pub async fn refresh(&self, store: &Store, now: Timestamp) {
+        let started = Instant::now();
+        let ids: Vec<JobId> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .iter()
+                .filter(|(_, (s, _))| s.elapsed() < TTL)
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        let mut fresh = Vec::with_capacity(ids.len());
+        for id in ids {
+            match JobRecord::read(store, id, now).await {
+                Ok(Some(record)) => fresh.push((id, Arc::new(record))),
+                Ok(None) => {}
+                Err(e) => tracing::debug!(job = %id, error = %e, "cannot refresh a job's status"),
+            }
+        }
+        let mut inner = self.lock();
+        inner.valid_from = Some(started);
+        inner.jobs.retain(|_, (s, _)| *s >= started);
+        for (id, record) in fresh {
+            if inner.jobs.get(&id).is_none_or(|(s, _)| *s < started) {
+                inner.jobs.insert(id, (started, record));
+            }
+        }
+    }
+
+    /// Forgets everything: call after writing anything a job's status shows.
+    pub fn invalidate(&self) {
+        let mut inner = self.lock();
+        inner.valid_from = Some(Instant::now());
+        inner.jobs.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::JobState;
+
+    fn record(name: &str) -> Arc<JobRecord> {
+        Arc::new(JobRecord {
+            job: JobRow {
+                id: JobId(1),
+                name: name.into(),
+                spec: "{}".into(),
+                policy: "bidbrain".into(),
+                billing: "per-second".into(),
+                state: JobState::Running,
+                state_reason: None,
+                budget_usd: None,
+                deadline: None,
+                progress: 0.0,
+                metric: None,
+                control_state: None,
+                created: Timestamp(0),
+                started: None,
+                finished: None,
+            },
+            instances: vec![],
+            spend_usd: 0.0,
+            cooldowns: vec![],
+        })
+    }
+
+    #[test]
+    fn serves_what_was_read_until_invalidated() {
+        let cache = StatusCache::default();
+        assert!(cache.get(JobId(1)).is_none());
+        cache.put(JobId(1), Instant::now(), record("a"));
+        assert_eq!(cache.get(JobId(1)).unwrap().job.name, "a");
+        assert!(cache.get(JobId(2)).is_none());
+        cache.invalidate();
+        assert!(cache.get(JobId(1)).is_none());
+    }
+
+    #[test]
+    fn a_read_that_started_before_a_write_is_not_kept() {
+        let cache = StatusCache::default();
+        let started = Instant::now();
+        // A write lands (and invalidates) while the read is under way.
+        std::thread::sleep(Duration::from_millis(2));
+        cache.invalidate();
+        cache.put(JobId(1), started, record("stale"));
+        assert!(cache.get(JobId(1)).is_none());
+        // A read that started after the write is kept.
+        cache.put(JobId(1), Instant::now(), record("fresh"));
+        assert_eq!(cache.get(JobId(1)).unwrap().job.name, "fresh");
+    }
+
+    #[test]
+    fn an_older_read_never_replaces_a_newer_one() {
+        let cache = StatusCache::default();
+        let older = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        cache.put(JobId(1), Instant::now(), record("newer"));
+        cache.put(JobId(1), older, record("older"));
+        assert_eq!(cache.get(JobId(1)).unwrap().job.name, "newer");
+    }
+
+    #[tokio::test]
+    async fn a_refresh_reads_again_what_is_being_asked_for() {
+        let store = Store::open("sqlite::memory:").await.unwrap();
+        let new_job = |name: &str| crate::store::NewJob {
+            name: name.into(),
+            spec: "{}".into(),
+            policy: "bidbrain".into(),
+            billing: "per-second".into(),
+            budget_usd: None,
+            deadline: None,
+            created: Timestamp(0),
+        };
+        let asked = store.create_job(&new_job("asked")).await.unwrap();
+        let unasked = store.create_job(&new_job("unasked")).await.unwrap();
+        let cache = StatusCache::default();
+        let read = |id| JobRecord::read(&store, id, Timestamp(0));
+        cache.put(
+            asked,
+            Instant::now(),
+            Arc::new(read(asked).await.unwrap().unwrap()),
+        );
+        let long_ago = Instant::now().checked_sub(TTL).expect("uptime over TTL");
+        cache.put(
+            unasked,
+            long_ago,
+            Arc::new(read(unasked).await.unwrap().unwrap()),
+        );
+        // The scheduler writes, then refreshes.
+        store
+            .set_job_state(asked, JobState::Running, None, Timestamp(1))
+            .await
+            .unwrap();
+        cache.refresh(&store, Timestamp(1)).await;
+        assert_eq!(cache.get(asked).unwrap().job.state, JobState::Running);
+        assert!(cache.get(unasked).is_none());
+    }
+
+    #[test]
+    fn entries_expire() {
+        let cache = StatusCache::default();
+        let long_ago = Instant::now().checked_sub(TTL).expect("uptime over TTL");
+        cache.put(JobId(1), long_ago, record("old"));
+        assert!(cache.get(JobId(1)).is_none());
+    }
+}
