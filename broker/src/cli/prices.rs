@@ -130,7 +130,7 @@ pub async fn run(global: &GlobalArgs, cmd: PricesCommand) -> Result<ExitCode> {
 
 fn parse_time(flag: &str, value: Option<&str>) -> Result<Option<Timestamp>> {
     value
-        .map(|v| Timestamp::parse(v).with_context(|| format!("{flag}")))
+        .map(|v| Timestamp::parse(v).with_context(|| flag.to_string()))
         .transpose()
 }
 

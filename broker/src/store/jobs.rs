@@ -183,6 +183,9 @@ type JobTuple = (
     Option<i64>,
 );
 
+/// id, job, instance, time, kind, detail.
+type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
+
 const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
      progress, metric, control_state, created_ms, started_ms, finished_ms";
 
@@ -629,18 +632,15 @@ impl Store {
     }
 
     pub async fn events_of_job(&self, job: JobId) -> Result<Vec<EventRow>, StoreError> {
-        let rows: Vec<(i64, Option<i64>, Option<String>, i64, String, String)> = with_db!(
-            self,
-            |pool| {
-                sqlx::query_as(
+        let rows: Vec<EventTuple> = with_db!(self, |pool| {
+            sqlx::query_as(
                 "SELECT id, job_id, instance_id, ts_ms, kind, detail FROM events WHERE job_id = $1 ORDER BY id",
             )
             .bind(job.0)
             .fetch_all(pool)
             .await
             .context("listing a job's events")?
-            }
-        );
+        });
         Ok(rows
             .into_iter()
             .map(|(id, job_id, instance_id, ts, kind, detail)| EventRow {

@@ -120,6 +120,20 @@ fn market_from_columns(zone: &str, itype: &str, product: &str) -> Result<Market,
     ))
 }
 
+/// id, region, zone, type, product, price rows, first and last change.
+type MarketTuple = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
+/// region, type, vCPUs, memory, on-demand price.
+type OfferTuple = (String, String, Option<i64>, Option<f64>, f64);
+
 /// Rows per multi-row INSERT on SQLite: 3 parameters each, well under its 32,766 limit.
 const SQLITE_BATCH: usize = 1000;
 
@@ -214,16 +228,7 @@ impl Store {
 
     /// Every stored market matching the filter, with the extent of its history.
     pub async fn markets(&self, filter: &MarketFilter) -> Result<Vec<MarketRow>, StoreError> {
-        let rows: Vec<(
-            i64,
-            String,
-            String,
-            String,
-            String,
-            i64,
-            Option<i64>,
-            Option<i64>,
-        )> = with_db!(self, |pool| {
+        let rows: Vec<MarketTuple> = with_db!(self, |pool| {
             sqlx::query_as(
                 "SELECT m.id, m.region, m.availability_zone, m.instance_type, m.product, \
                         COUNT(p.ts_ms), MIN(p.ts_ms), MAX(p.ts_ms) \
@@ -328,7 +333,7 @@ impl Store {
 
     /// Every stored on-demand offer.
     pub async fn on_demand_catalog(&self) -> Result<OnDemandCatalog, StoreError> {
-        let rows: Vec<(String, String, Option<i64>, Option<f64>, f64)> = with_db!(self, |pool| {
+        let rows: Vec<OfferTuple> = with_db!(self, |pool| {
             sqlx::query_as(
                 "SELECT region, instance_type, vcpus, memory_gib, on_demand_usd_per_hour FROM instance_types",
             )
