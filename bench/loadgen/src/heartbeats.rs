@@ -262,7 +262,8 @@ async fn drive(args: &Args, base: &str, agents: Arc<Vec<Agent>>) -> Result<(Samp
     let measure: Arc<OnceLock<Instant>> = Arc::new(OnceLock::new());
     let secs = Duration::from_secs_f64(args.secs);
     let start = Instant::now() + Duration::from_millis(10);
-    let give_up = start + Duration::from_secs(240);
+    // Setup (making every agent ready) may take minutes; bench/api-heartbeats allows 12.
+    let give_up = start + Duration::from_secs(660);
     let mut beaters = Vec::new();
     for i in 0..agents.len() {
         let (clients, base, agents, measure) = (

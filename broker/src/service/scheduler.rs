@@ -229,7 +229,14 @@ impl Broker {
         let Some(control) = self.control.get(job.id) else {
             return Ok(());
         };
-        for dead in control.update(|c| c.tick(wall_ms())) {
+        // A tick that finds nobody dead changes nothing worth saving (liveness is not saved, as
+        // for heartbeats): marking the coordinator changed would re-save its whole snapshot
+        // every tick, under the lock every heartbeat needs.
+        let dead = control.update_quietly(|c| c.tick(wall_ms()));
+        if !dead.is_empty() {
+            control.update(|_| ());
+        }
+        for dead in dead {
             if let Some(row) = self.store.instance_by_cloud_id(&dead.0).await? {
                 self.store
                     .add_event(
