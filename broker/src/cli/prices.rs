@@ -89,43 +89,47 @@ pub struct MarketsArgs {
 }
 
 pub async fn run(global: &GlobalArgs, cmd: PricesCommand) -> Result<ExitCode> {
-    let store = global.open_store().await?;
+    // Ingestion opens the store itself, so that parsing overlaps the connection.
     match cmd {
-        PricesCommand::Ingest(args) => ingest(&store, args).await,
-        PricesCommand::Stats(args) => {
-            let filter = filter(
-                args.region.as_deref(),
-                args.az.as_deref(),
-                args.instance_type.as_deref(),
-            )?;
-            let from = parse_time("--from", args.from.as_deref())?;
-            let to = parse_time("--to", args.to.as_deref())?;
-            let rows = compute_stats(&store, &filter, from, to).await?;
-            if rows.is_empty() {
-                eprintln!("no price history matches; ingest some with `proteus prices ingest`");
-            }
-            emit(args.output, &rows, || stats_table(&rows))?;
-            Ok(ExitCode::SUCCESS)
-        }
-        PricesCommand::Markets(args) => {
-            let filter = filter(args.region.as_deref(), None, args.instance_type.as_deref())?;
-            let markets = store.markets(&filter).await?;
-            emit(args.output, &markets, || {
-                let mut t = Table::new(&["market", "region", "price changes", "first", "last"]);
-                for m in &markets {
-                    t.push(vec![
-                        m.market.to_string(),
-                        m.region.to_string(),
-                        m.price_rows.to_string(),
-                        m.first.map(|t| t.to_string()).unwrap_or_default(),
-                        m.last.map(|t| t.to_string()).unwrap_or_default(),
-                    ]);
-                }
-                t
-            })?;
-            Ok(ExitCode::SUCCESS)
-        }
+        PricesCommand::Ingest(args) => ingest(global, args).await,
+        PricesCommand::Stats(args) => stats(&global.open_store().await?, args).await,
+        PricesCommand::Markets(args) => markets(&global.open_store().await?, args).await,
     }
+}
+
+async fn stats(store: &Store, args: StatsArgs) -> Result<ExitCode> {
+    let filter = filter(
+        args.region.as_deref(),
+        args.az.as_deref(),
+        args.instance_type.as_deref(),
+    )?;
+    let from = parse_time("--from", args.from.as_deref())?;
+    let to = parse_time("--to", args.to.as_deref())?;
+    let rows = compute_stats(store, &filter, from, to).await?;
+    if rows.is_empty() {
+        eprintln!("no price history matches; ingest some with `proteus prices ingest`");
+    }
+    emit(args.output, &rows, || stats_table(&rows))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn markets(store: &Store, args: MarketsArgs) -> Result<ExitCode> {
+    let filter = filter(args.region.as_deref(), None, args.instance_type.as_deref())?;
+    let markets = store.markets(&filter).await?;
+    emit(args.output, &markets, || {
+        let mut t = Table::new(&["market", "region", "price changes", "first", "last"]);
+        for m in &markets {
+            t.push(vec![
+                m.market.to_string(),
+                m.region.to_string(),
+                m.price_rows.to_string(),
+                m.first.map(|t| t.to_string()).unwrap_or_default(),
+                m.last.map(|t| t.to_string()).unwrap_or_default(),
+            ]);
+        }
+        t
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn parse_time(flag: &str, value: Option<&str>) -> Result<Option<Timestamp>> {
@@ -222,11 +226,26 @@ pub struct IngestReport {
     pub seconds: f64,
 }
 
-async fn ingest(store: &Store, args: IngestArgs) -> Result<ExitCode> {
+async fn ingest(global: &GlobalArgs, args: IngestArgs) -> Result<ExitCode> {
     if args.files.is_empty() && args.on_demand.is_empty() && !args.from_ec2 {
         bail!("nothing to ingest: give --file, --on-demand or --from-ec2 (see --help)");
     }
     let region = Region::parse(&args.region).context("--region")?;
+    // Spot files are read and parsed on a thread of their own while the database connects and
+    // earlier files are written: parsing and writing overlap. One file ahead at most.
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let paths = args.files.clone();
+    let parser = std::thread::spawn(move || {
+        for path in paths {
+            let started = Instant::now();
+            let rows = files::read_spot_file(&path);
+            if tx.send((started, Instant::now(), rows)).is_err() {
+                return;
+            }
+        }
+    });
+    let store = global.open_store().await?;
+    let store = &store;
     let mut reports = Vec::new();
     for path in &args.on_demand {
         let started = Instant::now();
@@ -239,15 +258,16 @@ async fn ingest(store: &Store, args: IngestArgs) -> Result<ExitCode> {
         reports.push(report(path.display().to_string(), counts, started, parsed));
     }
     for path in &args.files {
-        let started = Instant::now();
-        let rows = files::read_spot_file(path)?;
-        let parsed = Instant::now();
+        let (started, parsed, rows) = rx.recv().context("the parsing thread stopped")?;
+        let rows = rows?;
         let counts = store
             .ingest_spot_prices(&rows)
             .await
             .with_context(|| format!("storing {}", path.display()))?;
         reports.push(report(path.display().to_string(), counts, started, parsed));
     }
+    drop(rx);
+    let _ = parser.join();
     if args.from_ec2 {
         reports.push(ingest_from_ec2(store, &region, &args).await?);
     }

@@ -370,10 +370,13 @@ impl Store {
         let from_ms = from.map_or(i64::MIN, |t| t.0);
         let to_ms = to.map_or(i64::MAX, |t| t.0);
         let mut rows: Vec<(i64, i64, f64)> = match &self.db {
-            // One row per market with its changes as arrays: a tenth of the rows to decode.
+            // One row per market with its changes as arrays: a tenth of the rows to decode. No
+            // ORDER BY inside the aggregates: both see the group's rows in the same order (so
+            // times and prices stay paired), and `PriceSeries::new` sorts, which is cheaper
+            // than two sorts on the server.
             Db::Postgres(pool) => {
                 let per_market: Vec<(i64, Vec<i64>, Vec<f64>)> = sqlx::query_as(
-                    "SELECT market_id, array_agg(ts_ms ORDER BY ts_ms), array_agg(usd_per_hour ORDER BY ts_ms) \
+                    "SELECT market_id, array_agg(ts_ms), array_agg(usd_per_hour) \
                      FROM spot_prices WHERE ts_ms >= $1 AND ts_ms < $2 GROUP BY market_id",
                 )
                 .bind(from_ms)
@@ -489,6 +492,8 @@ async fn copy_prices_pg(
     Ok(inserted)
 }
 
+/// Streams rows in COPY's binary format: no number formatting on our side and no parsing on the
+/// server's, which is most of the cost of a text COPY of narrow numeric rows.
 async fn copy_rows(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     statement: &str,
@@ -497,22 +502,31 @@ async fn copy_rows(
     if rows.is_empty() {
         return Ok(0);
     }
-    let mut copy = tx.copy_in_raw(statement).await.context("starting COPY")?;
-    let mut buf = String::with_capacity(1 << 20);
+    let statement = format!("{statement} WITH (FORMAT binary)");
+    let mut copy = tx.copy_in_raw(&statement).await.context("starting COPY")?;
+    const CHUNK: usize = 1 << 20;
+    let mut buf: Vec<u8> = Vec::with_capacity(CHUNK + 64);
+    // Signature, flags, header-extension length.
+    buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+    buf.extend_from_slice(&0i32.to_be_bytes());
+    buf.extend_from_slice(&0i32.to_be_bytes());
     for (market, ts, price) in rows {
-        let _ = writeln!(buf, "{market}\t{ts}\t{price}");
-        if buf.len() > (1 << 20) - 64 {
-            copy.send(buf.as_bytes())
+        buf.extend_from_slice(&3i16.to_be_bytes());
+        for field in [market.to_be_bytes(), ts.to_be_bytes(), price.to_be_bytes()] {
+            buf.extend_from_slice(&8i32.to_be_bytes());
+            buf.extend_from_slice(&field);
+        }
+        if buf.len() >= CHUNK {
+            copy.send(buf.as_slice())
                 .await
                 .context("sending COPY data")?;
             buf.clear();
         }
     }
-    if !buf.is_empty() {
-        copy.send(buf.as_bytes())
-            .await
-            .context("sending COPY data")?;
-    }
+    buf.extend_from_slice(&(-1i16).to_be_bytes());
+    copy.send(buf.as_slice())
+        .await
+        .context("sending COPY data")?;
     copy.finish().await.context("finishing COPY")
 }
 
