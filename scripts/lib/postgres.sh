@@ -60,17 +60,24 @@ pg_start() {
     done
     "$PG_BIN/pg_isready" -h 127.0.0.1 -p "$port" -q || { _pg_log "error: not ready"; return 1; }
     PG_URL="postgres://postgres@127.0.0.1:$port/postgres"
-    export PG_URL PG_PID PG_BIN
+    PG_DATA="$work/pg/data"
+    export PG_URL PG_PID PG_BIN PG_DATA
 }
 
+# Signals the postmaster itself (its PID is the first line of postmaster.pid): as root, PG_PID
+# is runuser's, which does not pass SIGINT on, and killing it would orphan the server.
 pg_stop() {
     [[ -n "${PG_PID:-}" ]] || return 0
-    if kill -0 "$PG_PID" 2>/dev/null; then
-        kill -INT "$PG_PID" 2>/dev/null || true
-        local _
-        for _ in $(seq 1 50); do kill -0 "$PG_PID" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$PG_PID" 2>/dev/null || true
+    local server="$PG_PID" _
+    if [[ -r "${PG_DATA:-}/postmaster.pid" ]]; then
+        server="$(head -n 1 "$PG_DATA/postmaster.pid")"
     fi
+    if kill -0 "$server" 2>/dev/null; then
+        kill -INT "$server" 2>/dev/null || true
+        for _ in $(seq 1 50); do kill -0 "$server" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$server" 2>/dev/null || true
+    fi
+    kill -9 "$PG_PID" 2>/dev/null || true
     PG_PID=""
 }
 
