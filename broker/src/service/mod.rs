@@ -164,6 +164,9 @@ pub struct Broker {
     pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
     /// Job statuses as last read from the store; see [`status_cache`].
     pub status_cache: status_cache::StatusCache,
+    /// What each ended instance was billed, by instance id: an ended instance's bill cannot
+    /// change, so its ledger lines are written once, not on every tick.
+    pub(crate) final_bills: Mutex<HashMap<String, f64>>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -220,6 +223,7 @@ impl Broker {
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),
             agent_cache: Mutex::new(HashMap::new()),
+            final_bills: Mutex::new(HashMap::new()),
             status_cache: Default::default(),
         })
     }

@@ -700,13 +700,28 @@ impl Broker {
             if row.launched.is_none() {
                 continue;
             }
+            let ended = row.state.is_final() && row.ended.is_some();
+            if ended {
+                let billed = self.final_bills.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(amount) = billed.get(&row.id) {
+                    total += amount;
+                    continue;
+                }
+            }
             match ledger::bill_instance(&row, now, billing, &data) {
                 Ok(lines) => {
-                    total += lines.iter().map(|l| l.amount_usd).sum::<f64>();
-                    // Finished instances are billed once for good; live ones every tick.
+                    let amount = lines.iter().map(|l| l.amount_usd).sum::<f64>();
+                    total += amount;
+                    // Live instances are billed again every tick; ended ones once for good.
                     self.store
                         .replace_ledger_lines(job, &row.id, &lines)
                         .await?;
+                    if ended {
+                        self.final_bills
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(row.id.clone(), amount);
+                    }
                 }
                 Err(e) => tracing::warn!(instance = %row.id, error = %e, "cannot bill instance"),
             }
