@@ -43,15 +43,14 @@ impl JobControl {
         r
     }
 
-    /// Like [`JobControl::update`] for changes not worth saving on their own (heartbeats: they
-    /// move only liveness and progress, which the next save picks up).
+    /// For changes that queue no command and are not worth saving on their own (heartbeats:
+    /// they move only liveness and progress, which the next save picks up). Neither marks the
+    /// coordinator changed nor wakes the long-polls: with hundreds of agents, waking every
+    /// poll on every heartbeat made each heartbeat cost a scan per waiting agent. A caller
+    /// whose change may have queued commands follows up with [`JobControl::update`].
     pub fn update_quietly<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
-        let r = {
-            let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
-            f(&mut c)
-        };
-        self.changed.notify_waiters();
-        r
+        let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut c)
     }
 
     /// The coordinator as JSON if it changed since the last call.
