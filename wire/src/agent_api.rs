@@ -61,6 +61,7 @@ pub mod paths {
 /// the agent does not claim one. The agent learns what to train from the answer, loads its data
 /// and then sends [`AgentEvent::Ready`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterRequest {
     /// The cloud's name for this VM (from `--instance-id` or IMDS `instance-id`).
     pub instance_id: InstanceId,
@@ -80,6 +81,7 @@ fn default_vcpus() -> u32 {
 
 /// What the broker tells a newly registered agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterResponse {
     pub job_id: JobId,
     pub instance_id: InstanceId,
@@ -108,6 +110,7 @@ pub fn default_command_wait_ms() -> u64 {
 
 /// Everything the agents of one job must agree on to train together.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TrainingConfig {
     /// The application, its data set and hyperparameters.
     pub app: AppConfig,
@@ -234,6 +237,7 @@ impl TrainingConfig {
 
 /// The training application. Data files are looked up in the agent's `--data-dir`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum AppConfig {
     /// Multinomial (softmax) logistic regression on image data, minibatch SGD.
@@ -341,6 +345,7 @@ impl AppConfig {
 
 /// Image data sets shipped in `data/ml`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ImageDataset {
     /// 60,000 training and 10,000 test images of 28×28.
@@ -352,6 +357,7 @@ pub enum ImageDataset {
 
 /// When a job's training is finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StopCondition {
     /// Passes over the training input.
@@ -371,6 +377,7 @@ impl Default for StopCondition {
 /// Only BSP exists today; SSP and FlexRR's rapid reassignment will be further variants (that is
 /// why this is an enum and not a flag).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum SyncModel {
     /// Bulk synchronous: nobody starts clock `c` before every update of clock `c - 1` is in.
@@ -380,6 +387,7 @@ pub enum SyncModel {
 
 /// Switch points between the AgileML stages, on the ratio transient:reliable members.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StageThresholds {
     /// At or above this ratio, active shards move to transient machines (stage 2).
     #[serde(default = "default_stage2_ratio")]
@@ -411,6 +419,7 @@ impl Default for StageThresholds {
 
 /// Periodic report of an agent; its arrival is also what keeps the agent alive in the view.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Heartbeat {
     /// The newest [`ClusterView::epoch`] the agent has applied.
     #[serde(default)]
@@ -421,6 +430,7 @@ pub struct Heartbeat {
 
 /// Training progress as seen by one agent (its worker, if it has one).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Progress {
     /// Clocks this worker has completed; the next clock it works on.
     #[serde(default)]
@@ -449,6 +459,7 @@ pub struct Progress {
 
 /// A held-out evaluation.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Metric {
     pub kind: MetricKind,
     pub value: f64,
@@ -463,6 +474,7 @@ pub struct Metric {
 
 /// What [`Metric::value`] measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum MetricKind {
     /// Fraction of test samples classified correctly (higher is better).
@@ -486,6 +498,7 @@ impl fmt::Display for MetricKind {
 
 /// Query of the commands long poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CommandsQuery {
     /// Return only commands with `seq > after` (0 for "everything").
     #[serde(default)]
@@ -497,6 +510,7 @@ pub struct CommandsQuery {
 
 /// A command with its per-agent sequence number (strictly increasing, starting at 1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CommandEnvelope {
     pub seq: u64,
     pub command: Command,
@@ -504,6 +518,7 @@ pub struct CommandEnvelope {
 
 /// What the control plane asks an agent to do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Command {
     /// Adopt this layout. A newer epoch supersedes older ones entirely; an agent absent from
@@ -515,6 +530,7 @@ pub enum Command {
 
 /// AgileML stage (see PAPERS.md §1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Stage {
     /// Few transient machines: all shards on reliable machines, workers everywhere.
@@ -537,6 +553,7 @@ impl Stage {
 
 /// Half-open range `[start, end)` of flattened model indices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct KeyRange {
     pub start: u64,
     pub end: u64,
@@ -553,6 +570,7 @@ impl KeyRange {
 
 /// Half-open range `[start, end)` of input partition numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PartitionRange {
     pub start: u32,
     pub end: u32,
@@ -575,6 +593,7 @@ impl PartitionRange {
 
 /// One member of the job in a view.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MemberInfo {
     pub instance_id: InstanceId,
     pub tier: Tier,
@@ -587,6 +606,7 @@ pub struct MemberInfo {
 
 /// Where the active owner of a shard gets the shard's state when it does not hold it yet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ShardSource {
     /// A new job: initialise from the application's seed.
@@ -607,6 +627,7 @@ pub enum ShardSource {
 
 /// Placement of one shard.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ShardPlacement {
     pub shard: u32,
     pub keys: KeyRange,
@@ -621,6 +642,7 @@ pub struct ShardPlacement {
 
 /// One worker's share of the input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WorkerAssignment {
     pub instance_id: InstanceId,
     /// Position among the workers (0-based); rank 0 evaluates the test metric during training.
@@ -630,6 +652,7 @@ pub struct WorkerAssignment {
 
 /// The whole layout of a job at one epoch. Every agent gets the same view.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClusterView {
     /// Strictly increasing; a change of anything below gives a new epoch.
     pub epoch: u64,
@@ -673,6 +696,7 @@ impl ClusterView {
 
 /// Something that happened on an agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum AgentEvent {
     /// IMDS announced that the instance will be stopped/terminated at `action_time`.
@@ -706,6 +730,7 @@ pub enum AgentEvent {
 
 /// Why an agent leaves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExitReason {
     /// It received [`Command::Stop`].
@@ -722,6 +747,7 @@ pub enum ExitReason {
 
 /// JSON body of every non-2xx answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `job_over`, `bad_request`.
     pub code: String,

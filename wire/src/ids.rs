@@ -5,6 +5,7 @@ use std::fmt;
 
 /// A job, as numbered by the broker's store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(transparent)]
 pub struct JobId(pub i64);
 
@@ -16,6 +17,7 @@ impl fmt::Display for JobId {
 
 /// An instance as the cloud names it (`i-0abc…` on EC2, `sim-…` in the simulated cloud).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(transparent)]
 pub struct InstanceId(pub String);
 
@@ -27,6 +29,7 @@ impl fmt::Display for InstanceId {
 
 /// How reliable a machine is. AgileML places state according to this, not to instance types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Tier {
     /// On-demand: the provider never takes it back.

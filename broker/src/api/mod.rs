@@ -21,7 +21,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
 use proteus_wire::JobId;
-use proteus_wire::agent_api::{AgentEvent, CommandsQuery, Heartbeat, RegisterRequest, paths};
+use proteus_wire::agent_api::{
+    AgentEvent, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use utoipa::ToSchema;
@@ -340,8 +342,8 @@ fn agent_token(headers: &HeaderMap) -> Option<&str> {
     bearer(headers)
 }
 
-#[utoipa::path(post, path = "/v1/agents/register", request_body = Object,
-    responses((status = 200, description = "RegisterResponse"), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)),
+#[utoipa::path(post, path = "/v1/agents/register", request_body = RegisterRequest,
+    responses((status = 200, body = RegisterResponse), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)),
     security(("agent" = [])))]
 async fn agent_register(
     State(s): State<AppState>,
@@ -352,7 +354,7 @@ async fn agent_register(
     Ok(Json(resp).into_response())
 }
 
-#[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Object, params(("instance_id" = String, Path)),
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Heartbeat, params(("instance_id" = String, Path)),
     responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_heartbeat(
     State(s): State<AppState>,
@@ -368,7 +370,7 @@ async fn agent_heartbeat(
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/commands", params(("instance_id" = String, Path), ("after" = Option<u64>, Query),
     ("wait_ms" = Option<u64>, Query)),
-    responses((status = 200, description = "Vec<CommandEnvelope>"), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_commands(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -382,7 +384,7 @@ async fn agent_commands(
     Ok(Json(commands).into_response())
 }
 
-#[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = Object, params(("instance_id" = String, Path)),
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = AgentEvent, params(("instance_id" = String, Path)),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_event(
     State(s): State<AppState>,

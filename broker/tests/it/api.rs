@@ -579,6 +579,30 @@ async fn the_openapi_document_describes_every_route() {
         );
     }
     assert!(doc["components"]["schemas"]["JobSpec"].is_object());
+    // The agents' bodies are described too (a fuzzer generates them from this document).
+    for (path, method, schema) in [
+        ("/v1/agents/register", "post", "RegisterRequest"),
+        ("/v1/agents/{instance_id}/heartbeat", "post", "Heartbeat"),
+        ("/v1/agents/{instance_id}/events", "post", "AgentEvent"),
+    ] {
+        let body = &doc["paths"][path][method]["requestBody"]["content"]["application/json"];
+        assert_eq!(
+            body["schema"]["$ref"],
+            format!("#/components/schemas/{schema}"),
+            "{method} {path}"
+        );
+    }
+    for schema in [
+        "RegisterResponse",
+        "CommandEnvelope",
+        "ClusterView",
+        "Progress",
+    ] {
+        assert!(
+            doc["components"]["schemas"][schema].is_object(),
+            "{schema} missing from the OpenAPI components"
+        );
+    }
     let (status, markets) = s.get("/v1/markets").await;
     assert_eq!(status, 200);
     assert_eq!(markets.as_array().unwrap().len(), 15);
