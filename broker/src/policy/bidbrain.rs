@@ -13,6 +13,10 @@
 //!   minus its share of the pauses every membership change costs the whole footprint;
 //! - an on-demand instance costs the list price and is never evicted.
 //!
+//! Only work the job can still use counts, and only an eviction before the job ends makes an
+//! hour free: near the end, both figures are taken over the time the footprint needs to finish
+//! (a free-ride bid 20 minutes before the end is usually cut by the job's end, and paid).
+//!
 //! A footprint's cost per work (CPW) is the sum of expected costs over the sum of expected work.
 //! At each decision BidBrain
 //!
@@ -23,13 +27,18 @@
 //!    cost more per unit of work than the on-demand ceiling; or clearly more (`switch_margin`)
 //!    than a new allocation that is at least as fast per slot, while the footprint is full or
 //!    at its target speed; or clearly more than the rest of the footprint while the rest stays
-//!    at its target speed without it (the paper's rule: keeping it raises the CPW). Near the
-//!    end of the job only the work still needed counts, so hours the job will not use are not
-//!    renewed;
+//!    at its target speed without it (the paper's rule: keeping it raises the CPW). Under
+//!    `hourly-2015` the end game is explicit: the work the footprint will do in the hours it has
+//!    already paid for is subtracted from what remains, and only that shortfall is handed out
+//!    to the renewals due now, cheapest first; a renewal that gets none of it is released (its
+//!    hour would be paid for work the others finish anyway);
 //! 3. acquires the cheapest allocations per unit of work — over every market of the job's types
 //!    and every bid delta of its grid — up to its capacity target (the job's full speed on the
 //!    worker slots) with allocations within `fill_slack` of the best one, and beyond the target
 //!    while an allocation lowers the footprint's CPW (the paper's rule), up to `max_instances`.
+//!    Under `hourly-2015` it buys no more instances than the shortfall left after the renewals
+//!    needs if none is evicted (a whole hour each), and none once it is covered: an instance
+//!    bought in the job's last hour is paid in full unless evicted, however little it works.
 //!
 //! The free partial hour of `hourly-2015` is exploited through the cost term: a small delta in a
 //! market that is about to move gives a high eviction probability, hence a low expected cost, and
@@ -314,6 +323,9 @@ impl JobCosts {
         est: &EvictionEstimate,
         rate: f64,
     ) -> Economics {
+        // Only an eviction before the job ends makes the hour free: the rest of the job, not
+        // the horizon, is the window that counts.
+        let est = &est.within(self.finish_secs);
         let p = est.probability;
         let periods = if p > 0.0 {
             (1.0 / p).min(self.periods_left)
@@ -338,7 +350,8 @@ impl JobCosts {
         horizon_secs: f64,
     ) -> Economics {
         let periods = self.periods_left.max(1.0);
-        let secs = horizon_secs - self.startup / periods;
+        // Work after the job is done is worth nothing (as for spot, see `new_spot`).
+        let secs = horizon_secs.min(self.finish_secs) - self.startup / periods;
         Economics {
             cost: od * billed_hours(billing, horizon_secs),
             work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
@@ -515,6 +528,36 @@ impl BidBrain {
         Ok(candidates)
     }
 
+    /// Work `inst` is expected to do before its current billing period ends (paid already):
+    /// a spot instance works until the end of the period or its expected eviction, whichever
+    /// is first (`memo` holds its estimate, from [`Self::keep_economics`]).
+    fn paid_work_ahead(
+        &self,
+        ctx: &DecisionContext<'_>,
+        inst: &InstanceView,
+        memo: &[(&Market, f64, f64, EvictionEstimate)],
+    ) -> f64 {
+        let now = ctx.now();
+        let rate = rate_of(ctx.job, &inst.market).unwrap_or(0.0);
+        let from = match inst.state {
+            InstanceState::Starting { ready_at } => ready_at.max(now),
+            _ => now,
+        };
+        let mut secs = ctx
+            .billing
+            .period_end(inst.launched_at, now)
+            .secs_since(from)
+            .max(0.0);
+        if let Purchase::Spot { bid } = inst.purchase
+            && let Some((_, _, _, est)) = memo
+                .iter()
+                .find(|(m, b, _, _)| *m == &inst.market && *b == bid.get())
+        {
+            secs = secs.min((est.expected_secs - from.secs_since(now)).max(0.0));
+        }
+        rate * secs / 3600.0
+    }
+
     /// Expected cost and work of keeping `inst` for one more horizon from now, counting only
     /// work the job can still use after `usable_after` seconds (its paid period's end).
     fn keep_economics<'f>(
@@ -580,6 +623,8 @@ impl BidBrain {
                         (price, est)
                     }
                 };
+                // As for a new instance: an eviction after the job ends saves nothing.
+                let est = est.within(costs.finish_secs);
                 let p = est.probability;
                 let secs = est.expected_secs.min(useful_cap) - startup_left - p * costs.loss;
                 Economics {
@@ -684,6 +729,7 @@ impl Policy for BidBrain {
             .iter()
             .filter(|c| c.purchase == Purchase::OnDemand)
             .map(|c| c.per_instance.cpw())
+            .filter(|c| c.is_finite())
             .min_by(f64::total_cmp)
         {
             ceiling = ceiling.max(self.config.max_cost_vs_on_demand * od_new);
@@ -704,6 +750,8 @@ impl Policy for BidBrain {
         let mut memo = Vec::with_capacity(8);
         let finish_all = costs.finish_secs;
         let mut judged: Vec<(&InstanceView, bool, Economics)> = Vec::with_capacity(members.len());
+        // Work the footprint does in billing periods it has already paid for (hourly-2015).
+        let mut paid_ahead = 0.0;
         for (inst, backup) in members {
             let releasable_now = !backup
                 && match ctx.billing {
@@ -723,15 +771,43 @@ impl Policy for BidBrain {
                 };
             costs.finish_secs = finish_all;
             let econ = self.keep_economics(ctx, inst, &costs, backup, &mut memo);
+            if !backup && matches!(ctx.billing, BillingModel::Hourly2015) {
+                paid_ahead += self.paid_work_ahead(ctx, inst, &memo);
+            }
             judged.push((inst, releasable_now, econ));
         }
+        // The end game (hourly-2015): an instance renewed at its boundary pays a whole hour,
+        // but its work only matters for what the footprint cannot do in the hours it has
+        // already paid for. Hand that shortfall out, cheapest renewal first; a renewal that
+        // gets none of it is worth nothing and is released.
+        let mut useful_caps: Vec<f64> = vec![f64::INFINITY; judged.len()];
+        if matches!(ctx.billing, BillingModel::Hourly2015) {
+            let mut order: Vec<usize> = (0..judged.len()).filter(|&k| judged[k].1).collect();
+            order.sort_by(|&a, &b| judged[a].2.cpw().total_cmp(&judged[b].2.cpw()));
+            let mut left = remaining - paid_ahead;
+            for k in order {
+                useful_caps[k] = left.max(0.0);
+                judged[k].2.work = judged[k].2.work.min(useful_caps[k]);
+                left -= judged[k].2.work;
+            }
+        }
+        let mut judged: Vec<(&InstanceView, bool, Economics, f64)> = judged
+            .into_iter()
+            .zip(useful_caps)
+            .map(|((i, r, e), cap)| (i, r, e, cap))
+            .collect();
         judged.sort_by(|a, b| b.2.cpw().total_cmp(&a.2.cpw()));
         let (mut fp_cost, mut fp_work) = judged
             .iter()
-            .fold((0.0, 0.0), |(c, w), (_, _, e)| (c + e.cost, w + e.work));
+            .fold((0.0, 0.0), |(c, w), (_, _, e, _)| (c + e.cost, w + e.work));
         let mut rate_left = working_rate;
+        // What the footprint will not do in paid hours nor in the hours renewed now (hourly-2015).
+        let mut shortfall = match ctx.billing {
+            BillingModel::Hourly2015 => remaining - paid_ahead,
+            BillingModel::PerSecond => f64::INFINITY,
+        };
         let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(judged.len());
-        for (inst, releasable_now, econ) in judged {
+        for (inst, releasable_now, econ, useful_cap) in judged {
             let inst_rate = rate_of(job, &inst.market).unwrap_or(0.0);
             let mut econ = econ;
             if releasable_now && matches!(ctx.billing, BillingModel::Hourly2015) {
@@ -742,6 +818,7 @@ impl Policy for BidBrain {
                     f64::INFINITY
                 };
                 econ = self.keep_economics(ctx, inst, &costs, false, &mut memo);
+                econ.work = econ.work.min(useful_cap);
             }
             let cpw = econ.cpw();
             // A replacement must be at least as fast per slot, or releasing would only make
@@ -770,6 +847,9 @@ impl Policy for BidBrain {
                 fp_cost -= econ.cost;
                 fp_work -= econ.work;
             } else {
+                if releasable_now {
+                    shortfall -= econ.work;
+                }
                 kept.push((inst, econ));
             }
         }
@@ -798,7 +878,7 @@ impl Policy for BidBrain {
         }
         let mut rate = rate_left;
         // Near the end, the footprint finishes within the horizon: nothing new is worth starting.
-        if fp_work >= remaining {
+        if fp_work >= remaining || shortfall <= 0.0 {
             return Ok(decision);
         }
         let mut used_markets: Vec<&Market> = Vec::new();
@@ -809,7 +889,8 @@ impl Policy for BidBrain {
                     break;
                 }
                 let cpw = cand.per_instance.cpw();
-                if cpw.is_nan() || cpw > ceiling {
+                // Sorted cheapest first: the rest do no useful work (or cost too much).
+                if !cpw.is_finite() || cpw > ceiling {
                     break;
                 }
                 let uses = used_markets.iter().filter(|m| **m == cand.market).count();
@@ -839,9 +920,13 @@ impl Policy for BidBrain {
                 if cand.purchase == Purchase::OnDemand {
                     count = count.min(reliable_room);
                 }
-                // Do not buy more work than is left.
+                // Do not buy more work than is left, nor (hourly-2015) more paid hours than the
+                // shortfall needs if the allocation is not evicted.
                 let per = cand.per_instance.work.max(1e-9);
                 count = count.min(((remaining - fp_work) / per).ceil().max(1.0) as usize);
+                let full_hour =
+                    cand.rate * (self.horizon_secs() - job.startup_secs).max(60.0) / 3600.0;
+                count = count.min((shortfall / full_hour).ceil().max(0.0) as usize);
                 if count == 0 {
                     continue;
                 }
@@ -856,6 +941,7 @@ impl Policy for BidBrain {
                     reliable_room -= count;
                 }
                 rate += cand.rate * count as f64;
+                shortfall -= full_hour * count as f64;
                 fp_cost += cand.per_instance.cost * count as f64;
                 fp_work += cand.per_instance.work * count as f64;
             }
