@@ -228,6 +228,24 @@ impl BrokerProcess {
         }
     }
 
+    /// Waits until the job at `path` is over and asserts that it succeeded, with the broker's
+    /// log in the failure message; returns the job's final view.
+    pub async fn wait_succeeded(
+        &self,
+        path: &str,
+        timeout: Duration,
+        what: &str,
+    ) -> serde_json::Value {
+        let done = self
+            .client()
+            .wait_for(path, timeout, what, |v| {
+                v["state"] != "running" && v["state"] != "pending"
+            })
+            .await;
+        assert_eq!(done["state"], "succeeded", "{done}\n{}", self.log_text());
+        done
+    }
+
     pub fn client(&self) -> Api {
         Api {
             base: self.url.clone(),

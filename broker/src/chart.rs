@@ -152,17 +152,7 @@ pub fn job_chart(
                 }
             }
         }
-        let ly = PRICE_TOP + 14.0 + 16.0 * k as f64;
-        let lx = WIDTH - RIGHT + 12.0;
-        let _ = writeln!(
-            svg,
-            r#"<line x1="{lx}" x2="{}" y1="{}" y2="{}" stroke="{colour}" stroke-width="2"/><text x="{}" y="{ly}">{}</text>"#,
-            lx + 18.0,
-            ly - 4.0,
-            ly - 4.0,
-            lx + 24.0,
-            escape(&m.to_string())
-        );
+        legend(&mut svg, PRICE_TOP, k, colour, &m.to_string());
     }
     let _ = writeln!(
         svg,
@@ -242,16 +232,7 @@ pub fn job_chart(
             svg,
             r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="2"/>"#
         );
-        let ly = COUNT_TOP + 14.0 + 16.0 * k as f64;
-        let lx = WIDTH - RIGHT + 12.0;
-        let _ = writeln!(
-            svg,
-            r#"<line x1="{lx}" x2="{}" y1="{}" y2="{}" stroke="{colour}" stroke-width="2"/><text x="{}" y="{ly}">{name}</text>"#,
-            lx + 18.0,
-            ly - 4.0,
-            ly - 4.0,
-            lx + 24.0
-        );
+        legend(&mut svg, COUNT_TOP, k, colour, name);
     }
     // Time axis labels (market time).
     for k in 0..=4 {
@@ -272,6 +253,21 @@ pub fn job_chart(
     );
     svg.push_str("</svg>\n");
     svg
+}
+
+/// The `k`th entry of the legend right of the panel that starts at `top`: a swatch and a label.
+fn legend(svg: &mut String, top: f64, k: usize, colour: &str, label: &str) {
+    let ly = top + 14.0 + 16.0 * k as f64;
+    let lx = WIDTH - RIGHT + 12.0;
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{lx}" x2="{}" y1="{}" y2="{}" stroke="{colour}" stroke-width="2"/><text x="{}" y="{ly}">{}</text>"#,
+        lx + 18.0,
+        ly - 4.0,
+        ly - 4.0,
+        lx + 24.0,
+        escape(label)
+    );
 }
 
 fn axes(svg: &mut String, top: f64, height: f64, max: f64, label: impl Fn(f64) -> String) {

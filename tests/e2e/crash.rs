@@ -3,7 +3,7 @@
 //! restarted. Nothing may be launched twice for one decision, nothing may leak, and the job
 //! goes on.
 
-use crate::localstack::{assert_no_duplicates_or_leaks, job, live, start_ec2_broker};
+use crate::localstack::{assert_no_duplicates_or_leaks, instance, job, live, start_ec2_broker};
 use proteus_e2e::{localstack_ec2, localstack_instances, unique};
 use std::time::Duration;
 
@@ -176,15 +176,13 @@ async fn kill_9_mid_job_then_restart_leaves_no_leak_and_no_duplicate_and_the_job
     tokio::time::sleep(Duration::from_secs(2)).await;
     broker.spawn(&[]).await;
     let api = broker.client();
-    let done = api
-        .wait_for(
+    broker
+        .wait_succeeded(
             &path,
             Duration::from_secs(300),
             "the job to finish after the restart",
-            |v| v["state"] != "running" && v["state"] != "pending",
         )
         .await;
-    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
     // The agents that outlived the crash finished the job: the resumed control plane kept them.
     let events = api.get(&format!("{path}/events")).await;
     let lost: Vec<&serde_json::Value> = events
@@ -296,19 +294,10 @@ async fn crash_while_recording_an_eviction() {
 
     broker.spawn(&[]).await;
     let api = broker.client();
-    let done = api
-        .wait_for(&path, Duration::from_secs(300), "the job to finish", |v| {
-            v["state"] != "running" && v["state"] != "pending"
-        })
+    let done = broker
+        .wait_succeeded(&path, Duration::from_secs(300), "the job to finish")
         .await;
-    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
-    let victim_after = done["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["id"] == victim_id.as_str())
-        .unwrap()
-        .clone();
+    let victim_after = instance(&done, &victim_id);
     assert_eq!(
         victim_after["end_reason"], "evicted",
         "the eviction was recorded after the restart: {victim_after}"

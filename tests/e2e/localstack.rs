@@ -81,6 +81,17 @@ pub fn live(view: &Value) -> Vec<Value> {
         .collect()
 }
 
+/// The instance with the broker's id `id` in a job's view.
+pub fn instance(view: &Value, id: &str) -> Value {
+    view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["id"] == id)
+        .unwrap_or_else(|| panic!("no instance {id} in {view}"))
+        .clone()
+}
+
 /// No instance launched twice for one intent, and no running instance without a live record.
 pub fn assert_no_duplicates_or_leaks(seen: &[Seen], views: &[Value]) {
     let alive: Vec<&Seen> = seen
@@ -192,19 +203,10 @@ async fn localstack_job_survives_an_interruption_and_cancel_releases_everything(
         .await
         .expect("TerminateInstances on LocalStack");
 
-    let done = api
-        .wait_for(&path, Duration::from_secs(300), "job a to finish", |v| {
-            v["state"] != "running" && v["state"] != "pending"
-        })
+    let done = broker
+        .wait_succeeded(&path, Duration::from_secs(300), "job a to finish")
         .await;
-    assert_eq!(done["state"], "succeeded", "{done}\n{}", broker.log_text());
-    let victim_after = done["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["id"] == victim_id.as_str())
-        .unwrap()
-        .clone();
+    let victim_after = instance(&done, &victim_id);
     assert_eq!(victim_after["end_reason"], "evicted", "{victim_after}");
     let events = api.get(&format!("/v1/jobs/{a_id}/events")).await;
     assert!(

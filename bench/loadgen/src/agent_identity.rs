@@ -5,8 +5,9 @@
 
 use anyhow::{Context, Result};
 use proteus_broker::api::auth::{hash_token, new_token};
-use proteus_broker::store::{InstanceRow, InstanceState, MarketFilter, Store};
-use proteus_wire::{JobId, Tier};
+use proteus_broker::policy::Purchase;
+use proteus_broker::store::{InstanceRow, MarketFilter, Store};
+use proteus_wire::JobId;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -39,24 +40,14 @@ pub async fn run(args: Args) -> Result<bool> {
         .created;
     let id = format!("pi-{}-{}", args.job, args.cloud_id);
     store
-        .insert_instance(&InstanceRow {
-            id: id.clone(),
-            job_id: JobId(args.job),
-            cloud_id: None,
+        .insert_instance(&InstanceRow::intent(
+            id.clone(),
+            JobId(args.job),
             market,
-            tier: Tier::Reliable,
-            bid: None,
-            state: InstanceState::Requested,
-            token_hash: hash_token(&token),
-            requested: now,
-            launched: None,
-            warned: None,
-            ended: None,
-            end_reason: None,
-            ended_by_provider: false,
-            launch_error: None,
-            metadata_addr: None,
-        })
+            Purchase::OnDemand,
+            hash_token(&token),
+            now,
+        ))
         .await?;
     store.mark_launched(&id, &args.cloud_id, now).await?;
     store.close().await;

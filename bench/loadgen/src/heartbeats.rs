@@ -14,8 +14,9 @@ use crate::stats::{Samples, Summary};
 use anyhow::{Context, Result, anyhow, bail};
 use proteus_broker::api::auth::{hash_token, new_token};
 use proteus_broker::cloud::LaunchSpec;
+use proteus_broker::policy::Purchase;
 use proteus_broker::service::spec::JobSpec;
-use proteus_broker::store::{InstanceRow, InstanceState};
+use proteus_broker::store::InstanceRow;
 use proteus_wire::agent_api::{AgentEvent, Heartbeat, Progress, RegisterRequest};
 use proteus_wire::{InstanceId, JobId, Tier};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -159,24 +160,14 @@ async fn setup(
     let mut agents = Vec::with_capacity(args.agents);
     for i in 0..args.agents {
         let token = new_token("pa_");
-        let row = InstanceRow {
-            id: format!("pi-{}-bench{i:04}", job.0),
-            job_id: job,
-            cloud_id: None,
-            market: market.clone(),
-            tier: Tier::Reliable,
-            bid: None,
-            state: InstanceState::Requested,
-            token_hash: hash_token(&token),
-            requested: now,
-            launched: None,
-            warned: None,
-            ended: None,
-            end_reason: None,
-            ended_by_provider: false,
-            launch_error: None,
-            metadata_addr: None,
-        };
+        let row = InstanceRow::intent(
+            format!("pi-{}-bench{i:04}", job.0),
+            job,
+            market.clone(),
+            Purchase::OnDemand,
+            hash_token(&token),
+            now,
+        );
         broker.store.insert_instance(&row).await?;
         let launched = broker
             .cloud

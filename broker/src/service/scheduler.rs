@@ -487,24 +487,14 @@ impl Broker {
     ) -> Result<bool, ServiceError> {
         let id = format!("pi-{}-{:08x}", job.0, rand::random::<u32>());
         let token = crate::api::auth::new_token("pa_");
-        let row = InstanceRow {
-            id: id.clone(),
-            job_id: job,
-            cloud_id: None,
-            market: market.clone(),
-            tier: purchase.tier(),
-            bid: purchase.bid(),
-            state: InstanceState::Requested,
-            token_hash: crate::api::auth::hash_token(&token),
-            requested: now,
-            launched: None,
-            warned: None,
-            ended: None,
-            end_reason: None,
-            ended_by_provider: false,
-            launch_error: None,
-            metadata_addr: None,
-        };
+        let row = InstanceRow::intent(
+            id,
+            job,
+            market.clone(),
+            purchase,
+            crate::api::auth::hash_token(&token),
+            now,
+        );
         self.store.insert_instance(&row).await?;
         crate::failpoint::hit("launch-after-intent");
         self.launch_recorded(&row, &token, now).await

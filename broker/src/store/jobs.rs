@@ -134,6 +134,38 @@ pub struct InstanceRow {
     pub metadata_addr: Option<String>,
 }
 
+impl InstanceRow {
+    /// A launch intent: what is stored before the cloud is asked for the instance, so that a
+    /// crash between the two leaves a record to reconcile against the cloud's tags.
+    pub fn intent(
+        id: String,
+        job_id: JobId,
+        market: Market,
+        purchase: crate::policy::Purchase,
+        token_hash: String,
+        now: Timestamp,
+    ) -> InstanceRow {
+        InstanceRow {
+            id,
+            job_id,
+            cloud_id: None,
+            market,
+            tier: purchase.tier(),
+            bid: purchase.bid(),
+            state: InstanceState::Requested,
+            token_hash,
+            requested: now,
+            launched: None,
+            warned: None,
+            ended: None,
+            end_reason: None,
+            ended_by_provider: false,
+            launch_error: None,
+            metadata_addr: None,
+        }
+    }
+}
+
 /// One event in a job's history.
 #[derive(Debug, Clone, Serialize)]
 pub struct EventRow {

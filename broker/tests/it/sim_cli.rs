@@ -13,6 +13,21 @@ fn proteus(args: &[&str]) -> Output {
         .expect("run proteus")
 }
 
+/// `proteus simulate --trace T --on-demand O --job J`, then `rest`.
+fn simulate(trace: &str, on_demand: &str, job: &str, rest: &[&str]) -> Output {
+    let mut args = vec![
+        "simulate",
+        "--trace",
+        trace,
+        "--on-demand",
+        on_demand,
+        "--job",
+        job,
+    ];
+    args.extend_from_slice(rest);
+    proteus(&args)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -45,25 +60,23 @@ fn compare_prints_one_json_object_per_policy_with_the_contract_fields() {
         on_demand_2015(),
         repo("examples/jobs/reference-2015.toml"),
     );
-    let out = proteus(&[
-        "simulate",
-        "--trace",
+    let out = simulate(
         &trace,
-        "--on-demand",
         &od,
-        "--job",
         &job,
-        "--compare",
-        "bidbrain",
-        "standard-bidding",
-        "on-demand",
-        "--starts",
-        "3",
-        "--seed",
-        "7",
-        "--output",
-        "json",
-    ]);
+        &[
+            "--compare",
+            "bidbrain",
+            "standard-bidding",
+            "on-demand",
+            "--starts",
+            "3",
+            "--seed",
+            "7",
+            "--output",
+            "json",
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let rows = rows.as_array().expect("an array");
@@ -119,19 +132,7 @@ fn a_policy_naming_a_market_without_prices_is_refused() {
         on_demand_2015(),
         repo("examples/jobs/reference-2015.toml"),
     );
-    let out = proteus(&[
-        "simulate",
-        "--trace",
-        &trace,
-        "--on-demand",
-        &od,
-        "--job",
-        &job,
-        "--policy",
-        &policy,
-        "--starts",
-        "2",
-    ]);
+    let out = simulate(&trace, &od, &job, &["--policy", &policy, "--starts", "2"]);
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
     assert!(
@@ -180,17 +181,7 @@ fn a_job_naming_an_unknown_instance_type_is_refused() {
         "total_work = 100.0\nreference_type = \"c3.xlarge\"\ninstance_types = [\"c3.xlarge\", \"c9.huge\"]\nmax_instances = 8\n",
     );
     let (trace, od) = (trace_2015(), on_demand_2015());
-    let out = proteus(&[
-        "simulate",
-        "--trace",
-        &trace,
-        "--on-demand",
-        &od,
-        "--job",
-        &job,
-        "--policy",
-        "bidbrain",
-    ]);
+    let out = simulate(&trace, &od, &job, &["--policy", "bidbrain"]);
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
     assert!(
@@ -214,17 +205,7 @@ fn a_trace_shorter_than_the_job_is_refused() {
     let trace = write(dir.path(), "short.csv", &csv);
     let od = on_demand_2015();
     let job = repo("examples/jobs/reference-2015.toml");
-    let out = proteus(&[
-        "simulate",
-        "--trace",
-        &trace,
-        "--on-demand",
-        &od,
-        "--job",
-        &job,
-        "--policy",
-        "on-demand",
-    ]);
+    let out = simulate(&trace, &od, &job, &["--policy", "on-demand"]);
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
     assert!(
@@ -232,19 +213,12 @@ fn a_trace_shorter_than_the_job_is_refused() {
         "{err}"
     );
     // A single start inside it: the run itself finds the end.
-    let out = proteus(&[
-        "simulate",
-        "--trace",
+    let out = simulate(
         &trace,
-        "--on-demand",
         &od,
-        "--job",
         &job,
-        "--policy",
-        "on-demand",
-        "--start",
-        "2015-04-01T01:00:00Z",
-    ]);
+        &["--policy", "on-demand", "--start", "2015-04-01T01:00:00Z"],
+    );
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
     assert!(
