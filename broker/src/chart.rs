@@ -323,6 +323,7 @@ mod tests {
             token_hash: String::new(),
             requested: Timestamp(0),
             launched: Some(Timestamp(0)),
+            ready: None,
             warned: None,
             ended: Some(Timestamp(1_920_000)),
             end_reason: Some("evicted".into()),

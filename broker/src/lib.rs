@@ -19,6 +19,7 @@ pub mod cli;
 pub mod clock;
 pub mod cloud;
 pub mod data;
+pub mod engine;
 pub mod failpoint;
 pub mod job;
 pub mod launcher;

@@ -542,6 +542,30 @@ pub enum Stage {
 }
 
 impl Stage {
+    /// AgileML's stage for a footprint of `transient` and `reliable` working machines: the
+    /// transient:reliable ratio against the job's thresholds. The one definition of the rule:
+    /// the coordinator lays shards out by it, and the broker's work accounting credits
+    /// reliable machines with training work only when [`Stage::reliable_machines_train`].
+    pub fn for_counts(transient: usize, reliable: usize, thresholds: &StageThresholds) -> Stage {
+        let ratio = match (transient, reliable) {
+            (0, _) => 0.0,
+            (_, 0) => f64::INFINITY,
+            (t, r) => t as f64 / r as f64,
+        };
+        if ratio >= thresholds.stage3_ratio {
+            Stage::Stage3
+        } else if ratio >= thresholds.stage2_ratio {
+            Stage::Stage2
+        } else {
+            Stage::Stage1
+        }
+    }
+
+    /// Whether reliable machines run workers in this stage (in stage 3 they hold only backups).
+    pub fn reliable_machines_train(self) -> bool {
+        self != Stage::Stage3
+    }
+
     pub fn number(self) -> u8 {
         match self {
             Stage::Stage1 => 1,

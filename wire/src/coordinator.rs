@@ -813,7 +813,7 @@ impl Coordinator {
             .members
             .iter()
             .filter(|(_, m)| matches!(m.state, MemberState::Active | MemberState::Draining))
-            .filter(|(_, m)| stage != Stage::Stage3 || m.tier == Tier::Transient)
+            .filter(|(_, m)| stage.reliable_machines_train() || m.tier == Tier::Transient)
             .map(|(id, _)| id)
             .collect();
         let n = ids.len() as u64;
@@ -841,19 +841,7 @@ pub fn choose_stage(eligible: &[(&InstanceId, Tier)], thresholds: &StageThreshol
         .iter()
         .filter(|(_, t)| *t == Tier::Transient)
         .count();
-    let reliable = eligible.len() - transient;
-    let ratio = match (transient, reliable) {
-        (0, _) => 0.0,
-        (_, 0) => f64::INFINITY,
-        (t, r) => t as f64 / r as f64,
-    };
-    if ratio >= thresholds.stage3_ratio {
-        Stage::Stage3
-    } else if ratio >= thresholds.stage2_ratio {
-        Stage::Stage2
-    } else {
-        Stage::Stage1
-    }
+    Stage::for_counts(transient, eligible.len() - transient, thresholds)
 }
 
 /// Shard `s` of `n` over `[0, len)`: contiguous, covering, sizes differing by at most one.

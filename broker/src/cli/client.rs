@@ -330,6 +330,19 @@ fn job_detail(j: &JobView) -> String {
         j.instances_by_tier.get("transient").copied().unwrap_or(0),
         j.evictions,
     );
+    out.push_str(&format!(
+        "work: {:.3} units received{}{}\n",
+        j.work.done_units,
+        j.work
+            .expected_units
+            .map(|e| format!(", {e:.3} expected in all (re-estimated from the measured rate)"))
+            .unwrap_or_default(),
+        j.work
+            .eta
+            .as_deref()
+            .map(|e| format!(", ETA {e}"))
+            .unwrap_or_default(),
+    ));
     if let Some(h) = &j.held {
         out.push_str(&format!("held: {h}\n"));
     }
@@ -382,7 +395,14 @@ pub fn cost_text(r: &CostReport) -> String {
     }
     out.push_str(&t.render());
     out.push_str(&format!(
-        "\nthe same work ({:.2} units) on the same prices:\n",
+        "\nwork: {:.3} units received ({} pacing); the submitted estimate expected {:.3} for this progress\n",
+        r.work_units, r.pacing, r.estimated_work_units
+    ));
+    if let Some(note) = &r.work_note {
+        out.push_str(&format!("note: {note}\n"));
+    }
+    out.push_str(&format!(
+        "\nthe same work ({:.3} units) on the same prices:\n",
         r.work_units
     ));
     let mut t = Table::new(&["baseline", "cost", "runtime h", "evictions", "savings"]);

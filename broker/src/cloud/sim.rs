@@ -17,9 +17,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The notice EC2 gives before reclaiming a spot instance.
-pub const WARNING_SECS: f64 = 120.0;
-
 #[derive(Debug)]
 struct SimInstance {
     instance_id: String,
@@ -161,7 +158,7 @@ impl Cloud for SimCloud {
                 && let Some(warn_at) = i.warn_at
                 && warn_at <= now
             {
-                let action_time = warn_at.plus_secs(WARNING_SECS);
+                let action_time = warn_at.plus_secs(crate::engine::NOTICE_SECS);
                 let warned_wall = match i.warned_wall {
                     Some(w) => w,
                     None => {

@@ -2,6 +2,7 @@
 
 use super::status_cache::JobRecord;
 use super::{Broker, ServiceError, ledger};
+use crate::engine::work::{self, WorkingSpan};
 use crate::market::Timestamp;
 use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, NewJob};
 use proteus_wire::{JobId, Tier};
@@ -41,6 +42,19 @@ pub struct JobView {
     pub held: Option<String>,
     /// Markets skipped after the cloud refused them, with the reason.
     pub unavailable_markets: Vec<String>,
+    pub work: WorkView,
+}
+
+/// The job's work, measured (see [`crate::engine::work`]).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WorkView {
+    /// Units received so far from the instances' working time.
+    pub done_units: f64,
+    /// The total the job is now expected to need: re-estimated from the measured rate
+    /// (done ÷ progress) once it has made progress; `None` while the submitted estimate stands.
+    pub expected_units: Option<f64>,
+    /// When the job should finish at the capacity it holds now (market time, RFC 3339).
+    pub eta: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -52,6 +66,9 @@ pub struct InstanceSummary {
     pub bid_usd: Option<f64>,
     pub state: String,
     pub launched: Option<String>,
+    /// When it started working for the job (its agent joined, or start-up passed).
+    pub ready: Option<String>,
+    pub warned: Option<String>,
     pub ended: Option<String>,
     pub end_reason: Option<String>,
     /// The instance-metadata endpoint of a locally launched agent (simulated cloud, LocalStack).
@@ -69,8 +86,18 @@ pub struct CostReport {
     /// Instance-hours not charged because the provider ended the instance (`hourly-2015`).
     pub free_hours: f64,
     pub evictions: u32,
-    /// The job's work in units (instance-hours of its reference type) done so far.
+    /// The work the job received, in units (instance-hours of its reference type): every
+    /// instance's working time (after start-up, before a warning or release) × its type's
+    /// rate, under AgileML's stage rule. The counterfactuals do this much work.
     pub work_units: f64,
+    /// What the submitted estimate says the progress made needs (progress × `total_work`).
+    pub estimated_work_units: f64,
+    /// Where progress comes from: `measured` (the agents' training clocks) or `modelled` (the
+    /// work model on market time, as in the demo, where estimate and measurement agree by
+    /// construction up to the work evictions lose).
+    pub pacing: String,
+    /// Set when the measured work and the estimate differ by more than 20%.
+    pub work_note: Option<String>,
     /// The same work under the baselines, on the same prices.
     pub counterfactuals: Vec<ledger::Counterfactual>,
     /// `1 - total / counterfactual` for each baseline with a cost.
@@ -197,6 +224,7 @@ impl Broker {
             .runtime(job.id)
             .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).held.clone());
         let now = self.clock.now();
+        let work = self.work_view(job, instances, now);
         let unavailable = cooldowns
             .iter()
             .filter(|c| c.until > now)
@@ -231,6 +259,27 @@ impl Broker {
             instances: instances.iter().map(summary).collect(),
             held,
             unavailable_markets: unavailable,
+            work,
+        }
+    }
+
+    fn work_view(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> WorkView {
+        let eta = self.runtime(job.id).and_then(|r| {
+            let rt = r.lock().unwrap_or_else(|e| e.into_inner());
+            let spans: Vec<WorkingSpan> = instances
+                .iter()
+                .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
+                .collect();
+            let rate = work::rate_at(&spans, Some(&rt.model.stages), now);
+            let total = job.work.expected_units.unwrap_or(rt.model.total_work);
+            let remaining = (total - job.work.done_units).max(0.0);
+            (rate > 0.0 && !job.state.is_over())
+                .then(|| now.plus_secs(remaining / rate * 3600.0).to_string())
+        });
+        WorkView {
+            done_units: job.work.done_units,
+            expected_units: job.work.expected_units,
+            eta,
         }
     }
 
@@ -298,9 +347,15 @@ impl Broker {
         }
         let total: f64 = lines.iter().map(|l| l.amount_usd).sum();
         let billing = job.billing.parse().unwrap_or(self.settings.default_billing);
-        let (counterfactuals, work_units) = match self.work_model_of(&job) {
+        let until = job.finished.unwrap_or_else(|| self.clock.now());
+        let pacing = match self.settings.pacing {
+            crate::service::Pacing::Measured => "measured",
+            crate::service::Pacing::Modelled => "modelled",
+        };
+        let (counterfactuals, work_units, estimated_work_units) = match self.work_model_of(&job) {
             Some(model) => {
-                let units = job.progress * model.total_work;
+                let units = work::received(&instances, &model, until);
+                let estimated = job.progress * model.total_work;
                 let start = job.started.unwrap_or(job.created);
                 let data = self.market_data();
                 // The counterfactuals run the simulator: keep it off the async workers.
@@ -309,10 +364,11 @@ impl Broker {
                 })
                 .await
                 .unwrap_or_default();
-                (cf, units)
+                (cf, units, estimated)
             }
-            None => (Vec::new(), 0.0),
+            None => (Vec::new(), 0.0, 0.0),
         };
+        let work_note = work_disagreement(work_units, estimated_work_units);
         let savings = counterfactuals
             .iter()
             .filter_map(|c| {
@@ -330,15 +386,23 @@ impl Broker {
             free_hours,
             evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
             work_units,
+            estimated_work_units,
+            pacing: pacing.to_string(),
+            work_note,
             counterfactuals,
             savings,
             lines,
         })
     }
 
+    /// The job's work model as submitted (its `total_work` is the submitted estimate, not a
+    /// re-estimate).
     fn work_model_of(&self, job: &JobRow) -> Option<crate::job::JobModel> {
         if let Some(r) = self.runtime(job.id) {
-            return Some(r.lock().unwrap_or_else(|e| e.into_inner()).model.clone());
+            let rt = r.lock().unwrap_or_else(|e| e.into_inner());
+            let mut model = rt.model.clone();
+            model.total_work = rt.submitted_work;
+            return Some(model);
         }
         let spec: super::spec::JobSpec = serde_json::from_str(&job.spec).ok()?;
         let valid = spec
@@ -346,6 +410,19 @@ impl Broker {
             .ok()?;
         self.build_runtime(valid).ok().map(|r| r.model)
     }
+}
+
+/// Says so when the measured work and what the estimate expected for the progress made differ
+/// by more than 20% (of the estimate).
+fn work_disagreement(measured: f64, estimated: f64) -> Option<String> {
+    if estimated <= 0.0 || (measured - estimated).abs() <= 0.2 * estimated {
+        return None;
+    }
+    Some(format!(
+        "the job received {measured:.3} units of work where its estimate expected {estimated:.3} \
+         ({:+.0}%): the counterfactuals are priced on the measured work",
+        (measured / estimated - 1.0) * 100.0
+    ))
 }
 
 fn summary(i: &InstanceRow) -> InstanceSummary {
@@ -361,6 +438,8 @@ fn summary(i: &InstanceRow) -> InstanceSummary {
         bid_usd: i.bid.map(|b| b.get()),
         state: i.state.to_string(),
         launched: ts(i.launched),
+        ready: ts(i.ready),
+        warned: ts(i.warned),
         ended: ts(i.ended),
         end_reason: i.end_reason.clone(),
         metadata_url: i.metadata_addr.as_ref().map(|a| format!("http://{a}")),

@@ -136,7 +136,13 @@ impl MarketData {
 /// state) and its resolved models.
 pub struct JobRuntime {
     pub valid: ValidJob,
+    /// The job's work model. Under [`Pacing::Measured`] its `total_work` is re-estimated from
+    /// the measured rate once the job has made progress (see [`crate::engine::work`]).
     pub model: JobModel,
+    /// The total work the job was submitted with (units).
+    pub submitted_work: f64,
+    /// The last re-estimate of the total recorded as an event.
+    pub announced_work: Option<f64>,
     pub policy: Box<dyn Policy>,
     /// The policy asked to be consulted again at this market time.
     pub wake_at: Option<crate::market::Timestamp>,
@@ -328,6 +334,8 @@ impl Broker {
         let model = self.work_model(&valid, &data)?;
         Ok(JobRuntime {
             valid,
+            submitted_work: model.total_work,
+            announced_work: None,
             model,
             policy,
             wake_at: None,

@@ -23,8 +23,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The two-minute notice, in market seconds.
-const NOTICE_SECS: f64 = 120.0;
+use crate::engine::NOTICE_SECS;
+use crate::engine::work::{self, WorkingSpan};
+use crate::store::WorkRecord;
 
 impl Broker {
     /// Runs the control loop until `shutdown` resolves.
@@ -217,6 +218,79 @@ impl Broker {
         Ok(())
     }
 
+    /// Records when each instance started working for the job: when its agent joined the
+    /// training (measured pacing), or start-up after its launch (modelled pacing, so that
+    /// nothing depends on wall time). Updates `instances` to match.
+    async fn record_readiness(
+        &self,
+        instances: &mut [InstanceRow],
+        status: &proteus_wire::coordinator::JobStatus,
+        startup_secs: f64,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let joined: HashSet<&str> = status
+            .members
+            .iter()
+            .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
+            .map(|m| m.instance_id.0.as_str())
+            .collect();
+        for row in instances.iter_mut() {
+            if row.ready.is_some() || row.state != InstanceState::Running {
+                continue;
+            }
+            let Some(launched) = row.launched else {
+                continue;
+            };
+            let ready_at = match self.settings.pacing {
+                Pacing::Measured => row
+                    .cloud_id
+                    .as_deref()
+                    .is_some_and(|c| joined.contains(c))
+                    .then_some(now),
+                Pacing::Modelled => Some(launched.plus_secs(startup_secs)).filter(|&t| t <= now),
+            };
+            if let Some(at) = ready_at
+                && self.store.mark_ready(&row.id, at).await?
+            {
+                row.ready = Some(at);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a re-estimate of the job's total work as an event when it moved by more than
+    /// 10% since the last one recorded (or is the first).
+    async fn announce_reestimate(
+        &self,
+        job: JobId,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let detail = {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let total = rt.model.total_work;
+            if total == rt.submitted_work && rt.announced_work.is_none() {
+                return Ok(());
+            }
+            let moved = rt
+                .announced_work
+                .is_none_or(|last| (total - last).abs() > 0.1 * last);
+            if !moved {
+                return Ok(());
+            }
+            rt.announced_work = Some(total);
+            format!(
+                "remaining work re-estimated from the measured rate: {total:.3} units in all \
+                 (submitted estimate {:.3})",
+                rt.submitted_work
+            )
+        };
+        self.store
+            .add_event(Some(job), None, now, "work_reestimated", &detail)
+            .await?;
+        Ok(())
+    }
+
     async fn tick_job(&self, job: &JobRow, now: Timestamp) -> Result<(), ServiceError> {
         let runtime = match self.ensure_runtime(job) {
             Ok(r) => r,
@@ -251,18 +325,50 @@ impl Broker {
             }
         }
         let status = control.read(|c| c.status());
-        let instances = self.store.instances_of_job(job.id).await?;
-        let fraction = match self.settings.pacing {
-            Pacing::Measured if status.progress.total_clocks > 0 => {
-                (status.progress.clock as f64 / status.progress.total_clocks as f64).min(1.0)
-            }
-            Pacing::Measured => 0.0,
-            Pacing::Modelled => {
-                let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-                advance_modelled_work(&mut rt, &instances, now);
-                (rt.modelled_units / rt.model.total_work).min(1.0)
+        let mut instances = self.store.instances_of_job(job.id).await?;
+        let startup = runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .model
+            .startup_secs;
+        self.record_readiness(&mut instances, &status, startup, now)
+            .await?;
+        let (fraction, work) = {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let done = work::received(&instances, &rt.model, now);
+            match self.settings.pacing {
+                Pacing::Measured => {
+                    let fraction = if status.progress.total_clocks > 0 {
+                        (status.progress.clock as f64 / status.progress.total_clocks as f64)
+                            .min(1.0)
+                    } else {
+                        0.0
+                    };
+                    let expected = work::reestimate_total(done, fraction);
+                    if let Some(total) = expected {
+                        rt.model.total_work = total;
+                    }
+                    (
+                        fraction,
+                        WorkRecord {
+                            done_units: done,
+                            expected_units: expected,
+                        },
+                    )
+                }
+                Pacing::Modelled => {
+                    advance_modelled_work(&mut rt, &instances, now);
+                    (
+                        (rt.modelled_units / rt.model.total_work).min(1.0),
+                        WorkRecord {
+                            done_units: done,
+                            expected_units: None,
+                        },
+                    )
+                }
             }
         };
+        self.announce_reestimate(job.id, &runtime, now).await?;
         let training_done = status.state == TrainingState::Completed;
         self.save_control(job.id).await?;
         let metric = status
@@ -270,12 +376,12 @@ impl Broker {
             .or(status.latest_metric)
             .and_then(|m| serde_json::to_string(&m).ok());
         self.store
-            .set_job_progress(job.id, fraction, metric.as_deref())
+            .set_job_progress(job.id, fraction, metric.as_deref(), work)
             .await?;
 
         if training_done && (self.settings.pacing == Pacing::Measured || fraction >= 1.0) {
             self.store
-                .set_job_progress(job.id, 1.0, metric.as_deref())
+                .set_job_progress(job.id, 1.0, metric.as_deref(), work)
                 .await?;
             let reason = match status.final_metric {
                 Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
@@ -315,26 +421,13 @@ impl Broker {
                 .set_job_state(job.id, JobState::Running, None, now)
                 .await?;
         }
-        // Which instances the policy sees as ready: those whose agent joined (measured), or
-        // those past their start-up time (modelled, so that it does not depend on wall time).
-        let registered: Option<HashSet<String>> = match self.settings.pacing {
-            Pacing::Measured => Some(
-                status
-                    .members
-                    .iter()
-                    .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
-                    .map(|m| m.instance_id.0.clone())
-                    .collect(),
-            ),
-            Pacing::Modelled => None,
-        };
         let progress = JobProgress {
             done_work: 0.0,
             total_work: 0.0,
             started_at: job.started.unwrap_or(job.created),
         };
         let decision = self
-            .decide(&runtime, &instances, &registered, progress, fraction, now)
+            .decide(&runtime, &instances, progress, fraction, now)
             .await?;
         self.apply(job, &runtime, decision, &instances, spend, now)
             .await
@@ -346,7 +439,6 @@ impl Broker {
         &self,
         runtime: &Arc<std::sync::Mutex<JobRuntime>>,
         instances: &[InstanceRow],
-        registered: &Option<HashSet<String>>,
         mut progress: JobProgress,
         fraction: f64,
         now: Timestamp,
@@ -365,7 +457,7 @@ impl Broker {
         let startup = rt.model.startup_secs;
         let footprint: Vec<InstanceView> = instances
             .iter()
-            .filter_map(|i| instance_view(i, registered.as_ref(), startup, now))
+            .filter_map(|i| instance_view(i, startup, now))
             .collect();
         let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
         let inner = TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse);
@@ -739,13 +831,9 @@ impl Broker {
     }
 }
 
-/// How the policy sees one stored instance; final ones are not part of the footprint.
-fn instance_view(
-    i: &InstanceRow,
-    registered: Option<&HashSet<String>>,
-    startup_secs: f64,
-    now: Timestamp,
-) -> Option<InstanceView> {
+/// How the policy sees one stored instance; final ones are not part of the footprint. It is
+/// running once it is recorded ready (see [`Broker::record_readiness`]).
+fn instance_view(i: &InstanceRow, startup_secs: f64, now: Timestamp) -> Option<InstanceView> {
     let purchase = match i.bid {
         Some(bid) => Purchase::Spot { bid },
         None => Purchase::OnDemand,
@@ -759,11 +847,7 @@ fn instance_view(
             terminate_at: i.warned.unwrap_or(launched_at).plus_secs(NOTICE_SECS),
         },
         InstanceState::Requested | InstanceState::Running => {
-            let ready = match registered {
-                Some(r) => i.cloud_id.as_ref().is_some_and(|c| r.contains(c)),
-                None => i.launched.is_some() && launched_at.plus_secs(startup_secs) <= now,
-            };
-            if ready {
+            if i.ready.is_some_and(|r| r <= now) {
                 PolicyInstanceState::Running
             } else {
                 PolicyInstanceState::Starting {
@@ -868,44 +952,13 @@ impl MarketView for LiveView<'_> {
 }
 
 /// [`Pacing::Modelled`]: adds the work the job's ready, unwarned instances did since the last
-/// count, as the simulator counts it (AgileML stage 3: with many transient instances the
-/// reliable ones only hold backups).
+/// count, by the engine's one definition ([`work::work_between`], AgileML's stage rule included).
 fn advance_modelled_work(rt: &mut JobRuntime, instances: &[InstanceRow], now: Timestamp) {
     let since = rt.modelled_at.unwrap_or(now);
     rt.modelled_at = Some(now);
-    if now <= since {
-        return;
-    }
-    let startup = rt.model.startup_secs;
-    let (mut transient, mut reliable) = (0u32, 0u32);
-    let mut work = [0.0f64; 2];
-    for i in instances {
-        let Some(launched) = i.launched else { continue };
-        // Working from when it became ready until it was warned or ended.
-        let stop = [i.warned, i.ended]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(now)
-            .min(now);
-        let start = launched.plus_secs(startup).max(since);
-        if stop <= start {
-            continue;
-        }
-        let rate = rt.model.rate(&i.market.instance_type).unwrap_or(0.0);
-        let units = rate * stop.secs_since(start) / 3600.0;
-        match i.tier {
-            Tier::Transient => {
-                transient += 1;
-                work[0] += units;
-            }
-            Tier::Reliable => {
-                reliable += 1;
-                work[1] += units;
-            }
-        }
-    }
-    let stage3 =
-        reliable > 0 && f64::from(transient) >= rt.model.stages.stage3_ratio * f64::from(reliable);
-    rt.modelled_units += if stage3 { work[0] } else { work[0] + work[1] };
+    let spans: Vec<WorkingSpan> = instances
+        .iter()
+        .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
+        .collect();
+    rt.modelled_units += work::work_between(&spans, Some(&rt.model.stages), since, now);
 }

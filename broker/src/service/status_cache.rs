@@ -177,6 +177,7 @@ mod tests {
                 created: Timestamp(0),
                 started: None,
                 finished: None,
+                work: Default::default(),
             },
             instances: vec![],
             spend_usd: 0.0,

@@ -22,6 +22,7 @@ pub mod view;
 pub mod world;
 
 use crate::billing::{BillingError, BillingModel, EndedBy, PriceSource};
+use crate::engine::work::{self, WorkingSpan};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{Market, Timestamp};
 use crate::market_model::{MarketModel, Observation};
@@ -85,7 +86,7 @@ impl Scenario {
             billing,
             world,
             model,
-            warning_secs: 120.0,
+            warning_secs: crate::engine::NOTICE_SECS,
             end,
             start_of_trace,
         })
@@ -406,36 +407,29 @@ impl<'a> Engine<'a> {
         self.rates().0
     }
 
-    /// (working rate, rate of every ready instance that is not warned).
+    /// (working rate, rate of every ready instance that is not warned). The working rate is
+    /// the engine's ([`work::rate_at`]): under AgileML, stage 3 leaves reliable machines only
+    /// backups to hold.
     fn rates(&self) -> (f64, f64) {
-        let (mut transient, mut reliable) = (0usize, 0usize);
-        let (mut t_rate, mut r_rate) = (0.0, 0.0);
-        for (v, s) in self.views.iter().zip(&self.sims) {
-            if !s.ready || s.terminate_at.is_some() {
-                continue;
-            }
-            match v.tier() {
-                Tier::Transient => {
-                    transient += 1;
-                    t_rate += s.rate;
-                }
-                Tier::Reliable => {
-                    reliable += 1;
-                    r_rate += s.rate;
-                }
-            }
-        }
-        // AgileML stage 3: with many transient machines, reliable ones hold only backups.
-        let stage3 = matches!(self.cost_model, EvictionCost::AgileMl { .. })
-            && reliable > 0
-            && transient as f64 >= self.sc.job.stages.stage3_ratio * reliable as f64;
-        let ready = t_rate + r_rate;
+        let spans: Vec<WorkingSpan> = self
+            .views
+            .iter()
+            .zip(&self.sims)
+            .filter(|(_, s)| s.ready && s.terminate_at.is_none())
+            .map(|(v, s)| WorkingSpan {
+                tier: v.tier(),
+                units_per_hour: s.rate,
+                from: self.now,
+                until: None,
+            })
+            .collect();
+        let stages =
+            matches!(self.cost_model, EvictionCost::AgileMl { .. }).then_some(&self.sc.job.stages);
+        let ready = spans.iter().map(|s| s.units_per_hour).sum();
         if self.down {
             (0.0, ready)
-        } else if stage3 {
-            (t_rate, ready)
         } else {
-            (ready, ready)
+            (work::rate_at(&spans, stages, self.now), ready)
         }
     }
 

@@ -95,6 +95,18 @@ pub struct JobRow {
     pub created: Timestamp,
     pub started: Option<Timestamp>,
     pub finished: Option<Timestamp>,
+    /// The work the job has received, as the scheduler last counted it.
+    pub work: WorkRecord,
+}
+
+/// A job's work as the scheduler last counted it (see [`crate::engine::work`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct WorkRecord {
+    /// Units received from the instances' working time.
+    pub done_units: f64,
+    /// The total the job needs, re-estimated from its measured rate once it made progress;
+    /// `None` while the submitted estimate stands.
+    pub expected_units: Option<f64>,
 }
 
 /// A new job to store.
@@ -125,6 +137,9 @@ pub struct InstanceRow {
     pub token_hash: String,
     pub requested: Timestamp,
     pub launched: Option<Timestamp>,
+    /// When it started working for the job: its agent joined (measured pacing), or start-up
+    /// after launch passed (modelled pacing).
+    pub ready: Option<Timestamp>,
     pub warned: Option<Timestamp>,
     pub ended: Option<Timestamp>,
     pub end_reason: Option<String>,
@@ -156,6 +171,7 @@ impl InstanceRow {
             token_hash,
             requested: now,
             launched: None,
+            ready: None,
             warned: None,
             ended: None,
             end_reason: None,
@@ -197,47 +213,54 @@ pub struct Cooldown {
     pub reason: String,
 }
 
-type JobTuple = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    Option<f64>,
-    Option<i64>,
-    f64,
-    Option<String>,
-    Option<String>,
-    i64,
-    Option<i64>,
-    Option<i64>,
-);
+#[derive(sqlx::FromRow)]
+struct JobRecord {
+    id: i64,
+    name: String,
+    spec: String,
+    policy: String,
+    billing: String,
+    state: String,
+    state_reason: Option<String>,
+    budget_usd: Option<f64>,
+    deadline_ms: Option<i64>,
+    progress: f64,
+    metric: Option<String>,
+    control_state: Option<String>,
+    created_ms: i64,
+    started_ms: Option<i64>,
+    finished_ms: Option<i64>,
+    work_done_units: f64,
+    expected_work_units: Option<f64>,
+}
 
 /// id, job, instance, time, kind, detail.
 type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
 
 const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
-     progress, metric, control_state, created_ms, started_ms, finished_ms";
+     progress, metric, control_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units";
 
-fn job_from(t: JobTuple) -> Result<JobRow, StoreError> {
+fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
     Ok(JobRow {
-        id: JobId(t.0),
-        name: t.1,
-        spec: t.2,
-        policy: t.3,
-        billing: t.4,
-        state: t.5.parse()?,
-        state_reason: t.6,
-        budget_usd: t.7,
-        deadline: t.8.map(Timestamp),
-        progress: t.9,
-        metric: t.10,
-        control_state: t.11,
-        created: Timestamp(t.12),
-        started: t.13.map(Timestamp),
-        finished: t.14.map(Timestamp),
+        id: JobId(t.id),
+        name: t.name,
+        spec: t.spec,
+        policy: t.policy,
+        billing: t.billing,
+        state: t.state.parse()?,
+        state_reason: t.state_reason,
+        budget_usd: t.budget_usd,
+        deadline: t.deadline_ms.map(Timestamp),
+        progress: t.progress,
+        metric: t.metric,
+        control_state: t.control_state,
+        created: Timestamp(t.created_ms),
+        started: t.started_ms.map(Timestamp),
+        finished: t.finished_ms.map(Timestamp),
+        work: WorkRecord {
+            done_units: t.work_done_units,
+            expected_units: t.expected_work_units,
+        },
     })
 }
 
@@ -255,6 +278,7 @@ struct InstanceRecord {
     token_hash: String,
     requested_ms: i64,
     launched_ms: Option<i64>,
+    ready_ms: Option<i64>,
     warned_ms: Option<i64>,
     ended_ms: Option<i64>,
     end_reason: Option<String>,
@@ -264,7 +288,7 @@ struct InstanceRecord {
 }
 
 const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
-     state, token_hash, requested_ms, launched_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
+     state, token_hash, requested_ms, launched_ms, ready_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
      metadata_addr";
 
 fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
@@ -286,6 +310,7 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         token_hash: r.token_hash,
         requested: Timestamp(r.requested_ms),
         launched: r.launched_ms.map(Timestamp),
+        ready: r.ready_ms.map(Timestamp),
         warned: r.warned_ms.map(Timestamp),
         ended: r.ended_ms.map(Timestamp),
         end_reason: r.end_reason,
@@ -318,7 +343,7 @@ impl Store {
 
     pub async fn job(&self, id: JobId) -> Result<Option<JobRow>, StoreError> {
         let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
-        let row: Option<JobTuple> = with_db!(self, |pool| {
+        let row: Option<JobRecord> = with_db!(self, |pool| {
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(id.0)
                 .fetch_optional(pool)
@@ -336,7 +361,7 @@ impl Store {
             ""
         };
         let sql = format!("SELECT {JOB_COLUMNS} FROM jobs {filter} ORDER BY id DESC");
-        let rows: Vec<JobTuple> = with_db!(self, |pool| {
+        let rows: Vec<JobRecord> = with_db!(self, |pool| {
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .fetch_all(pool)
                 .await
@@ -378,14 +403,18 @@ impl Store {
         id: JobId,
         progress: f64,
         metric: Option<&str>,
+        work: WorkRecord,
     ) -> Result<(), StoreError> {
         with_db!(self, |pool| {
             sqlx::query(
-                "UPDATE jobs SET progress = $2, metric = COALESCE($3, metric) WHERE id = $1",
+                "UPDATE jobs SET progress = $2, metric = COALESCE($3, metric), \
+                     work_done_units = $4, expected_work_units = $5 WHERE id = $1",
             )
             .bind(id.0)
             .bind(progress)
             .bind(metric)
+            .bind(work.done_units)
+            .bind(work.expected_units)
             .execute(pool)
             .await
             .context("recording job progress")?;
@@ -491,6 +520,24 @@ impl Store {
             .context("recording a launch")?;
         });
         Ok(())
+    }
+
+    /// Records when an instance started working for its job (the first time only, and only
+    /// while it is running).
+    pub async fn mark_ready(&self, id: &str, at: Timestamp) -> Result<bool, StoreError> {
+        let n = with_db!(self, |pool| {
+            sqlx::query(
+                "UPDATE instances SET ready_ms = $2 \
+                 WHERE id = $1 AND ready_ms IS NULL AND state = 'running'",
+            )
+            .bind(id)
+            .bind(at.0)
+            .execute(pool)
+            .await
+            .context("recording that an instance is ready")?
+            .rows_affected()
+        });
+        Ok(n > 0)
     }
 
     pub async fn set_token_hash(&self, id: &str, hash: &str) -> Result<(), StoreError> {

@@ -10,6 +10,7 @@ mod prices;
 
 pub use jobs::{
     Cooldown, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob,
+    WorkRecord,
 };
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 

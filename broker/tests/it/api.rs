@@ -239,6 +239,7 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             token_hash: proteus_broker::api::auth::hash_token(&token),
             requested: s.clock.now(),
             launched: None,
+            ready: None,
             warned: None,
             ended: None,
             end_reason: None,
