@@ -5,3 +5,4 @@ mod crash;
 mod localstack;
 mod pg_restart;
 mod sim;
+mod work;

@@ -485,6 +485,13 @@ fn summary(r: &DemoResult) -> String {
         r.wall_seconds
     ));
     out.push_str(&super::client::cost_text(&r.cost));
+    if r.cost.pacing == "modelled" {
+        out.push_str(
+            "(the demo paces work by the work model on market time while the agents train for \
+             real, so the estimate and the measured work agree by construction, up to the work \
+             evictions lose and is redone)\n",
+        );
+    }
     let mut vs = Vec::new();
     for (name, label) in [
         ("on-demand", "on-demand"),

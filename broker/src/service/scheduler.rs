@@ -338,7 +338,11 @@ impl Broker {
             let done = work::received(&instances, &rt.model, now);
             match self.settings.pacing {
                 Pacing::Measured => {
-                    let fraction = if status.progress.total_clocks > 0 {
+                    // Heartbeats carry clocks; the end of training may arrive before the
+                    // last of them.
+                    let fraction = if status.state == TrainingState::Completed {
+                        1.0
+                    } else if status.progress.total_clocks > 0 {
                         (status.progress.clock as f64 / status.progress.total_clocks as f64)
                             .min(1.0)
                     } else {
