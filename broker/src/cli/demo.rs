@@ -64,8 +64,9 @@ pub struct DemoArgs {
     pub work: f64,
     #[arg(long, default_value_t = 8)]
     pub max_instances: u32,
-    /// Passes over the training data.
-    #[arg(long, default_value_t = 3)]
+    /// Passes over the training data. The default keeps the agents training through the
+    /// first price spikes after the default start, so that evicted agents hand over for real.
+    #[arg(long, default_value_t = 6)]
     pub epochs: u32,
     /// Where the chart and the demo's database go. Default: ./proteus-demo (or a temporary
     /// directory if the current one is not writable).

@@ -4,7 +4,26 @@
 //! Both drivers credit work through [`work`], so the figure the simulator measures and the one
 //! the broker reports for a live job come from one definition.
 
+use crate::market::Timestamp;
+
 pub mod work;
 
 /// Seconds between a provider's interruption notice and the termination (EC2's two minutes).
 pub const NOTICE_SECS: f64 = 120.0;
+
+/// How long a driver waits before consulting the policy again when nothing happens and the
+/// policy asked for no earlier wake-up (market seconds).
+pub const DECISION_INTERVAL_SECS: f64 = 600.0;
+
+/// The soonest a policy's own wake-up request is honoured after a decision (market seconds), so
+/// that a policy cannot make a driver spin.
+pub const MIN_WAKE_SECS: f64 = 1.0;
+
+/// When a driver next consults the policy on its own, after a decision at `now` that asked to
+/// be woken at `wake_at`. Events (instances ready, warned, evicted; launches refused) consult
+/// it sooner, in both drivers.
+pub fn next_decision(now: Timestamp, wake_at: Option<Timestamp>) -> Timestamp {
+    wake_at
+        .unwrap_or(now.plus_secs(DECISION_INTERVAL_SECS))
+        .max(now.plus_secs(MIN_WAKE_SECS))
+}

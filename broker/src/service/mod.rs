@@ -144,13 +144,25 @@ pub struct JobRuntime {
     /// The last re-estimate of the total recorded as an event.
     pub announced_work: Option<f64>,
     pub policy: Box<dyn Policy>,
-    /// The policy asked to be consulted again at this market time.
-    pub wake_at: Option<crate::market::Timestamp>,
+    /// When the policy is next consulted on its own (see [`crate::engine::next_decision`]);
+    /// `None` before the first decision.
+    pub next_decision: Option<crate::market::Timestamp>,
+    /// What happened to the job's instances since the last tick, for the policy's
+    /// [`Policy::on_event`](crate::policy::Policy::on_event), in the order the simulator
+    /// reports them: warned, evicted, ready.
+    pub pending: PendingEvents,
     /// Last reason acquisitions were held back (budget), shown in status.
     pub held: Option<String>,
     /// [`Pacing::Modelled`]: units of work done so far, and up to when they are counted.
     pub modelled_units: f64,
     pub modelled_at: Option<crate::market::Timestamp>,
+}
+
+/// Instances (by the broker's id) that something happened to since the last tick.
+#[derive(Debug, Default)]
+pub struct PendingEvents {
+    pub warned: Vec<proteus_wire::InstanceId>,
+    pub evicted: Vec<proteus_wire::InstanceId>,
 }
 
 /// A running broker.
@@ -338,7 +350,8 @@ impl Broker {
             announced_work: None,
             model,
             policy,
-            wake_at: None,
+            next_decision: None,
+            pending: PendingEvents::default(),
             held: None,
             modelled_units: 0.0,
             modelled_at: None,

@@ -13,7 +13,7 @@ use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind, Observation};
 use crate::policy::{
     Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
-    MarketView, Purchase, ViewError,
+    MarketView, PolicyEvent, Purchase, ViewError,
 };
 use crate::sim::view::{FutureReads, TraceView};
 use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState};
@@ -109,6 +109,10 @@ impl Broker {
         if !self.store.mark_warned(&row.id, at).await? {
             return Ok(());
         }
+        if let Some(runtime) = self.runtime(row.job_id) {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            rt.pending.warned.push(InstanceId(row.id.clone()));
+        }
         super::metrics::Metrics::inc(&self.metrics.warnings);
         self.store
             .add_event(
@@ -177,6 +181,10 @@ impl Broker {
         }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
+            if let Some(runtime) = self.runtime(row.job_id) {
+                let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+                rt.pending.evicted.push(InstanceId(row.id.clone()));
+            }
             data.observe(Observation::Interrupted {
                 market: &row.market,
                 at,
@@ -227,13 +235,14 @@ impl Broker {
         status: &proteus_wire::coordinator::JobStatus,
         startup_secs: f64,
         now: Timestamp,
-    ) -> Result<(), ServiceError> {
+    ) -> Result<Vec<InstanceId>, ServiceError> {
         let joined: HashSet<&str> = status
             .members
             .iter()
             .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
             .map(|m| m.instance_id.0.as_str())
             .collect();
+        let mut ready = Vec::new();
         for row in instances.iter_mut() {
             if row.ready.is_some() || row.state != InstanceState::Running {
                 continue;
@@ -253,9 +262,10 @@ impl Broker {
                 && self.store.mark_ready(&row.id, at).await?
             {
                 row.ready = Some(at);
+                ready.push(InstanceId(row.id.clone()));
             }
         }
-        Ok(())
+        Ok(ready)
     }
 
     /// Records a re-estimate of the job's total work as an event when it moved by more than
@@ -331,7 +341,8 @@ impl Broker {
             .unwrap_or_else(|e| e.into_inner())
             .model
             .startup_secs;
-        self.record_readiness(&mut instances, &status, startup, now)
+        let ready = self
+            .record_readiness(&mut instances, &status, startup, now)
             .await?;
         let (fraction, work) = {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
@@ -430,10 +441,70 @@ impl Broker {
             total_work: 0.0,
             started_at: job.started.unwrap_or(job.created),
         };
+        // As the simulator does: the policy hears of each kind of event (warned, evicted,
+        // ready), and is consulted on its own when its wake-up time has come.
+        let (events, due) = {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = std::mem::take(&mut rt.pending);
+            let events: Vec<PolicyEvent> = [
+                PolicyEvent::Warned(pending.warned),
+                PolicyEvent::Evicted(pending.evicted),
+                PolicyEvent::Ready(ready),
+            ]
+            .into_iter()
+            .filter(|e| match e {
+                PolicyEvent::Warned(ids) | PolicyEvent::Evicted(ids) | PolicyEvent::Ready(ids) => {
+                    !ids.is_empty()
+                }
+                PolicyEvent::LaunchFailed { .. } => true,
+            })
+            .collect();
+            (events, rt.next_decision.is_none_or(|t| now >= t))
+        };
+        let consult = Consult {
+            job,
+            runtime: &runtime,
+            progress,
+            fraction,
+            spend,
+            now,
+        };
+        for event in events {
+            self.consult(&consult, Some(event)).await?;
+        }
+        if due {
+            self.consult(&consult, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Consults the policy (a tick when `event` is `None`) and applies its decision. Like the
+    /// simulator, it tells the policy once about each market that refused a launch; what the
+    /// policy asks then is applied, and its own refusals are only recorded.
+    async fn consult(
+        &self,
+        c: &Consult<'_>,
+        event: Option<PolicyEvent>,
+    ) -> Result<(), ServiceError> {
+        let refused = self.consult_once(c, event.as_ref()).await?;
+        for (market, reason) in refused {
+            self.consult_once(c, Some(&PolicyEvent::LaunchFailed { market, reason }))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn consult_once(
+        &self,
+        c: &Consult<'_>,
+        event: Option<&PolicyEvent>,
+    ) -> Result<Vec<(Market, String)>, ServiceError> {
+        // The footprint as stored now: an earlier consult of this tick may have launched.
+        let instances = self.store.instances_of_job(c.job.id).await?;
         let decision = self
-            .decide(&runtime, &instances, progress, fraction, now)
+            .decide(c.runtime, &instances, c.progress, c.fraction, c.now, event)
             .await?;
-        self.apply(job, &runtime, decision, &instances, spend, now)
+        self.apply(c.job, c.runtime, decision, &instances, c.spend, c.now)
             .await
     }
 
@@ -446,6 +517,7 @@ impl Broker {
         mut progress: JobProgress,
         fraction: f64,
         now: Timestamp,
+        event: Option<&PolicyEvent>,
     ) -> Result<Decision, ServiceError> {
         let cooled: HashSet<(String, String)> = self
             .store
@@ -473,7 +545,7 @@ impl Broker {
             model: job_model,
             policy,
             valid,
-            wake_at,
+            next_decision,
             ..
         } = &mut *rt;
         let ctx = DecisionContext {
@@ -484,12 +556,15 @@ impl Broker {
             billing: valid.billing,
         };
         let started = Instant::now();
-        let decision = policy.decide(&ctx);
+        let decision = match event {
+            None => policy.decide(&ctx),
+            Some(e) => policy.on_event(&ctx, e),
+        };
         self.metrics.record_decision(started.elapsed());
         drop(model);
         let decision = decision
             .map_err(|e| ServiceError::Internal(format!("policy {}: {e}", policy.name())))?;
-        *wake_at = decision.wake_at;
+        *next_decision = Some(crate::engine::next_decision(now, decision.wake_at));
         Ok(decision)
     }
 
@@ -501,7 +576,7 @@ impl Broker {
         instances: &[InstanceRow],
         spend: f64,
         now: Timestamp,
-    ) -> Result<(), ServiceError> {
+    ) -> Result<Vec<(Market, String)>, ServiceError> {
         for id in &decision.release {
             if let Some(row) = instances.iter().find(|i| i.id == id.0) {
                 self.terminate_instance(row, "released by the policy")
@@ -534,10 +609,10 @@ impl Broker {
         let mut committed = spend;
         let data = self.market_data();
         let mut held = None;
-        let mut refused: HashSet<Market> = HashSet::new();
+        let mut refused: Vec<(Market, String)> = Vec::new();
         for acq in &decision.acquire {
             for _ in 0..acq.count {
-                if refused.contains(&acq.market) {
+                if refused.iter().any(|(m, _)| *m == acq.market) {
                     break;
                 }
                 let tier = acq.purchase.tier();
@@ -553,34 +628,35 @@ impl Broker {
                     ));
                     break;
                 }
-                if self
+                match self
                     .launch_instance(job.id, &acq.market, acq.purchase, now)
                     .await?
                 {
-                    total += 1;
-                    committed += period;
-                    if tier == Tier::Reliable {
-                        reliable += 1;
+                    Launch::Launched => {
+                        total += 1;
+                        committed += period;
+                        if tier == Tier::Reliable {
+                            reliable += 1;
+                        }
                     }
-                } else {
                     // The cloud refused this market: do not ask it again in this decision.
-                    refused.insert(acq.market.clone());
+                    Launch::Refused(reason) => refused.push((acq.market.clone(), reason)),
                 }
             }
         }
         runtime.lock().unwrap_or_else(|e| e.into_inner()).held = held;
-        Ok(())
+        Ok(refused)
     }
 
     /// Launches one instance: the intent is stored before the cloud is called, and the cloud
-    /// call carries the intent's id as tag and idempotency token. Returns whether it launched.
+    /// call carries the intent's id as tag and idempotency token.
     pub async fn launch_instance(
         &self,
         job: JobId,
         market: &Market,
         purchase: Purchase,
         now: Timestamp,
-    ) -> Result<bool, ServiceError> {
+    ) -> Result<Launch, ServiceError> {
         let id = format!("pi-{}-{:08x}", job.0, rand::random::<u32>());
         let token = crate::api::auth::new_token("pa_");
         let row = InstanceRow::intent(
@@ -602,7 +678,7 @@ impl Broker {
         row: &InstanceRow,
         token: &str,
         now: Timestamp,
-    ) -> Result<bool, ServiceError> {
+    ) -> Result<Launch, ServiceError> {
         let spec = LaunchSpec {
             instance_id: row.id.clone(),
             job_id: row.job_id,
@@ -628,7 +704,7 @@ impl Broker {
                     .await?;
                 self.start_local_agent(row, &ci.cloud_id, token, None)
                     .await?;
-                Ok(true)
+                Ok(Launch::Launched)
             }
             Err(e) => {
                 self.store
@@ -658,7 +734,7 @@ impl Broker {
                         &detail,
                     )
                     .await?;
-                Ok(false)
+                Ok(Launch::Refused(detail))
             }
         }
     }
@@ -833,6 +909,24 @@ impl Broker {
                 },
             );
     }
+}
+
+/// What became of a launch the policy asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Launch {
+    Launched,
+    /// The cloud refused it; why, as recorded in the job's events.
+    Refused(String),
+}
+
+/// One tick's consultations of a job's policy share these.
+struct Consult<'a> {
+    job: &'a JobRow,
+    runtime: &'a Arc<std::sync::Mutex<JobRuntime>>,
+    progress: JobProgress,
+    fraction: f64,
+    spend: f64,
+    now: Timestamp,
 }
 
 /// How the policy sees one stored instance; final ones are not part of the footprint. It is

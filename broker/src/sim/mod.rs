@@ -278,7 +278,6 @@ struct Ended {
     rate: f64,
 }
 
-const DEFAULT_TICK_MS: i64 = 10 * 60_000;
 const MAX_STEPS: u64 = 5_000_000;
 
 struct Engine<'a> {
@@ -822,10 +821,7 @@ impl<'a> Engine<'a> {
                 self.launches += 1;
             }
         }
-        let wake = decision
-            .wake_at
-            .unwrap_or(Timestamp(now.0 + DEFAULT_TICK_MS));
-        self.next_decision = wake.max(Timestamp(now.0 + 1_000));
+        self.next_decision = crate::engine::next_decision(now, decision.wake_at);
         failures
     }
 

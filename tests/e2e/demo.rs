@@ -1,0 +1,100 @@
+//! `proteus demo` as a user runs it, and the broker's own eviction path end to end: the sim
+//! cloud's price spike warns an instance, the scheduler records it, the launcher delivers the
+//! notice through that instance's metadata endpoint, its agent hands its shards over, the
+//! ledger bills the hour as provider-ended (free under `hourly-2015`), and the job completes.
+
+use proteus_e2e::{fresh_pg_database, proteus};
+use sqlx::Row;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_survives_evictions_through_the_brokers_warning_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = fresh_pg_database().await;
+    let out = dir.path().display().to_string();
+    let run = {
+        let db = db.clone();
+        tokio::task::spawn_blocking(move || {
+            proteus(Some(&db), &["demo", "--output", "json", "--out", &out], &[])
+        })
+    };
+    let (code, stdout, stderr) = run.await.unwrap();
+    assert_eq!(code, 0, "the demo failed: {stderr}\n{stdout}");
+    let result: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(result["job"]["state"], "succeeded", "{result}");
+    assert!(
+        result["job"]["metric"]["value"].as_f64().unwrap() > 0.85,
+        "MNIST logistic regression reaches ~0.9: {result}"
+    );
+    let cost = &result["cost"];
+    assert!(cost["evictions"].as_u64().unwrap() >= 1, "{cost}");
+    assert!(cost["free_hours"].as_f64().unwrap() > 0.0, "{cost}");
+    assert_eq!(cost["pacing"], "modelled", "{cost}");
+    assert!(
+        std::path::Path::new(result["chart"].as_str().unwrap()).is_file(),
+        "{result}"
+    );
+
+    // One instance's whole story, from the store the demo wrote.
+    let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    let evicted: Vec<String> = sqlx::query(
+        "SELECT id FROM instances WHERE ended_by_provider = 1 AND tier = 'transient' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|r| r.get::<String, _>(0))
+    .collect();
+    assert!(!evicted.is_empty(), "no instance was evicted");
+    let mut handed_over = 0;
+    let mut stories = Vec::new();
+    for id in &evicted {
+        let kinds: Vec<String> =
+            sqlx::query("SELECT kind FROM events WHERE instance_id = $1 ORDER BY id")
+                .bind(id)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.get::<String, _>(0))
+                .collect();
+        stories.push(format!("{id}: {}", kinds.join(" ")));
+        let pos = |k: &str| kinds.iter().position(|x| x == k);
+        let last = |k: &str| kinds.iter().rposition(|x| x == k);
+        let (Some(warned), Some(gone)) = (pos("interruption_warning"), pos("evicted")) else {
+            panic!("{id}: evicted without the warning and eviction on record: {kinds:?}");
+        };
+        assert!(warned < gone, "{id}: {kinds:?}");
+        // The last ledger line of an evicted instance is its free partial hour.
+        let last_free: i64 = sqlx::query(
+            "SELECT free FROM ledger_lines WHERE instance_id = $1 ORDER BY start_ms DESC LIMIT 1",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        .get(0);
+        assert_eq!(
+            last_free, 1,
+            "{id}: the provider ended it, so its last hour is free"
+        );
+        // Where the agent was still training, it got the notice from its metadata endpoint
+        // and handed its shards over before the eviction.
+        if let (Some(notice), Some(handover)) =
+            (pos("agent_interruption_notice"), last("handover_complete"))
+        {
+            assert!(
+                warned < notice && notice < handover && handover < gone,
+                "{id}: {kinds:?}"
+            );
+            handed_over += 1;
+        }
+    }
+    assert!(
+        handed_over >= 1,
+        "no evicted agent received its notice and handed shards over ({} evicted):\n{}",
+        evicted.len(),
+        stories.join("\n")
+    );
+    pool.close().await;
+}
