@@ -57,6 +57,11 @@ pub struct WorkModelSpec {
     /// Most on-demand (reliable) instances. Default: an eighth of `max_instances`, at least 1.
     #[serde(default)]
     pub max_reliable_instances: Option<u32>,
+    /// Most capacity at once, in units of work per hour summed over the instances held, so
+    /// that policies buying larger types cannot run faster than ones that cannot. Default: no
+    /// cap beyond `max_instances`.
+    #[serde(default)]
+    pub max_capacity: Option<f64>,
     /// From launch until a new instance does useful work (request fulfilment, boot, join, load
     /// input), minutes. Default 5. It is billed and does no work.
     #[serde(default = "default_startup_minutes")]
@@ -200,6 +205,8 @@ pub struct JobModel {
     rates: BTreeMap<InstanceType, f64>,
     pub max_instances: u32,
     pub max_reliable_instances: u32,
+    /// Units of work per hour the footprint may hold at once (see [`crate::engine::limits`]).
+    pub max_capacity: Option<f64>,
     /// Seconds from launch to useful work.
     pub startup_secs: f64,
     /// The job's own eviction-cost model (a policy may run it differently).
@@ -365,6 +372,14 @@ impl WorkModelSpec {
                 ),
             ));
         }
+        if let Some(c) = self.max_capacity
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(field(
+                "max_capacity",
+                format!("{c} must be a positive number of units per hour"),
+            ));
+        }
         if !(self.stages.stage3_ratio.is_finite() && self.stages.stage3_ratio > 0.0) {
             return Err(field(
                 "stages.stage3_ratio",
@@ -378,6 +393,7 @@ impl WorkModelSpec {
             rates,
             max_instances: self.max_instances,
             max_reliable_instances: max_reliable,
+            max_capacity: self.max_capacity,
             startup_secs: self.startup_minutes * 60.0,
             eviction_cost,
             stages: self.stages,

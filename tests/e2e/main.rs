@@ -3,6 +3,7 @@
 
 mod crash;
 mod demo;
+mod eviction;
 mod localstack;
 mod pg_restart;
 mod sim;

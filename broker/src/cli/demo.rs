@@ -293,6 +293,7 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
         limits: Limits {
             max_instances: args.max_instances,
             max_reliable_instances: Some(1),
+            max_capacity: None,
             budget_usd: None,
             deadline: None,
             deadline_hours: None,

@@ -35,8 +35,10 @@ use std::time::Instant;
       --on-demand data/spot/on-demand-us-east-1-2021.csv --job examples/jobs/reference-2021.toml \\\n      \
       --billing per-second --compare bidbrain standard-bidding on-demand --starts 50\n\n\
     Policies are files (policies/*.toml) or bare names looked up in the repository's policies/\n\
-    directory. Ratios are medians over start times of per-start ratios; when the compared set has\n\
-    no on-demand or standard-bidding policy, the shipped one is run too, as the baseline.")]
+    directory. Ratios are medians over start times of per-start ratios (the second table also\n\
+    gives the ratio of the medians); when the compared set has no on-demand or standard-bidding\n\
+    policy, the shipped one is run too, as the baseline. `units/h held` is the capacity each\n\
+    policy held (median): set `max_capacity` in the job's work model to compare at equal speed.")]
 pub struct SimulateArgs {
     /// Spot price trace (CSV or DescribeSpotPriceHistory JSON, plain or .gz).
     /// Default: the repository's 2015 us-east-1 trace.
@@ -326,6 +328,7 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
         "vs on-demand",
         "vs standard",
         "runtime vs std",
+        "units/h held",
     ]);
     for s in rows {
         t.push(vec![
@@ -342,6 +345,7 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
             ratio(s.cost_ratio_vs_on_demand),
             ratio(s.cost_ratio_vs_standard),
             ratio(s.runtime_ratio_vs_standard),
+            format!("{:.1}", s.median_capacity_units_per_hour),
         ]);
     }
     t
@@ -356,6 +360,8 @@ fn breakdown_table(rows: &[PolicySummary]) -> Table {
         "paid share of capacity",
         "useful fraction",
         "lost work (units)",
+        "median cost vs on-demand",
+        "median cost vs standard",
     ]);
     for s in rows {
         t.push(vec![
@@ -364,6 +370,8 @@ fn breakdown_table(rows: &[PolicySummary]) -> Table {
             pct(s.median_paid_share),
             pct(s.median_useful_fraction),
             format!("{:.1}", s.median_lost_work),
+            ratio(s.median_cost_ratio_vs_on_demand),
+            ratio(s.median_cost_ratio_vs_standard),
         ]);
     }
     t

@@ -1,11 +1,13 @@
 //! What the simulator and the live scheduler share around the policy: the rules of the world
-//! (how long a notice lasts) and the work accounting (what a footprint's instances deliver).
+//! (how long a notice lasts), when the policy is consulted, the footprint's [`limits`] and the
+//! [`work`] accounting (what a footprint's instances deliver).
 //!
 //! Both drivers credit work through [`work`], so the figure the simulator measures and the one
 //! the broker reports for a live job come from one definition.
 
 use crate::market::Timestamp;
 
+pub mod limits;
 pub mod work;
 
 /// Seconds between a provider's interruption notice and the termination (EC2's two minutes).
@@ -26,4 +28,14 @@ pub fn next_decision(now: Timestamp, wake_at: Option<Timestamp>) -> Timestamp {
     wake_at
         .unwrap_or(now.plus_secs(DECISION_INTERVAL_SECS))
         .max(now.plus_secs(MIN_WAKE_SECS))
+}
+
+/// After the policy's answer to a refused launch is refused too, the driver consults it again
+/// this soon (market seconds) rather than at its own wake-up time, so that a job whose markets
+/// keep refusing is not left without capacity until then.
+pub const RETRY_AFTER_REFUSAL_SECS: f64 = 60.0;
+
+/// [`next_decision`] after a decision whose launches were refused again.
+pub fn after_refusal(now: Timestamp, next: Timestamp) -> Timestamp {
+    next.min(now.plus_secs(RETRY_AFTER_REFUSAL_SECS))
 }

@@ -413,6 +413,7 @@ impl Broker {
             throughput: Default::default(),
             max_instances: valid.max_instances,
             max_reliable_instances: Some(valid.max_reliable_instances),
+            max_capacity: valid.max_capacity,
             startup_minutes: work
                 .startup_minutes
                 .unwrap_or(self.settings.default_startup_minutes),

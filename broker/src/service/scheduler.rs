@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::engine::NOTICE_SECS;
+use crate::engine::limits::{Held, Limits};
 use crate::engine::work::{self, WorkingSpan};
 use crate::store::WorkRecord;
 
@@ -480,7 +481,8 @@ impl Broker {
 
     /// Consults the policy (a tick when `event` is `None`) and applies its decision. Like the
     /// simulator, it tells the policy once about each market that refused a launch; what the
-    /// policy asks then is applied, and its own refusals are only recorded.
+    /// policy asks then is applied, and its own refusals bring the next consultation forward
+    /// ([`crate::engine::after_refusal`]).
     async fn consult(
         &self,
         c: &Consult<'_>,
@@ -488,8 +490,15 @@ impl Broker {
     ) -> Result<(), ServiceError> {
         let refused = self.consult_once(c, event.as_ref()).await?;
         for (market, reason) in refused {
-            self.consult_once(c, Some(&PolicyEvent::LaunchFailed { market, reason }))
+            let again = self
+                .consult_once(c, Some(&PolicyEvent::LaunchFailed { market, reason }))
                 .await?;
+            if !again.is_empty() {
+                let mut rt = c.runtime.lock().unwrap_or_else(|e| e.into_inner());
+                rt.next_decision = rt
+                    .next_decision
+                    .map(|next| crate::engine::after_refusal(c.now, next));
+            }
         }
         Ok(())
     }
@@ -583,29 +592,25 @@ impl Broker {
                     .await?;
             }
         }
-        let (max_instances, max_reliable, budget, billing) = {
+        let (limits, budget, billing, model) = {
             let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
             (
-                r.valid.max_instances,
-                r.valid.max_reliable_instances,
+                Limits::of(&r.model, r.policy.kind()),
                 r.valid.budget_usd,
                 r.valid.billing,
+                r.model.clone(),
             )
         };
-        let live = |tier: Option<Tier>| {
-            instances
-                .iter()
-                .filter(|i| {
-                    matches!(
-                        i.state,
-                        InstanceState::Requested | InstanceState::Running | InstanceState::Warned
-                    )
-                })
-                .filter(|i| !decision.release.iter().any(|r| r.0 == i.id))
-                .filter(|i| tier.is_none_or(|t| i.tier == t))
-                .count() as u32
-        };
-        let (mut total, mut reliable) = (live(None), live(Some(Tier::Reliable)));
+        let rate = |m: &Market| model.rate(&m.instance_type).unwrap_or(0.0);
+        // Held against the limits as the simulator counts it: launched or requested, not
+        // warned, not being released.
+        let mut footprint = Held::default();
+        for i in instances.iter().filter(|i| {
+            matches!(i.state, InstanceState::Requested | InstanceState::Running)
+                && !decision.release.iter().any(|r| r.0 == i.id)
+        }) {
+            footprint.add(i.tier, rate(&i.market));
+        }
         let mut committed = spend;
         let data = self.market_data();
         let mut held = None;
@@ -616,7 +621,7 @@ impl Broker {
                     break;
                 }
                 let tier = acq.purchase.tier();
-                if total >= max_instances || (tier == Tier::Reliable && reliable >= max_reliable) {
+                if limits.room(&footprint, tier, rate(&acq.market), 1) == 0 {
                     break;
                 }
                 let period = first_period_cost(&data, &acq.market, acq.purchase, billing, now);
@@ -633,11 +638,8 @@ impl Broker {
                     .await?
                 {
                     Launch::Launched => {
-                        total += 1;
+                        footprint.add(tier, rate(&acq.market));
                         committed += period;
-                        if tier == Tier::Reliable {
-                            reliable += 1;
-                        }
                     }
                     // The cloud refused this market: do not ask it again in this decision.
                     Launch::Refused(reason) => refused.push((acq.market.clone(), reason)),

@@ -79,6 +79,11 @@ pub struct Limits {
     /// Default: an eighth of `max_instances`, at least 1.
     #[serde(default)]
     pub max_reliable_instances: Option<u32>,
+    /// Most capacity at once, in work units per hour (instance-hours of the reference type per
+    /// hour) summed over the instances held.
+    #[serde(default)]
+    #[schema(exclusive_minimum = 0.0)]
+    pub max_capacity: Option<f64>,
     /// Stop the job (and its spending) once the ledger reaches this many dollars.
     #[serde(default)]
     pub budget_usd: Option<f64>,
@@ -144,6 +149,7 @@ pub struct ValidJob {
     pub training: TrainingConfig,
     pub max_instances: u32,
     pub max_reliable_instances: u32,
+    pub max_capacity: Option<f64>,
     pub budget_usd: Option<f64>,
     pub deadline: Option<Timestamp>,
     pub work: WorkSpec,
@@ -218,6 +224,14 @@ impl JobSpec {
                     "must be between 1 and max_instances ({})",
                     limits.max_instances
                 ),
+            ));
+        }
+        if let Some(c) = limits.max_capacity
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(bad(
+                "limits.max_capacity",
+                "must be a positive number of work units per hour",
             ));
         }
         if let Some(b) = limits.budget_usd
@@ -310,6 +324,7 @@ impl JobSpec {
             training,
             max_instances: limits.max_instances,
             max_reliable_instances: max_reliable,
+            max_capacity: limits.max_capacity,
             budget_usd: limits.budget_usd,
             deadline,
             work,

@@ -22,6 +22,7 @@ pub mod view;
 pub mod world;
 
 use crate::billing::{BillingError, BillingModel, EndedBy, PriceSource};
+use crate::engine::limits::{Held, Limits};
 use crate::engine::work::{self, WorkingSpan};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{Market, Timestamp};
@@ -662,10 +663,13 @@ impl<'a> Engine<'a> {
         let decision = self.ask(event.as_ref())?;
         let failures = self.apply(decision);
         // Tell the policy once about launches that failed; what it asks then is applied, and
-        // its own failures are only counted (a policy must not loop on an impossible launch).
+        // its own failures are only counted (a policy must not loop on an impossible launch),
+        // but bring the next consultation forward (the live scheduler does the same).
         for (market, reason) in failures {
             let d = self.ask(Some(&PolicyEvent::LaunchFailed { market, reason }))?;
-            let _ = self.apply(d);
+            if !self.apply(d).is_empty() {
+                self.next_decision = crate::engine::after_refusal(self.now, self.next_decision);
+            }
         }
         Ok(())
     }
@@ -704,6 +708,17 @@ impl<'a> Engine<'a> {
         Ok(decision)
     }
 
+    /// What the footprint holds against its limits: every instance not warned.
+    fn held(&self) -> Held {
+        let mut held = Held::default();
+        for (v, s) in self.views.iter().zip(&self.sims) {
+            if s.terminate_at.is_none() {
+                held.add(v.tier(), s.rate);
+            }
+        }
+        held
+    }
+
     /// Releases and launches what the decision says; returns the launches that failed.
     fn apply(&mut self, decision: Decision) -> Vec<(Market, String)> {
         let now = self.now;
@@ -730,18 +745,15 @@ impl<'a> Engine<'a> {
             }
         }
         let mut failures = Vec::new();
+        let limits = Limits::of(&self.sc.job, self.policy.kind());
         for acq in &decision.acquire {
-            let active = self
-                .sims
-                .iter()
-                .filter(|s| s.terminate_at.is_none())
-                .count();
-            let room = (self.sc.job.max_instances as usize).saturating_sub(active);
-            let count = (acq.count as usize).min(room);
+            let held = self.held();
+            let rate = self.sc.job.rate(&acq.market.instance_type);
+            let count = limits.room(&held, acq.tier(), rate.unwrap_or(0.0), acq.count) as usize;
             if count == 0 {
                 continue;
             }
-            let Some(rate) = self.sc.job.rate(&acq.market.instance_type) else {
+            let Some(rate) = rate else {
                 self.failed_launches += 1;
                 failures.push((
                     acq.market.clone(),

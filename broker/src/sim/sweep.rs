@@ -180,6 +180,15 @@ pub struct PolicySummary {
     pub cost_ratio_vs_standard: Option<f64>,
     /// Median over starts of this policy's runtime / standard bidding's runtime.
     pub runtime_ratio_vs_standard: Option<f64>,
+    /// This policy's median cost / the on-demand policy's median cost (the ratio of medians,
+    /// beside the median of per-start ratios above).
+    pub median_cost_ratio_vs_on_demand: Option<f64>,
+    /// This policy's median cost / standard bidding's median cost.
+    pub median_cost_ratio_vs_standard: Option<f64>,
+    /// Capacity held: units of work per hour of capacity (Σ rate × instance-hours ÷ runtime),
+    /// median over starts. Policies compared at equal speed hold equal capacity; see
+    /// `max_capacity` in the job's work model.
+    pub median_capacity_units_per_hour: f64,
     /// Where the money goes (medians). Cost per unit of work = price per paid unit-hour ×
     /// paid share of the capacity used ÷ useful fraction. The price paid per unit-hour of
     /// capacity (cheaper markets, cheaper hours)…
@@ -208,6 +217,12 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
             let col = |f: &dyn Fn(&RunResult) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
             let costs = col(&|r| r.cost_usd);
             let times = col(&|r| r.runtime_hours);
+            let ratio_of_medians = |base: Option<&Vec<RunResult>>| {
+                base.map(|b| {
+                    let base: Vec<f64> = b.iter().map(|r| r.cost_usd).collect();
+                    percentile(&costs, 50.0) / percentile(&base, 50.0)
+                })
+            };
             let ratio = |base: Option<&Vec<RunResult>>, f: &dyn Fn(&RunResult) -> f64| {
                 base.map(|b| {
                     let v: Vec<f64> = runs.iter().zip(b).map(|(r, b)| f(r) / f(b)).collect();
@@ -237,6 +252,12 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd),
                 cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd),
                 runtime_ratio_vs_standard: ratio(sb, &|r| r.runtime_hours),
+                median_cost_ratio_vs_on_demand: ratio_of_medians(od),
+                median_cost_ratio_vs_standard: ratio_of_medians(sb),
+                median_capacity_units_per_hour: percentile(
+                    &col(&|r| r.capacity_units / r.runtime_hours.max(1e-9)),
+                    50.0,
+                ),
                 median_usd_per_paid_unit_hour: percentile(
                     &col(&|r| r.cost_usd / r.paid_capacity_units.max(1e-9)),
                     50.0,

@@ -1,0 +1,112 @@
+//! The limits a job's footprint is held to, the same in the simulator and the live scheduler:
+//! instances at once, reliable (on-demand) instances at once, and capacity in work units per
+//! hour. Money and time limits (budget, deadline) need the ledger and the wall, and live in
+//! the live driver.
+//!
+//! What counts as held: every instance that is not warned and not gone. A warned instance is
+//! leaving (it hands its work over and is taken at its deadline), so its replacement may be
+//! bought during the notice — the point of a two-minute warning.
+
+use crate::job::JobModel;
+use crate::policy::PolicyKind;
+use proteus_wire::Tier;
+
+/// A job's footprint limits under one policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub max_instances: u32,
+    /// `None` for the on-demand baseline, whose whole footprint is the reliable tier
+    /// (`max_reliable_instances` bounds the reliable tier of mixed policies).
+    pub max_reliable: Option<u32>,
+    /// Units of work per hour, summed over held instances.
+    pub max_capacity: Option<f64>,
+}
+
+impl Limits {
+    pub fn of(job: &JobModel, policy: PolicyKind) -> Limits {
+        Limits {
+            max_instances: job.max_instances,
+            max_reliable: (policy != PolicyKind::OnDemand).then_some(job.max_reliable_instances),
+            max_capacity: job.max_capacity,
+        }
+    }
+
+    /// How many of `want` more instances of `tier` at `units_per_hour` each fit beside `held`.
+    pub fn room(&self, held: &Held, tier: Tier, units_per_hour: f64, want: u32) -> u32 {
+        let mut n = want.min(self.max_instances.saturating_sub(held.instances));
+        if tier == Tier::Reliable
+            && let Some(cap) = self.max_reliable
+        {
+            n = n.min(cap.saturating_sub(held.reliable));
+        }
+        if let Some(cap) = self.max_capacity
+            && units_per_hour > 0.0
+        {
+            // A small tolerance, so that a cap that is an exact multiple of the rate admits it.
+            let fits = ((cap - held.capacity) / units_per_hour + 1e-9)
+                .floor()
+                .max(0.0);
+            n = n.min(fits.min(f64::from(u32::MAX)) as u32);
+        }
+        n
+    }
+}
+
+/// What a footprint holds against its [`Limits`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Held {
+    pub instances: u32,
+    pub reliable: u32,
+    pub capacity: f64,
+}
+
+impl Held {
+    pub fn add(&mut self, tier: Tier, units_per_hour: f64) {
+        self.instances += 1;
+        if tier == Tier::Reliable {
+            self.reliable += 1;
+        }
+        self.capacity += units_per_hour;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(reliable: Option<u32>, capacity: Option<f64>) -> Limits {
+        Limits {
+            max_instances: 10,
+            max_reliable: reliable,
+            max_capacity: capacity,
+        }
+    }
+
+    #[test]
+    fn every_limit_bounds_the_room() {
+        let mut held = Held::default();
+        held.add(Tier::Reliable, 2.0);
+        held.add(Tier::Transient, 4.0);
+        let l = limits(Some(2), None);
+        assert_eq!(l.room(&held, Tier::Transient, 1.0, 20), 8, "instances");
+        assert_eq!(l.room(&held, Tier::Reliable, 1.0, 20), 1, "reliable cap");
+        assert_eq!(limits(None, None).room(&held, Tier::Reliable, 1.0, 20), 8);
+        let l = limits(None, Some(12.0));
+        assert_eq!(
+            l.room(&held, Tier::Transient, 2.0, 20),
+            3,
+            "capacity 6 + 3 × 2"
+        );
+        assert_eq!(
+            l.room(&held, Tier::Transient, 2.5, 20),
+            2,
+            "whole instances only"
+        );
+        assert_eq!(l.room(&held, Tier::Transient, 7.0, 20), 0);
+        assert_eq!(
+            l.room(&held, Tier::Transient, 2.0, 1),
+            1,
+            "never more than asked"
+        );
+    }
+}

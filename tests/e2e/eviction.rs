@@ -1,0 +1,173 @@
+//! The broker's own eviction path, end to end, on a hand-made trace: a price spike in the sim
+//! cloud warns the spot instances, the scheduler records the warning, the launcher delivers
+//! the notice through each instance's metadata endpoint, the agents hand their shards over, the
+//! ledger bills the hour as provider-ended (free under `hourly-2015`), and the job completes.
+//! Nothing here posts a notice by hand.
+
+use proteus_e2e::{BrokerProcess, TOKEN, fresh_pg_database, proteus};
+use std::path::Path;
+use std::time::Duration;
+
+const START: &str = "2015-05-01T00:00:00Z";
+/// Market minutes after the start when both c3.xlarge spot markets spike above any bid, and
+/// how long the spike lasts. At 60× that is 15 wall seconds in: the agents are training then
+/// (they start in a few seconds and train for tens of seconds).
+const SPIKE_AT_MIN: i64 = 15;
+const SPIKE_MIN: i64 = 10;
+
+/// Eight days of calm prices before the start (BidBrain's market model reads a week of
+/// history), the spike, then calm again for a day.
+fn write_trace(dir: &Path) -> (String, String) {
+    let start = chrono::DateTime::parse_from_rfc3339(START)
+        .unwrap()
+        .to_utc();
+    let mut text =
+        String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
+    let mut row = |t: chrono::DateTime<chrono::Utc>, zone: &str, price: f64| {
+        text.push_str(&format!(
+            "{},{zone},c3.xlarge,Linux/UNIX,{price:.4}\n",
+            t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        ));
+    };
+    for h in -8 * 24..0 {
+        let t = start + chrono::Duration::hours(h);
+        row(t, "us-east-1a", 0.0320 + 0.0002 * f64::from((h % 3) as i32));
+        row(t, "us-east-1b", 0.0330 + 0.0002 * f64::from((h % 2) as i32));
+    }
+    for zone in ["us-east-1a", "us-east-1b"] {
+        row(start, zone, 0.0321);
+        row(start + chrono::Duration::minutes(SPIKE_AT_MIN), zone, 2.5);
+        row(
+            start + chrono::Duration::minutes(SPIKE_AT_MIN + SPIKE_MIN),
+            zone,
+            0.0322,
+        );
+        row(start + chrono::Duration::hours(24), zone, 0.0323);
+    }
+    let trace = dir.join("spike.csv");
+    std::fs::write(&trace, text).unwrap();
+    let od = dir.join("on-demand.csv");
+    std::fs::write(
+        &od,
+        "instance_type,vcpus,memory_gib,on_demand_usd_per_hour,region\nc3.xlarge,4,7.5,0.21,us-east-1\n",
+    )
+    .unwrap();
+    (trace.display().to_string(), od.display().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_trace(dir.path());
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start(
+        dir.path(),
+        &db,
+        &[
+            "--cloud",
+            "sim",
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--speed",
+            "60",
+            "--start",
+            START,
+            "--tick-ms",
+            "250",
+            "--billing",
+            "hourly-2015",
+        ],
+        &[],
+    )
+    .await;
+    // BidBrain with one reliable instance for the backups and two spot ones; stage 2 at a
+    // 2:1 ratio puts the active shards on the spot instances, so a warning must move them.
+    let job_file = dir.path().join("job.toml");
+    std::fs::write(
+        &job_file,
+        "name = \"spike\"\napp = \"mlr\"\ndataset = \"mnist\"\npolicy = \"bidbrain\"\n\
+         [stop]\nepochs = 60\n[limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
+         [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
+         [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\n",
+    )
+    .unwrap();
+    let env = [
+        ("PROTEUS_URL", broker.url.as_str()),
+        ("PROTEUS_TOKEN", TOKEN),
+    ];
+    let (code, out, err) = proteus(
+        None,
+        &[
+            "submit",
+            &job_file.display().to_string(),
+            "--output",
+            "json",
+        ],
+        &env,
+    );
+    assert_eq!(code, 0, "submit failed: {err}");
+    let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+        .as_i64()
+        .unwrap();
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(400),
+            "the job to finish",
+        )
+        .await;
+    assert!(
+        job["metric"]["value"].as_f64().unwrap() > 0.85,
+        "training went on after the spike: {job}"
+    );
+
+    let api = broker.client();
+    let events = api.get(&format!("/v1/jobs/{id}/events")).await;
+    let events = events.as_array().unwrap();
+    let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
+    let lines = cost["lines"].as_array().unwrap();
+    let mut stories = Vec::new();
+    let mut through_the_path = 0;
+    for inst in job["instances"].as_array().unwrap() {
+        let iid = inst["id"].as_str().unwrap();
+        let kinds: Vec<&str> = events
+            .iter()
+            .filter(|e| e["instance_id"] == iid)
+            .map(|e| e["kind"].as_str().unwrap())
+            .collect();
+        stories.push(format!("{iid} {}: {}", inst["tier"], kinds.join(" ")));
+        let first = |k: &str| kinds.iter().position(|x| *x == k);
+        let last = |k: &str| kinds.iter().rposition(|x| *x == k);
+        let (Some(warned), Some(notice), Some(handover), Some(gone)) = (
+            first("interruption_warning"),
+            first("agent_interruption_notice"),
+            last("handover_complete"),
+            first("evicted"),
+        ) else {
+            continue;
+        };
+        assert!(
+            warned < notice && notice < handover && handover < gone,
+            "{iid}: out of order: {kinds:?}"
+        );
+        assert_eq!(inst["tier"], "transient");
+        let mut own: Vec<&serde_json::Value> =
+            lines.iter().filter(|l| l["instance_id"] == iid).collect();
+        own.sort_by_key(|l| l["start"].as_i64().unwrap());
+        assert_eq!(
+            own.last().map(|l| &l["free"]),
+            Some(&serde_json::json!(true)),
+            "{iid}: the provider ended it inside its hour, which is free: {own:?}"
+        );
+        through_the_path += 1;
+    }
+    assert!(
+        through_the_path >= 1,
+        "no instance went warning → notice → hand-over → eviction:\n{}",
+        stories.join("\n")
+    );
+    assert!(cost["evictions"].as_u64().unwrap() >= 1, "{cost}");
+    assert!(cost["free_hours"].as_f64().unwrap() > 0.0, "{cost}");
+}
