@@ -518,6 +518,10 @@ mod tests {
                 "limits.budget_usd",
             ),
             (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2,"max_capacity":0}}"#,
+                "limits.max_capacity",
+            ),
+            (
                 r#"{"app":"mlr","policy":"x","dataset":"cifar","limits":{"max_instances":2}}"#,
                 "dataset",
             ),

@@ -503,3 +503,66 @@ proptest! {
             "accounted {accounted} vs capacity {}", r.capacity_units);
     }
 }
+
+/// The most capacity (units/h) a run held at any launch: instances alive then, less those in
+/// their notice (warned instances are leaving and do not count against the limits).
+fn peak_held(r: &RunResult, job: &JobModel) -> f64 {
+    let notice_ms = (proteus_broker::engine::NOTICE_SECS * 1000.0) as i64;
+    let rate = |market: &str| {
+        job.rate(&Market::parse(market).unwrap().instance_type)
+            .unwrap()
+    };
+    r.instances
+        .iter()
+        .map(|at| at.launch)
+        .map(|t| {
+            r.instances
+                .iter()
+                .filter(|i| i.launch <= t && t < i.end)
+                .filter(|i| !(i.ended_by == EndedBy::Provider && i.end.0 - notice_ms <= t.0))
+                .map(|i| rate(&i.market))
+                .sum::<f64>()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn max_capacity_holds_every_policy_to_the_same_speed() {
+    let history = Arc::new(synthetic(&small_markets(), 12, 3));
+    let spec = |cap: &str| {
+        format!(
+            "total_work = 30.0\nreference_type = \"c3.xlarge\"\n\
+             instance_types = [\"c3.xlarge\", \"r3.large\", \"m3.medium\"]\nmax_instances = 16\n{cap}"
+        )
+    };
+    let options = RunOptions {
+        record_decisions: true,
+        ..RunOptions::default()
+    };
+    let start = Timestamp(T0 + 8 * 24 * H);
+    for name in ["bidbrain", "standard-bidding", "on-demand"] {
+        let mut peaks = Vec::new();
+        for cap in ["", "max_capacity = 6.0\n"] {
+            let job = job(&spec(cap), &history);
+            let sc = Scenario::new(
+                history.clone(),
+                job.clone(),
+                BillingModel::Hourly2015,
+                World::Price,
+                price_model(&history, 2.0),
+            )
+            .unwrap();
+            let r = run(&sc, shipped(name).as_mut(), start, &options).unwrap();
+            peaks.push(peak_held(&r, &job));
+        }
+        assert!(
+            peaks[0] > 6.0 + 1e-9,
+            "{name}: uncapped it holds more than the cap (else this test shows nothing): {peaks:?}"
+        );
+        assert!(
+            peaks[1] <= 6.0 + 1e-9,
+            "{name}: capped at 6 units/h, it held {}",
+            peaks[1]
+        );
+    }
+}
