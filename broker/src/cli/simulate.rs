@@ -70,6 +70,13 @@ pub struct SimulateArgs {
     /// Number of start times, spread over the trace (one at random in each of N equal slices).
     #[arg(long, default_value_t = 50)]
     pub starts: usize,
+    /// Start times no earlier than this (RFC 3339 or YYYY-MM-DD), e.g. to report on May–June
+    /// 2015 when defaults were tuned on March–April.
+    #[arg(long, conflicts_with = "start")]
+    pub starts_from: Option<String>,
+    /// Start times before this (RFC 3339 or YYYY-MM-DD).
+    #[arg(long, conflicts_with = "start")]
+    pub starts_until: Option<String>,
     /// Seed of the start times and of the interruption world.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -221,8 +228,21 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
                 bail!("--starts must be at least 1");
             }
             let reserve = args.reserve_hours.unwrap_or((3.0 * od_hours).max(48.0));
-            let lo = Timestamp(first.0 + lookback_secs as i64 * 1000);
-            let hi = Timestamp(last.0 - (reserve * 3_600_000.0) as i64);
+            let mut lo = Timestamp(first.0 + lookback_secs as i64 * 1000);
+            let mut hi = Timestamp(last.0 - (reserve * 3_600_000.0) as i64);
+            if let Some(from) = &args.starts_from {
+                lo = lo.max(Timestamp::parse(from).context("--starts-from")?);
+            }
+            if let Some(until) = &args.starts_until {
+                hi = hi.min(Timestamp::parse(until).context("--starts-until")?);
+            }
+            if (args.starts_from.is_some() || args.starts_until.is_some()) && hi <= lo {
+                bail!(
+                    "no start time fits: the window {lo} to {hi} is empty once the look-back \
+                     ({:.1} days) and the time to finish ({reserve:.1} h) are left out of the trace",
+                    args.lookback_days
+                );
+            }
             if hi <= lo {
                 bail!(
                     "the trace {} covers {:.1} days ({first} to {last}); the job needs {:.1} days of \

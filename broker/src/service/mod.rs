@@ -159,7 +159,7 @@ pub struct JobRuntime {
 }
 
 /// Instances (by the broker's id) that something happened to since the last tick.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct PendingEvents {
     pub warned: Vec<proteus_wire::InstanceId>,
     pub evicted: Vec<proteus_wire::InstanceId>,

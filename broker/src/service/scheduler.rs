@@ -5,9 +5,12 @@
 //! (5) applies the answer through the cloud driver, writing every intent to the store first.
 
 use super::control::wall_ms;
-use super::{Broker, JobRuntime, MarketData, Pacing, ServiceError, ledger};
+use super::{Broker, JobRuntime, MarketData, Pacing, PendingEvents, ServiceError, ledger};
 use crate::billing::BillingModel;
 use crate::cloud::{CloudEvent, LaunchSpec};
+use crate::engine::NOTICE_SECS;
+use crate::engine::limits::{Held, Limits};
+use crate::engine::work::{self, WorkingSpan};
 use crate::launcher::metadata::InstanceFacts;
 use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind, Observation};
@@ -16,17 +19,12 @@ use crate::policy::{
     MarketView, PolicyEvent, Purchase, ViewError,
 };
 use crate::sim::view::{FutureReads, TraceView};
-use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState};
+use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, WorkRecord};
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use crate::engine::NOTICE_SECS;
-use crate::engine::limits::{Held, Limits};
-use crate::engine::work::{self, WorkingSpan};
-use crate::store::WorkRecord;
 
 impl Broker {
     /// Runs the control loop until `shutdown` resolves.
@@ -444,9 +442,11 @@ impl Broker {
         };
         // As the simulator does: the policy hears of each kind of event (warned, evicted,
         // ready), and is consulted on its own when its wake-up time has come.
+        // The pending events are dropped only once every consultation went through: a tick
+        // that fails (the store is down) hears of them again next time.
         let (events, due) = {
-            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            let pending = std::mem::take(&mut rt.pending);
+            let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = rt.pending.clone();
             let events: Vec<PolicyEvent> = [
                 PolicyEvent::Warned(pending.warned),
                 PolicyEvent::Evicted(pending.evicted),
@@ -476,6 +476,7 @@ impl Broker {
         if due {
             self.consult(&consult, None).await?;
         }
+        runtime.lock().unwrap_or_else(|e| e.into_inner()).pending = PendingEvents::default();
         Ok(())
     }
 
