@@ -4,6 +4,7 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use proteus_broker::billing::BillingModel;
+use proteus_broker::engine::view::{FutureReads, TraceMarkets, TraceView};
 use proteus_broker::job::WorkModelSpec;
 use proteus_broker::market::{Region, Timestamp, UsdPerHour};
 use proteus_broker::market_model::{PriceDrivenModel, PriceModelConfig};
@@ -12,7 +13,6 @@ use proteus_broker::policy::{
     load_policy_file, resolve_policy_path,
 };
 use proteus_broker::sim::inputs::load_history;
-use proteus_broker::sim::view::{FutureReads, SimMarkets, TraceView};
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -40,7 +40,7 @@ fn decision(c: &mut Criterion) {
         .expect("job");
     let model = PriceDrivenModel::new(history.clone(), PriceModelConfig::default());
     model.warm_up();
-    let markets = SimMarkets::new(history.clone());
+    let markets = TraceMarkets::new(history.clone());
     let now = Timestamp::parse("2015-05-12T14:23:00Z").expect("time");
     let view = TraceView::new(now, &markets, &model, FutureReads::Panic);
     assert_eq!(

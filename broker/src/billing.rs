@@ -55,6 +55,17 @@ impl BillingModel {
         matches!(self, BillingModel::Hourly2015)
     }
 
+    /// Hours charged for an instance the user runs for `secs` and then ends: every started
+    /// hour (at least one) under `hourly-2015`; the seconds, with the 60 s minimum, under
+    /// `per-second`. `billed_hours(0.0)` is what a launch commits to before it can be released.
+    /// Policies and drivers price plans with this rather than re-deriving the rules.
+    pub fn billed_hours(self, secs: f64) -> f64 {
+        match self {
+            BillingModel::Hourly2015 => (secs / 3600.0).ceil().max(1.0),
+            BillingModel::PerSecond => secs.max(PER_SECOND_MINIMUM_MS as f64 / 1000.0) / 3600.0,
+        }
+    }
+
     /// The end of the billing period that contains `now` for an instance launched at `launch`:
     /// the next hour boundary (counted from launch) under `hourly-2015`; under `per-second`,
     /// `now` itself, or the end of the 60 s minimum if that is later. A user who ends the
@@ -291,6 +302,29 @@ mod tests {
                 (Timestamp(2 * H), usd(0.50)),
             ],
         )
+    }
+
+    #[test]
+    fn billed_hours_is_what_billing_charges_a_user_ended_instance() {
+        for model in BillingModel::ALL {
+            for secs in [1.0, 59.0, 60.0, 61.5, 3599.0, 3600.0, 3601.0, 9000.0] {
+                let end = Timestamp((secs * 1000.0) as i64);
+                let items = model
+                    .bill(
+                        Timestamp(0),
+                        end,
+                        EndedBy::User,
+                        PriceSource::Fixed(usd(0.5)),
+                    )
+                    .unwrap();
+                let billed = total_usd(&items);
+                let planned = 0.5 * model.billed_hours(secs);
+                assert!(
+                    (billed - planned).abs() < 1e-9,
+                    "{model} {secs}s: billed {billed}, planned {planned}"
+                );
+            }
+        }
     }
 
     fn amounts(items: &[LineItem]) -> Vec<(f64, bool)> {

@@ -2,6 +2,7 @@
 
 use crate::billing::BillingModel;
 use crate::data;
+use crate::engine::view::FutureReads;
 use crate::job::WorkModelSpec;
 use crate::market::{Region, Timestamp};
 use crate::market_model::{
@@ -13,7 +14,6 @@ use crate::sim::inputs::{check_policy, load_history};
 use crate::sim::sweep::{
     PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
 };
-use crate::sim::view::FutureReads;
 use crate::sim::world::HazardTruth;
 use crate::sim::{RunResult, Scenario, World};
 use anyhow::{Context, Result, bail};

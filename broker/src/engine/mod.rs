@@ -1,6 +1,6 @@
 //! What the simulator and the live scheduler share around the policy: the rules of the world
-//! (how long a notice lasts), when the policy is consulted, the footprint's [`limits`] and the
-//! [`work`] accounting (what a footprint's instances deliver).
+//! (how long a notice lasts), when the policy is consulted, the market [`view`] it reads, the
+//! footprint's [`limits`] and the [`work`] accounting (what a footprint's instances deliver).
 //!
 //! Both drivers credit work through [`work`], so the figure the simulator measures and the one
 //! the broker reports for a live job come from one definition.
@@ -8,6 +8,7 @@
 use crate::market::Timestamp;
 
 pub mod limits;
+pub mod view;
 pub mod work;
 
 /// Seconds between a provider's interruption notice and the termination (EC2's two minutes).

@@ -102,8 +102,7 @@ pub fn received(instances: &[InstanceRow], job: &JobModel, until: Timestamp) -> 
 /// brought it `fraction` of the way. `None` until there is enough to go on (no progress yet,
 /// or less than [`MIN_FRACTION_TO_REESTIMATE`]).
 pub fn reestimate_total(done: f64, fraction: f64) -> Option<f64> {
-    ((MIN_FRACTION_TO_REESTIMATE..=1.0).contains(&fraction) && done > 0.0)
-        .then(|| done / fraction)
+    ((MIN_FRACTION_TO_REESTIMATE..=1.0).contains(&fraction) && done > 0.0).then(|| done / fraction)
 }
 
 /// Below this fraction of progress the measured rate is mostly start-up noise.

@@ -353,7 +353,7 @@ impl JobCosts {
         // Work after the job is done is worth nothing (as for spot, see `new_spot`).
         let secs = horizon_secs.min(self.finish_secs) - self.startup / periods;
         Economics {
-            cost: od * billed_hours(billing, horizon_secs),
+            cost: od * billing.billed_hours(horizon_secs),
             work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
         }
     }
@@ -598,7 +598,7 @@ impl BidBrain {
                     .on_demand_price(&inst.market)
                     .map_or(0.0, UsdPerHour::get);
                 Economics {
-                    cost: od * billed_hours(ctx.billing, h),
+                    cost: od * ctx.billing.billed_hours(h),
                     work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
                 }
             }
@@ -641,17 +641,9 @@ fn spot_cost(billing: BillingModel, price: f64, est: &EvictionEstimate) -> f64 {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
         BillingModel::Hourly2015 => {
-            price * (1.0 - est.probability) * (est.horizon_secs / 3600.0).ceil().max(1.0)
+            price * (1.0 - est.probability) * billing.billed_hours(est.horizon_secs)
         }
-        BillingModel::PerSecond => price * est.expected_secs.max(60.0) / 3600.0,
-    }
-}
-
-/// Hours charged for running a reliable instance over `horizon_secs`.
-fn billed_hours(billing: BillingModel, horizon_secs: f64) -> f64 {
-    match billing {
-        BillingModel::Hourly2015 => (horizon_secs / 3600.0).ceil().max(1.0),
-        BillingModel::PerSecond => horizon_secs.max(60.0) / 3600.0,
+        BillingModel::PerSecond => price * billing.billed_hours(est.expected_secs),
     }
 }
 

@@ -29,7 +29,7 @@
 //!
 //! # The market view in production
 //!
-//! [`crate::sim::view::TraceView`] is the reference [`MarketView`]: a
+//! [`crate::engine::view::TraceView`] is the reference [`MarketView`]: a
 //! [`crate::prices::PriceHistory`] (from the store), a [`crate::market_model::MarketModel`] and
 //! the clock. Build the model once per broker: [`crate::market_model::PriceDrivenModel`] for the
 //! 2015-style market (rebuild it when new prices arrive: its per-market indexes are computed on

@@ -23,6 +23,7 @@ pub mod status_cache;
 use crate::billing::BillingModel;
 use crate::clock::SharedClock;
 use crate::cloud::Cloud;
+use crate::engine::view::TraceMarkets;
 use crate::job::{JobModel, WorkModelSpec};
 use crate::launcher::LocalLauncher;
 use crate::market::{InstanceType, Market, Region};
@@ -30,7 +31,6 @@ use crate::market_model::{HazardModel, HazardPrior, PriceDrivenModel, PriceModel
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::Policy;
 use crate::prices::PriceHistory;
-use crate::sim::view::SimMarkets;
 use crate::store::{JobRow, Store};
 use control::ControlPlane;
 use proteus_wire::{JobId, Tier};
@@ -85,7 +85,7 @@ pub struct Settings {
 /// Prices and the model the policies read, swapped whole when refreshed.
 pub struct MarketData {
     pub history: Arc<PriceHistory>,
-    pub markets: SimMarkets,
+    pub markets: TraceMarkets,
     pub model: Mutex<Box<dyn MarketModel>>,
 }
 
@@ -104,7 +104,7 @@ impl MarketData {
             )),
         };
         MarketData {
-            markets: SimMarkets::new(history.clone()),
+            markets: TraceMarkets::new(history.clone()),
             history,
             model: Mutex::new(model),
         }

@@ -10,6 +10,7 @@ use crate::billing::BillingModel;
 use crate::cloud::{CloudEvent, LaunchSpec};
 use crate::engine::NOTICE_SECS;
 use crate::engine::limits::{Held, Limits};
+use crate::engine::view::{FutureReads, TraceView};
 use crate::engine::work::{self, WorkingSpan};
 use crate::launcher::metadata::InstanceFacts;
 use crate::market::{Market, Timestamp, UsdPerHour};
@@ -18,7 +19,6 @@ use crate::policy::{
     Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
     MarketView, PolicyEvent, Purchase, ViewError,
 };
-use crate::sim::view::{FutureReads, TraceView};
 use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, WorkRecord};
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
@@ -980,10 +980,7 @@ fn first_period_cost(
         Purchase::Spot { .. } => data.history.get(market).and_then(|s| s.price_at(now)),
     }
     .unwrap_or(0.0);
-    match billing {
-        BillingModel::Hourly2015 => price,
-        BillingModel::PerSecond => price / 60.0,
-    }
+    price * billing.billed_hours(0.0)
 }
 
 /// The trace view minus markets the cloud refused recently.

@@ -1,7 +1,7 @@
 //! The trace-driven simulator: a job's work model and a policy against a spot price trace.
 //!
 //! One run ([`run`]) starts the job at a time inside the trace, asks the policy (through the same
-//! [`Policy`] trait the live scheduler uses, with a [`view::TraceView`] that refuses reads after
+//! [`Policy`] trait the live scheduler uses, with a [`crate::engine::view::TraceView`] that refuses reads after
 //! the decision time), and replays the market: instances start (billed, not working, for the
 //! job's start-up time), work at their type's rate, are warned and evicted when the world says
 //! so ([`world`]), and lose work according to the eviction-cost model the policy runs the job
@@ -18,11 +18,11 @@
 
 pub mod inputs;
 pub mod sweep;
-pub mod view;
 pub mod world;
 
 use crate::billing::{BillingError, BillingModel, EndedBy, PriceSource};
 use crate::engine::limits::{Held, Limits};
+use crate::engine::view::{FutureReads, TraceMarkets, TraceView};
 use crate::engine::work::{self, WorkingSpan};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{Market, Timestamp};
@@ -38,7 +38,6 @@ use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use thiserror::Error;
-use view::{FutureReads, SimMarkets, TraceView};
 use world::{HazardTruth, HazardWorld, MaxTree};
 
 /// Who decides when an instance is taken away.
@@ -53,7 +52,7 @@ pub enum World {
 
 /// Everything that stays the same across the runs of a sweep.
 pub struct Scenario {
-    markets: SimMarkets,
+    markets: TraceMarkets,
     trees: HashMap<Market, MaxTree>,
     pub job: JobModel,
     pub billing: BillingModel,
@@ -81,7 +80,7 @@ impl Scenario {
             .map(|s| (s.market().clone(), MaxTree::new(s.prices())))
             .collect();
         Ok(Scenario {
-            markets: SimMarkets::new(history),
+            markets: TraceMarkets::new(history),
             trees,
             job,
             billing,

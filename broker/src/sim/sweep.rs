@@ -1,9 +1,9 @@
 //! Many runs: several policies over the same start times, and what they add up to.
 
 use super::{RunOptions, RunResult, Scenario, SimError, run};
+use crate::engine::view::FutureReads;
 use crate::market::Timestamp;
 use crate::policy::{Policy, PolicyKind, PolicyLoadError, PolicySpec};
-use crate::sim::view::FutureReads;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;

@@ -2,6 +2,7 @@
 
 use proptest::prelude::*;
 use proteus_broker::billing::{BillingModel, EndedBy, PriceSource};
+use proteus_broker::engine::view::{FutureReads, TraceView};
 use proteus_broker::job::{JobModel, WorkModelSpec};
 use proteus_broker::market::{InstanceType, Market, Region, Timestamp, UsdPerHour};
 use proteus_broker::market_model::{
@@ -14,7 +15,6 @@ use proteus_broker::policy::{
 use proteus_broker::prices::{InstanceOffer, OnDemandCatalog, PriceHistory, PriceSeries};
 use proteus_broker::sim::inputs::load_history;
 use proteus_broker::sim::sweep::{PolicyEntry, SweepOptions, run_sweep, start_times};
-use proteus_broker::sim::view::{FutureReads, TraceView};
 use proteus_broker::sim::world::HazardTruth;
 use proteus_broker::sim::{RunOptions, RunResult, Scenario, World, run};
 use rand::{Rng, SeedableRng};
@@ -390,7 +390,7 @@ fn a_decision_is_a_function_of_the_past() {
     let decide = |h: &Arc<PriceHistory>| {
         let job = small_job(h, 400.0, 32);
         let model = price_model(h, 7.0);
-        let markets = proteus_broker::sim::view::SimMarkets::new(h.clone());
+        let markets = proteus_broker::engine::view::TraceMarkets::new(h.clone());
         let view = TraceView::new(now, &markets, model.as_ref(), FutureReads::Panic);
         let ctx = DecisionContext {
             market: &view,

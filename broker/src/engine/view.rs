@@ -1,4 +1,6 @@
-//! The market as a policy sees it during a simulation: the trace up to the decision time.
+//! The market as a policy sees it, in the simulator and the live scheduler alike: a price
+//! history up to the decision time (the live scheduler's history is the store's, refreshed as
+//! prices arrive), with the market model's eviction estimates.
 
 use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::market_model::{EvictionEstimate, MarketModel, ModelError, ModelKind};
@@ -10,14 +12,14 @@ use std::sync::Arc;
 /// The markets of a trace with what every view needs precomputed: on-demand prices by market
 /// and the first price time of each (a market "exists" for a view only from then on).
 #[derive(Debug, Clone)]
-pub struct SimMarkets {
+pub struct TraceMarkets {
     history: Arc<PriceHistory>,
     markets: Vec<Market>,
     first: Vec<Timestamp>,
     on_demand: HashMap<Market, UsdPerHour>,
 }
 
-impl SimMarkets {
+impl TraceMarkets {
     pub fn new(history: Arc<PriceHistory>) -> Self {
         let mut markets = Vec::new();
         let mut first = Vec::new();
@@ -30,7 +32,7 @@ impl SimMarkets {
                 on_demand.insert(s.market().clone(), o.on_demand);
             }
         }
-        SimMarkets {
+        TraceMarkets {
             history,
             markets,
             first,
@@ -67,7 +69,7 @@ pub enum FutureReads {
 /// A [`MarketView`] over a trace at `now`.
 pub struct TraceView<'a> {
     now: Timestamp,
-    markets: &'a SimMarkets,
+    markets: &'a TraceMarkets,
     model: &'a dyn MarketModel,
     future: FutureReads,
 }
@@ -75,7 +77,7 @@ pub struct TraceView<'a> {
 impl<'a> TraceView<'a> {
     pub fn new(
         now: Timestamp,
-        markets: &'a SimMarkets,
+        markets: &'a TraceMarkets,
         model: &'a dyn MarketModel,
         future: FutureReads,
     ) -> Self {
