@@ -2,7 +2,8 @@
 //! heartbeats, command long-polls and events, all applied to the job's coordinator.
 //!
 //! A token is valid only for the instance it was issued to (and so only for that instance's
-//! job): 401 without a token or with an unknown one, 403 with another instance's token.
+//! job), and only while that instance lives: 401 without a token or with an unknown one, 403
+//! with another instance's token or the token of an instance that has ended.
 
 use super::control::wall_ms;
 use super::{Broker, metrics::Metrics};
@@ -72,6 +73,16 @@ impl Broker {
             None if !plausible_cloud_id(cloud_id) => None,
             None => {
                 let row = self.store.instance_by_cloud_id(cloud_id).await?;
+                // An ended instance's token dies with it (live instances are cached, and leave
+                // the cache when they end).
+                if let Some(r) = &row
+                    && r.state.is_final()
+                    && hashes_match(&hash, &r.token_hash)
+                {
+                    return Err(ApiError::forbidden(format!(
+                        "instance {cloud_id} has ended; its token is no longer valid"
+                    )));
+                }
                 let identity = row.as_ref().map(AgentIdentity::from);
                 if let Some(i) = &identity {
                     self.agent_cache

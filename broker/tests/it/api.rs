@@ -620,3 +620,112 @@ async fn the_openapi_document_describes_every_route() {
             .contains("proteus_jobs{state=\"running\"}")
     );
 }
+
+/// Every agent endpoint, called for instance `cloud_id` with `token`: (endpoint, status).
+async fn agent_endpoints(s: &TestServer, cloud_id: &str, token: &str) -> Vec<(&'static str, u16)> {
+    let t = Some(token);
+    let register = json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2});
+    let mut out = vec![(
+        "register",
+        s.call(
+            reqwest::Method::POST,
+            "/v1/agents/register",
+            t,
+            Some(register),
+        )
+        .await
+        .0,
+    )];
+    let heartbeat = format!("/v1/agents/{cloud_id}/heartbeat");
+    out.push((
+        "heartbeat",
+        s.call(reqwest::Method::POST, &heartbeat, t, Some(json!({})))
+            .await
+            .0,
+    ));
+    let events = format!("/v1/agents/{cloud_id}/events");
+    let event = json!({"type": "rebalance_recommendation"});
+    out.push((
+        "events",
+        s.call(reqwest::Method::POST, &events, t, Some(event))
+            .await
+            .0,
+    ));
+    let commands = format!("/v1/agents/{cloud_id}/commands?after=0&wait_ms=0");
+    out.push((
+        "commands",
+        s.call(reqwest::Method::GET, &commands, t, None).await.0,
+    ));
+    let download = s
+        .http
+        .get(format!("{}/v1/downloads/data/digits-8x8.csv.gz", s.url))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16();
+    out.push(("download", download));
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, view) = s.post("/v1/jobs", job("on-demand")).await;
+    assert_eq!(status, 201, "{view}");
+    let job_id = proteus_wire::JobId(view["id"].as_i64().unwrap());
+    // Two instances of the same job, whose agent tokens we know.
+    let mut agents = Vec::new();
+    for k in 0..2 {
+        let token = proteus_broker::api::auth::new_token("pa_");
+        let row = proteus_broker::store::InstanceRow::intent(
+            format!("pi-same-{k}"),
+            job_id,
+            proteus_broker::market::Market::parse("us-east-1a/c3.xlarge").unwrap(),
+            proteus_broker::policy::Purchase::OnDemand,
+            proteus_broker::api::auth::hash_token(&token),
+            s.clock.now(),
+        );
+        s.broker.store.insert_instance(&row).await.unwrap();
+        let cloud_id = format!("i-same{k}");
+        s.broker
+            .store
+            .mark_launched(&row.id, &cloud_id, s.clock.now())
+            .await
+            .unwrap();
+        agents.push((row.id, cloud_id, token));
+    }
+    let (a_row, a_cloud, a_token) = &agents[0];
+    let (_, b_cloud, b_token) = &agents[1];
+
+    for (endpoint, status) in agent_endpoints(&s, a_cloud, a_token).await {
+        assert!(
+            (200..300).contains(&status),
+            "{endpoint}: own token: {status}"
+        );
+    }
+    for (endpoint, status) in agent_endpoints(&s, a_cloud, b_token).await {
+        if endpoint != "download" {
+            assert_eq!(
+                status, 403,
+                "{endpoint}: a token of another instance of the same job"
+            );
+        }
+    }
+
+    // The instance ends (as the scheduler records it): its token dies with it, everywhere.
+    let row = s.broker.store.instance(a_row).await.unwrap().unwrap();
+    let now = s.clock.now();
+    s.broker.on_ended(&row, now, false, now).await.unwrap();
+    for (endpoint, status) in agent_endpoints(&s, a_cloud, a_token).await {
+        assert_eq!(status, 403, "{endpoint}: the token of an ended instance");
+    }
+    // The other instance is not affected.
+    for (endpoint, status) in agent_endpoints(&s, b_cloud, b_token).await {
+        assert!(
+            (200..300).contains(&status),
+            "{endpoint}: the live instance: {status}"
+        );
+    }
+}
