@@ -217,12 +217,9 @@ pub struct JobModel {
 /// A work model that cannot be used, with the field at fault.
 #[derive(Debug, Error)]
 pub enum JobError {
-    #[error("{file}: cannot read: {source}")]
-    Io {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The cause is in the message, not also a `source()` (see `prices::files::FileError`).
+    #[error("{file}: cannot read: {cause}")]
+    Io { file: String, cause: std::io::Error },
     #[error("{file}: {problem}")]
     Syntax { file: String, problem: String },
     #[error("{file}: key `{key}`: {problem}")]
@@ -237,9 +234,9 @@ impl WorkModelSpec {
     /// Reads a TOML or JSON file (JSON if the first non-blank character is `{`).
     pub fn load(path: &Path) -> Result<WorkModelSpec, JobError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| JobError::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| JobError::Io {
             file: file.clone(),
-            source,
+            cause,
         })?;
         Self::parse(&file, &text)
     }

@@ -62,12 +62,9 @@ impl PolicySpec {
 /// Why a policy file could not be used.
 #[derive(Debug, Error)]
 pub enum PolicyLoadError {
-    #[error("{file}: cannot read: {source}")]
-    Io {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The cause is in the message, not also a `source()` (see `prices::files::FileError`).
+    #[error("{file}: cannot read: {cause}")]
+    Io { file: String, cause: std::io::Error },
     #[error("{file}: {problem}")]
     Syntax { file: String, problem: String },
     #[error("{file}: key `{key}`: {problem} (allowed: {allowed})")]
@@ -113,9 +110,9 @@ fn explain_toml_error(e: toml::de::Error) -> String {
 /// Reads and builds a policy file.
 pub fn load_policy_file(path: &Path) -> Result<Box<dyn Policy>, PolicyLoadError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| PolicyLoadError::Io {
+    let text = std::fs::read_to_string(path).map_err(|cause| PolicyLoadError::Io {
         file: file.clone(),
-        source,
+        cause,
     })?;
     parse_policy(&file, &text)
 }

@@ -27,11 +27,12 @@ pub struct SpotPriceRow {
 /// What went wrong reading a price file, and where.
 #[derive(Debug, Error)]
 pub enum FileError {
-    #[error("{file}: cannot read: {source}")]
+    /// The cause is part of the message and not also a `source()`, so that a chain printed
+    /// with `{:#}` states it once.
+    #[error("{file}: cannot read: {cause}")]
     Io {
         file: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{file}:{line}: field `{field}`: {problem}")]
     Field {
@@ -69,9 +70,9 @@ impl FileError {
 /// Reads a file, transparently un-gzipping it when it starts with the gzip magic bytes
 /// (the extension is not trusted: people rename files).
 pub fn read_maybe_gzipped(path: &Path) -> Result<Vec<u8>, FileError> {
-    let io = |source| FileError::Io {
+    let io = |cause| FileError::Io {
         file: path.to_path_buf(),
-        source,
+        cause,
     };
     let raw = std::fs::read(path).map_err(io)?;
     decompress_if_gzipped(raw).map_err(io)

@@ -23,9 +23,9 @@ pub struct PolicyEntry {
 impl PolicyEntry {
     pub fn load(path: &Path) -> Result<Self, PolicyLoadError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| PolicyLoadError::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| PolicyLoadError::Io {
             file: file.clone(),
-            source,
+            cause,
         })?;
         Self::parse(&file, &text)
     }

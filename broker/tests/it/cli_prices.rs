@@ -6,6 +6,7 @@ use std::io::Write;
 use std::process::{Command, Output};
 
 on_both_backends!(
+    a_missing_file_states_its_cause_once,
     a_bad_row_refuses_the_whole_file_and_names_its_line,
     stats_prints_every_market_as_json,
     aws_cli_json_is_ingested,
@@ -55,6 +56,21 @@ fn write_csv(
         }
     }
     path.display().to_string()
+}
+
+async fn a_missing_file_states_its_cause_once(db: TestDb) {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.csv").display().to_string();
+    let out = proteus(&db, &["prices", "ingest", "--file", &missing]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains(&format!("{missing}: cannot read")), "{err}");
+    assert_eq!(
+        err.matches("No such file or directory").count(),
+        1,
+        "the cause once: {err}"
+    );
+    assert_eq!(db.store.price_row_count().await.unwrap(), 0);
 }
 
 async fn a_bad_row_refuses_the_whole_file_and_names_its_line(db: TestDb) {
