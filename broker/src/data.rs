@@ -29,3 +29,12 @@ pub fn data_dir() -> PathBuf {
         .join("..")
         .join("data")
 }
+
+/// Where this user's Proteus state lives by default (`~/.local/share/proteus` on Linux): the
+/// embedded database and the local agents' state. The one lookup of the user's data directory.
+pub fn user_dir() -> PathBuf {
+    dirs::data_dir()
+        .or_else(dirs::home_dir)
+        .unwrap_or_else(std::env::temp_dir)
+        .join("proteus")
+}

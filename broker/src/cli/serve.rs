@@ -429,11 +429,7 @@ async fn user_auth(
 }
 
 pub fn default_state_dir() -> PathBuf {
-    dirs::data_dir()
-        .or_else(dirs::home_dir)
-        .unwrap_or_else(std::env::temp_dir)
-        .join("proteus")
-        .join("state")
+    crate::data::user_dir().join("state")
 }
 
 /// The sim trace: the file given, or the one built in. It is also ingested into the store so

@@ -213,10 +213,7 @@ impl Store {
 
 /// The embedded default: a SQLite file under the user's data directory.
 pub fn default_database_url() -> String {
-    let base = dirs::data_dir()
-        .or_else(dirs::home_dir)
-        .unwrap_or_else(std::env::temp_dir);
-    let path = base.join("proteus").join("proteus.db");
+    let path = crate::data::user_dir().join("proteus.db");
     format!("sqlite://{}", path.display())
 }
 
