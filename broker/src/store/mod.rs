@@ -184,30 +184,170 @@ impl Store {
 
     /// Every (table, column) of the application schema, sorted: how a test proves that the two
     /// backends' migrations build the same schema.
-    pub async fn schema(&self) -> Result<Vec<(String, String)>, StoreError> {
-        let mut cols: Vec<(String, String)> = match &self.db {
-            Db::Postgres(pool) => sqlx::query_as(
-                "SELECT table_name::TEXT, column_name::TEXT FROM information_schema.columns \
-                 WHERE table_schema = 'public'",
-            )
-            .fetch_all(pool)
-            .await
-            .context("reading the schema")?,
-            Db::Sqlite(pool) => sqlx::query_as(
-                "SELECT m.name, p.name FROM sqlite_master m JOIN pragma_table_info(m.name) p \
-                 WHERE m.type = 'table'",
-            )
-            .fetch_all(pool)
-            .await
-            .context("reading the schema")?,
-        };
-        cols.retain(|(t, _)| !t.starts_with("_sqlx") && !t.starts_with("sqlite_"));
-        cols.sort();
-        Ok(cols)
+    /// The schema as both backends can describe it, normalised so that the two migration sets
+    /// can be compared: every column with its storage class and nullability, the primary keys,
+    /// and every other index with its columns and uniqueness.
+    pub async fn schema(&self) -> Result<Schema, StoreError> {
+        let mut schema = Schema::default();
+        match &self.db {
+            Db::Postgres(pool) => {
+                let cols: Vec<(String, String, String, String)> = sqlx::query_as(
+                    "SELECT table_name::TEXT, column_name::TEXT, data_type::TEXT, is_nullable::TEXT \
+                     FROM information_schema.columns WHERE table_schema = 'public'",
+                )
+                .fetch_all(pool)
+                .await
+                .context("reading the schema")?;
+                let indexes: Vec<(String, bool, bool, String)> = sqlx::query_as(
+                    "SELECT t.relname::TEXT, ix.indisprimary, ix.indisunique, \
+                         array_to_string(ARRAY(SELECT a.attname FROM unnest(ix.indkey) \
+                         WITH ORDINALITY AS k(attnum, ord) JOIN pg_attribute a \
+                         ON a.attrelid = t.oid AND a.attnum = k.attnum ORDER BY k.ord), ',') \
+                     FROM pg_index ix JOIN pg_class t ON t.oid = ix.indrelid \
+                     JOIN pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = 'public'",
+                )
+                .fetch_all(pool)
+                .await
+                .context("reading the indexes")?;
+                for (table, column, kind, nullable) in cols {
+                    schema.columns.push(SchemaColumn {
+                        table,
+                        column,
+                        kind: storage_class(&kind),
+                        nullable: nullable == "YES",
+                    });
+                }
+                for (table, primary, unique, columns) in indexes {
+                    let columns: Vec<String> = columns.split(',').map(str::to_string).collect();
+                    if primary {
+                        schema.primary_keys.push((table, columns));
+                    } else {
+                        schema.indexes.push(SchemaIndex {
+                            table,
+                            columns,
+                            unique,
+                        });
+                    }
+                }
+            }
+            Db::Sqlite(pool) => {
+                let cols: Vec<(String, String, String, i64, i64)> = sqlx::query_as(
+                    "SELECT m.name, p.name, p.type, p.\"notnull\", p.pk FROM sqlite_master m \
+                     JOIN pragma_table_info(m.name) p WHERE m.type = 'table' ORDER BY m.name, p.pk",
+                )
+                .fetch_all(pool)
+                .await
+                .context("reading the schema")?;
+                let indexes: Vec<(String, String, i64, String, i64, String)> = sqlx::query_as(
+                    "SELECT m.name, il.name, il.\"unique\", il.origin, ii.seqno, ii.name \
+                     FROM sqlite_master m JOIN pragma_index_list(m.name) il \
+                     JOIN pragma_index_info(il.name) ii WHERE m.type = 'table' \
+                     ORDER BY m.name, il.name, ii.seqno",
+                )
+                .fetch_all(pool)
+                .await
+                .context("reading the indexes")?;
+                let mut keys: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+                for (table, column, kind, not_null, pk) in cols {
+                    if pk > 0 {
+                        keys.entry(table.clone()).or_default().push(column.clone());
+                    }
+                    schema.columns.push(SchemaColumn {
+                        table,
+                        column,
+                        kind: storage_class(&kind),
+                        // SQLite lets an INTEGER PRIMARY KEY be declared nullable; it never is.
+                        nullable: not_null == 0 && pk == 0,
+                    });
+                }
+                schema.primary_keys.extend(keys);
+                let mut by_index: std::collections::BTreeMap<
+                    (String, String),
+                    (bool, bool, Vec<String>),
+                > = Default::default();
+                for (table, index, unique, origin, _, column) in indexes {
+                    let entry = by_index.entry((table, index)).or_insert((
+                        unique != 0,
+                        origin == "pk",
+                        Vec::new(),
+                    ));
+                    entry.2.push(column);
+                }
+                for ((table, _), (unique, primary, columns)) in by_index {
+                    if primary {
+                        // A TEXT primary key's automatic index: the key itself, listed above.
+                        continue;
+                    }
+                    schema.indexes.push(SchemaIndex {
+                        table,
+                        columns,
+                        unique,
+                    });
+                }
+            }
+        }
+        let internal = |t: &str| t.starts_with("_sqlx") || t.starts_with("sqlite_");
+        schema.columns.retain(|c| !internal(&c.table));
+        schema.indexes.retain(|i| !internal(&i.table));
+        schema.primary_keys.retain(|(t, _)| !internal(t));
+        schema
+            .columns
+            .sort_by(|a, b| (&a.table, &a.column).cmp(&(&b.table, &b.column)));
+        schema.indexes.sort_by(|a, b| {
+            (&a.table, &a.columns, a.unique).cmp(&(&b.table, &b.columns, b.unique))
+        });
+        schema.primary_keys.sort();
+        Ok(schema)
     }
 
     pub async fn close(&self) {
         with_db!(self, |pool| pool.close().await)
+    }
+}
+
+/// A database schema as [`Store::schema`] describes it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Schema {
+    pub columns: Vec<SchemaColumn>,
+    /// Table and key columns, in key order.
+    pub primary_keys: Vec<(String, Vec<String>)>,
+    /// Unique constraints and indexes other than primary keys.
+    pub indexes: Vec<SchemaIndex>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchemaColumn {
+    pub table: String,
+    pub column: String,
+    /// `integer`, `real`, `text` or `bytes`: what both backends store, whatever the name.
+    pub kind: &'static str,
+    pub nullable: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchemaIndex {
+    pub table: String,
+    pub columns: Vec<String>,
+    pub unique: bool,
+}
+
+/// The storage class of a declared column type on either backend.
+fn storage_class(declared: &str) -> &'static str {
+    let t = declared.to_ascii_lowercase();
+    if t.contains("int") {
+        "integer"
+    } else if t.contains("double")
+        || t.contains("real")
+        || t.contains("float")
+        || t.contains("numeric")
+    {
+        "real"
+    } else if t.contains("char") || t.contains("text") || t.contains("clob") {
+        "text"
+    } else if t.contains("bytea") || t.contains("blob") {
+        "bytes"
+    } else {
+        "other"
     }
 }
 

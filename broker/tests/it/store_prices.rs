@@ -229,13 +229,52 @@ async fn both_backends_build_the_same_schema() {
     let lite = TestDb::sqlite().await;
     let a = pg.store.schema().await.unwrap();
     let b = lite.store.schema().await.unwrap();
+    // The description is rich enough to tell the backends apart if they drifted.
+    assert!(a.columns.iter().any(|c| c.table == "spot_prices"
+        && c.column == "usd_per_hour"
+        && c.kind == "real"
+        && !c.nullable));
     assert!(
-        a.iter()
-            .any(|(t, c)| t == "spot_prices" && c == "usd_per_hour")
+        a.columns
+            .iter()
+            .any(|c| c.table == "instances" && c.column == "ready_ms" && c.nullable)
+    );
+    assert!(
+        a.indexes
+            .iter()
+            .any(|i| i.table == "ledger_lines" && i.unique),
+        "{:?}",
+        a.indexes
+    );
+    assert!(a.indexes.iter().any(|i| !i.unique), "{:?}", a.indexes);
+    assert!(
+        a.primary_keys
+            .iter()
+            .any(|(t, k)| t == "jobs" && k == &["id"])
+    );
+    let differ = |what: &str, x: &dyn std::fmt::Debug, y: &dyn std::fmt::Debug| {
+        format!("{what} differ:\nPostgres: {x:#?}\nSQLite:   {y:#?}")
+    };
+    for (ca, cb) in a.columns.iter().zip(&b.columns) {
+        assert_eq!(ca, cb, "{}", differ("columns", ca, cb));
+    }
+    assert_eq!(
+        a.columns.len(),
+        b.columns.len(),
+        "{}",
+        differ("columns", &a.columns, &b.columns)
     );
     assert_eq!(
-        a, b,
-        "Postgres and SQLite migrations must create the same tables and columns"
+        a.primary_keys,
+        b.primary_keys,
+        "{}",
+        differ("primary keys", &a.primary_keys, &b.primary_keys)
+    );
+    assert_eq!(
+        a.indexes,
+        b.indexes,
+        "{}",
+        differ("indexes", &a.indexes, &b.indexes)
     );
 }
 
