@@ -32,6 +32,8 @@ use std::time::{Duration, Instant};
 const WORKERS: usize = 4;
 const PACE: f64 = 1_500.0; // samples/s per worker: 750 per worker and clock, 0.5 s
 const SEED: u64 = 11;
+/// Float noise allowed when comparing accuracy curves: 5 of MNIST's 10,000 test images.
+const CURVE_NOISE: f64 = 0.0005;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Pattern {
@@ -70,7 +72,8 @@ fn config(pattern: Pattern, sync: SyncModel, clocks: u64) -> TrainingConfig {
         l2: 0.0,
     });
     cfg.num_shards = 2;
-    cfg.num_partitions = 64;
+    // 32 items per worker and clock: the unit a helper takes over.
+    cfg.num_partitions = 128;
     cfg.clocks_per_epoch = 20; // 3,000 samples per clock
     cfg.stop = StopCondition::Clocks { clocks };
     cfg.eval_every_epochs = 1;
@@ -91,9 +94,7 @@ fn balanced_factor(cfg: &TrainingConfig) -> f64 {
     let clocks = cfg.total_clocks();
     let mut sum = 0.0;
     for c in 0..clocks {
-        let speeds: f64 = (0..WORKERS as u32)
-            .map(|r| 1.0 / pace.slowdown(r, c))
-            .sum();
+        let speeds: f64 = (0..WORKERS as u32).map(|r| 1.0 / pace.slowdown(r, c)).sum();
         sum += WORKERS as f64 / speeds;
     }
     sum / clocks as f64
@@ -113,12 +114,17 @@ async fn one_run(pattern: Pattern, model: &'static str, sync: SyncModel, clocks:
     let cfg = config(pattern, sync, clocks);
     let balanced = balanced_factor(&cfg);
     let names: Vec<String> = (1..=WORKERS).map(|i| format!("s{i}")).collect();
-    let tokens: Vec<(String, String)> = names.iter().map(|n| (format!("tok-{n}"), n.clone())).collect();
+    let tokens: Vec<(String, String)> = names
+        .iter()
+        .map(|n| (format!("tok-{n}"), n.clone()))
+        .collect();
     let specs: Vec<(&str, &str, Tier)> = tokens
         .iter()
         .map(|(t, n)| (t.as_str(), n.as_str(), Tier::Transient))
         .collect();
-    let coord = TestCoordinator::start(cfg, &specs).await.expect("coordinator");
+    let coord = TestCoordinator::start(cfg, &specs)
+        .await
+        .expect("coordinator");
     let mut procs = Vec::new();
     for n in &names {
         procs.push(common::spawn_agent(&coord.url(), n, 2000).await);
@@ -264,6 +270,18 @@ fn main() -> ExitCode {
             "final_accuracy": r.final_accuracy,
         }));
     }
+    let best_none = ["bsp", "ssp", "flexrr"]
+        .iter()
+        .map(|m| none(m))
+        .fold(f64::INFINITY, f64::min);
+    for r in runs.iter().filter(|r| r.pattern != Pattern::None) {
+        println!(
+            "  {} {}: {:.3} of the balanced time computed from the fastest no-straggler run ({best_none:.3} s/clock)",
+            r.pattern.name(),
+            r.model,
+            r.secs_per_clock / (best_none * r.balanced)
+        );
+    }
     println!("targets:");
     let get = |p: Pattern, m: &str| runs.iter().find(|r| r.pattern == p && r.model == m);
     let mut all_met = true;
@@ -275,7 +293,8 @@ fn main() -> ExitCode {
         let b_none = b.secs_per_clock / none("bsp");
         let acc_gap = b.final_accuracy - f.final_accuracy;
         // Accuracy against wall time: at every moment BSP had an evaluation, FlexRR's latest
-        // evaluation by then was at least as good.
+        // evaluation by then was at least as good (up to float noise: with slack 0 both apply
+        // the same updates, summed in another order, which moves a test image or two).
         let worst = b
             .curve
             .iter()
@@ -301,8 +320,10 @@ fn main() -> ExitCode {
                 acc_gap / 0.005,
             ),
             (
-                format!("flexrr accuracy against wall time never below bsp's (worst margin {worst:+.4})"),
-                worst >= 0.0,
+                format!(
+                    "flexrr accuracy against wall time never below bsp's, up to {CURVE_NOISE} (worst margin {worst:+.4})"
+                ),
+                worst >= -CURVE_NOISE,
                 worst,
             ),
         ];

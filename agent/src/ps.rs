@@ -747,9 +747,10 @@ impl Handler for PsNode {
                     // backup-slot copy in that case too, so nothing is lost either way.
                     self.install(shard, snapshot, true)
                 }
-                Request::Progress | Request::Offer { .. } | Request::Delegate { .. } => {
-                    Response::Error("this node runs no worker".into())
-                }
+                Request::Progress
+                | Request::Offer { .. }
+                | Request::Delegate { .. }
+                | Request::ChunkPushed { .. } => Response::Error("this node runs no worker".into()),
                 Request::FetchBackup { shard } => {
                     let slots = self.slots();
                     let copy = slots.get(&shard).and_then(|s| {

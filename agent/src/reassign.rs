@@ -93,7 +93,8 @@ struct BoardState {
     left_over: Option<(u64, Range<u32>)>,
     /// The worker has handed everything over (or there was nothing to hand over).
     released: bool,
-    /// Chunks of recent clocks taken by helpers: not to be recomputed while they are alive.
+    /// Chunks taken by helpers whose push is not known to be applied yet: not to be recomputed
+    /// while their helper is alive (once applied, a shard that lost them needs them again).
     given: Vec<Given>,
     /// Offers answered (confirmed, cancelled), for logs.
     confirmed: u64,
@@ -197,8 +198,16 @@ impl Board {
         ok
     }
 
+    /// The helper's push of `start..end` of `clock` was applied.
+    pub fn settle(&self, clock: u64, start: u32, end: u32) {
+        self.lock()
+            .given
+            .retain(|g| !(g.clock == clock && g.range == (start..end)));
+    }
+
     /// Whether partition `p` of `clock` was taken by a helper that is still a worker in `view`
-    /// (its push is on the way; recomputing it would process it twice).
+    /// and has not reported its push applied (it is on the way; recomputing it would process it
+    /// twice).
     pub fn given_away(&self, clock: u64, p: u32, view: &ClusterView) -> bool {
         self.lock()
             .given
@@ -361,6 +370,10 @@ impl Handler for Node {
                     }
                     Response::Offer(accepted)
                 }
+                Request::ChunkPushed { clock, start, end } => {
+                    self.board.settle(clock, start, end);
+                    Response::Ack
+                }
                 Request::Delegate { clock, partitions } => {
                     let Some(ctx) = self.worker().filter(|_| !self.board.is_leaving()) else {
                         return Response::Busy;
@@ -449,6 +462,15 @@ mod tests {
         assert_eq!(started.last(), Some(&(4..5)));
         assert_eq!(b.finish(), 0..5);
         assert_eq!(b.offers(), (1, 3));
+        // Taken chunks are not recomputed while their helper is alive and its push pending.
+        let mut v = view(&["a", "b"]);
+        v.workers[1].instance_id = h.clone();
+        assert!(b.given_away(3, 6, &v));
+        v.workers[1].instance_id = InstanceId("other".into());
+        assert!(!b.given_away(3, 6, &v), "helper gone");
+        v.workers[1].instance_id = h.clone();
+        b.settle(3, 5, 8);
+        assert!(!b.given_away(3, 6, &v), "push applied");
     }
 
     #[test]

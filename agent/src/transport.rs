@@ -82,6 +82,9 @@ pub enum Request {
         /// The helper's instance id (the worker remembers who took what).
         by: String,
     },
+    /// The helper's push of the chunk `start..end` of `clock` it took over was applied: the
+    /// owner may recompute it again should a shard lose it.
+    ChunkPushed { clock: u64, start: u32, end: u32 },
     /// A warned worker hands `partitions` of `clock` to a helper, which answers
     /// [`Response::Ack`] once it has pushed their update (anything else: not taken).
     Delegate { clock: u64, partitions: Vec<u32> },
@@ -354,6 +357,12 @@ impl Request {
                 e.u64(*clock);
                 e.u32s(partitions);
             }
+            Request::ChunkPushed { clock, start, end } => {
+                e.u8(9);
+                e.u64(*clock);
+                e.u32(*start);
+                e.u32(*end);
+            }
         }
     }
 
@@ -389,6 +398,11 @@ impl Request {
             8 => Request::Delegate {
                 clock: d.u64()?,
                 partitions: d.u32s()?,
+            },
+            9 => Request::ChunkPushed {
+                clock: d.u64()?,
+                start: d.u32()?,
+                end: d.u32()?,
             },
             t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
         })
@@ -803,6 +817,11 @@ mod tests {
         roundtrip_req(Request::Delegate {
             clock: 3,
             partitions: vec![4, 5],
+        });
+        roundtrip_req(Request::ChunkPushed {
+            clock: 3,
+            start: 5,
+            end: 8,
         });
         for resp in [
             Response::Params {

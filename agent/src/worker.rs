@@ -324,6 +324,15 @@ impl Worker {
                     if !self.push_all(p.clock, &parts, u.delta).await {
                         break;
                     }
+                    let done = Request::ChunkPushed {
+                        clock: p.clock,
+                        start: split,
+                        end: p.end,
+                    };
+                    let peers = self.ctx.peers.clone();
+                    tokio::spawn(async move {
+                        let _ = peers.call(&addr, &done, CALL_TIMEOUT).await;
+                    });
                 }
                 Ok(Response::Offer(false)) => {}
                 _ => break,

@@ -2,6 +2,7 @@
 //! LocalStack. Run through `scripts/test`, which starts the services and exports their URLs.
 
 mod crash;
+mod flexrr;
 mod localstack;
 mod pg_restart;
 mod sim;

@@ -140,10 +140,11 @@ pub struct TrainingSpec {
     /// the agents' default, see `SyncModel::default`.
     #[serde(default)]
     pub sync: Option<String>,
-    /// `ssp` and `flexrr`: how many clocks a worker may run ahead of the slowest (0–64).
+    /// `ssp` and `flexrr`: how many clocks a worker may run ahead of the slowest (0–64;
+    /// default 1 for `ssp`, 0 for `flexrr`).
     #[serde(default)]
     pub slack: Option<u32>,
-    /// `flexrr`: size of each worker's helper group (1–16).
+    /// `flexrr`: size of each worker's helper group (1–16, default 3).
     #[serde(default)]
     pub helpers: Option<u32>,
 }
@@ -185,7 +186,7 @@ impl TrainingSpec {
         let model = match name {
             "bsp" => SyncModel::Bsp,
             "ssp" => SyncModel::Ssp {
-                slack: slack.unwrap_or(proteus_wire::agent_api::default_flexrr_slack()),
+                slack: slack.unwrap_or(proteus_wire::agent_api::default_ssp_slack()),
             },
             "flexrr" => SyncModel::Flexrr {
                 slack: slack.unwrap_or(proteus_wire::agent_api::default_flexrr_slack()),
