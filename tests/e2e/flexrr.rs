@@ -4,7 +4,8 @@
 use proteus_e2e::{BrokerProcess, TOKEN, fresh_pg_database, proteus};
 use std::time::Duration;
 
-async fn run(sync: &str) -> (f64, String) {
+/// Final accuracy, `proteus status ID`, and the agents' logs.
+async fn run(sync: &str) -> (f64, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
     let broker = BrokerProcess::start(
@@ -54,16 +55,29 @@ async fn run(sync: &str) -> (f64, String) {
     assert_eq!(job["state"], "succeeded", "{job}\n{}", broker.log_text());
     let (code, status, _) = proteus(None, &["status", &id.to_string()], &env);
     assert_eq!(code, 0);
-    (job["metric"]["value"].as_f64().unwrap(), status)
+    (
+        job["metric"]["value"].as_f64().unwrap(),
+        status,
+        broker.agent_logs(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flexrr_job_through_the_broker_reaches_bsps_accuracy() {
-    let (bsp, bsp_status) = run("bsp").await;
-    let (flexrr, flexrr_status) = run("flexrr").await;
+    let (bsp, bsp_status, bsp_logs) = run("bsp").await;
+    let (flexrr, flexrr_status, flexrr_logs) = run("flexrr").await;
     eprintln!("digits accuracy: bsp {bsp:.4}, flexrr {flexrr:.4}");
     assert!(bsp_status.contains("sync bsp"), "{bsp_status}");
     assert!(flexrr_status.contains("sync flexrr"), "{flexrr_status}");
+    // The agents really ran the model the spec named.
+    assert!(
+        bsp_logs.contains("worker starting clock=0 sync=bsp"),
+        "{bsp_logs}"
+    );
+    assert!(
+        flexrr_logs.contains("worker starting clock=0 sync=flexrr"),
+        "{flexrr_logs}"
+    );
     assert!(bsp > 0.85, "digits is easy: {bsp}");
     // One test image of the 360 is 0.0028.
     assert!(
