@@ -244,6 +244,11 @@ impl Board {
         self.lock().left_over.take()
     }
 
+    /// A worker (re)starts on this board: a warning from now on waits for it again.
+    pub fn rearm(&self) {
+        self.lock().released = false;
+    }
+
     /// The worker has handed everything over (or stopped): the agent may tell the broker.
     pub fn release(&self) {
         self.lock().released = true;

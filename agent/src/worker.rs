@@ -80,7 +80,9 @@ impl WorkerCtx {
 
 /// Run the worker until it is unassigned or training is finished.
 pub async fn run(ctx: WorkerCtx) -> WorkerExit {
+    ctx.board.rearm();
     let Some(view) = ctx.current_view() else {
+        ctx.board.release();
         return WorkerExit::Unassigned;
     };
     let mut w = Worker {
