@@ -70,6 +70,20 @@ struct Worker {
     params: Vec<f32>,
     clock: u64,
     rate: RateMeter,
+    /// Recent seconds per own item and per push: a helper takes over a chunk only if
+    /// computing it takes longer than the extra push it costs.
+    item_secs: Ewma,
+    push_secs: Ewma,
+}
+
+/// Exponentially weighted mean of recent samples (None until the first).
+#[derive(Debug, Default, Clone, Copy)]
+struct Ewma(Option<f64>);
+
+impl Ewma {
+    fn add(&mut self, x: f64) {
+        self.0 = Some(self.0.map_or(x, |m| 0.8 * m + 0.2 * x));
+    }
 }
 
 impl WorkerCtx {
@@ -90,6 +104,8 @@ pub async fn run(ctx: WorkerCtx) -> WorkerExit {
         params: Vec::new(),
         clock: 0,
         rate: RateMeter::default(),
+        item_secs: Ewma::default(),
+        push_secs: Ewma::default(),
         ctx,
     };
     let exit = w.run().await;
@@ -108,6 +124,8 @@ pub async fn run_delegated(ctx: WorkerCtx, clock: u64, partitions: Vec<u32>) -> 
         params: Vec::new(),
         clock,
         rate: RateMeter::default(),
+        item_secs: Ewma::default(),
+        push_secs: Ewma::default(),
         ctx,
     };
     if w.my_partitions().is_none() {
@@ -192,9 +210,15 @@ impl Worker {
             let (parts, update) = self.compute_own(range).await;
             let mut samples = update.samples as u64;
             let loss = (update.samples > 0).then(|| update.loss_sum / update.samples as f64);
+            if !parts.is_empty() {
+                self.item_secs
+                    .add(t.elapsed().as_secs_f64() / parts.len() as f64);
+            }
+            let tp = Instant::now();
             if !parts.is_empty() && !self.push_all(self.clock, &parts, update.delta).await {
                 return WorkerExit::Unassigned;
             }
+            self.push_secs.add(tp.elapsed().as_secs_f64());
             if self.ctx.board.is_leaving() {
                 self.hand_over_rest().await;
                 return WorkerExit::Left;
@@ -308,7 +332,15 @@ impl Worker {
             let Some((owner, addr, p)) = best else {
                 break;
             };
-            let split = p.end - reassign::chunk(p.end - p.next, group);
+            let k = reassign::chunk(p.end - p.next, group);
+            // Not worth it when the chunk computes faster than the extra push it costs (tiny
+            // items, e.g. an unpaced small model): the owner will be done as soon.
+            if let (Some(item), Some(push)) = (self.item_secs.0, self.push_secs.0)
+                && f64::from(k) * item < push
+            {
+                break;
+            }
+            let split = p.end - k;
             let offer = Request::Offer {
                 clock: p.clock,
                 split,
