@@ -5,6 +5,8 @@ use crate::control::Broker;
 use crate::error::{AgentError, Result};
 use crate::imds::{self, Imds, Notice};
 use crate::ps::{self, PsEvent, PsNode};
+use crate::reassign::{Board, Node};
+use crate::straggler::Pace;
 use crate::sync::SyncPolicy;
 use crate::transport::Peers;
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
@@ -39,6 +41,8 @@ pub struct AgentOptions {
     pub vcpus: u32,
     /// Exit at the latest this long before an interruption's action time.
     pub exit_margin: Duration,
+    /// This agent's worker is a persistent straggler this many times slower (1: normal).
+    pub slowdown: f64,
 }
 
 /// How the agent ended.
@@ -167,6 +171,10 @@ struct Agent {
     app: Arc<App>,
     reg: RegisterResponse,
     ps: Arc<PsNode>,
+    node: Arc<Node>,
+    board: Arc<Board>,
+    pace: Arc<Pace>,
+    samples: Arc<AtomicU64>,
     peers: Arc<Peers>,
     views_tx: watch::Sender<Option<Arc<ClusterView>>>,
     progress: SharedProgress,
@@ -221,14 +229,22 @@ impl Agent {
 
         let peers = Peers::new(data_addr);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
-        let ps = PsNode::new(
+        let ps = PsNode::with_slack(
             me.clone(),
             app.clone(),
             reg.training.num_partitions,
+            reg.training.sync.slack(),
             peers.clone(),
             ps_tx,
         );
-        peers.set_handler(ps.clone());
+        let board = Board::new();
+        let node = Node::new(me.clone(), ps.clone(), board.clone(), None);
+        peers.set_handler(node.clone());
+        let pace = Arc::new(Pace::new(
+            reg.training.stragglers,
+            opts.slowdown,
+            reg.training.seed,
+        ));
         let _ = ps_cell.set(ps.clone());
         tokio::spawn(peers.clone().serve(listener));
         tokio::spawn(ps::run_backup_sync(
@@ -260,6 +276,10 @@ impl Agent {
             app,
             reg,
             ps,
+            node,
+            board,
+            pace,
+            samples: Arc::new(AtomicU64::new(0)),
             peers,
             views_tx,
             progress,
@@ -374,7 +394,12 @@ impl Agent {
             clocks_per_epoch: u64::from(t.clocks_per_epoch),
             eval_every_clocks: u64::from(t.eval_every_epochs) * u64::from(t.clocks_per_epoch),
             sync: SyncPolicy::from(t.sync),
+            board: self.board.clone(),
+            pace: self.pace.clone(),
+            samples: self.samples.clone(),
+            audit: None,
         };
+        self.node.set_worker(ctx.clone());
         self.worker = Some(tokio::spawn(worker::run(ctx)));
     }
 
@@ -401,11 +426,35 @@ impl Agent {
                 self.leave_by = Some(Instant::now() + budget);
                 let ps = self.ps.clone();
                 tokio::spawn(async move { ps.sync_backups().await });
-                self.event(AgentEvent::InterruptionWarning {
+                let event = AgentEvent::InterruptionWarning {
                     action,
                     action_time: time,
-                })
-                .await;
+                };
+                let working = self.worker.as_ref().is_some_and(|w| !w.is_finished());
+                if self.reg.training.sync.helper_group().is_some() && working {
+                    // A warning is a permanent straggler: the worker hands the rest of its
+                    // clock to its helpers at once. The broker hears of the warning (and
+                    // re-splits the input) once that is done, so that nobody recomputes a
+                    // range a helper is working on.
+                    self.board.leave();
+                    let (board, broker, me) =
+                        (self.board.clone(), self.broker.clone(), self.me.clone());
+                    tokio::spawn(async move {
+                        let t = Instant::now();
+                        if !board.wait_released(budget / 2).await {
+                            tracing::warn!("the worker did not hand its range over in time");
+                        }
+                        tracing::info!(
+                            ms = t.elapsed().as_millis() as u64,
+                            "worker released; telling the broker"
+                        );
+                        if let Err(e) = broker.event(&me, &event).await {
+                            tracing::warn!(error = %e, "could not report the warning");
+                        }
+                    });
+                } else {
+                    self.event(event).await;
+                }
             }
             Notice::Rebalance { notice_time } => {
                 tracing::warn!(

@@ -54,6 +54,10 @@ pub struct Cli {
     /// Leave at the latest this many seconds before an interruption's action time.
     #[arg(long, env = "PROTEUS_AGENT_EXIT_MARGIN_SECS", default_value_t = 10)]
     exit_margin_secs: u64,
+    /// Make this agent's worker a persistent straggler, this many times slower (tests and
+    /// benchmarks; 1 = normal). Adds to the job's own straggler injection.
+    #[arg(long, env = "PROTEUS_AGENT_SLOWDOWN", default_value_t = 1.0)]
+    slowdown: f64,
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "PROTEUS_AGENT_LOG", default_value = "info")]
     log: String,
@@ -84,6 +88,9 @@ where
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    if !(cli.slowdown.is_finite() && cli.slowdown >= 1.0) {
+        anyhow::bail!("--slowdown must be a number >= 1 (got {})", cli.slowdown);
+    }
     let opts = AgentOptions {
         broker: cli.broker,
         token: cli.token,
@@ -95,6 +102,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         advertise: cli.advertise,
         vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         exit_margin: Duration::from_secs(cli.exit_margin_secs),
+        slowdown: cli.slowdown,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -3,7 +3,8 @@
 //! - [`agent`]: the control loop (registration, views, heartbeats, interruption handling);
 //! - [`control`]: client of the broker's agent API; [`imds`]: instance metadata (IMDSv2);
 //! - [`transport`]: the peer-to-peer data plane; [`ps`]: ActivePS/BackupPS shards;
-//! - [`worker`] and [`sync`]: the worker loop under a synchronisation model;
+//! - [`worker`] and [`sync`]: the worker loop under a synchronisation model; [`reassign`]:
+//!   FlexRR's RapidReassignment; [`straggler`]: injected slowness and pacing;
 //! - [`apps`] and [`data`]: MLR and MF on ndarray, data loaders;
 //! - `testing` (feature `testing`): a coordinator HTTP server and an IMDS mock.
 
@@ -15,6 +16,8 @@ pub mod data;
 pub mod error;
 pub mod imds;
 pub mod ps;
+pub mod reassign;
+pub mod straggler;
 pub mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;

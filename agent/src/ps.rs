@@ -2,6 +2,7 @@
 //! holds, background sync, hand-over and promotion.
 
 use crate::apps::App;
+use crate::reassign::{Audit, AuditEvent};
 use crate::transport::{ClockState, Handler, Peers, PushOutcome, Request, Response, Snapshot};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{ClusterView, ShardSource};
@@ -20,6 +21,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct ClockBook {
     num_partitions: u32,
+    /// The sync model's slack: a push for clock `c` proves that clock `c - slack - 1` was
+    /// complete when its worker started.
+    slack: u32,
     done: Option<u64>,
     partial: BTreeMap<u64, BTreeSet<u32>>,
 }
@@ -28,14 +32,22 @@ impl ClockBook {
     pub fn new(num_partitions: u32) -> Self {
         ClockBook {
             num_partitions,
+            slack: 0,
             done: None,
             partial: BTreeMap::new(),
         }
     }
 
+    /// The same book under a sync model with slack `s`.
+    pub fn with_slack(mut self, slack: u32) -> Self {
+        self.slack = slack;
+        self
+    }
+
     pub fn from_state(num_partitions: u32, s: &ClockState) -> Self {
         ClockBook {
             num_partitions,
+            slack: 0,
             done: s.done,
             partial: s
                 .partial
@@ -78,13 +90,13 @@ impl ClockBook {
 
     /// Decide whether a push may be applied, and record it if so.
     ///
-    /// Under BSP a worker pushes clock `c` only after pulling clock `c - 1` complete from every
-    /// shard. A push for `c` while `c - 1` is incomplete here therefore means this shard was
-    /// restored from a backup older than the job: the clocks in between are lost for good, so the
-    /// shard fast-forwards instead of waiting for updates nobody will send. (A sync model with
-    /// slack `s` would fast-forward to `c - 1 - s`.)
+    /// Under slack `s` (0: BSP) a worker pushes clock `c` only after pulling clock `c - s - 1`
+    /// complete from every shard. A push for `c` while `c - s - 1` is incomplete here therefore
+    /// means this shard was restored from a backup older than the job: the clocks up to there
+    /// are lost for good, so the shard fast-forwards instead of waiting for updates nobody will
+    /// send. Clocks after `c - s - 1` may legitimately still be filling in.
     pub fn record(&mut self, clock: u64, partitions: &[u32]) -> PushOutcome {
-        if let Some(prev) = clock.checked_sub(1)
+        if let Some(prev) = clock.checked_sub(u64::from(self.slack) + 1)
             && !self.is_complete(prev)
         {
             self.done = Some(prev);
@@ -111,9 +123,19 @@ impl ClockBook {
                 .copied()
                 .filter(|&p| p < self.num_partitions),
         );
-        if have.len() as u32 >= self.num_partitions {
-            self.done = Some(self.done.map_or(clock, |d| d.max(clock)));
-            let done = clock;
+        // Under slack a later clock may fill up before an earlier one (a helper's chunk of a
+        // slow worker's clock can arrive after that worker's next clock): `done` advances only
+        // over complete clocks in a row, so "clock c complete" always means every clock <= c.
+        let mut next = self.done.map_or(0, |d| d + 1);
+        while self
+            .partial
+            .get(&next)
+            .is_some_and(|h| h.len() as u32 >= self.num_partitions)
+        {
+            self.done = Some(next);
+            next += 1;
+        }
+        if let Some(done) = self.done {
             self.partial.retain(|c, _| *c > done);
         }
         PushOutcome::Applied
@@ -227,9 +249,14 @@ pub struct PsNode {
     /// The newest view applied, so that an acquisition that finishes after the shard moved on
     /// passes it along instead of serving a stale copy.
     latest_view: Mutex<Option<Arc<ClusterView>>>,
+    /// The sync model's slack, for every shard's [`ClockBook`].
+    slack: u32,
+    /// Tests: told of every applied push.
+    audit: Mutex<Option<Audit>>,
 }
 
 impl PsNode {
+    /// A node for BSP (slack 0).
     pub fn new(
         me: InstanceId,
         app: Arc<App>,
@@ -237,10 +264,24 @@ impl PsNode {
         peers: Arc<Peers>,
         events: mpsc::UnboundedSender<PsEvent>,
     ) -> Arc<PsNode> {
+        Self::with_slack(me, app, num_partitions, 0, peers, events)
+    }
+
+    /// A node whose shards follow a sync model with `slack`.
+    pub fn with_slack(
+        me: InstanceId,
+        app: Arc<App>,
+        num_partitions: u32,
+        slack: u32,
+        peers: Arc<Peers>,
+        events: mpsc::UnboundedSender<PsEvent>,
+    ) -> Arc<PsNode> {
         Arc::new(PsNode {
             me,
             app,
             num_partitions,
+            slack,
+            audit: Mutex::new(None),
             peers,
             slots: Mutex::new(HashMap::new()),
             changed: Notify::new(),
@@ -248,6 +289,17 @@ impl PsNode {
             handovers: Mutex::new(0),
             latest_view: Mutex::new(None),
         })
+    }
+
+    /// Tests: report every applied push to `audit` (before the pusher hears of it).
+    pub fn set_audit(&self, audit: Audit) {
+        *self.audit.lock().unwrap_or_else(|e| e.into_inner()) = Some(audit);
+    }
+
+    fn state_from(&self, s: Snapshot) -> ShardState {
+        let mut st = ShardState::from_snapshot(s, self.num_partitions);
+        st.clocks = st.clocks.with_slack(self.slack);
+        st
     }
 
     fn slots(&self) -> MutexGuard<'_, HashMap<u32, Slot>> {
@@ -467,7 +519,9 @@ impl PsNode {
         }
         let state = state.unwrap_or_else(|| {
             let values = self.app.init(start as usize..end as usize);
-            ShardState::fresh(start, values, self.num_partitions)
+            let mut st = ShardState::fresh(start, values, self.num_partitions);
+            st.clocks = st.clocks.with_slack(self.slack);
+            st
         });
         let seq = state.seq;
         let done = state.clocks.done().map_or(-1, |d| d as i64);
@@ -538,7 +592,7 @@ impl PsNode {
                 .await
             {
                 Ok(Response::Snapshot(Some(s))) => {
-                    return Some(ShardState::from_snapshot(s, self.num_partitions));
+                    return Some(self.state_from(s));
                 }
                 Ok(Response::Snapshot(None)) => return None,
                 _ => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -622,7 +676,22 @@ impl PsNode {
         };
         let resp = match &mut slot.active {
             Some(a) if !a.moving => match a.state.push(clock, partitions, delta) {
-                Ok(o) => Response::Pushed(o),
+                Ok(o) => {
+                    if o == PushOutcome::Applied
+                        && let Some(audit) = self
+                            .audit
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .as_ref()
+                    {
+                        audit(AuditEvent::Applied {
+                            shard,
+                            clock,
+                            partitions: partitions.to_vec(),
+                        });
+                    }
+                    Response::Pushed(o)
+                }
                 Err(e) => Response::Error(e),
             },
             _ if slot.acquiring => Response::Busy,
@@ -636,7 +705,7 @@ impl PsNode {
     }
 
     fn install(&self, shard: u32, snapshot: Snapshot, as_active: bool) -> Response {
-        let state = ShardState::from_snapshot(snapshot, self.num_partitions);
+        let state = self.state_from(snapshot);
         {
             let mut slots = self.slots();
             let slot = slots.entry(shard).or_default();
@@ -678,6 +747,10 @@ impl Handler for PsNode {
                     // backup-slot copy in that case too, so nothing is lost either way.
                     self.install(shard, snapshot, true)
                 }
+                Request::Progress
+                | Request::Offer { .. }
+                | Request::Delegate { .. }
+                | Request::ChunkPushed { .. } => Response::Error("this node runs no worker".into()),
                 Request::FetchBackup { shard } => {
                     let slots = self.slots();
                     let copy = slots.get(&shard).and_then(|s| {
@@ -724,5 +797,20 @@ mod tests {
         assert_eq!(b.record(5, &[0]), PushOutcome::Applied);
         assert!(b.is_complete(4));
         assert_eq!(b.missing(5), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn clock_book_under_slack_waits_for_earlier_clocks() {
+        let mut b = ClockBook::new(2).with_slack(1);
+        assert_eq!(b.record(0, &[0]), PushOutcome::Applied);
+        // Clock 1 may fill while clock 0 is partial (slack 1): no fast-forward...
+        assert_eq!(b.record(1, &[0, 1]), PushOutcome::Applied);
+        assert!(!b.is_complete(0) && !b.is_complete(1));
+        // ... and completing clock 0 completes both.
+        assert_eq!(b.record(0, &[1]), PushOutcome::Applied);
+        assert!(b.is_complete(1));
+        // A push two clocks ahead of an incomplete one (more than the slack) fast-forwards.
+        assert_eq!(b.record(4, &[0]), PushOutcome::Applied);
+        assert!(b.is_complete(2) && !b.is_complete(3));
     }
 }

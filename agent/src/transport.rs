@@ -71,6 +71,32 @@ pub enum Request {
     Handover { shard: u32, snapshot: Snapshot },
     /// Ask a BackupPS for its copy (the new active owner restores from it).
     FetchBackup { shard: u32 },
+    /// RapidReassignment: where is the worker in its current clock?
+    Progress,
+    /// RapidReassignment, step one: a helper offers to take partitions `split..end` of the
+    /// worker's current range at `clock`. Answered with [`Response::Offer`].
+    Offer {
+        clock: u64,
+        split: u32,
+        end: u32,
+        /// The helper's instance id (the worker remembers who took what).
+        by: String,
+    },
+    /// The helper's push of the chunk `start..end` of `clock` it took over was applied: the
+    /// owner may recompute it again should a shard lose it.
+    ChunkPushed { clock: u64, start: u32, end: u32 },
+    /// A warned worker hands `partitions` of `clock` to a helper, which answers
+    /// [`Response::Ack`] once it has pushed their update (anything else: not taken).
+    Delegate { clock: u64, partitions: Vec<u32> },
+}
+
+/// A worker's position within a clock, for RapidReassignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangeProgress {
+    pub clock: u64,
+    /// The next partition the worker will start; `next..end` is not started yet.
+    pub next: u32,
+    pub end: u32,
 }
 
 /// Outcome of a push.
@@ -105,6 +131,11 @@ pub enum Response {
     Ack,
     Snapshot(Option<Snapshot>),
     Error(String),
+    /// The worker's position (None: not in a clock, or leaving).
+    Progress(Option<RangeProgress>),
+    /// RapidReassignment, step two: `true` confirms the hand-off (the worker will stop at the
+    /// split point), `false` cancels it (the worker had already passed it, or moved on).
+    Offer(bool),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,6 +339,30 @@ impl Request {
                 e.u8(5);
                 e.u32(*shard);
             }
+            Request::Progress => e.u8(6),
+            Request::Offer {
+                clock,
+                split,
+                end,
+                by,
+            } => {
+                e.u8(7);
+                e.u64(*clock);
+                e.u32(*split);
+                e.u32(*end);
+                e.str(by);
+            }
+            Request::Delegate { clock, partitions } => {
+                e.u8(8);
+                e.u64(*clock);
+                e.u32s(partitions);
+            }
+            Request::ChunkPushed { clock, start, end } => {
+                e.u8(9);
+                e.u64(*clock);
+                e.u32(*start);
+                e.u32(*end);
+            }
         }
     }
 
@@ -333,6 +388,22 @@ impl Request {
                 snapshot: d.snapshot()?,
             },
             5 => Request::FetchBackup { shard: d.u32()? },
+            6 => Request::Progress,
+            7 => Request::Offer {
+                clock: d.u64()?,
+                split: d.u32()?,
+                end: d.u32()?,
+                by: d.str()?,
+            },
+            8 => Request::Delegate {
+                clock: d.u64()?,
+                partitions: d.u32s()?,
+            },
+            9 => Request::ChunkPushed {
+                clock: d.u64()?,
+                start: d.u32()?,
+                end: d.u32()?,
+            },
             t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
         })
     }
@@ -387,6 +458,22 @@ impl Response {
                 e.u8(8);
                 e.str(m);
             }
+            Response::Progress(p) => {
+                e.u8(9);
+                match p {
+                    None => e.u8(0),
+                    Some(p) => {
+                        e.u8(1);
+                        e.u64(p.clock);
+                        e.u32(p.next);
+                        e.u32(p.end);
+                    }
+                }
+            }
+            Response::Offer(ok) => {
+                e.u8(10);
+                e.u8(u8::from(*ok));
+            }
         }
     }
 
@@ -411,6 +498,15 @@ impl Response {
                 _ => Some(d.snapshot()?),
             }),
             8 => Response::Error(d.str()?),
+            9 => Response::Progress(match d.u8()? {
+                0 => None,
+                _ => Some(RangeProgress {
+                    clock: d.u64()?,
+                    next: d.u32()?,
+                    end: d.u32()?,
+                }),
+            }),
+            10 => Response::Offer(d.u8()? != 0),
             t => return Err(AgentError::Frame(format!("unknown response tag {t}"))),
         })
     }
@@ -711,6 +807,22 @@ mod tests {
             shard: 0,
             snapshot: snapshot.clone(),
         });
+        roundtrip_req(Request::Progress);
+        roundtrip_req(Request::Offer {
+            clock: 3,
+            split: 5,
+            end: 8,
+            by: "t2".into(),
+        });
+        roundtrip_req(Request::Delegate {
+            clock: 3,
+            partitions: vec![4, 5],
+        });
+        roundtrip_req(Request::ChunkPushed {
+            clock: 3,
+            start: 5,
+            end: 8,
+        });
         for resp in [
             Response::Params {
                 seq: 1,
@@ -720,6 +832,14 @@ mod tests {
             Response::Pushed(PushOutcome::Conflict { already: vec![3] }),
             Response::Snapshot(Some(snapshot)),
             Response::Error("x".into()),
+            Response::Progress(Some(RangeProgress {
+                clock: 4,
+                next: 2,
+                end: 9,
+            })),
+            Response::Progress(None),
+            Response::Offer(true),
+            Response::Offer(false),
         ] {
             let mut e = Enc::default();
             resp.encode(&mut e);

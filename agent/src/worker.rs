@@ -5,11 +5,14 @@
 //! always recompute and resend — after a conflict, after a crashed shard lost pushes, or for a
 //! partition it inherited from a worker that left — without double counting.
 
-use crate::apps::App;
+use crate::apps::{App, Update};
+use crate::reassign::{self, Audit, AuditEvent, Board, How};
+use crate::straggler::Pace;
 use crate::sync::SyncPolicy;
-use crate::transport::{Peers, PushOutcome, Request, Response};
+use crate::transport::{Peers, PushOutcome, RangeProgress, Request, Response};
 use proteus_wire::InstanceId;
-use proteus_wire::agent_api::{ClusterView, Metric, Progress, ShardPlacement};
+use proteus_wire::agent_api::{ClusterView, Metric, PartitionRange, Progress, ShardPlacement};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
@@ -40,6 +43,14 @@ pub struct WorkerCtx {
     pub clocks_per_epoch: u64,
     pub eval_every_clocks: u64,
     pub sync: SyncPolicy,
+    /// This worker's range in the current clock, shared with the handler its helpers call.
+    pub board: Arc<Board>,
+    /// Injected slowness (tests, benchmarks); shared by everything this agent computes.
+    pub pace: Arc<Pace>,
+    /// Samples this agent has processed, over every worker run and delegated range.
+    pub samples: Arc<AtomicU64>,
+    /// Tests: told of every clock started and every item processed.
+    pub audit: Option<Audit>,
 }
 
 /// Why a worker loop ended.
@@ -48,6 +59,8 @@ pub enum WorkerExit {
     /// The view no longer lists this agent as a worker.
     Unassigned,
     Finished,
+    /// Warned: the rest of its range was handed to its helpers.
+    Left,
 }
 
 struct Worker {
@@ -56,8 +69,21 @@ struct Worker {
     /// Parameters of the clock being worked on (kept to recompute lost or contested pushes).
     params: Vec<f32>,
     clock: u64,
-    samples: u64,
     rate: RateMeter,
+    /// Recent seconds per own item and per push: a helper takes over a chunk only if
+    /// computing it takes longer than the extra push it costs.
+    item_secs: Ewma,
+    push_secs: Ewma,
+}
+
+/// Exponentially weighted mean of recent samples (None until the first).
+#[derive(Debug, Default, Clone, Copy)]
+struct Ewma(Option<f64>);
+
+impl Ewma {
+    fn add(&mut self, x: f64) {
+        self.0 = Some(self.0.map_or(x, |m| 0.8 * m + 0.2 * x));
+    }
 }
 
 impl WorkerCtx {
@@ -68,57 +94,357 @@ impl WorkerCtx {
 
 /// Run the worker until it is unassigned or training is finished.
 pub async fn run(ctx: WorkerCtx) -> WorkerExit {
+    ctx.board.rearm();
     let Some(view) = ctx.current_view() else {
+        ctx.board.release();
         return WorkerExit::Unassigned;
     };
-    let samples = ctx
-        .progress
-        .lock()
-        .map(|p| p.samples_processed)
-        .unwrap_or(0);
     let mut w = Worker {
         view,
         params: Vec::new(),
         clock: 0,
-        samples,
         rate: RateMeter::default(),
+        item_secs: Ewma::default(),
+        push_secs: Ewma::default(),
         ctx,
     };
-    let Some(start) = w.start_clock().await else {
-        return WorkerExit::Unassigned;
+    let exit = w.run().await;
+    // Whatever happened, a warned agent must not wait for this worker any longer.
+    w.ctx.board.release();
+    exit
+}
+
+/// Compute a range of `clock` handed over by a warned worker and push it; true once applied.
+pub async fn run_delegated(ctx: WorkerCtx, clock: u64, partitions: Vec<u32>) -> bool {
+    let Some(view) = ctx.current_view() else {
+        return false;
     };
-    w.clock = start;
-    tracing::info!(clock = start, "worker starting");
-    loop {
-        if w.my_partitions().is_none() {
-            return WorkerExit::Unassigned;
-        }
-        if w.clock >= w.ctx.total_clocks {
-            return w.finish().await;
-        }
-        let need = w.ctx.sync.needed_clock(w.clock);
-        if !w.pull_all(need).await {
-            return WorkerExit::Unassigned;
-        }
-        w.maybe_evaluate().await;
-        let Some(parts) = w.my_partitions() else {
-            return WorkerExit::Unassigned;
-        };
-        let t = Instant::now();
-        let update = w.compute(parts.clone()).await;
-        let samples = update.samples;
-        let loss = (samples > 0).then(|| update.loss_sum / samples as f64);
-        if !w.push_all(&parts, update.delta).await {
-            return WorkerExit::Unassigned;
-        }
-        w.samples += samples as u64;
-        w.rate.add(samples as u64, t.elapsed());
-        w.clock += 1;
-        w.report(loss);
+    let mut w = Worker {
+        view,
+        params: Vec::new(),
+        clock,
+        rate: RateMeter::default(),
+        item_secs: Ewma::default(),
+        push_secs: Ewma::default(),
+        ctx,
+    };
+    if w.my_partitions().is_none() {
+        return false;
     }
+    // Parameters fresh enough for `clock` (usually there already: we are at or past it).
+    if !w.pull_all(w.ctx.sync.needed_clock(clock), false).await {
+        return false;
+    }
+    let t = Instant::now();
+    let u = w
+        .compute_paced(partitions.clone(), clock, How::Delegated)
+        .await;
+    let ok = w.push_all(clock, &partitions, u.delta).await;
+    tracing::info!(
+        clock,
+        partitions = %ranges(&partitions),
+        ms = t.elapsed().as_millis() as u64,
+        ok,
+        "finished a range handed over by a warned worker"
+    );
+    ok
+}
+
+/// `3..7` style text for a sorted partition list.
+fn ranges(parts: &[u32]) -> String {
+    let mut out = Vec::new();
+    let mut it = parts.iter().copied().peekable();
+    while let Some(a) = it.next() {
+        let mut b = a;
+        while it.peek() == Some(&(b + 1)) {
+            b += 1;
+            it.next();
+        }
+        out.push(format!("{a}..{}", b + 1));
+    }
+    out.join(",")
+}
+
+fn add_update(acc: &mut Update, u: Update) {
+    if acc.delta.is_empty() {
+        *acc = u;
+        return;
+    }
+    for (a, d) in acc.delta.iter_mut().zip(&u.delta) {
+        *a += d;
+    }
+    acc.samples += u.samples;
+    acc.loss_sum += u.loss_sum;
 }
 
 impl Worker {
+    async fn run(&mut self) -> WorkerExit {
+        let Some(start) = self.start_clock().await else {
+            return WorkerExit::Unassigned;
+        };
+        self.clock = start;
+        tracing::info!(clock = start, sync = %self.ctx.sync.0, "worker starting");
+        loop {
+            if self.ctx.board.is_leaving() {
+                return WorkerExit::Left;
+            }
+            if self.my_partitions().is_none() {
+                return WorkerExit::Unassigned;
+            }
+            if self.clock >= self.ctx.total_clocks {
+                return self.finish().await;
+            }
+            let need = self.ctx.sync.needed_clock(self.clock);
+            if !self.pull_all(need, true).await {
+                return WorkerExit::Unassigned;
+            }
+            self.maybe_evaluate().await;
+            let Some(range) = self.my_range() else {
+                return WorkerExit::Unassigned;
+            };
+            self.audit(AuditEvent::Started {
+                worker: self.ctx.me.clone(),
+                clock: self.clock,
+            });
+            let t = Instant::now();
+            let (parts, update) = self.compute_own(range).await;
+            let mut samples = update.samples as u64;
+            let loss = (update.samples > 0).then(|| update.loss_sum / update.samples as f64);
+            if !parts.is_empty() {
+                self.item_secs
+                    .add(t.elapsed().as_secs_f64() / parts.len() as f64);
+            }
+            let tp = Instant::now();
+            if !parts.is_empty() && !self.push_all(self.clock, &parts, update.delta).await {
+                return WorkerExit::Unassigned;
+            }
+            self.push_secs.add(tp.elapsed().as_secs_f64());
+            if self.ctx.board.is_leaving() {
+                self.hand_over_rest().await;
+                return WorkerExit::Left;
+            }
+            if let Some(g) = self.ctx.sync.helper_group() {
+                samples += self.help(g).await;
+            }
+            self.rate.add(samples, t.elapsed());
+            self.clock += 1;
+            self.report(loss);
+        }
+    }
+
+    fn audit(&self, ev: AuditEvent) {
+        if let Some(a) = &self.ctx.audit {
+            a(ev);
+        }
+    }
+
+    fn rank(&self) -> u32 {
+        self.view.worker(&self.ctx.me).map_or(0, |w| w.rank)
+    }
+
+    fn my_range(&mut self) -> Option<PartitionRange> {
+        self.refresh_view();
+        self.view.worker(&self.ctx.me).map(|w| w.partitions)
+    }
+
+    /// Compute `parts` at `clock` against `self.params`, then wait as the injection says.
+    async fn compute_paced(&self, parts: Vec<u32>, clock: u64, how: How) -> Update {
+        let t = Instant::now();
+        let u = self
+            .compute_with(self.params.clone(), parts.clone(), clock)
+            .await;
+        tracing::debug!(target: "proteus_agent::audit", clock, partitions = %ranges(&parts), how = ?how, "processed");
+        self.audit(AuditEvent::Processed {
+            worker: self.ctx.me.clone(),
+            clock,
+            partitions: parts,
+            how,
+        });
+        self.ctx
+            .samples
+            .fetch_add(u.samples as u64, Ordering::Relaxed);
+        self.ctx
+            .pace
+            .spend(u.samples, t.elapsed(), self.rank(), self.clock)
+            .await;
+        u
+    }
+
+    /// This worker's own range of the clock, item by item through the board so that helpers
+    /// can take the unstarted tail (all at once when nobody helps). Returns the partitions it
+    /// processed and their summed update.
+    async fn compute_own(&mut self, range: PartitionRange) -> (Vec<u32>, Update) {
+        let step = if self.ctx.sync.helper_group().is_some() {
+            1
+        } else {
+            u32::MAX
+        };
+        let mut acc = Update::default();
+        if !self.ctx.board.begin(self.clock, range.start, range.end) {
+            return (Vec::new(), acc);
+        }
+        while let Some(r) = self.ctx.board.take(step) {
+            let u = self.compute_paced(r.collect(), self.clock, How::Own).await;
+            add_update(&mut acc, u);
+        }
+        let done: Vec<u32> = self.ctx.board.finish().collect();
+        (done, acc)
+    }
+
+    /// RapidReassignment, helper side: while a worker this one helps has unstarted items in a
+    /// clock this worker's parameters are fresh enough for, offer to take a chunk of its tail.
+    /// Returns the samples processed.
+    async fn help(&mut self, group: u32) -> u64 {
+        let mut samples = 0u64;
+        loop {
+            if self.ctx.board.is_leaving() {
+                break;
+            }
+            self.refresh_view();
+            let mut calls = Vec::new();
+            for id in reassign::helpees(&self.view, &self.ctx.me, group) {
+                let Some(addr) = self.view.data_addr(&id).map(str::to_string) else {
+                    continue;
+                };
+                let peers = self.ctx.peers.clone();
+                calls.push((
+                    id,
+                    addr.clone(),
+                    tokio::spawn(async move {
+                        peers
+                            .call(&addr, &Request::Progress, Duration::from_secs(5))
+                            .await
+                    }),
+                ));
+            }
+            let mut best: Option<(InstanceId, String, RangeProgress)> = None;
+            for (id, addr, call) in calls {
+                if let Ok(Ok(Response::Progress(Some(p)))) = call.await
+                    && p.clock <= self.clock
+                    && p.end > p.next
+                    && best
+                        .as_ref()
+                        .is_none_or(|(_, _, b)| p.end - p.next > b.end - b.next)
+                {
+                    best = Some((id, addr, p));
+                }
+            }
+            let Some((owner, addr, p)) = best else {
+                break;
+            };
+            let k = reassign::chunk(p.end - p.next, group);
+            // Not worth it when the chunk computes faster than the extra push it costs (tiny
+            // items, e.g. an unpaced small model): the owner will be done as soon.
+            if let (Some(item), Some(push)) = (self.item_secs.0, self.push_secs.0)
+                && f64::from(k) * item < push
+            {
+                break;
+            }
+            let split = p.end - k;
+            let offer = Request::Offer {
+                clock: p.clock,
+                split,
+                end: p.end,
+                by: self.ctx.me.0.clone(),
+            };
+            match self.ctx.peers.call(&addr, &offer, CALL_TIMEOUT).await {
+                Ok(Response::Offer(true)) => {
+                    let parts: Vec<u32> = (split..p.end).collect();
+                    tracing::debug!(owner = %owner, clock = p.clock, split, end = p.end, "took over a chunk");
+                    let u = self
+                        .compute_paced(parts.clone(), p.clock, How::Helped { owner })
+                        .await;
+                    samples += u.samples as u64;
+                    if !self.push_all(p.clock, &parts, u.delta).await {
+                        break;
+                    }
+                    let done = Request::ChunkPushed {
+                        clock: p.clock,
+                        start: split,
+                        end: p.end,
+                    };
+                    let peers = self.ctx.peers.clone();
+                    tokio::spawn(async move {
+                        let _ = peers.call(&addr, &done, CALL_TIMEOUT).await;
+                    });
+                }
+                Ok(Response::Offer(false)) => {}
+                _ => break,
+            }
+        }
+        samples
+    }
+
+    /// Warned: hand what is left of the current clock to the helper group at once (each helper
+    /// a contiguous chunk); compute here whatever no helper took.
+    async fn hand_over_rest(&mut self) {
+        let Some((clock, rest)) = self.ctx.board.take_left_over() else {
+            return;
+        };
+        if rest.is_empty() {
+            return;
+        }
+        let t = Instant::now();
+        self.refresh_view();
+        let group = self.ctx.sync.helper_group().unwrap_or(1);
+        let helpers: Vec<(InstanceId, String)> =
+            reassign::helper_group(&self.view, &self.ctx.me, group)
+                .into_iter()
+                .filter_map(|h| {
+                    let addr = self.view.data_addr(&h)?.to_string();
+                    Some((h, addr))
+                })
+                .collect();
+        let n = helpers.len().max(1) as u32;
+        let len = rest.len() as u32;
+        let mut calls = Vec::new();
+        for (i, (h, addr)) in helpers.into_iter().enumerate() {
+            let i = i as u32;
+            let parts: Vec<u32> =
+                (rest.start + i * len / n..rest.start + (i + 1) * len / n).collect();
+            if parts.is_empty() {
+                continue;
+            }
+            let peers = self.ctx.peers.clone();
+            let req = Request::Delegate {
+                clock,
+                partitions: parts.clone(),
+            };
+            calls.push((
+                h,
+                parts,
+                tokio::spawn(async move { peers.call(&addr, &req, CALL_TIMEOUT).await }),
+            ));
+        }
+        let mut leftover: Vec<u32> = if calls.is_empty() {
+            rest.clone().collect()
+        } else {
+            Vec::new()
+        };
+        let mut to = Vec::new();
+        for (h, parts, call) in calls {
+            match call.await {
+                Ok(Ok(Response::Ack)) => to.push(format!("{h}:{}", ranges(&parts))),
+                other => {
+                    tracing::warn!(helper = %h, ?other, "helper did not take its chunk; computing it here");
+                    leftover.extend(parts);
+                }
+            }
+        }
+        if !leftover.is_empty() {
+            let u = self.compute_paced(leftover.clone(), clock, How::Own).await;
+            self.push_all(clock, &leftover, u.delta).await;
+        }
+        tracing::info!(
+            clock,
+            partitions = %ranges(&rest.collect::<Vec<_>>()),
+            helpers = ?to,
+            computed_here = %ranges(&leftover),
+            ms = t.elapsed().as_millis() as u64,
+            "handed the rest of the clock to the helpers"
+        );
+    }
+
     fn refresh_view(&mut self) {
         if let Some(v) = self.ctx.current_view() {
             self.view = v;
@@ -189,7 +515,9 @@ impl Worker {
     }
 
     /// Pull every shard once `need` is complete there; returns false if unassigned meanwhile.
-    async fn pull_all(&mut self, need: Option<u64>) -> bool {
+    /// With `resend`, partitions of `need` that a shard lacks and that are ours now are
+    /// recomputed (lost pushes, inherited partitions), except those a live helper took over.
+    async fn pull_all(&mut self, need: Option<u64>, resend: bool) -> bool {
         let mut fresh = vec![0.0f32; self.ctx.app.model_len()];
         let shards = self.view.shards.len() as u32;
         // Fast path: ask every shard at once; only shards that did not answer with parameters
@@ -227,11 +555,17 @@ impl Worker {
                         fresh[p.keys.start as usize..p.keys.end as usize].copy_from_slice(&values);
                         break;
                     }
+                    Ok(Response::NotReady { .. }) if !resend => {}
                     Ok(Response::NotReady { missing }) => {
                         // Lost or never-sent updates of partitions that are ours now: resend.
                         let mine = self.my_partitions().unwrap_or_default();
-                        let redo: Vec<u32> =
-                            missing.into_iter().filter(|m| mine.contains(m)).collect();
+                        let redo: Vec<u32> = missing
+                            .into_iter()
+                            .filter(|m| mine.contains(m))
+                            .filter(|m| {
+                                need.is_none_or(|c| !self.ctx.board.given_away(c, *m, &self.view))
+                            })
+                            .collect();
                         if let (Some(c), false) = (need, redo.is_empty()) {
                             // Normally we hold the clock's parameters. A worker that just joined
                             // does not; it uses the current ones, which differ from them only by
@@ -244,6 +578,16 @@ impl Worker {
                             if let Some(params) = params {
                                 tracing::info!(shard = s, clock = c, partitions = ?redo, "resending updates the shard lacks");
                                 let update = self.compute_with(params, redo.clone(), c).await;
+                                tracing::debug!(target: "proteus_agent::audit", clock = c, partitions = %ranges(&redo), how = ?How::Resent, "processed");
+                                self.audit(AuditEvent::Processed {
+                                    worker: self.ctx.me.clone(),
+                                    clock: c,
+                                    partitions: redo.clone(),
+                                    how: How::Resent,
+                                });
+                                self.ctx
+                                    .samples
+                                    .fetch_add(update.samples as u64, Ordering::Relaxed);
                                 self.push_one(s, c, &redo, &update.delta).await;
                             }
                         }
@@ -255,10 +599,6 @@ impl Worker {
         }
         self.params = fresh;
         true
-    }
-
-    async fn compute(&self, parts: Vec<u32>) -> crate::apps::Update {
-        self.compute_at(parts, self.clock).await
     }
 
     /// The update of `parts` at `clock` against `self.params`, off the async threads.
@@ -303,9 +643,8 @@ impl Worker {
         Some(out)
     }
 
-    /// Push the clock's update to every shard; false if unassigned meanwhile.
-    async fn push_all(&mut self, parts: &[u32], delta: Vec<f32>) -> bool {
-        let clock = self.clock;
+    /// Push the update of `parts` at `clock` to every shard; false if unassigned meanwhile.
+    async fn push_all(&mut self, clock: u64, parts: &[u32], delta: Vec<f32>) -> bool {
         let req = |p: &ShardPlacement| Request::Push {
             shard: p.shard,
             clock,
@@ -321,7 +660,7 @@ impl Worker {
             })
             .await;
         for s in (0..self.view.shards.len() as u32).filter(|s| !done.contains(s)) {
-            if !self.push_one(s, self.clock, parts, &delta).await {
+            if !self.push_one(s, clock, parts, &delta).await {
                 return false;
             }
         }
@@ -433,7 +772,7 @@ impl Worker {
 
     async fn finish(&mut self) -> WorkerExit {
         let need = self.ctx.total_clocks.checked_sub(1);
-        if !self.pull_all(need).await {
+        if !self.pull_all(need, true).await {
             return WorkerExit::Unassigned;
         }
         let metric = self.evaluate().await;
@@ -449,7 +788,7 @@ impl Worker {
         if let Ok(mut p) = self.ctx.progress.lock() {
             p.clock = self.clock;
             p.epoch = self.clock as f64 / self.ctx.clocks_per_epoch.max(1) as f64;
-            p.samples_processed = self.samples;
+            p.samples_processed = self.ctx.samples.load(Ordering::Relaxed);
             p.loss = loss;
             p.samples_per_sec = self.rate.per_sec();
         }
@@ -464,7 +803,7 @@ struct RateMeter {
 }
 
 impl RateMeter {
-    fn add(&mut self, samples: u64, _compute: Duration) {
+    fn add(&mut self, samples: u64, _elapsed: Duration) {
         self.window.push_back((Instant::now(), samples));
         while self.window.len() > 20 {
             self.window.pop_front();

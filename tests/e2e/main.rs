@@ -4,6 +4,7 @@
 mod crash;
 mod demo;
 mod eviction;
+mod flexrr;
 mod localstack;
 mod pg_restart;
 mod sim;

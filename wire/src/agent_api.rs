@@ -151,6 +151,9 @@ pub struct TrainingConfig {
     /// Evaluate the test metric every this many epochs (0: only at the end).
     #[serde(default = "default_eval_every_epochs")]
     pub eval_every_epochs: u32,
+    /// Injected slowness and pacing of workers, for tests and benchmarks (none by default).
+    #[serde(default)]
+    pub stragglers: StragglerInjection,
 }
 
 pub fn default_num_shards() -> u32 {
@@ -191,6 +194,7 @@ impl TrainingConfig {
             min_workers: default_min_workers(),
             seed: 0,
             eval_every_epochs: default_eval_every_epochs(),
+            stragglers: StragglerInjection::default(),
         }
     }
 
@@ -231,6 +235,8 @@ impl TrainingConfig {
                 self.stages.stage2_ratio, self.stages.stage3_ratio
             ));
         }
+        self.sync.validate()?;
+        self.stragglers.validate()?;
         self.app.validate()
     }
 }
@@ -372,17 +378,168 @@ impl Default for StopCondition {
     }
 }
 
-/// How far workers may run ahead of each other.
+/// How far workers may run ahead of each other, and whether they help each other.
 ///
-/// Only BSP exists today; SSP and FlexRR's rapid reassignment will be further variants (that is
-/// why this is an enum and not a flag).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// JSON: `{"type": "bsp"}`, `{"type": "ssp", "slack": 1}`,
+/// `{"type": "flexrr", "slack": 1, "helpers": 3}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum SyncModel {
     /// Bulk synchronous: nobody starts clock `c` before every update of clock `c - 1` is in.
-    #[default]
     Bsp,
+    /// Stale synchronous with slack `s`: a worker at clock `c` may start once every update of
+    /// clock `c - s - 1` is in (the slowest worker has finished clock `c - s - 1`, i.e. is at
+    /// `c - s` or later); its reads include every update of clocks `<= c - s - 1`. `s = 0` is BSP.
+    Ssp { slack: u32 },
+    /// FlexRR: SSP with `slack` plus RapidReassignment. Each worker has a fixed helper group of
+    /// `helpers` peers (the next ones in rank order); an idle helper takes a contiguous chunk
+    /// of a slower peer's unprocessed input range of a clock, and a warned worker hands its
+    /// unprocessed range to its helpers at once.
+    Flexrr {
+        #[serde(default = "default_flexrr_slack")]
+        slack: u32,
+        #[serde(default = "default_helper_group")]
+        helpers: u32,
+    },
+}
+
+/// Largest slack accepted: beyond this the model is asynchronous in all but name.
+pub const MAX_SLACK: u32 = 64;
+/// Largest helper group accepted.
+pub const MAX_HELPER_GROUP: u32 = 16;
+
+/// FlexRR's default slack: 0, i.e. BSP's semantics (and trajectory) with RapidReassignment
+/// doing the balancing. See [`SyncModel::default`].
+pub fn default_flexrr_slack() -> u32 {
+    0
+}
+/// SSP's slack when a job spec names `ssp` without one.
+pub fn default_ssp_slack() -> u32 {
+    1
+}
+pub fn default_helper_group() -> u32 {
+    3
+}
+
+impl Default for SyncModel {
+    /// FlexRR with slack 0 and helper groups of 3, from `bench/straggler` (docs/sync-models.md):
+    /// as fast as BSP without stragglers, within 10% of a perfectly balanced schedule with
+    /// them (BSP: 2x slower), and with slack 0 the same updates as BSP, so the same accuracy;
+    /// slack 1 bought a few percent more speed but moved the final accuracy by up to ±0.01.
+    fn default() -> Self {
+        SyncModel::Flexrr {
+            slack: default_flexrr_slack(),
+            helpers: default_helper_group(),
+        }
+    }
+}
+
+impl SyncModel {
+    /// The slack `s` (0 for BSP).
+    pub fn slack(self) -> u32 {
+        match self {
+            SyncModel::Bsp => 0,
+            SyncModel::Ssp { slack } | SyncModel::Flexrr { slack, .. } => slack,
+        }
+    }
+
+    /// Size of each worker's helper group under RapidReassignment (None: no reassignment).
+    pub fn helper_group(self) -> Option<u32> {
+        match self {
+            SyncModel::Flexrr { helpers, .. } => Some(helpers),
+            _ => None,
+        }
+    }
+
+    /// `bsp`, `ssp` or `flexrr`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncModel::Bsp => "bsp",
+            SyncModel::Ssp { .. } => "ssp",
+            SyncModel::Flexrr { .. } => "flexrr",
+        }
+    }
+
+    fn validate(self) -> Result<(), String> {
+        if self.slack() > MAX_SLACK {
+            return Err(format!("sync slack must be at most {MAX_SLACK}"));
+        }
+        if let Some(h) = self.helper_group()
+            && !(1..=MAX_HELPER_GROUP).contains(&h)
+        {
+            return Err(format!(
+                "flexrr helpers must be between 1 and {MAX_HELPER_GROUP}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for SyncModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SyncModel::Bsp => f.write_str("bsp"),
+            SyncModel::Ssp { slack } => write!(f, "ssp (slack {slack})"),
+            SyncModel::Flexrr { slack, helpers } => {
+                write!(f, "flexrr (slack {slack}, helper groups of {helpers})")
+            }
+        }
+    }
+}
+
+/// Slowness injected into workers, for tests and benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StragglerInjection {
+    #[serde(default)]
+    pub pattern: StragglerPattern,
+    /// Pace every worker at this many training samples per second (a fixed rate well below a
+    /// core, so that a slowed worker's idle CPU does not speed the others up). None: as fast as
+    /// the CPU allows; a slowdown then sleeps in proportion to the compute time.
+    #[serde(default)]
+    pub pace_samples_per_sec: Option<f64>,
+}
+
+/// Which workers are slowed, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StragglerPattern {
+    #[default]
+    None,
+    /// The worker of rank `rank` is always `slowdown` times slower (2: half speed).
+    Persistent { rank: u32, slowdown: f64 },
+    /// Each clock, each worker is independently `slowdown` times slower with `probability`
+    /// (drawn from the job's seed, the worker's rank and the clock).
+    Transient { probability: f64, slowdown: f64 },
+}
+
+impl StragglerInjection {
+    fn validate(&self) -> Result<(), String> {
+        if let Some(r) = self.pace_samples_per_sec
+            && !positive_f64(r)
+        {
+            return Err("stragglers.pace_samples_per_sec must be a positive number".into());
+        }
+        match self.pattern {
+            StragglerPattern::None => Ok(()),
+            StragglerPattern::Persistent { slowdown, .. } if slowdown_ok(slowdown) => Ok(()),
+            StragglerPattern::Transient {
+                probability,
+                slowdown,
+            } if slowdown_ok(slowdown) && (0.0..=1.0).contains(&probability) => Ok(()),
+            _ => Err("stragglers: slowdown must be in [1, 1000] and probability in [0, 1]".into()),
+        }
+    }
+}
+
+fn positive_f64(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn slowdown_ok(x: f64) -> bool {
+    x.is_finite() && (1.0..=1000.0).contains(&x)
 }
 
 /// Switch points between the AgileML stages, on the ratio transient:reliable members.
@@ -787,7 +944,7 @@ mod tests {
     fn training_config_fills_defaults_from_minimal_json() {
         let cfg: TrainingConfig = serde_json::from_str(r#"{"app":{"type":"mlr"}}"#).unwrap();
         assert_eq!(cfg.num_shards, 2);
-        assert_eq!(cfg.sync, SyncModel::Bsp);
+        assert_eq!(cfg.sync, SyncModel::default());
         assert_eq!(cfg.stop, StopCondition::Epochs { epochs: 5 });
         assert_eq!(
             cfg.app,
@@ -822,6 +979,37 @@ mod tests {
         assert_eq!(paths::heartbeat(&id), "/v1/agents/i-1/heartbeat");
         assert_eq!(paths::commands(&id), "/v1/agents/i-1/commands");
         assert_eq!(paths::events(&id), "/v1/agents/i-1/events");
+    }
+
+    #[test]
+    fn sync_models_are_tagged_and_validated() {
+        let cfg: TrainingConfig =
+            serde_json::from_str(r#"{"app":{"type":"mlr"},"sync":{"type":"ssp","slack":2}}"#)
+                .unwrap();
+        assert_eq!(cfg.sync, SyncModel::Ssp { slack: 2 });
+        let f: SyncModel = serde_json::from_str(r#"{"type":"flexrr"}"#).unwrap();
+        assert_eq!(
+            f,
+            SyncModel::Flexrr {
+                slack: 0,
+                helpers: 3
+            }
+        );
+        assert_eq!(SyncModel::default(), f);
+        let mut cfg = TrainingConfig::new(AppConfig::Synthetic { model_len: 10 });
+        cfg.sync = SyncModel::Flexrr {
+            slack: 0,
+            helpers: 0,
+        };
+        assert!(cfg.validate().is_err());
+        cfg.sync = SyncModel::Ssp { slack: 65 };
+        assert!(cfg.validate().is_err());
+        cfg.sync = SyncModel::Bsp;
+        cfg.stragglers.pattern = StragglerPattern::Transient {
+            probability: 1.5,
+            slowdown: 4.0,
+        };
+        assert!(cfg.validate().is_err());
     }
 
     #[test]

@@ -3,5 +3,6 @@
 
 mod backup;
 mod faults;
+mod flexrr;
 mod support;
 mod training;

@@ -68,6 +68,15 @@ pub struct Cluster {
 impl Cluster {
     /// Start a coordinator for `training` and one agent per `(name, tier)`.
     pub async fn start(training: TrainingConfig, specs: &[(&str, Tier)]) -> Cluster {
+        Self::start_logging(training, specs, DEFAULT_LOG).await
+    }
+
+    /// The same, with the agents' log filter `log`.
+    pub async fn start_logging(
+        training: TrainingConfig,
+        specs: &[(&str, Tier)],
+        log: &str,
+    ) -> Cluster {
         let tokens: Vec<(String, String, Tier)> = specs
             .iter()
             .map(|(n, t)| (format!("tok-{n}"), n.to_string(), *t))
@@ -82,7 +91,7 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut agents = Vec::new();
         for (name, _) in specs {
-            agents.push(spawn_agent(&coord.url(), name, dir.path()).await);
+            agents.push(spawn_agent_logging(&coord.url(), name, dir.path(), log).await);
         }
         Cluster {
             coord,
@@ -145,7 +154,18 @@ impl Cluster {
     }
 }
 
+const DEFAULT_LOG: &str = "info,proteus_agent=info";
+
 pub async fn spawn_agent(broker: &str, name: &str, dir: &std::path::Path) -> AgentProc {
+    spawn_agent_logging(broker, name, dir, DEFAULT_LOG).await
+}
+
+pub async fn spawn_agent_logging(
+    broker: &str,
+    name: &str,
+    dir: &std::path::Path,
+    filter: &str,
+) -> AgentProc {
     let imds = ImdsMock::start(name).await.expect("imds mock starts");
     let log = dir.join(format!("{name}.log"));
     let file = std::fs::File::create(&log).expect("log file");
@@ -160,7 +180,7 @@ pub async fn spawn_agent(broker: &str, name: &str, dir: &std::path::Path) -> Age
             "--exit-margin-secs",
             "1",
         ])
-        .args(["--log", "info,proteus_agent=info"])
+        .args(["--log", filter])
         .env_remove("PROTEUS_AGENT_INSTANCE_ID")
         .stdout(Stdio::null())
         .stderr(file)

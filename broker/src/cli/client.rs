@@ -309,7 +309,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
 
 fn job_detail(j: &JobView) -> String {
     let mut out = format!(
-        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot; {} evictions\n",
+        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot; {} evictions\n",
         j.id,
         j.name,
         j.state,
@@ -320,6 +320,7 @@ fn job_detail(j: &JobView) -> String {
         j.policy,
         j.billing,
         j.stage.map_or("-".into(), |s| s.to_string()),
+        j.sync,
         pct(j.progress),
         metric_text(&j.metric),
         usd(j.spend_usd),

@@ -31,6 +31,8 @@ pub struct JobView {
     pub metric: Option<serde_json::Value>,
     /// AgileML stage (1–3) of the current layout.
     pub stage: Option<u8>,
+    /// How the workers synchronise, e.g. `bsp` or `flexrr (slack 1, helper groups of 3)`.
+    pub sync: String,
     pub spend_usd: f64,
     pub budget_usd: Option<f64>,
     pub deadline: Option<String>,
@@ -113,6 +115,15 @@ pub struct MarketCost {
     pub usd: f64,
     pub instance_hours: f64,
     pub instances: u32,
+}
+
+/// The sync model a stored job runs under (its spec was validated at submission).
+fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
+    serde_json::from_str::<super::spec::JobSpec>(&job.spec)
+        .ok()
+        .and_then(|s| s.training)
+        .and_then(|t| t.sync_model().ok().flatten())
+        .unwrap_or_default()
 }
 
 fn ts(t: Option<Timestamp>) -> Option<String> {
@@ -251,6 +262,7 @@ impl Broker {
                 .as_deref()
                 .and_then(|m| serde_json::from_str(m).ok()),
             stage,
+            sync: sync_of(job).to_string(),
             spend_usd: spend,
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),

@@ -10,14 +10,16 @@
 //!   "limits": {"max_instances": 8, "max_reliable_instances": 1, "budget_usd": 20.0, "deadline_hours": 12},
 //!   "billing": "hourly-2015",
 //!   "work": {"total_work": 20, "instance_types": ["c3.xlarge", "r3.large"]},
-//!   "training": {"learning_rate": 0.5, "num_shards": 2, "seed": 7}
+//!   "training": {"learning_rate": 0.5, "num_shards": 2, "seed": 7, "sync": "flexrr", "slack": 1}
 //! }
 //! ```
 //! Unknown fields are refused, so a typo is an error rather than a silently ignored setting.
 
 use crate::billing::BillingModel;
 use crate::market::Timestamp;
-use proteus_wire::agent_api::{AppConfig, ImageDataset, StopCondition, TrainingConfig};
+use proteus_wire::agent_api::{
+    AppConfig, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK, StopCondition, SyncModel, TrainingConfig,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -138,6 +140,81 @@ pub struct TrainingSpec {
     pub stage3_ratio: Option<f64>,
     #[serde(default)]
     pub seed: Option<u64>,
+    /// How workers synchronise: `bsp`, `ssp` (stale synchronous, with `slack`) or `flexrr`
+    /// (SSP with `slack` plus RapidReassignment within helper groups of `helpers`). Default:
+    /// the agents' default, see `SyncModel::default`.
+    #[serde(default)]
+    pub sync: Option<String>,
+    /// `ssp` and `flexrr`: how many clocks a worker may run ahead of the slowest (0–64;
+    /// default 1 for `ssp`, 0 for `flexrr`).
+    #[serde(default)]
+    pub slack: Option<u32>,
+    /// `flexrr`: size of each worker's helper group (1–16, default 3).
+    #[serde(default)]
+    pub helpers: Option<u32>,
+}
+
+impl TrainingSpec {
+    /// `training.sync` with its `slack` and `helpers`, each error naming its field.
+    pub fn sync_model(&self) -> Result<Option<SyncModel>, FieldError> {
+        let slack = match self.slack {
+            Some(s) if s > MAX_SLACK => {
+                return Err(bad(
+                    "training.slack",
+                    format!("must be between 0 and {MAX_SLACK}"),
+                ));
+            }
+            s => s,
+        };
+        let helpers = match self.helpers {
+            Some(h) if !(1..=MAX_HELPER_GROUP).contains(&h) => {
+                return Err(bad(
+                    "training.helpers",
+                    format!("must be between 1 and {MAX_HELPER_GROUP}"),
+                ));
+            }
+            h => h,
+        };
+        let Some(name) = self.sync.as_deref() else {
+            if slack.is_some() || helpers.is_some() {
+                return Err(bad(
+                    if slack.is_some() {
+                        "training.slack"
+                    } else {
+                        "training.helpers"
+                    },
+                    "needs `training.sync` (`ssp` or `flexrr`)",
+                ));
+            }
+            return Ok(None);
+        };
+        let model = match name {
+            "bsp" => SyncModel::Bsp,
+            "ssp" => SyncModel::Ssp {
+                slack: slack.unwrap_or(proteus_wire::agent_api::default_ssp_slack()),
+            },
+            "flexrr" => SyncModel::Flexrr {
+                slack: slack.unwrap_or(proteus_wire::agent_api::default_flexrr_slack()),
+                helpers: helpers.unwrap_or(proteus_wire::agent_api::default_helper_group()),
+            },
+            other => {
+                return Err(bad(
+                    "training.sync",
+                    format!("`{other}` is not a sync model (allowed: bsp, ssp, flexrr)"),
+                ));
+            }
+        };
+        if slack.is_some() && model == SyncModel::Bsp {
+            return Err(bad(
+                "training.slack",
+                "applies to `ssp` and `flexrr` only (bsp has no slack)",
+            ));
+        }
+        if helpers.is_some() && model.helper_group().is_none() {
+            return Err(bad("training.helpers", "applies to `flexrr` only"));
+        }
+        Ok(Some(model))
+    }
 }
 
 /// A spec that passed validation, in the broker's own types.
@@ -463,6 +540,9 @@ impl JobSpec {
             if let Some(seed) = t.seed {
                 cfg.seed = seed;
             }
+            if let Some(sync) = t.sync_model()? {
+                cfg.sync = sync;
+            }
         }
         cfg.validate().map_err(|e| bad("training", e))?;
         Ok(cfg)
@@ -558,6 +638,26 @@ mod tests {
                 r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"work":{"instance_types":["bogus"]}}"#,
                 "work.instance_types[0]",
             ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"async"}}"#,
+                "training.sync",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"bsp","slack":2}}"#,
+                "training.slack",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"ssp","slack":100}}"#,
+                "training.slack",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"ssp","helpers":2}}"#,
+                "training.helpers",
+            ),
+            (
+                r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"flexrr","helpers":0}}"#,
+                "training.helpers",
+            ),
         ];
         for (json, field) in cases {
             let err = spec(json)
@@ -565,6 +665,32 @@ mod tests {
                 .unwrap_err();
             assert_eq!(err.field, field, "{json}: {}", err.message);
         }
+    }
+
+    #[test]
+    fn sync_models_parse_from_the_training_section() {
+        let v = JobSpec::parse_file(
+            "job.toml",
+            "app = \"mlr\"\npolicy = \"x\"\n[limits]\nmax_instances = 4\n[training]\nsync = \"flexrr\"\nslack = 2\nhelpers = 2\n",
+        )
+        .unwrap()
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap();
+        assert_eq!(
+            v.training.sync,
+            SyncModel::Flexrr {
+                slack: 2,
+                helpers: 2
+            }
+        );
+        let v = spec(r#"{"app":"mlr","policy":"x","limits":{"max_instances":2},"training":{"sync":"ssp","slack":0}}"#)
+            .validate(BillingModel::PerSecond, NOW)
+            .unwrap();
+        assert_eq!(v.training.sync, SyncModel::Ssp { slack: 0 });
+        let v = spec(r#"{"app":"mlr","policy":"x","limits":{"max_instances":2}}"#)
+            .validate(BillingModel::PerSecond, NOW)
+            .unwrap();
+        assert_eq!(v.training.sync, SyncModel::default());
     }
 
     #[test]
