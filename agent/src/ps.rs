@@ -688,6 +688,7 @@ impl Handler for PsNode {
                     });
                     Response::Snapshot(copy)
                 }
+                Request::Pipe(_) => Response::Error("this agent runs no pipeline stage".into()),
             }
         })
     }

@@ -7,6 +7,7 @@
 //! float summation order does.
 
 pub mod mf;
+pub mod mlp;
 pub mod mlr;
 
 use crate::data;
