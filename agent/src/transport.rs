@@ -476,20 +476,27 @@ impl TokenBucket {
         }
     }
 
+    /// Charge `n` bytes at `now`: how long the caller must wait before moving them (the bucket
+    /// refills at `rate` up to `burst`; a charge beyond the tokens left is debt to wait off).
+    pub fn debit(&self, n: usize, now: std::time::Instant) -> Duration {
+        let Ok(mut g) = self.state.lock() else {
+            return Duration::ZERO;
+        };
+        let refill = now.saturating_duration_since(g.1).as_secs_f64() * self.rate;
+        g.0 = (g.0 + refill).min(self.burst) - n as f64;
+        g.1 = g.1.max(now);
+        if g.0 < 0.0 {
+            Duration::from_secs_f64(-g.0 / self.rate)
+        } else {
+            Duration::ZERO
+        }
+    }
+
     /// Take `n` bytes' worth of tokens, waiting as long as the link needs to move them.
     pub async fn take(&self, n: usize) {
-        let wait = {
-            let Ok(mut g) = self.state.lock() else {
-                return;
-            };
-            let now = std::time::Instant::now();
-            let refill = now.duration_since(g.1).as_secs_f64() * self.rate;
-            g.0 = (g.0 + refill).min(self.burst) - n as f64;
-            g.1 = now;
-            (g.0 < 0.0).then(|| Duration::from_secs_f64(-g.0 / self.rate))
-        };
-        if let Some(w) = wait {
-            tokio::time::sleep(w).await;
+        let wait = self.debit(n, std::time::Instant::now());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
         }
     }
 }
@@ -844,6 +851,23 @@ mod tests {
         for cut in 0..e.0.len() {
             assert!(Request::decode(&mut Dec(&e.0[..cut])).is_err());
         }
+    }
+
+    #[test]
+    fn token_bucket_paces_bytes_at_its_rate() {
+        let b = TokenBucket::new(1_000_000.0);
+        let t0 = std::time::Instant::now();
+        // The first chunk is covered by the initial tokens; each further one costs its bytes/rate.
+        assert_eq!(b.debit(LIMIT_CHUNK, t0), Duration::ZERO);
+        let w = b.debit(100_000, t0).as_secs_f64();
+        assert!((w - 0.1).abs() < 1e-6, "{w}");
+        // Debt accumulates for concurrent callers (both directions of a connection).
+        let w = b.debit(100_000, t0).as_secs_f64();
+        assert!((w - 0.2).abs() < 1e-6, "{w}");
+        // Time pays it off; idle time refills at most one burst.
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!(b.debit(LIMIT_CHUNK, later), Duration::ZERO);
+        assert!(b.debit(1, later) > Duration::ZERO);
     }
 
     #[test]

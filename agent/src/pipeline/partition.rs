@@ -109,6 +109,37 @@ pub fn plan_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64 {
     worst
 }
 
+/// The 1F1B round-trip bound on a plan's time per minibatch. Stage `s` admits at most
+/// `warm-up + 1` minibatches per replica before it needs a backward pass back, and a minibatch's
+/// round trip from stage `s` takes the compute of every later stage plus one activation and one
+/// gradient transfer per link after it (each at half the link, which carries both directions at
+/// once in steady state): `max over s of RT_s / (r_s (warm-up_s + 1))`. The recurrence above does
+/// not see this; it binds when links, not stages, are the bottleneck.
+pub fn round_trip_bound_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64 {
+    let s = Sums::new(p);
+    let later = |i: usize| stages[i..].iter().map(|x| x.replicas).sum::<u32>();
+    let mut worst: f64 = 0.0;
+    for (i, st) in stages.iter().enumerate() {
+        let mut rt = 0.0;
+        for (j, t) in stages.iter().enumerate().skip(i) {
+            rt += s.t[t.layers.end] - s.t[t.layers.start];
+            if j > i {
+                rt += 2.0 * 2.0 * link.secs(s.a[t.layers.start - 1]);
+            }
+        }
+        let inflight =
+            f64::from(st.replicas) * (super::schedule::warmup(later(i), st.replicas) + 1) as f64;
+        worst = worst.max(rt / inflight);
+    }
+    worst
+}
+
+/// The predicted time per minibatch of running `stages` under 1F1B: the slowest stage or link
+/// (the recurrence's objective) or the round-trip bound, whichever is larger.
+pub fn predicted_1f1b_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64 {
+    plan_secs(p, link, stages).max(round_trip_bound_secs(p, link, stages))
+}
+
 impl Partitioner {
     /// Solve for 1..=`max_workers` workers.
     pub fn solve(p: &Profile, link: Link, max_workers: usize) -> Partitioner {
@@ -261,6 +292,37 @@ mod tests {
                 .fold(f64::INFINITY, f64::min);
             assert!((best - min).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn round_trip_bound_binds_only_when_links_dominate() {
+        let layer = LayerProfile {
+            forward_secs: 0.01,
+            backward_secs: 0.02,
+            activation_bytes: 100_000,
+            param_bytes: 1_000,
+        };
+        let p = Profile {
+            batch: 64,
+            layers: vec![layer; 4],
+        };
+        let stages: Vec<StagePlan> = (0..4)
+            .map(|i| StagePlan {
+                layers: i..i + 1,
+                replicas: 1,
+            })
+            .collect();
+        // Free links: four stages of 30 ms each, 4 in flight over a 120 ms round trip.
+        let free = Link {
+            bytes_per_sec: f64::INFINITY,
+        };
+        assert!((round_trip_bound_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
+        assert!((predicted_1f1b_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
+        // 10 ms per transfer at 1e7 B/s: 2 a / B = 20 ms per link and minibatch (below the
+        // stages), but the round trip gains 3 links × 40 ms: (120 + 120) / 4 = 60 ms.
+        let slow = Link { bytes_per_sec: 1e7 };
+        assert!((plan_secs(&p, slow, &stages) - 0.03).abs() < 1e-12);
+        assert!((predicted_1f1b_secs(&p, slow, &stages) - 0.06).abs() < 1e-12);
     }
 
     #[test]

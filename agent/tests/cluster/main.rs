@@ -3,5 +3,6 @@
 
 mod backup;
 mod faults;
+mod pipeline;
 mod support;
 mod training;
