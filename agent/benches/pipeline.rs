@@ -123,6 +123,8 @@ fn run_mode(
         momentum: args.momentum,
         seed: 7,
         checkpoint_every: every,
+        replans: Default::default(),
+        warn_at: None,
     };
     println!(
         "{name}: {} for {epochs} epochs ({minibatches} minibatches of {})",

@@ -13,6 +13,21 @@ use ndarray::{Array1, Array2, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// An MLP job as an agent loads it: the model's shape, the data and the hyperparameters. It is
+/// trained by the pipeline runtime ([`crate::pipeline`]), not through the parameter server.
+#[derive(Debug)]
+pub struct MlpJob {
+    pub shape: MlpShape,
+    pub train: std::sync::Arc<ImageSet>,
+    pub test: ImageSet,
+    pub batch: usize,
+    pub lr: LrSchedule,
+    pub momentum: f32,
+    pub parallelism: proteus_wire::agent_api::Parallelism,
+    /// Bytes per second per connection, when links are emulated.
+    pub link_bytes_per_sec: Option<f64>,
+}
+
 /// Number of classes of the image data sets.
 pub const CLASSES: usize = 10;
 

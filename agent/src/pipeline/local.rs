@@ -2,7 +2,9 @@
 //! endpoint per worker, talking over loopback TCP exactly as agents on different machines do
 //! (optionally through the emulated slow links of [`crate::transport::TokenBucket`]).
 
-use super::stage::{self, Checkpoints, Inbox, RunConfig, StageCtx, StageError, StageOutcome};
+use super::stage::{
+    self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
+};
 use crate::data::ImageSet;
 use crate::transport::Peers;
 use std::sync::{Arc, Barrier};
@@ -29,12 +31,18 @@ pub struct LocalRun {
     pub checkpoints: Arc<Checkpoints>,
 }
 
+/// Interruption warnings to deliver during a run: worker, and how long after the start.
+pub type Warnings = Vec<(u32, std::time::Duration)>;
+
 impl LocalRun {
-    /// The whole model at the end (replica 0 of every stage, in stage order).
+    /// The whole model at the end (replica 0 of every stage of the final plan, in layer order).
     pub fn model(&self) -> Vec<crate::apps::mlp::Dense> {
-        let mut stages: Vec<&StageOutcome> =
-            self.outcomes.iter().filter(|o| o.replica == 0).collect();
-        stages.sort_by_key(|o| o.stage);
+        let mut stages: Vec<&StageOutcome> = self
+            .outcomes
+            .iter()
+            .filter(|o| o.replica == 0 && !o.evicted)
+            .collect();
+        stages.sort_by_key(|o| o.first_layer);
         stages
             .iter()
             .flat_map(|o| o.layers.iter().cloned())
@@ -49,9 +57,21 @@ pub fn run(
     train: Arc<ImageSet>,
     link_bytes_per_sec: Option<f64>,
 ) -> Result<LocalRun, LocalError> {
+    run_with_warnings(cfg, train, link_bytes_per_sec, Vec::new())
+}
+
+/// [`run`], with interruption warnings delivered at wall-clock times (the leader drains the
+/// pipeline and every survivor continues on the plan for one worker fewer).
+pub fn run_with_warnings(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link_bytes_per_sec: Option<f64>,
+    warnings: Warnings,
+) -> Result<LocalRun, LocalError> {
     let n = cfg.plan.workers();
     let cfg = Arc::new(cfg);
-    let checkpoints = Checkpoints::new(cfg.plan.stages().len());
+    let checkpoints = Checkpoints::new(cfg.shape.layers());
+    let notices = Arc::new(Notices::default());
     let mut setups = Vec::new();
     for w in 0..n {
         let setup = |source| LocalError::Setup { worker: w, source };
@@ -70,11 +90,22 @@ pub fn run(
     // Every runtime stays up until every worker is done, so late acknowledgements still flow.
     let all_done = Arc::new(Barrier::new(n as usize));
     let started = Instant::now();
+    if !warnings.is_empty() {
+        let notices = notices.clone();
+        std::thread::spawn(move || {
+            let mut warnings = warnings;
+            warnings.sort_by_key(|w| w.1);
+            for (w, after) in warnings {
+                std::thread::sleep(after.saturating_sub(started.elapsed()));
+                notices.warn(w);
+            }
+        });
+    }
     let mut threads = Vec::new();
     for (w, (rt, listener, addr)) in setups.into_iter().enumerate() {
         let w = w as u32;
         let (addrs, cfg, train) = (addrs.clone(), cfg.clone(), train.clone());
-        let (cps, all_done) = (checkpoints.clone(), all_done.clone());
+        let (cps, all_done, notices) = (checkpoints.clone(), all_done.clone(), notices.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pipe-worker-{w}"))
             .spawn(move || {
@@ -93,6 +124,7 @@ pub fn run(
                         train,
                         cfg,
                         checkpoints: Some(cps),
+                        notices: Some(notices),
                     };
                     stage::run(ctx)
                         .await

@@ -179,6 +179,16 @@ pub enum PipeMsg {
         step: u32,
         data: Vec<f32>,
     },
+    /// Re-planning: finish every minibatch below `at` and admit none from it on; then segment
+    /// `segment + 1` starts at `at` without worker `evicted`.
+    Drain { segment: u32, at: u64, evicted: u32 },
+    /// A layer's weights and optimizer state, for its owner in segment `segment`.
+    State {
+        segment: u32,
+        layer: u32,
+        weights: Vec<f32>,
+        velocity: Vec<f32>,
+    },
 }
 
 impl PipeMsg {
@@ -188,6 +198,10 @@ impl PipeMsg {
                 tensor.data.len() * 4
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
+            PipeMsg::Drain { .. } => 0,
+            PipeMsg::State {
+                weights, velocity, ..
+            } => (weights.len() + velocity.len()) * 4,
         }
     }
 
@@ -225,6 +239,28 @@ impl PipeMsg {
                 e.u64(*round);
                 e.u32(*step);
                 e.f32s(data);
+            }
+            PipeMsg::Drain {
+                segment,
+                at,
+                evicted,
+            } => {
+                e.u8(4);
+                e.u32(*segment);
+                e.u64(*at);
+                e.u32(*evicted);
+            }
+            PipeMsg::State {
+                segment,
+                layer,
+                weights,
+                velocity,
+            } => {
+                e.u8(5);
+                e.u32(*segment);
+                e.u32(*layer);
+                e.f32s(weights);
+                e.f32s(velocity);
             }
         }
     }
@@ -264,6 +300,17 @@ impl PipeMsg {
                 round: d.u64()?,
                 step: d.u32()?,
                 data: d.f32s()?,
+            },
+            4 => PipeMsg::Drain {
+                segment: d.u32()?,
+                at: d.u64()?,
+                evicted: d.u32()?,
+            },
+            5 => PipeMsg::State {
+                segment: d.u32()?,
+                layer: d.u32()?,
+                weights: d.f32s()?,
+                velocity: d.f32s()?,
             },
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
@@ -333,6 +380,17 @@ mod tests {
                 round: 3,
                 step: 2,
                 data: vec![0.5; 5],
+            },
+            PipeMsg::Drain {
+                segment: 1,
+                at: 40,
+                evicted: 2,
+            },
+            PipeMsg::State {
+                segment: 2,
+                layer: 1,
+                weights: vec![1.0, 2.0],
+                velocity: vec![0.0, -1.0],
             },
         ];
         for m in msgs {

@@ -41,6 +41,8 @@ pub enum StageError {
     Timeout(Duration, String),
     #[error("inbox closed")]
     InboxClosed,
+    #[error("no plan for {0} workers to re-plan to")]
+    NoPlan(u32),
     #[error("sending to worker {worker}: {message}")]
     Send { worker: u32, message: String },
 }
@@ -87,6 +89,11 @@ pub struct RunConfig {
     /// Record every stage's weights after minibatch `m` when `(m + 1) % checkpoint_every == 0`
     /// (0: never).
     pub checkpoint_every: u64,
+    /// The plan for each smaller worker count (from [`super::partition::Partitioner`]), for
+    /// re-planning when a worker is warned; a run without it cannot re-plan.
+    pub replans: BTreeMap<u32, Plan>,
+    /// Tests: warn original worker `w` when the leader reaches minibatch `m`.
+    pub warn_at: Option<(u64, u32)>,
 }
 
 /// One minibatch between its forward and its backward pass.
@@ -266,11 +273,22 @@ impl StageCore {
     }
 }
 
-/// Every stage's weights at checkpoints, with the time each stage recorded them.
+/// Every layer's weights at checkpoints, with the time its stage recorded them, and the run's
+/// re-planning events.
 #[derive(Debug)]
 pub struct Checkpoints {
-    stages: usize,
-    taken: Mutex<BTreeMap<u64, Vec<Option<(Instant, Vec<Dense>)>>>>,
+    layers: usize,
+    taken: Mutex<BTreeMap<u64, Vec<Option<(Instant, Dense)>>>>,
+    events: Mutex<Vec<(Event, Instant)>>,
+}
+
+/// Moments of a re-plan, for measuring the pause it causes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The leader decided to drain because worker `evicted` was warned.
+    Notice { evicted: u32, drain_at: u64 },
+    /// The first optimizer step of segment `segment` (training again on the new plan).
+    Resumed { segment: u32 },
 }
 
 /// A checkpoint every stage has recorded: the whole model after minibatch `minibatch`.
@@ -283,21 +301,37 @@ pub struct Checkpoint {
 }
 
 impl Checkpoints {
-    pub fn new(stages: usize) -> Arc<Self> {
+    pub fn new(layers: usize) -> Arc<Self> {
         Arc::new(Checkpoints {
-            stages,
+            layers,
             taken: Mutex::new(BTreeMap::new()),
+            events: Mutex::new(Vec::new()),
         })
     }
 
-    fn record(&self, m: u64, stage: usize, layers: Vec<Dense>) {
+    fn record(&self, m: u64, first_layer: usize, layers: &[Dense]) {
         let now = Instant::now();
         if let Ok(mut t) = self.taken.lock() {
-            let e = t.entry(m).or_insert_with(|| vec![None; self.stages]);
-            if let Some(slot) = e.get_mut(stage) {
-                *slot = Some((now, layers));
+            let e = t.entry(m).or_insert_with(|| vec![None; self.layers]);
+            for (i, l) in layers.iter().enumerate() {
+                if let Some(slot) = e.get_mut(first_layer + i) {
+                    *slot = Some((now, l.clone()));
+                }
             }
         }
+    }
+
+    fn event(&self, e: Event) {
+        if let Ok(mut ev) = self.events.lock() {
+            if matches!(e, Event::Resumed { .. }) && ev.iter().any(|x| x.0 == e) {
+                return;
+            }
+            ev.push((e, Instant::now()));
+        }
+    }
+
+    pub fn events(&self) -> Vec<(Event, Instant)> {
+        self.events.lock().map(|e| e.clone()).unwrap_or_default()
     }
 
     /// Complete checkpoints in minibatch order.
@@ -308,14 +342,33 @@ impl Checkpoints {
         t.iter()
             .filter(|(_, v)| v.iter().all(Option::is_some))
             .map(|(&m, v)| {
-                let parts: Vec<&(Instant, Vec<Dense>)> = v.iter().flatten().collect();
+                let parts: Vec<&(Instant, Dense)> = v.iter().flatten().collect();
                 Checkpoint {
                     minibatch: m,
                     at: parts.iter().map(|p| p.0).max().unwrap_or_else(Instant::now),
-                    layers: parts.iter().flat_map(|p| p.1.iter().cloned()).collect(),
+                    layers: parts.iter().map(|p| p.1.clone()).collect(),
                 }
             })
             .collect()
+    }
+}
+
+/// Interruption notices for workers of a local run: the current leader (worker 0 of the
+/// current plan) takes them and drains the pipeline for a re-plan.
+#[derive(Debug, Default)]
+pub struct Notices(Mutex<Vec<u32>>);
+
+impl Notices {
+    /// Worker `worker` (by its number in the original plan) will be gone soon.
+    pub fn warn(&self, worker: u32) {
+        if let Ok(mut n) = self.0.lock() {
+            n.push(worker);
+        }
+    }
+    fn take(&self, members: &[u32]) -> Option<u32> {
+        let mut n = self.0.lock().ok()?;
+        let i = n.iter().position(|w| members.contains(w))?;
+        Some(n.remove(i))
     }
 }
 
@@ -345,16 +398,28 @@ struct Mailbox {
     acts: HashMap<u64, Tensor>,
     grads: HashMap<u64, Tensor>,
     reduces: HashMap<(u64, u32), Vec<f32>>,
+    states: HashMap<(u32, u32), (Vec<f32>, Vec<f32>)>,
+    /// Drain orders by segment: (at, evicted).
+    drains: HashMap<u32, (u64, u32)>,
 }
 
 enum Want {
     Act(u64),
     Grad(u64),
     Reduce(u64, u32),
+    State(u32, u32),
+}
+
+enum Got {
+    Tensor(Tensor),
+    Chunk(Vec<f32>),
+    State(Vec<f32>, Vec<f32>),
+    /// A drain order arrived while waiting (interruptible waits only).
+    Drain,
 }
 
 impl Mailbox {
-    fn file(&mut self, msg: PipeMsg) {
+    fn file(&mut self, msg: PipeMsg) -> bool {
         match msg {
             PipeMsg::Activation {
                 minibatch, tensor, ..
@@ -371,31 +436,61 @@ impl Mailbox {
             } => {
                 self.reduces.insert((round, step), data);
             }
+            PipeMsg::State {
+                segment,
+                layer,
+                weights,
+                velocity,
+            } => {
+                self.states.insert((segment, layer), (weights, velocity));
+            }
+            PipeMsg::Drain {
+                segment,
+                at,
+                evicted,
+            } => {
+                self.drains.insert(segment, (at, evicted));
+                return true;
+            }
+        }
+        false
+    }
+
+    /// File whatever has arrived, without waiting.
+    fn poll(&mut self) {
+        while let Ok(msg) = self.rx.try_recv() {
+            self.file(msg);
         }
     }
 
-    fn take(&mut self, w: &Want) -> Option<Result<Tensor, Vec<f32>>> {
+    fn take(&mut self, w: &Want) -> Option<Got> {
         match *w {
-            Want::Act(m) => self.acts.remove(&m).map(Ok),
-            Want::Grad(m) => self.grads.remove(&m).map(Ok),
-            Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Err),
+            Want::Act(m) => self.acts.remove(&m).map(Got::Tensor),
+            Want::Grad(m) => self.grads.remove(&m).map(Got::Tensor),
+            Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Got::Chunk),
+            Want::State(g, l) => self.states.remove(&(g, l)).map(|(w, v)| Got::State(w, v)),
         }
     }
 
-    async fn wait(&mut self, w: Want) -> Result<Result<Tensor, Vec<f32>>, StageError> {
+    async fn wait(&mut self, w: Want, interruptible: bool) -> Result<Got, StageError> {
         let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
         loop {
             if let Some(x) = self.take(&w) {
                 return Ok(x);
             }
             match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(msg)) => self.file(msg),
+                Ok(Some(msg)) => {
+                    if self.file(msg) && interruptible {
+                        return Ok(Got::Drain);
+                    }
+                }
                 Ok(None) => return Err(StageError::InboxClosed),
                 Err(_) => {
                     let what = match w {
                         Want::Act(m) => format!("the activation of minibatch {m}"),
                         Want::Grad(m) => format!("the gradient of minibatch {m}"),
                         Want::Reduce(r, s) => format!("all-reduce round {r} step {s}"),
+                        Want::State(g, l) => format!("layer {l}'s state for segment {g}"),
                     };
                     return Err(StageError::Timeout(MESSAGE_TIMEOUT, what));
                 }
@@ -403,23 +498,17 @@ impl Mailbox {
         }
     }
 
-    async fn tensor(&mut self, w: Want) -> Result<Tensor, StageError> {
-        match self.wait(w).await? {
-            Ok(t) => Ok(t),
-            Err(_) => Err(StageError::InboxClosed),
-        }
-    }
-
     async fn chunk(&mut self, round: u64, step: u32) -> Result<Vec<f32>, StageError> {
-        match self.wait(Want::Reduce(round, step)).await? {
-            Err(v) => Ok(v),
-            Ok(_) => Err(StageError::InboxClosed),
+        match self.wait(Want::Reduce(round, step), false).await? {
+            Got::Chunk(v) => Ok(v),
+            _ => Err(StageError::InboxClosed),
         }
     }
 }
 
 /// A worker's place in a run.
 pub struct StageCtx {
+    /// This worker's number in the run's first plan (its identity across re-plans).
     pub worker: u32,
     /// Data address of every worker, by worker number.
     pub addrs: Arc<Vec<String>>,
@@ -428,18 +517,25 @@ pub struct StageCtx {
     pub train: Arc<ImageSet>,
     pub cfg: Arc<RunConfig>,
     pub checkpoints: Option<Arc<Checkpoints>>,
+    pub notices: Option<Arc<Notices>>,
 }
 
 /// What a stage replica reports at the end.
 #[derive(Debug)]
 pub struct StageOutcome {
     pub worker: u32,
+    /// Stage, replica and layers in the last segment this worker took part in.
     pub stage: usize,
     pub replica: u32,
+    pub first_layer: usize,
     pub layers: Vec<Dense>,
+    /// The worker left after a warning (its state moved to the survivors).
+    pub evicted: bool,
     pub loss_sum: f64,
     pub correct: usize,
     pub samples: usize,
+    /// Minibatches whose loss this worker computed (as the last stage), in order.
+    pub minibatches: Vec<u64>,
     pub max_versions: usize,
     /// Seconds spent computing (forward, backward, optimizer).
     pub compute_secs: f64,
@@ -481,34 +577,45 @@ struct Sender {
     tasks: JoinSet<Result<(), StageError>>,
 }
 
+async fn deliver(
+    peers: Arc<Peers>,
+    addr: String,
+    me: u32,
+    to: u32,
+    msg: PipeMsg,
+) -> Result<(), StageError> {
+    let req = Request::Pipe(msg);
+    let mut delay = Duration::from_millis(20);
+    let mut last = String::new();
+    for _ in 0..6 {
+        match peers.call(&addr, &req, CALL_TIMEOUT).await {
+            Ok(Response::Ack) => return Ok(()),
+            Ok(other) => last = format!("answered {other:?}"),
+            Err(e) => last = e.to_string(),
+        }
+        tracing::debug!(from = me, to, error = %last, "pipeline send failed; retrying");
+        tokio::time::sleep(delay).await;
+        delay *= 2;
+    }
+    Err(StageError::Send {
+        worker: to,
+        message: last,
+    })
+}
+
 impl Sender {
-    fn send(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
-        let addr = self
-            .addrs
+    fn addr(&self, to: u32) -> Result<String, StageError> {
+        self.addrs
             .get(to as usize)
             .cloned()
-            .ok_or(StageError::NotInPlan(to))?;
-        let peers = self.peers.clone();
-        let me = self.me;
-        self.tasks.spawn(async move {
-            let req = Request::Pipe(msg);
-            let mut delay = Duration::from_millis(20);
-            let mut last = String::new();
-            for _ in 0..6 {
-                match peers.call(&addr, &req, CALL_TIMEOUT).await {
-                    Ok(Response::Ack) => return Ok(()),
-                    Ok(other) => last = format!("answered {other:?}"),
-                    Err(e) => last = e.to_string(),
-                }
-                tracing::debug!(from = me, to, error = %last, "pipeline send failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            Err(StageError::Send {
-                worker: to,
-                message: last,
-            })
-        });
+            .ok_or(StageError::NotInPlan(to))
+    }
+
+    /// Send in the background (to worker `to`, by original number).
+    fn send(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
+        let addr = self.addr(to)?;
+        self.tasks
+            .spawn(deliver(self.peers.clone(), addr, self.me, to, msg));
         // Surface failures of earlier sends without waiting for the others.
         while let Some(done) = self.tasks.try_join_next() {
             if let Ok(Err(e)) = done {
@@ -516,6 +623,12 @@ impl Sender {
             }
         }
         Ok(())
+    }
+
+    /// Send and wait for the receiver's acknowledgement.
+    async fn send_now(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
+        let addr = self.addr(to)?;
+        deliver(self.peers.clone(), addr, self.me, to, msg).await
     }
 
     async fn drain(&mut self) -> Result<(), StageError> {
@@ -528,31 +641,66 @@ impl Sender {
     }
 }
 
-/// Run worker `ctx.worker`'s stage replica through its whole schedule.
-pub async fn run(ctx: StageCtx) -> Result<StageOutcome, StageError> {
+/// One plan's stretch of a run: minibatches `start..` on `members` (plan worker `i` is original
+/// worker `members[i]`).
+#[derive(Debug, Clone)]
+struct Segment {
+    index: u32,
+    start: u64,
+    plan: Plan,
+    members: Vec<u32>,
+}
+
+impl Segment {
+    fn physical(&self, plan_worker: u32) -> u32 {
+        self.members[plan_worker as usize]
+    }
+}
+
+enum SegmentEnd {
+    Finished,
+    Drained { at: u64, evicted: u32 },
+}
+
+/// Totals across segments.
+#[derive(Default)]
+struct Totals {
+    loss_sum: f64,
+    correct: usize,
+    samples: usize,
+    minibatches: Vec<u64>,
+    max_versions: usize,
+    busy: Duration,
+}
+
+/// Run worker `ctx.worker` through the whole run: its stage replica's schedule under the first
+/// plan and, after every re-plan, under the next (see [`PipeMsg::Drain`]).
+pub async fn run(mut ctx: StageCtx) -> Result<StageOutcome, StageError> {
     let cfg = ctx.cfg.clone();
-    let plan = &cfg.plan;
-    let (s, k) = plan
-        .role(ctx.worker)
-        .ok_or(StageError::NotInPlan(ctx.worker))?;
-    let sp = plan.stages()[s].clone();
-    let n_stages = plan.stages().len();
-    let (first, last) = (s == 0, s + 1 == n_stages);
-    let r = sp.replicas;
-    let warm = schedule::warmup(plan.workers_from(s), r);
-    let capacity = match cfg.schedule {
-        ScheduleKind::OneFOneB => warm + 1,
-        ScheduleKind::Flushing { group } => group as usize,
+    let n = cfg.plan.workers();
+    let mut seg = Segment {
+        index: 0,
+        start: 0,
+        plan: cfg.plan.clone(),
+        members: (0..n).collect(),
     };
+    let me = seg
+        .members
+        .iter()
+        .position(|&w| w == ctx.worker)
+        .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+    let (s0, _) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
     let all = cfg.shape.init(cfg.seed);
-    let mine: Vec<Dense> = all[sp.layers.clone()].to_vec();
-    let mut core = StageCore::new(mine, first, last, capacity, cfg.lr, cfg.momentum);
-    let ops = schedule::ops(cfg.schedule, cfg.minibatches, r, k, plan.workers_from(s));
+    let range = seg.plan.stages()[s0].layers.clone();
+    let mut layers = all[range.clone()].to_vec();
+    let mut velocity: Vec<Dense> = layers.iter().map(Dense::zeros_like).collect();
     let mut mail = Mailbox {
-        rx: ctx.inbox,
+        rx: std::mem::replace(&mut ctx.inbox, mpsc::unbounded_channel().1),
         acts: HashMap::new(),
         grads: HashMap::new(),
         reduces: HashMap::new(),
+        states: HashMap::new(),
+        drains: HashMap::new(),
     };
     let mut out = Sender {
         me: ctx.worker,
@@ -560,101 +708,366 @@ pub async fn run(ctx: StageCtx) -> Result<StageOutcome, StageError> {
         addrs: ctx.addrs.clone(),
         tasks: JoinSet::new(),
     };
-    let ring_next = plan.first_worker(s) + (k + 1) % r;
-    let start = Instant::now();
-    let mut busy = Duration::ZERO;
+    let started = Instant::now();
+    let mut totals = Totals::default();
+    loop {
+        let me = seg
+            .members
+            .iter()
+            .position(|&w| w == ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+        let (s, k) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
+        let first_layer = seg.plan.stages()[s].layers.start;
+        let (end, core) = run_segment(
+            &ctx,
+            &seg,
+            me,
+            layers,
+            velocity,
+            &mut mail,
+            &mut out,
+            &mut totals,
+        )
+        .await?;
+        layers = core.weights().to_vec();
+        velocity = core.optimizer().velocity.clone();
+        totals.max_versions = totals.max_versions.max(core.max_versions);
+        let (at, evicted) = match end {
+            SegmentEnd::Finished => {
+                out.drain().await?;
+                return Ok(outcome(
+                    &ctx,
+                    s,
+                    k,
+                    first_layer,
+                    layers,
+                    false,
+                    totals,
+                    started,
+                ));
+            }
+            SegmentEnd::Drained { at, evicted } => (at, evicted),
+        };
+        // Re-plan for the survivors: a lookup in the partitioner's table.
+        let members: Vec<u32> = seg
+            .members
+            .iter()
+            .copied()
+            .filter(|&w| w != evicted)
+            .collect();
+        let plan = cfg
+            .replans
+            .get(&(members.len() as u32))
+            .cloned()
+            .ok_or(StageError::NoPlan(members.len() as u32))?;
+        let next = Segment {
+            index: seg.index + 1,
+            start: at,
+            plan,
+            members,
+        };
+        // Replica 0 of every stage hands its layers (weights and momentum) to every replica of
+        // the stage that owns them under the new plan.
+        if k == 0 {
+            for (i, l) in layers.iter().enumerate() {
+                let layer = first_layer + i;
+                let Some(ns) = next
+                    .plan
+                    .stages()
+                    .iter()
+                    .position(|st| st.layers.contains(&layer))
+                else {
+                    continue;
+                };
+                for rep in 0..next.plan.stages()[ns].replicas {
+                    let to = next.physical(next.plan.first_worker(ns) + rep);
+                    let msg = PipeMsg::State {
+                        segment: next.index,
+                        layer: layer as u32,
+                        weights: mlp::flatten(std::slice::from_ref(l)),
+                        velocity: mlp::flatten(std::slice::from_ref(&velocity[i])),
+                    };
+                    out.send(to, msg)?;
+                }
+            }
+        }
+        out.drain().await?;
+        if evicted == ctx.worker {
+            tracing::info!(
+                worker = ctx.worker,
+                "state handed over; leaving the pipeline"
+            );
+            return Ok(outcome(
+                &ctx,
+                s,
+                k,
+                first_layer,
+                layers,
+                true,
+                totals,
+                started,
+            ));
+        }
+        let me = next
+            .members
+            .iter()
+            .position(|&w| w == ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+        let (ns, _) = next
+            .plan
+            .role(me)
+            .ok_or(StageError::NotInPlan(ctx.worker))?;
+        let range = next.plan.stages()[ns].layers.clone();
+        let (mut nl, mut nv) = (Vec::new(), Vec::new());
+        for layer in range.clone() {
+            let like = std::slice::from_ref(&all[layer]);
+            match mail
+                .wait(Want::State(next.index, layer as u32), false)
+                .await?
+            {
+                Got::State(w, v) => {
+                    let w = mlp::unflatten(like, &w).ok_or(StageError::Shape(at))?;
+                    let v = mlp::unflatten(like, &v).ok_or(StageError::Shape(at))?;
+                    nl.extend(w);
+                    nv.extend(v);
+                }
+                _ => return Err(StageError::InboxClosed),
+            }
+        }
+        tracing::info!(worker = ctx.worker, segment = next.index, from = at, plan = %next.plan, "re-planned");
+        layers = nl;
+        velocity = nv;
+        seg = next;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn outcome(
+    ctx: &StageCtx,
+    stage: usize,
+    replica: u32,
+    first_layer: usize,
+    layers: Vec<Dense>,
+    evicted: bool,
+    t: Totals,
+    started: Instant,
+) -> StageOutcome {
+    StageOutcome {
+        worker: ctx.worker,
+        stage,
+        replica,
+        first_layer,
+        layers,
+        evicted,
+        loss_sum: t.loss_sum,
+        correct: t.correct,
+        samples: t.samples,
+        minibatches: t.minibatches,
+        max_versions: t.max_versions,
+        compute_secs: t.busy.as_secs_f64(),
+        wall_secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// Run one segment's schedule from its start; stops early when drained for a re-plan.
+#[allow(clippy::too_many_arguments)]
+async fn run_segment(
+    ctx: &StageCtx,
+    seg: &Segment,
+    me: u32,
+    layers: Vec<Dense>,
+    velocity: Vec<Dense>,
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    totals: &mut Totals,
+) -> Result<(SegmentEnd, StageCore), StageError> {
+    let cfg = &ctx.cfg;
+    let plan = &seg.plan;
+    let (s, k) = plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
+    let sp = plan.stages()[s].clone();
+    let (first, last) = (s == 0, s + 1 == plan.stages().len());
+    let r = sp.replicas;
+    let warm = schedule::warmup(plan.workers_from(s), r);
+    let capacity = match cfg.schedule {
+        ScheduleKind::OneFOneB => warm + 1,
+        ScheduleKind::Flushing { group } => group as usize,
+    };
+    let mut core = StageCore::new(layers, first, last, capacity, cfg.lr, cfg.momentum);
+    core.opt.velocity = velocity;
+    let left = cfg.minibatches.saturating_sub(seg.start);
+    let later = plan.workers_from(s);
+    let mut ops = schedule::ops(cfg.schedule, left, r, k, later);
+    let ring_next = seg.physical(plan.first_worker(s) + (k + 1) % r);
+    let leader = me == 0;
+    let mut drain: Option<(u64, u32)> = None;
     let mut round = 0u64;
+    let round_base = u64::from(seg.index) << 40;
     let last_epoch = cfg.batches.epoch(cfg.minibatches.saturating_sub(1));
-    for op in ops {
+    let mut pc = 0usize;
+    while pc < ops.len() {
+        mail.poll();
+        if drain.is_none()
+            && let Some(&(at, evicted)) = mail.drains.get(&seg.index)
+        {
+            drain = Some((at, evicted));
+            ops = schedule::ops(cfg.schedule, at - seg.start, r, k, later);
+            continue;
+        }
+        let op = ops[pc];
+        // The leader turns a warning into a drain point no replica has admitted yet.
+        if leader && drain.is_none() {
+            let warned = match (cfg.warn_at, op) {
+                (Some((m, w)), Op::Forward(rel))
+                    if seg.start + rel >= m
+                        && seg.members.contains(&w)
+                        && seg.members.len() > 1 =>
+                {
+                    Some(w)
+                }
+                _ => ctx.notices.as_ref().and_then(|n| n.take(&seg.members)),
+            };
+            if let Some(evicted) = warned {
+                let ahead = match cfg.schedule {
+                    ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
+                    ScheduleKind::Flushing { group } => (round + 2) * group,
+                };
+                let at = seg.start + ahead;
+                if at < cfg.minibatches {
+                    if let Some(cp) = &ctx.checkpoints {
+                        cp.event(Event::Notice {
+                            evicted,
+                            drain_at: at,
+                        });
+                    }
+                    tracing::warn!(
+                        evicted,
+                        drain_at = at,
+                        "warning: draining the pipeline for a re-plan"
+                    );
+                    let order = PipeMsg::Drain {
+                        segment: seg.index,
+                        at,
+                        evicted,
+                    };
+                    for &w in seg.members.iter().filter(|&&w| w != ctx.worker) {
+                        out.send_now(w, order.clone()).await?;
+                    }
+                    mail.drains.insert(seg.index, (at, evicted));
+                    continue;
+                }
+            }
+        }
         let step_epoch = match op {
-            Op::Forward(m) => {
+            Op::Forward(rel) => {
+                let m = seg.start + rel;
                 let rows = cfg.batches.rows(m);
                 let x = if first {
                     mlp::features(&ctx.train, &rows)
                 } else {
-                    from_tensor(mail.tensor(Want::Act(m)).await?, m)?
+                    match mail.wait(Want::Act(m), drain.is_none()).await? {
+                        Got::Tensor(t) => from_tensor(t, m)?,
+                        Got::Drain => continue,
+                        _ => return Err(StageError::InboxClosed),
+                    }
                 };
                 let labels = last.then(|| mlp::labels(&ctx.train, &rows));
                 let t = Instant::now();
                 let y = compute(|| core.forward(m, x, labels.as_deref()))?;
-                busy += t.elapsed();
+                totals.busy += t.elapsed();
+                if last {
+                    totals.minibatches.push(m);
+                }
                 if !last {
                     let msg = PipeMsg::Activation {
                         to_stage: (s + 1) as u32,
                         minibatch: m,
                         tensor: to_tensor(y),
                     };
-                    out.send(plan.worker_for(s + 1, m), msg)?;
+                    out.send(seg.physical(plan.worker_for(s + 1, rel)), msg)?;
                 }
                 None
             }
-            Op::Backward(m) => {
+            Op::Backward(rel) => {
+                let m = seg.start + rel;
                 let g = if last {
                     None
                 } else {
-                    Some(from_tensor(mail.tensor(Want::Grad(m)).await?, m)?)
+                    match mail.wait(Want::Grad(m), false).await? {
+                        Got::Tensor(t) => Some(from_tensor(t, m)?),
+                        _ => return Err(StageError::InboxClosed),
+                    }
                 };
                 let t = Instant::now();
                 let gin = compute(|| core.backward(m, g))?;
-                busy += t.elapsed();
+                totals.busy += t.elapsed();
                 if let Some(gin) = gin {
                     let msg = PipeMsg::Gradient {
                         to_stage: (s - 1) as u32,
                         minibatch: m,
                         tensor: to_tensor(gin),
                     };
-                    out.send(plan.worker_for(s - 1, m), msg)?;
+                    out.send(seg.physical(plan.worker_for(s - 1, rel)), msg)?;
                 }
                 matches!(cfg.schedule, ScheduleKind::OneFOneB).then(|| cfg.batches.epoch(m))
             }
             Op::Sync => Some(last_epoch),
             Op::Flush { group } => match cfg.schedule {
-                ScheduleKind::Flushing { group: g } => Some(cfg.batches.epoch(group * g)),
+                ScheduleKind::Flushing { group: g } => {
+                    Some(cfg.batches.epoch(seg.start + group * g))
+                }
                 ScheduleKind::OneFOneB => None,
             },
         };
+        pc += 1;
         let Some(epoch) = step_epoch else {
             continue;
         };
         // An optimizer step: all-reduce among replicas, then apply.
         let mut flat = compute(|| core.take_gradients());
         if r > 1 {
-            flat =
-                ring_allreduce(&mut mail, &mut out, s as u32, k, r, ring_next, round, flat).await?;
+            flat = ring_allreduce(
+                mail,
+                out,
+                s as u32,
+                k,
+                r,
+                ring_next,
+                round_base + round,
+                flat,
+            )
+            .await?;
         }
         let t = Instant::now();
         compute(|| core.apply(&flat, epoch))?;
-        busy += t.elapsed();
-        // Minibatches whose updates this step completes.
-        let covered = match cfg.schedule {
-            ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
-            ScheduleKind::Flushing { group } => round * group..(round + 1) * group,
-        };
-        if let Some(cp) = &ctx.checkpoints
-            && k == 0
-            && cfg.checkpoint_every > 0
-        {
-            for m in covered.filter(|m| *m < cfg.minibatches) {
-                if (m + 1).is_multiple_of(cfg.checkpoint_every) {
-                    cp.record(m, s, core.weights().to_vec());
+        totals.busy += t.elapsed();
+        if let Some(cp) = &ctx.checkpoints {
+            if seg.index > 0 {
+                cp.event(Event::Resumed { segment: seg.index });
+            }
+            // Minibatches whose updates this step completes.
+            let covered = match cfg.schedule {
+                ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
+                ScheduleKind::Flushing { group } => round * group..(round + 1) * group,
+            };
+            if k == 0 && cfg.checkpoint_every > 0 {
+                let limit = drain.map_or(cfg.minibatches, |d| d.0);
+                for m in covered.map(|rel| seg.start + rel).filter(|m| *m < limit) {
+                    if (m + 1).is_multiple_of(cfg.checkpoint_every) {
+                        cp.record(m, sp.layers.start, core.weights());
+                    }
                 }
             }
         }
         round += 1;
     }
-    out.drain().await?;
-    Ok(StageOutcome {
-        worker: ctx.worker,
-        stage: s,
-        replica: k,
-        layers: core.weights().to_vec(),
-        loss_sum: core.loss_sum,
-        correct: core.correct,
-        samples: core.samples,
-        max_versions: core.max_versions,
-        compute_secs: busy.as_secs_f64(),
-        wall_secs: start.elapsed().as_secs_f64(),
-    })
+    totals.loss_sum += core.loss_sum;
+    totals.correct += core.correct;
+    totals.samples += core.samples;
+    let end = match drain {
+        Some((at, evicted)) => SegmentEnd::Drained { at, evicted },
+        None => SegmentEnd::Finished,
+    };
+    Ok((end, core))
 }
 
 /// Ring all-reduce (sum) of `data` among the `r` replicas of `stage`: reduce-scatter, then

@@ -45,6 +45,8 @@ fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
         momentum: 0.9,
         seed: 11,
         checkpoint_every: group,
+        replans: Default::default(),
+        warn_at: None,
     };
     let (reference, final_ref) = train_sgd(&cfg, &train, group);
     let run = local::run(cfg, Arc::new(train), None).expect("pipeline runs");
@@ -88,6 +90,8 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
         momentum: 0.9,
         seed: 2,
         checkpoint_every: 0,
+        replans: Default::default(),
+        warn_at: None,
     };
     let (_, sgd) = train_sgd(&base, &train, 1);
     let sgd_acc = mlp::accuracy(&sgd, &test);
@@ -121,4 +125,94 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
                 .sum::<u64>()
         });
     }
+}
+
+#[test]
+fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
+    let (train, test) = data::load_mnist(Path::new(super::support::DATA_DIR)).expect("mnist");
+    let shape = MlpShape::new(vec![784, 128, 64, 32, 10]).unwrap();
+    let batches = Batches::new(train.len(), 64, 5);
+    let minibatches = batches.per_epoch();
+    // Four single stages; the partitioner's table would give plans like these for fewer workers.
+    let replans = [
+        (3, plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4)),
+        (2, plan(&[(0, 2, 1), (2, 4, 1)], 4)),
+        (1, plan(&[(0, 4, 1)], 4)),
+    ]
+    .into_iter()
+    .collect();
+    let base = RunConfig {
+        shape: shape.clone(),
+        plan: plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4),
+        schedule: ScheduleKind::OneFOneB,
+        batches: batches.clone(),
+        minibatches,
+        lr: LrSchedule::constant(0.02),
+        momentum: 0.9,
+        seed: 2,
+        checkpoint_every: 0,
+        replans,
+        warn_at: None,
+    };
+    let train = Arc::new(train);
+    let plain = local::run(base.clone(), train.clone(), None).expect("uninterrupted run");
+    let plain_acc = mlp::accuracy(&plain.model(), &test);
+    // Worker 1 (stage 1, the only holder of layer 1) is warned a third of the way in: its layer
+    // moves to worker 2, whose layer moves to worker 3.
+    let cfg = RunConfig {
+        warn_at: Some((minibatches / 3, 1)),
+        ..base
+    };
+    let run = local::run(cfg, train, None).expect("run with an eviction");
+    let evicted: Vec<u32> = run
+        .outcomes
+        .iter()
+        .filter(|o| o.evicted)
+        .map(|o| o.worker)
+        .collect();
+    assert_eq!(evicted, [1]);
+    // The survivors finished on the plan for three workers.
+    let layout: Vec<(u32, usize, usize)> = run
+        .outcomes
+        .iter()
+        .filter(|o| !o.evicted)
+        .map(|o| (o.worker, o.first_layer, o.layers.len()))
+        .collect();
+    assert_eq!(layout, [(0, 0, 1), (2, 1, 1), (3, 2, 2)]);
+    // Every minibatch went through the last stage exactly once.
+    let mut seen: Vec<u64> = run
+        .outcomes
+        .iter()
+        .flat_map(|o| o.minibatches.iter().copied())
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..minibatches).collect::<Vec<_>>());
+    for o in &run.outcomes {
+        eprintln!(
+            "worker {} stage {} replica {} first layer {} shapes {:?} evicted {}",
+            o.worker,
+            o.stage,
+            o.replica,
+            o.first_layer,
+            o.layers.iter().map(|l| l.w.dim()).collect::<Vec<_>>(),
+            o.evicted
+        );
+    }
+    let acc = mlp::accuracy(&run.model(), &test);
+    let events = run.checkpoints.events();
+    let notice = events
+        .iter()
+        .find(|e| matches!(e.0, proteus_agent::pipeline::stage::Event::Notice { .. }));
+    let resumed = events
+        .iter()
+        .find(|e| matches!(e.0, proteus_agent::pipeline::stage::Event::Resumed { .. }));
+    let (Some(n), Some(r)) = (notice, resumed) else {
+        panic!("no re-plan recorded: {events:?}");
+    };
+    eprintln!(
+        "eviction: {:?}; training again on the new plan {:.3} s after the notice; accuracy {acc:.4} vs uninterrupted {plain_acc:.4}",
+        n.0,
+        r.1.duration_since(n.1).as_secs_f64()
+    );
+    assert!((acc - plain_acc).abs() <= 0.005, "{acc} vs {plain_acc}");
 }
