@@ -44,7 +44,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         json: None,
-        mbit: 400.0,
+        mbit: 200.0,
         layers: vec![784, 512, 512, 512, 10],
         batch: 64,
         pipeline_epochs: 3,

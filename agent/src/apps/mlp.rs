@@ -277,14 +277,33 @@ impl Sgd {
         }
     }
 
-    /// One step with gradient sums `grads` over `samples` samples, in `epoch`.
-    pub fn step(&mut self, layers: &mut [Dense], grads: &[Dense], samples: usize, epoch: u64) {
-        if samples == 0 {
+    /// One step with gradient sums `grads` divided by `divisor` (the samples they sum over, for
+    /// the mean gradient), in `epoch`.
+    pub fn step(&mut self, layers: &mut [Dense], grads: &[Dense], divisor: f32, epoch: u64) {
+        self.step_as(layers, grads, divisor, epoch, 1);
+    }
+
+    /// [`Self::step`] standing in for `steps` consecutive steps that each had the mean of
+    /// `grads / divisor` as gradient: momentum `μ^steps`, gradient weighted by
+    /// `(1 + μ + … + μ^(steps−1)) / steps`, so the velocity and the weights end where the
+    /// sequential steps would take them (to first order in the weights' change).
+    pub fn step_as(
+        &mut self,
+        layers: &mut [Dense],
+        grads: &[Dense],
+        divisor: f32,
+        epoch: u64,
+        steps: u32,
+    ) {
+        if divisor <= 0.0 || !divisor.is_finite() {
             return;
         }
-        let inv = 1.0 / samples as f32;
+        let steps = steps.max(1) as i32;
+        let m = self.momentum;
+        let geometric: f32 = (0..steps).map(|i| m.powi(i)).sum();
+        let inv = geometric / (steps as f32 * divisor);
         let lr = self.lr.at(epoch);
-        let mu = self.momentum;
+        let mu = m.powi(steps);
         for ((layer, v), g) in layers.iter_mut().zip(&mut self.velocity).zip(grads) {
             ndarray::Zip::from(&mut layer.w)
                 .and(&mut v.w)

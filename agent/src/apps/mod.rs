@@ -94,7 +94,7 @@ pub enum App {
         model_len: usize,
     },
     /// Trained by the pipeline runtime; the parameter server only sees its size.
-    Mlp(Box<mlp::MlpJob>),
+    Mlp(std::sync::Arc<mlp::MlpJob>),
 }
 
 impl App {
@@ -161,7 +161,7 @@ impl App {
                 widths.extend(layers.iter().map(|&w| w as usize));
                 let shape =
                     mlp::MlpShape::new(widths).map_err(|e| AgentError::Config(e.to_string()))?;
-                App::Mlp(Box::new(mlp::MlpJob {
+                App::Mlp(std::sync::Arc::new(mlp::MlpJob {
                     shape,
                     train: std::sync::Arc::new(train),
                     test,

@@ -125,6 +125,7 @@ pub fn run_with_warnings(
                         cfg,
                         checkpoints: Some(cps),
                         notices: Some(notices),
+                        steps: None,
                     };
                     stage::run(ctx)
                         .await

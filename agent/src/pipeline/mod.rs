@@ -6,10 +6,12 @@
 //! - [`partition`]: PipeDream's dynamic program, the best plan for every worker count;
 //! - [`schedule`]: the order of forward and backward passes of a stage replica (pure);
 //! - [`stage`]: a stage replica at run time: compute, stashing, messages, weight sync;
+//! - [`member`]: an agent's pipeline worker (plan from rank 0, final evaluation);
 //! - [`local`]: a whole pipeline of workers on this machine (one runtime and one TCP endpoint
 //!   per worker), for tests and benchmarks.
 
 pub mod local;
+pub mod member;
 pub mod partition;
 pub mod profile;
 pub mod schedule;
@@ -189,6 +191,10 @@ pub enum PipeMsg {
         weights: Vec<f32>,
         velocity: Vec<f32>,
     },
+    /// The plan for every worker count (see `member::encode_plans`), from rank 0.
+    Plans { table: Vec<f32> },
+    /// Original worker `worker` was warned: for the current leader, which drains and re-plans.
+    Warn { worker: u32 },
 }
 
 impl PipeMsg {
@@ -198,7 +204,8 @@ impl PipeMsg {
                 tensor.data.len() * 4
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
-            PipeMsg::Drain { .. } => 0,
+            PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
+            PipeMsg::Plans { table } => table.len() * 4,
             PipeMsg::State {
                 weights, velocity, ..
             } => (weights.len() + velocity.len()) * 4,
@@ -262,6 +269,14 @@ impl PipeMsg {
                 e.f32s(weights);
                 e.f32s(velocity);
             }
+            PipeMsg::Plans { table } => {
+                e.u8(6);
+                e.f32s(table);
+            }
+            PipeMsg::Warn { worker } => {
+                e.u8(7);
+                e.u32(*worker);
+            }
         }
     }
 
@@ -312,6 +327,8 @@ impl PipeMsg {
                 weights: d.f32s()?,
                 velocity: d.f32s()?,
             },
+            6 => PipeMsg::Plans { table: d.f32s()? },
+            7 => PipeMsg::Warn { worker: d.u32()? },
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
     }
@@ -392,6 +409,10 @@ mod tests {
                 weights: vec![1.0, 2.0],
                 velocity: vec![0.0, -1.0],
             },
+            PipeMsg::Plans {
+                table: vec![1.0, 0.0, 3.0, 4.0, 0.5],
+            },
+            PipeMsg::Warn { worker: 3 },
         ];
         for m in msgs {
             let mut e = Enc::default();

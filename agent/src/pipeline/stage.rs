@@ -96,6 +96,19 @@ pub struct RunConfig {
     pub warn_at: Option<(u64, u32)>,
 }
 
+/// How an optimizer step scales the summed gradients it applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepScale {
+    /// The mean over every sample in the step: single-process SGD on their union (flushing).
+    Mean,
+    /// As many sequential steps' worth as the step has minibatches (1F1B): a stage replicated
+    /// `r` times, whose replicas step together over `r` minibatches, moves as far per minibatch
+    /// as a stage of one replica does (the sum of the minibatches' mean gradients, momentum
+    /// `μ^r`; see [`Sgd::step_as`]), so a re-plan that changes replication does not change the
+    /// optimisation; for data parallelism this is the linear scaling rule.
+    SumOfMinibatchMeans,
+}
+
 /// One minibatch between its forward and its backward pass.
 #[derive(Debug)]
 struct Stashed {
@@ -118,6 +131,7 @@ pub struct StageCore {
     opt: Sgd,
     acc: Vec<Dense>,
     acc_samples: usize,
+    acc_minibatches: usize,
     /// Training loss and correct predictions summed over forward passes (last stage only).
     pub loss_sum: f64,
     pub correct: usize,
@@ -148,6 +162,7 @@ impl StageCore {
             opt,
             acc,
             acc_samples: 0,
+            acc_minibatches: 0,
             loss_sum: 0.0,
             correct: 0,
             samples: 0,
@@ -238,31 +253,43 @@ impl StageCore {
         );
         mlp::add_into(&mut self.acc, &grads);
         self.acc_samples += rows;
+        self.acc_minibatches += 1;
         Ok(gin)
     }
 
-    /// The accumulated gradient sums and their sample count, as one flat vector with the count
-    /// last (what replicas all-reduce); resets the accumulator.
+    /// The accumulated gradient sums, then their sample count and minibatch count, as one flat
+    /// vector (what replicas all-reduce); resets the accumulator.
     pub fn take_gradients(&mut self) -> Vec<f32> {
         let mut flat = mlp::flatten(&self.acc);
         flat.push(self.acc_samples as f32);
+        flat.push(self.acc_minibatches as f32);
         for a in &mut self.acc {
             a.w.fill(0.0);
             a.b.fill(0.0);
         }
         self.acc_samples = 0;
+        self.acc_minibatches = 0;
         flat
     }
 
     /// One optimizer step with a (possibly all-reduced) vector from [`Self::take_gradients`].
-    pub fn apply(&mut self, flat: &[f32], epoch: u64) -> Result<(), StageError> {
-        let Some((&count, grads)) = flat.split_last() else {
+    pub fn apply(&mut self, flat: &[f32], epoch: u64, scale: StepScale) -> Result<(), StageError> {
+        let [.., samples, minibatches] = flat else {
             return Err(StageError::Shape(0));
         };
+        let grads = &flat[..flat.len() - 2];
         let grads = mlp::unflatten(&self.weights, grads).ok_or(StageError::Shape(0))?;
         // Copy-on-write: stashed minibatches keep the version they ran with.
         let w = Arc::make_mut(&mut self.weights);
-        self.opt.step(w, &grads, count.round() as usize, epoch);
+        match scale {
+            StepScale::Mean => self.opt.step(w, &grads, *samples, epoch),
+            StepScale::SumOfMinibatchMeans => {
+                // One step for `minibatches` minibatches: as many sequential steps' worth.
+                let mb = minibatches.max(1.0);
+                self.opt
+                    .step_as(w, &grads, *samples / mb, epoch, mb.round() as u32)
+            }
+        }
         self.version += 1;
         Ok(())
     }
@@ -401,6 +428,10 @@ struct Mailbox {
     states: HashMap<(u32, u32), (Vec<f32>, Vec<f32>)>,
     /// Drain orders by segment: (at, evicted).
     drains: HashMap<u32, (u64, u32)>,
+    /// Warnings forwarded to this worker as the leader.
+    warns: Vec<u32>,
+    /// Messages that are not the stage's (plan tables), kept for the caller.
+    other: Vec<PipeMsg>,
 }
 
 enum Want {
@@ -452,6 +483,8 @@ impl Mailbox {
                 self.drains.insert(segment, (at, evicted));
                 return true;
             }
+            PipeMsg::Warn { worker } => self.warns.push(worker),
+            m @ PipeMsg::Plans { .. } => self.other.push(m),
         }
         false
     }
@@ -518,6 +551,8 @@ pub struct StageCtx {
     pub cfg: Arc<RunConfig>,
     pub checkpoints: Option<Arc<Checkpoints>>,
     pub notices: Option<Arc<Notices>>,
+    /// Counts the optimizer steps this worker took, for progress reports.
+    pub steps: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// What a stage replica reports at the end.
@@ -531,6 +566,8 @@ pub struct StageOutcome {
     pub layers: Vec<Dense>,
     /// The worker left after a warning (its state moved to the survivors).
     pub evicted: bool,
+    /// Original worker numbers of the last plan's workers, in plan order (the first leads).
+    pub final_members: Vec<u32>,
     pub loss_sum: f64,
     pub correct: usize,
     pub samples: usize,
@@ -671,11 +708,36 @@ struct Totals {
     minibatches: Vec<u64>,
     max_versions: usize,
     busy: Duration,
+    /// When this worker learnt of the last drain (to log the pause when training resumes).
+    drained_at: Option<Instant>,
 }
 
 /// Run worker `ctx.worker` through the whole run: its stage replica's schedule under the first
 /// plan and, after every re-plan, under the next (see [`PipeMsg::Drain`]).
-pub async fn run(mut ctx: StageCtx) -> Result<StageOutcome, StageError> {
+pub async fn run(ctx: StageCtx) -> Result<StageOutcome, StageError> {
+    Ok(run_inner(ctx).await?.0)
+}
+
+/// What arrived for a worker besides its stage's traffic, with the inbox, after [`run`].
+pub type Leftovers = (mpsc::UnboundedReceiver<PipeMsg>, Vec<PipeMsg>);
+
+/// [`run`], giving back the inbox and whatever arrived that was not the stage's (final layers
+/// for the leader, sent as `State` of segment `member::FINAL_SEGMENT`, and plan tables).
+pub async fn run_keeping_inbox(ctx: StageCtx) -> Result<(StageOutcome, Leftovers), StageError> {
+    let (o, mut mail) = run_inner(ctx).await?;
+    let mut left = std::mem::take(&mut mail.other);
+    for ((segment, layer), (weights, velocity)) in mail.states.drain() {
+        left.push(PipeMsg::State {
+            segment,
+            layer,
+            weights,
+            velocity,
+        });
+    }
+    Ok((o, (mail.rx, left)))
+}
+
+async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageError> {
     let cfg = ctx.cfg.clone();
     let n = cfg.plan.workers();
     let mut seg = Segment {
@@ -701,6 +763,8 @@ pub async fn run(mut ctx: StageCtx) -> Result<StageOutcome, StageError> {
         reduces: HashMap::new(),
         states: HashMap::new(),
         drains: HashMap::new(),
+        warns: Vec::new(),
+        other: Vec::new(),
     };
     let mut out = Sender {
         me: ctx.worker,
@@ -735,16 +799,19 @@ pub async fn run(mut ctx: StageCtx) -> Result<StageOutcome, StageError> {
         let (at, evicted) = match end {
             SegmentEnd::Finished => {
                 out.drain().await?;
-                return Ok(outcome(
+                let members = seg.members.clone();
+                let o = outcome(
                     &ctx,
                     s,
                     k,
                     first_layer,
                     layers,
                     false,
+                    members,
                     totals,
                     started,
-                ));
+                );
+                return Ok((o, mail));
             }
             SegmentEnd::Drained { at, evicted } => (at, evicted),
         };
@@ -797,16 +864,19 @@ pub async fn run(mut ctx: StageCtx) -> Result<StageOutcome, StageError> {
                 worker = ctx.worker,
                 "state handed over; leaving the pipeline"
             );
-            return Ok(outcome(
+            let members = next.members.clone();
+            let o = outcome(
                 &ctx,
                 s,
                 k,
                 first_layer,
                 layers,
                 true,
+                members,
                 totals,
                 started,
-            ));
+            );
+            return Ok((o, mail));
         }
         let me = next
             .members
@@ -849,6 +919,7 @@ fn outcome(
     first_layer: usize,
     layers: Vec<Dense>,
     evicted: bool,
+    final_members: Vec<u32>,
     t: Totals,
     started: Instant,
 ) -> StageOutcome {
@@ -859,6 +930,7 @@ fn outcome(
         first_layer,
         layers,
         evicted,
+        final_members,
         loss_sum: t.loss_sum,
         correct: t.correct,
         samples: t.samples,
@@ -910,10 +982,18 @@ async fn run_segment(
             && let Some(&(at, evicted)) = mail.drains.get(&seg.index)
         {
             drain = Some((at, evicted));
+            totals.drained_at = Some(Instant::now());
             ops = schedule::ops(cfg.schedule, at - seg.start, r, k, later);
             continue;
         }
         let op = ops[pc];
+        // A warned worker that does not lead tells the leader.
+        if !leader
+            && drain.is_none()
+            && let Some(w) = ctx.notices.as_ref().and_then(|n| n.take(&[ctx.worker]))
+        {
+            out.send(seg.physical(0), PipeMsg::Warn { worker: w })?;
+        }
         // The leader turns a warning into a drain point no replica has admitted yet.
         if leader && drain.is_none() {
             let warned = match (cfg.warn_at, op) {
@@ -924,7 +1004,14 @@ async fn run_segment(
                 {
                     Some(w)
                 }
-                _ => ctx.notices.as_ref().and_then(|n| n.take(&seg.members)),
+                _ => ctx
+                    .notices
+                    .as_ref()
+                    .and_then(|n| n.take(&seg.members))
+                    .or_else(|| {
+                        let i = mail.warns.iter().position(|w| seg.members.contains(w))?;
+                        Some(mail.warns.remove(i))
+                    }),
             };
             if let Some(evicted) = warned {
                 let ahead = match cfg.schedule {
@@ -1038,8 +1125,24 @@ async fn run_segment(
             .await?;
         }
         let t = Instant::now();
-        compute(|| core.apply(&flat, epoch))?;
+        let scale = match cfg.schedule {
+            ScheduleKind::OneFOneB => StepScale::SumOfMinibatchMeans,
+            ScheduleKind::Flushing { .. } => StepScale::Mean,
+        };
+        compute(|| core.apply(&flat, epoch, scale))?;
         totals.busy += t.elapsed();
+        if seg.index > 0
+            && let Some(t) = totals.drained_at.take()
+        {
+            tracing::info!(
+                segment = seg.index,
+                pause_ms = t.elapsed().as_millis() as u64,
+                "training again on the new plan"
+            );
+        }
+        if let Some(c) = &ctx.steps {
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(cp) = &ctx.checkpoints {
             if seg.index > 0 {
                 cp.event(Event::Resumed { segment: seg.index });
@@ -1150,7 +1253,7 @@ pub fn train_sgd(
             mlp::add_into(&mut acc, &grads);
             samples += rows.len();
         }
-        opt.step(&mut layers, &acc, samples, cfg.batches.epoch(m));
+        opt.step(&mut layers, &acc, samples as f32, cfg.batches.epoch(m));
         for mb in m..end {
             if cfg.checkpoint_every > 0 && (mb + 1).is_multiple_of(cfg.checkpoint_every) {
                 checkpoints.push((mb, layers.clone()));
@@ -1177,8 +1280,8 @@ mod tests {
         let mut push: Vec<f32> = (0..mlp::flatten(&v0).len())
             .map(|i| (i % 7) as f32 - 3.0)
             .collect();
-        push.push(1.0);
-        core.apply(&push, 0).unwrap();
+        push.extend([1.0, 1.0]);
+        core.apply(&push, 0, StepScale::Mean).unwrap();
         assert_eq!(core.version(), 1);
         assert_ne!(core.weights(), &v0[..]);
         assert_eq!(core.stashed_version(0), Some(0));
@@ -1199,7 +1302,7 @@ mod tests {
             let t = mlp::forward(w, x.clone(), false);
             let (grads, _) = mlp::backward(w, &t, g.clone(), false, false);
             let mut f = mlp::flatten(&grads);
-            f.push(3.0);
+            f.extend([3.0, 1.0]);
             f
         };
         assert_eq!(got, expect(&v0));
@@ -1219,8 +1322,9 @@ mod tests {
         let x = Array2::from_shape_fn((2, 3), |(i, j)| (i + j) as f32 / 3.0);
         core.forward(4, x.clone(), Some(&[0, 1])).unwrap();
         let mut push = vec![0.25f32; mlp::flatten(&last).len()];
-        push.push(1.0);
-        core.apply(&push, 0).unwrap();
+        push.extend([1.0, 1.0]);
+        core.apply(&push, 0, StepScale::SumOfMinibatchMeans)
+            .unwrap();
         let gin = core.backward(4, None).unwrap().unwrap();
         let t = mlp::forward(&last, x, true);
         let (_, _, g) = mlp::softmax_xent(&t.output, &[0, 1]);
