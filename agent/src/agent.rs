@@ -227,7 +227,12 @@ impl Agent {
             "data loaded"
         );
 
-        let peers = Peers::new(data_addr);
+        // MLP jobs may emulate slow links between agents (all of this agent's connections).
+        let link = match &*app {
+            App::Mlp(job) => job.link_bytes_per_sec,
+            _ => None,
+        };
+        let peers = Peers::with_link_limit(data_addr, link);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
         let ps = PsNode::new(
             me.clone(),
