@@ -99,6 +99,7 @@ struct Measured {
     compute_secs_per_worker: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_mode(
     name: &str,
     plan: Plan,

@@ -388,7 +388,7 @@ impl AppConfig {
                 if layers.is_empty() || layers.contains(&0) || *batch == 0 {
                     return Err("mlp needs at least one layer, widths >= 1 and batch >= 1".into());
                 }
-                if !positive(*learning_rate) || !(non_negative(*momentum) && *momentum < 1.0) {
+                if !(positive(*learning_rate) && non_negative(*momentum) && *momentum < 1.0) {
                     return Err("mlp needs learning_rate > 0 and momentum in [0, 1)".into());
                 }
                 if link_mbit_per_sec.is_some_and(|b| !(b.is_finite() && b > 0.0)) {

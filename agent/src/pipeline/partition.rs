@@ -142,6 +142,8 @@ pub fn predicted_1f1b_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64
 
 impl Partitioner {
     /// Solve for 1..=`max_workers` workers.
+    // The recurrence reads as written in the paper with explicit indices.
+    #[allow(clippy::needless_range_loop)]
     pub fn solve(p: &Profile, link: Link, max_workers: usize) -> Partitioner {
         let n = p.layers.len();
         let big_m = max_workers.max(1);

@@ -300,12 +300,15 @@ impl StageCore {
     }
 }
 
+/// Per layer of one checkpoint: when its stage recorded it, and its weights.
+type LayerSlots = Vec<Option<(Instant, Dense)>>;
+
 /// Every layer's weights at checkpoints, with the time its stage recorded them, and the run's
 /// re-planning events.
 #[derive(Debug)]
 pub struct Checkpoints {
     layers: usize,
-    taken: Mutex<BTreeMap<u64, Vec<Option<(Instant, Dense)>>>>,
+    taken: Mutex<BTreeMap<u64, LayerSlots>>,
     events: Mutex<Vec<(Event, Instant)>>,
 }
 

@@ -313,6 +313,7 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
             stage2_ratio: None,
             stage3_ratio: None,
             seed: Some(args.seed),
+            ..Default::default()
         }),
     }
 }
