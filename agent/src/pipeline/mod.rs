@@ -47,7 +47,8 @@ pub enum PlanError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     stages: Vec<StagePlan>,
-    /// What the partitioner predicts per minibatch, in seconds.
+    /// The partitioner's objective for this plan: its slowest stage or link, in seconds per
+    /// minibatch (see `partition::predicted_1f1b_secs` for the prediction with the 1F1B bound).
     pub predicted_secs: f64,
 }
 
@@ -144,7 +145,7 @@ impl fmt::Display for Plan {
         }
         write!(
             f,
-            " (predicted {:.2} ms/minibatch)",
+            " (slowest stage or link: {:.2} ms/minibatch)",
             self.predicted_secs * 1e3
         )
     }
