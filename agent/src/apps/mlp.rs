@@ -283,10 +283,12 @@ impl Sgd {
         self.step_as(layers, grads, divisor, epoch, 1);
     }
 
-    /// [`Self::step`] standing in for `steps` consecutive steps that each had the mean of
-    /// `grads / divisor` as gradient: momentum `μ^steps`, gradient weighted by
-    /// `(1 + μ + … + μ^(steps−1)) / steps`, so the velocity and the weights end where the
-    /// sequential steps would take them (to first order in the weights' change).
+    /// [`Self::step`] standing in for `steps` consecutive steps whose mean gradients average
+    /// `grads / (divisor · steps)`: the weights and the velocity end where those steps would take
+    /// them if their gradients were equal (first order otherwise). With `ḡ` that average and
+    /// `μ` the momentum: `w ← w − lr (a v + b ḡ)`, `v ← μ^steps v + c ḡ`, where
+    /// `a = μ + … + μ^steps`, `c = 1 + … + μ^(steps−1)` and `b = Σ_{j=1..steps} (1 + … + μ^(j−1))`.
+    /// One step is plain momentum SGD: `v ← μ v + g; w ← w − lr v`.
     pub fn step_as(
         &mut self,
         layers: &mut [Dense],
@@ -298,27 +300,29 @@ impl Sgd {
         if divisor <= 0.0 || !divisor.is_finite() {
             return;
         }
-        let steps = steps.max(1) as i32;
+        let n = steps.max(1) as i32;
         let m = self.momentum;
-        let geometric: f32 = (0..steps).map(|i| m.powi(i)).sum();
-        let inv = geometric / (steps as f32 * divisor);
+        let partial = |j: i32| -> f32 { (0..j).map(|i| m.powi(i)).sum() };
+        let a: f32 = (1..=n).map(|i| m.powi(i)).sum();
+        let b: f32 = (1..=n).map(partial).sum();
+        let c = partial(n);
+        let mu = m.powi(n);
+        let inv = 1.0 / (divisor * n as f32);
         let lr = self.lr.at(epoch);
-        let mu = m.powi(steps);
+        let update = |w: &mut f32, v: &mut f32, g: f32| {
+            let g = g * inv;
+            *w -= lr * (a * *v + b * g);
+            *v = mu * *v + c * g;
+        };
         for ((layer, v), g) in layers.iter_mut().zip(&mut self.velocity).zip(grads) {
             ndarray::Zip::from(&mut layer.w)
                 .and(&mut v.w)
                 .and(&g.w)
-                .for_each(|w, v, &g| {
-                    *v = mu * *v + g * inv;
-                    *w -= lr * *v;
-                });
+                .for_each(|w, v, &g| update(w, v, g));
             ndarray::Zip::from(&mut layer.b)
                 .and(&mut v.b)
                 .and(&g.b)
-                .for_each(|w, v, &g| {
-                    *v = mu * *v + g * inv;
-                    *w -= lr * *v;
-                });
+                .for_each(|w, v, &g| update(w, v, g));
         }
     }
 }
@@ -423,6 +427,40 @@ mod tests {
         let (ga, _) = backward(&layers[..1], &a, gin.unwrap(), false, false);
         assert_eq!(ga[0], gw[0]);
         assert_eq!(gb, gw[1..].to_vec());
+    }
+
+    #[test]
+    fn a_combined_step_equals_sequential_steps_with_equal_gradients() {
+        let shape = MlpShape::new(vec![3, 2]).unwrap();
+        let start = shape.init(4);
+        let mut g = start.clone();
+        for l in &mut g {
+            l.w.mapv_inplace(|x| x * 0.5 + 0.1);
+            l.b.fill(0.3);
+        }
+        let lr = LrSchedule::constant(0.1);
+        let (mut seq, mut one) = (start.clone(), start.clone());
+        let (mut s1, mut s2) = (Sgd::new(&start, lr, 0.9), Sgd::new(&start, lr, 0.9));
+        // Some velocity first, the same in both.
+        s1.step(&mut seq, &g, 2.0, 0);
+        s2.step(&mut one, &g, 2.0, 0);
+        for _ in 0..3 {
+            s1.step(&mut seq, &g, 1.0, 0);
+        }
+        let mut sum = g.clone();
+        for l in &mut sum {
+            l.w *= 3.0;
+            l.b *= 3.0;
+        }
+        s2.step_as(&mut one, &sum, 1.0, 0, 3);
+        let close = |x: &[Dense], y: &[Dense]| {
+            flatten(x)
+                .iter()
+                .zip(flatten(y))
+                .all(|(a, b)| (a - b).abs() < 1e-5)
+        };
+        assert!(close(&seq, &one), "{seq:?} vs {one:?}");
+        assert!(close(&s1.velocity, &s2.velocity));
     }
 
     #[test]
