@@ -249,7 +249,9 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
     };
     use std::time::{Duration, Instant};
 
-    let widths = vec![128u32, 64, 32, 10];
+    // Wide layers behind slow links: the partitioner splits them into four single stages (the
+    // activations, not the layers, are the bottleneck), as in bench/pipeline.
+    let widths = vec![512u32, 512, 512, 10];
     let mut cfg = TrainingConfig::new(AppConfig::Mlp {
         dataset: ImageDataset::Mnist,
         layers: widths.clone(),
