@@ -4,6 +4,7 @@ use crate::apps::App;
 use crate::control::Broker;
 use crate::error::{AgentError, Result};
 use crate::imds::{self, Imds, Notice};
+use crate::pipeline::{PipeMsg, member, stage::Notices};
 use crate::ps::{self, PsEvent, PsNode};
 use crate::reassign::{Board, Node};
 use crate::straggler::Pace;
@@ -186,6 +187,13 @@ struct Agent {
     worker_rx: mpsc::UnboundedReceiver<WorkerEvent>,
     ps_rx: mpsc::UnboundedReceiver<PsEvent>,
     worker: Option<JoinHandle<WorkerExit>>,
+    /// MLP jobs: the pipeline worker (instead of the parameter-server worker), its inbox until it
+    /// starts, and where interruption notices reach it.
+    pipeline: Option<JoinHandle<Result<member::MemberExit, crate::pipeline::stage::StageError>>>,
+    pipe_inbox: Option<mpsc::UnboundedReceiver<PipeMsg>>,
+    pipe_notices: Arc<Notices>,
+    /// This agent's worker number in the pipeline (its rank in the pipeline's first view).
+    pipe_rank: Option<u32>,
     finished: bool,
     /// Set by an interruption warning: leave by then.
     leave_by: Option<Instant>,
@@ -227,7 +235,12 @@ impl Agent {
             "data loaded"
         );
 
-        let peers = Peers::new(data_addr);
+        // MLP jobs may emulate slow links between agents (all of this agent's connections).
+        let link = match &*app {
+            App::Mlp(job) => job.link_bytes_per_sec,
+            _ => None,
+        };
+        let peers = Peers::with_link_limit(data_addr, link);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
         let ps = PsNode::with_slack(
             me.clone(),
@@ -239,7 +252,10 @@ impl Agent {
         );
         let board = Board::new();
         let node = Node::new(me.clone(), ps.clone(), board.clone(), None);
-        peers.set_handler(node.clone());
+        // Pipeline messages go to the pipeline member; the rest to RapidReassignment's node,
+        // which serves the parameter-server shards too.
+        let (router, pipe_inbox) = member::Router::new(node.clone());
+        peers.set_handler(router);
         let pace = Arc::new(Pace::new(
             reg.training.stragglers,
             opts.slowdown,
@@ -291,6 +307,10 @@ impl Agent {
             worker_rx,
             ps_rx,
             worker: None,
+            pipeline: None,
+            pipe_inbox: Some(pipe_inbox),
+            pipe_notices: Arc::new(Notices::default()),
+            pipe_rank: None,
             finished: false,
             leave_by: None,
         })
@@ -303,6 +323,9 @@ impl Agent {
     }
 
     async fn exit(&mut self, reason: ExitReason, outcome: Outcome) -> Result<Outcome> {
+        if let Some(p) = self.pipeline.take() {
+            p.abort();
+        }
         if let Some(w) = self.worker.take() {
             w.abort();
         }
@@ -382,6 +405,29 @@ impl Agent {
     }
 
     fn spawn_worker(&mut self) {
+        if let App::Mlp(job) = &*self.app {
+            // Once per job: the pipeline is fixed to the workers of its first view and re-plans
+            // itself when one of them is warned.
+            let (Some(inbox), Some(view)) =
+                (self.pipe_inbox.take(), self.views_tx.borrow().clone())
+            else {
+                return;
+            };
+            let ctx = member::MemberCtx {
+                me: self.me.clone(),
+                view,
+                peers: self.peers.clone(),
+                inbox,
+                job: job.clone(),
+                training: self.reg.training.clone(),
+                notices: self.pipe_notices.clone(),
+                progress: self.progress.clone(),
+                events: self.worker_tx.clone(),
+            };
+            self.pipe_rank = ctx.view.worker(&self.me).map(|w| w.rank);
+            self.pipeline = Some(tokio::spawn(member::run(ctx)));
+            return;
+        }
         let t = &self.reg.training;
         let ctx = WorkerCtx {
             me: self.me.clone(),
@@ -426,6 +472,9 @@ impl Agent {
                 self.leave_by = Some(Instant::now() + budget);
                 let ps = self.ps.clone();
                 tokio::spawn(async move { ps.sync_backups().await });
+                if let Some(rank) = self.pipe_rank {
+                    self.pipe_notices.warn(rank);
+                }
                 let event = AgentEvent::InterruptionWarning {
                     action,
                     action_time: time,
@@ -479,7 +528,9 @@ impl Agent {
             .as_ref()
             .is_none_or(|v| v.member(&self.me).is_none());
         let (active, _) = self.ps.roles();
-        let handed_over = self.ps.handovers_in_flight() == 0 && active.is_empty();
+        let handed_over = self.ps.handovers_in_flight() == 0
+            && active.is_empty()
+            && self.pipeline.as_ref().is_none_or(|p| p.is_finished());
         if out_of_view && handed_over {
             return Some(
                 self.exit(ExitReason::Interrupted, Outcome::Interrupted)

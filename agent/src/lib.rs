@@ -5,7 +5,8 @@
 //! - [`transport`]: the peer-to-peer data plane; [`ps`]: ActivePS/BackupPS shards;
 //! - [`worker`] and [`sync`]: the worker loop under a synchronisation model; [`reassign`]:
 //!   FlexRR's RapidReassignment; [`straggler`]: injected slowness and pacing;
-//! - [`apps`] and [`data`]: MLR and MF on ndarray, data loaders;
+//! - [`apps`] and [`data`]: MLR, MF and the MLP on ndarray, data loaders;
+//! - [`pipeline`]: PipeDream's pipeline-parallel mode (profiler, partitioner, 1F1B, stages);
 //! - `testing` (feature `testing`): a coordinator HTTP server and an IMDS mock.
 
 pub mod agent;
@@ -15,6 +16,7 @@ pub mod control;
 pub mod data;
 pub mod error;
 pub mod imds;
+pub mod pipeline;
 pub mod ps;
 pub mod reassign;
 pub mod straggler;

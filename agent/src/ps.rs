@@ -761,6 +761,7 @@ impl Handler for PsNode {
                     });
                     Response::Snapshot(copy)
                 }
+                Request::Pipe(_) => Response::Error("this agent runs no pipeline stage".into()),
             }
         })
     }

@@ -88,6 +88,8 @@ pub enum Request {
     /// A warned worker hands `partitions` of `clock` to a helper, which answers
     /// [`Response::Ack`] once it has pushed their update (anything else: not taken).
     Delegate { clock: u64, partitions: Vec<u32> },
+    /// Pipeline mode: activations, gradients and weight synchronisation between stages.
+    Pipe(crate::pipeline::PipeMsg),
 }
 
 /// A worker's position within a clock, for RapidReassignment.
@@ -147,16 +149,16 @@ pub enum Response {
 pub struct Enc(pub Vec<u8>);
 
 impl Enc {
-    fn u8(&mut self, v: u8) {
+    pub(crate) fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
-    fn u32(&mut self, v: u32) {
+    pub(crate) fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u64(&mut self, v: u64) {
+    pub(crate) fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn opt_u64(&mut self, v: Option<u64>) {
+    pub(crate) fn opt_u64(&mut self, v: Option<u64>) {
         match v {
             None => self.u8(0),
             Some(x) => {
@@ -165,13 +167,13 @@ impl Enc {
             }
         }
     }
-    fn u32s(&mut self, v: &[u32]) {
+    pub(crate) fn u32s(&mut self, v: &[u32]) {
         self.u32(v.len() as u32);
         for x in v {
             self.u32(*x);
         }
     }
-    fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes());
     }
@@ -214,20 +216,20 @@ impl<'a> Dec<'a> {
         self.0 = tail;
         Ok(head)
     }
-    fn u8(&mut self) -> Result<u8> {
+    pub(crate) fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> Result<u32> {
+    pub(crate) fn u32(&mut self) -> Result<u32> {
         let b = self.take(4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
-    fn u64(&mut self) -> Result<u64> {
+    pub(crate) fn u64(&mut self) -> Result<u64> {
         let b = self.take(8)?;
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
         Ok(u64::from_le_bytes(a))
     }
-    fn opt_u64(&mut self) -> Result<Option<u64>> {
+    pub(crate) fn opt_u64(&mut self) -> Result<Option<u64>> {
         Ok(match self.u8()? {
             0 => None,
             _ => Some(self.u64()?),
@@ -248,14 +250,14 @@ impl<'a> Dec<'a> {
             Ok(self.u32()? as usize)
         }
     }
-    fn u32s(&mut self) -> Result<Vec<u32>> {
+    pub(crate) fn u32s(&mut self) -> Result<Vec<u32>> {
         let n = self.u32()? as usize;
         if n.saturating_mul(4) > self.0.len() {
             return Err(AgentError::Frame(format!("array of {n} exceeds frame")));
         }
         (0..n).map(|_| self.u32()).collect()
     }
-    fn str(&mut self) -> Result<String> {
+    pub(crate) fn str(&mut self) -> Result<String> {
         let n = self.u32()? as usize;
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| AgentError::Frame("string is not UTF-8".into()))
@@ -297,6 +299,7 @@ impl Request {
             Request::BackupSync { snapshot, .. } | Request::Handover { snapshot, .. } => {
                 snapshot.values.len() * 4
             }
+            Request::Pipe(m) => m.payload_bytes(),
             _ => 0,
         }
     }
@@ -363,6 +366,10 @@ impl Request {
                 e.u32(*start);
                 e.u32(*end);
             }
+            Request::Pipe(m) => {
+                e.u8(10);
+                m.encode(e);
+            }
         }
     }
 
@@ -404,6 +411,7 @@ impl Request {
                 start: d.u32()?,
                 end: d.u32()?,
             },
+            10 => Request::Pipe(crate::pipeline::PipeMsg::decode(d)?),
             t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
         })
     }
@@ -537,6 +545,56 @@ type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
 struct Conn {
     tx: mpsc::UnboundedSender<Vec<u8>>,
     pending: Pending,
+    /// The emulated link's budget, charged by both directions of this connection.
+    limit: Option<Arc<TokenBucket>>,
+}
+
+/// A token bucket of `rate` bytes per second that emulates a slow link: senders (and readers)
+/// take tokens for the bytes they move and wait when the bucket is in debt.
+#[derive(Debug)]
+pub struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    state: Mutex<(f64, std::time::Instant)>,
+}
+
+/// Bytes moved per token-bucket charge: small enough that a large frame streams at the limit
+/// instead of arriving in one late burst.
+const LIMIT_CHUNK: usize = 32 << 10;
+
+impl TokenBucket {
+    /// `rate` in bytes per second; the bucket holds at most one chunk, so bursts stay short.
+    pub fn new(rate: f64) -> Self {
+        TokenBucket {
+            rate: rate.max(1.0),
+            burst: LIMIT_CHUNK as f64,
+            state: Mutex::new((LIMIT_CHUNK as f64, std::time::Instant::now())),
+        }
+    }
+
+    /// Charge `n` bytes at `now`: how long the caller must wait before moving them (the bucket
+    /// refills at `rate` up to `burst`; a charge beyond the tokens left is debt to wait off).
+    pub fn debit(&self, n: usize, now: std::time::Instant) -> Duration {
+        let Ok(mut g) = self.state.lock() else {
+            return Duration::ZERO;
+        };
+        let refill = now.saturating_duration_since(g.1).as_secs_f64() * self.rate;
+        g.0 = (g.0 + refill).min(self.burst) - n as f64;
+        g.1 = g.1.max(now);
+        if g.0 < 0.0 {
+            Duration::from_secs_f64(-g.0 / self.rate)
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// Take `n` bytes' worth of tokens, waiting as long as the link needs to move them.
+    pub async fn take(&self, n: usize) {
+        let wait = self.debit(n, std::time::Instant::now());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
 }
 
 /// The agent's connections to its peers, keyed by the peer's data address.
@@ -545,9 +603,23 @@ pub struct Peers {
     conns: Mutex<HashMap<String, Arc<Conn>>>,
     next_id: AtomicU64,
     handler: Mutex<Option<Arc<dyn Handler>>>,
+    /// Bytes per second per connection (both directions together), to emulate slow links.
+    link_limit: Option<f64>,
 }
 
 impl Peers {
+    /// Like [`Peers::new`], with every connection (accepted or opened) limited to
+    /// `bytes_per_sec`, shared by its two directions; `None` is no limit.
+    pub fn with_link_limit(my_addr: String, bytes_per_sec: Option<f64>) -> Arc<Peers> {
+        Arc::new(Peers {
+            my_addr,
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            handler: Mutex::new(None),
+            link_limit: bytes_per_sec.filter(|b| b.is_finite() && *b > 0.0),
+        })
+    }
+
     /// `my_addr` is what peers use to reach us; it is sent in the hello so that they reuse the
     /// connection we opened instead of opening a second one.
     pub fn new(my_addr: String) -> Arc<Peers> {
@@ -556,6 +628,7 @@ impl Peers {
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             handler: Mutex::new(None),
+            link_limit: None,
         })
     }
 
@@ -664,10 +737,12 @@ impl Peers {
     ) -> (Arc<Conn>, OwnedReadHalf) {
         let (r, w) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(write_loop(w, rx));
+        let limit = self.link_limit.map(|b| Arc::new(TokenBucket::new(b)));
+        tokio::spawn(write_loop(w, rx, limit.clone()));
         let conn = Arc::new(Conn {
             tx,
             pending: Arc::new(Mutex::new(HashMap::new())),
+            limit,
         });
         if let Some(k) = key
             && let Ok(mut c) = self.conns.lock()
@@ -690,7 +765,7 @@ impl Peers {
     ) {
         let mut reader = BufReader::with_capacity(1 << 16, reader);
         loop {
-            let body = match read_frame(&mut reader).await {
+            let body = match read_frame(&mut reader, conn.limit.as_deref()).await {
                 Ok(b) => b,
                 Err(_) => break,
             };
@@ -743,16 +818,37 @@ impl Peers {
     }
 }
 
-async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+async fn write_loop(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    limit: Option<Arc<TokenBucket>>,
+) {
     while let Some(buf) = rx.recv().await {
-        if w.write_all(&buf).await.is_err() {
+        let ok = match &limit {
+            None => w.write_all(&buf).await.is_ok(),
+            Some(bucket) => {
+                let mut ok = true;
+                for chunk in buf.chunks(LIMIT_CHUNK) {
+                    bucket.take(chunk.len()).await;
+                    if w.write_all(chunk).await.is_err() {
+                        ok = false;
+                        break;
+                    }
+                }
+                ok
+            }
+        };
+        if !ok {
             break;
         }
     }
     let _ = w.shutdown().await;
 }
 
-async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>> {
+async fn read_frame(
+    r: &mut BufReader<OwnedReadHalf>,
+    limit: Option<&TokenBucket>,
+) -> Result<Vec<u8>> {
     let len = r.read_u32_le().await? as usize;
     if len > MAX_FRAME {
         return Err(AgentError::Frame(format!(
@@ -761,7 +857,22 @@ async fn read_frame(r: &mut BufReader<OwnedReadHalf>) -> Result<Vec<u8>> {
     }
     // Read into spare capacity: no zeroing pass over multi-megabyte tensors.
     let mut body = Vec::with_capacity(len);
-    (&mut *r).take(len as u64).read_to_end(&mut body).await?;
+    match limit {
+        None => {
+            (&mut *r).take(len as u64).read_to_end(&mut body).await?;
+        }
+        Some(bucket) => {
+            // The receiving end pays too: a link carries both directions within its budget.
+            while body.len() < len {
+                let want = (len - body.len()).min(LIMIT_CHUNK);
+                let got = (&mut *r).take(want as u64).read_to_end(&mut body).await?;
+                if got == 0 {
+                    break;
+                }
+                bucket.take(got).await;
+            }
+        }
+    }
     if body.len() != len {
         return Err(AgentError::Frame(format!(
             "connection closed after {} of {len} bytes",
@@ -860,6 +971,23 @@ mod tests {
         for cut in 0..e.0.len() {
             assert!(Request::decode(&mut Dec(&e.0[..cut])).is_err());
         }
+    }
+
+    #[test]
+    fn token_bucket_paces_bytes_at_its_rate() {
+        let b = TokenBucket::new(1_000_000.0);
+        let t0 = std::time::Instant::now();
+        // The first chunk is covered by the initial tokens; each further one costs its bytes/rate.
+        assert_eq!(b.debit(LIMIT_CHUNK, t0), Duration::ZERO);
+        let w = b.debit(100_000, t0).as_secs_f64();
+        assert!((w - 0.1).abs() < 1e-6, "{w}");
+        // Debt accumulates for concurrent callers (both directions of a connection).
+        let w = b.debit(100_000, t0).as_secs_f64();
+        assert!((w - 0.2).abs() < 1e-6, "{w}");
+        // Time pays it off; idle time refills at most one burst.
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!(b.debit(LIMIT_CHUNK, later), Duration::ZERO);
+        assert!(b.debit(1, later) > Duration::ZERO);
     }
 
     #[test]

@@ -276,6 +276,54 @@ pub enum AppConfig {
     /// No learning: a dense model of `model_len` floats whose workers push zeros. For
     /// benchmarks of the parameter server and of hand-over.
     Synthetic { model_len: u64 },
+    /// A multilayer perceptron on image data (ReLU, softmax cross-entropy, SGD with momentum),
+    /// trained across the job's workers pipeline-parallel (PipeDream: profiled partitioner, 1F1B,
+    /// weight stashing, re-planned when a worker is warned) or data-parallel (ring all-reduce).
+    /// The stop condition counts epochs, or minibatches as clocks.
+    Mlp {
+        #[serde(default)]
+        dataset: ImageDataset,
+        /// Widths of the hidden layers and the output (the input width is the data set's).
+        #[serde(default = "default_mlp_layers")]
+        layers: Vec<u32>,
+        /// Minibatch per worker.
+        #[serde(default = "default_mlp_batch")]
+        batch: u32,
+        #[serde(default = "default_mlp_learning_rate")]
+        learning_rate: f32,
+        #[serde(default = "default_mlp_momentum")]
+        momentum: f32,
+        #[serde(default)]
+        parallelism: Parallelism,
+        /// Emulated link bandwidth per connection between agents, Mbit/s (none when absent).
+        #[serde(default)]
+        link_mbit_per_sec: Option<f64>,
+    },
+}
+
+/// How an MLP job uses its workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Parallelism {
+    /// Consecutive layers form stages on different workers (PipeDream).
+    #[default]
+    Pipeline,
+    /// Every worker holds the whole model; gradients are all-reduced every step.
+    Data,
+}
+
+pub fn default_mlp_layers() -> Vec<u32> {
+    vec![512, 512, 512, 10]
+}
+pub fn default_mlp_batch() -> u32 {
+    64
+}
+pub fn default_mlp_learning_rate() -> f32 {
+    0.02
+}
+pub fn default_mlp_momentum() -> f32 {
+    0.9
 }
 
 pub fn default_mlr_learning_rate() -> f32 {
@@ -335,6 +383,24 @@ impl AppConfig {
                     return Err("synthetic model_len must be at least 1".into());
                 }
             }
+            AppConfig::Mlp {
+                layers,
+                batch,
+                learning_rate,
+                momentum,
+                link_mbit_per_sec,
+                ..
+            } => {
+                if layers.is_empty() || layers.contains(&0) || *batch == 0 {
+                    return Err("mlp needs at least one layer, widths >= 1 and batch >= 1".into());
+                }
+                if !(positive(*learning_rate) && non_negative(*momentum) && *momentum < 1.0) {
+                    return Err("mlp needs learning_rate > 0 and momentum in [0, 1)".into());
+                }
+                if link_mbit_per_sec.is_some_and(|b| !(b.is_finite() && b > 0.0)) {
+                    return Err("mlp link_mbit_per_sec must be > 0".into());
+                }
+            }
         }
         Ok(())
     }
@@ -345,6 +411,7 @@ impl AppConfig {
             AppConfig::Mlr { .. } => "mlr",
             AppConfig::Mf { .. } => "mf",
             AppConfig::Synthetic { .. } => "synthetic",
+            AppConfig::Mlp { .. } => "mlp",
         }
     }
 }

@@ -7,6 +7,7 @@
 //! float summation order does.
 
 pub mod mf;
+pub mod mlp;
 pub mod mlr;
 
 use crate::data;
@@ -92,6 +93,8 @@ pub enum App {
     Synthetic {
         model_len: usize,
     },
+    /// Trained by the pipeline runtime; the parameter server only sees its size.
+    Mlp(std::sync::Arc<mlp::MlpJob>),
 }
 
 impl App {
@@ -141,6 +144,34 @@ impl App {
                     hyper,
                 ))
             }
+            AppConfig::Mlp {
+                dataset,
+                layers,
+                batch,
+                learning_rate,
+                momentum,
+                parallelism,
+                link_mbit_per_sec,
+            } => {
+                let (train, test) = match dataset {
+                    ImageDataset::Mnist => data::load_mnist(data_dir)?,
+                    ImageDataset::Digits => data::load_digits(data_dir)?,
+                };
+                let mut widths = vec![train.dim];
+                widths.extend(layers.iter().map(|&w| w as usize));
+                let shape =
+                    mlp::MlpShape::new(widths).map_err(|e| AgentError::Config(e.to_string()))?;
+                App::Mlp(std::sync::Arc::new(mlp::MlpJob {
+                    shape,
+                    train: std::sync::Arc::new(train),
+                    test,
+                    batch: *batch as usize,
+                    lr: mlp::LrSchedule::constant(*learning_rate),
+                    momentum: *momentum,
+                    parallelism: *parallelism,
+                    link_bytes_per_sec: link_mbit_per_sec.map(|b| b * 1e6 / 8.0),
+                }))
+            }
             AppConfig::Synthetic { model_len } => App::Synthetic {
                 model_len: usize::try_from(*model_len)
                     .map_err(|_| AgentError::Config("synthetic model_len too large".into()))?,
@@ -153,13 +184,14 @@ impl App {
             App::Mlr(a) => a.model_len(),
             App::Mf(a) => a.model_len(),
             App::Synthetic { model_len } => *model_len,
+            App::Mlp(a) => a.shape.params(),
         }
     }
 
     /// Initial values of the keys `range`; the same on every agent.
     pub fn init(&self, range: Range<usize>) -> Vec<f32> {
         match self {
-            App::Mlr(_) => vec![0.0; range.len()],
+            App::Mlr(_) | App::Mlp(_) => vec![0.0; range.len()],
             App::Mf(a) => range.map(|k| a.init_value(k)).collect(),
             App::Synthetic { .. } => range.map(|k| (k % 1024) as f32).collect(),
         }
@@ -175,6 +207,11 @@ impl App {
                 samples: 0,
                 loss_sum: 0.0,
             },
+            App::Mlp(a) => Update {
+                delta: vec![0.0; a.shape.params()],
+                samples: 0,
+                loss_sum: 0.0,
+            },
         }
     }
 
@@ -183,7 +220,7 @@ impl App {
         match self {
             App::Mlr(a) => Some(a.evaluate(params, clock)),
             App::Mf(a) => Some(a.evaluate(params, clock)),
-            App::Synthetic { .. } => None,
+            App::Synthetic { .. } | App::Mlp(_) => None,
         }
     }
 

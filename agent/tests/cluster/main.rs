@@ -4,5 +4,6 @@
 mod backup;
 mod faults;
 mod flexrr;
+mod pipeline;
 mod support;
 mod training;

@@ -315,9 +315,7 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
             stage2_ratio: None,
             stage3_ratio: None,
             seed: Some(args.seed),
-            sync: None,
-            slack: None,
-            helpers: None,
+            ..Default::default()
         }),
     }
 }

@@ -18,7 +18,8 @@
 use crate::billing::BillingModel;
 use crate::market::Timestamp;
 use proteus_wire::agent_api::{
-    AppConfig, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK, StopCondition, SyncModel, TrainingConfig,
+    AppConfig, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK, Parallelism, StopCondition, SyncModel,
+    TrainingConfig,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -30,9 +31,10 @@ pub struct JobSpec {
     /// A label for lists and reports. Default: `<app>-<dataset>`.
     #[serde(default)]
     pub name: Option<String>,
-    /// `mlr` (multinomial logistic regression) or `mf` (matrix factorisation).
+    /// `mlr` (multinomial logistic regression), `mf` (matrix factorisation) or `mlp` (a
+    /// multilayer perceptron, pipeline- or data-parallel; see docs/pipeline.md).
     pub app: App,
-    /// `mnist` or `digits` for `mlr`; a ratings file in the agents' data directory for `mf`
+    /// `mnist` or `digits` for `mlr` and `mlp`; a ratings file in the agents' data directory for `mf`
     /// (default `movietweetings-100k.csv.gz`).
     #[serde(default)]
     pub dataset: Option<String>,
@@ -58,6 +60,7 @@ pub struct JobSpec {
 pub enum App {
     Mlr,
     Mf,
+    Mlp,
 }
 
 /// Exactly one of the two.
@@ -118,7 +121,7 @@ pub struct WorkSpec {
     pub startup_minutes: Option<f64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingSpec {
     #[serde(default)]
@@ -128,6 +131,25 @@ pub struct TrainingSpec {
     /// `mf` only.
     #[serde(default)]
     pub rank: Option<u32>,
+    /// `mlp` only: `pipeline` (default) or `data`.
+    #[serde(default)]
+    pub parallelism: Option<Parallelism>,
+    /// `mlp` only: widths of the hidden layers and the output. Default `[512, 512, 512, 10]`.
+    #[serde(default)]
+    pub layers: Option<Vec<u32>>,
+    /// `mlp` only: minibatch per worker. Default 64.
+    #[serde(default)]
+    pub batch: Option<u32>,
+    /// `mlp` only. Default 0.9.
+    #[serde(default)]
+    pub momentum: Option<f32>,
+    /// `mlp` only: emulate links of this many Mbit/s between agents.
+    #[serde(default)]
+    pub link_mbit_per_sec: Option<f64>,
+    /// Training starts once this many workers are placed (an `mlp` pipeline is planned for
+    /// them). Default 1.
+    #[serde(default)]
+    pub min_workers: Option<u32>,
     #[serde(default)]
     pub num_shards: Option<u32>,
     #[serde(default)]
@@ -410,7 +432,7 @@ impl JobSpec {
 
     fn dataset_name(&self) -> String {
         self.dataset.clone().unwrap_or_else(|| match self.app {
-            App::Mlr => "mnist".into(),
+            App::Mlr | App::Mlp => "mnist".into(),
             App::Mf => "movietweetings".into(),
         })
     }
@@ -429,7 +451,52 @@ impl JobSpec {
         {
             return Err(bad("training.l2", "must be in [0, 100]"));
         }
+        let mlp_only = t.is_some_and(|t| {
+            t.parallelism.is_some()
+                || t.layers.is_some()
+                || t.batch.is_some()
+                || t.momentum.is_some()
+                || t.link_mbit_per_sec.is_some()
+        });
+        if mlp_only && self.app != App::Mlp {
+            return Err(bad(
+                "training",
+                "parallelism, layers, batch, momentum and link_mbit_per_sec apply to `mlp` only",
+            ));
+        }
         match self.app {
+            App::Mlp => {
+                let dataset = match self.dataset.as_deref() {
+                    None | Some("mnist") => ImageDataset::Mnist,
+                    Some("digits") => ImageDataset::Digits,
+                    Some(other) => {
+                        return Err(bad(
+                            "dataset",
+                            format!("`{other}` is not an image data set (allowed: mnist, digits)"),
+                        ));
+                    }
+                };
+                if t.and_then(|t| t.rank).is_some() {
+                    return Err(bad("training.rank", "applies to `mf` only"));
+                }
+                let app = AppConfig::Mlp {
+                    dataset,
+                    layers: t
+                        .and_then(|t| t.layers.clone())
+                        .unwrap_or_else(proteus_wire::agent_api::default_mlp_layers),
+                    batch: t
+                        .and_then(|t| t.batch)
+                        .unwrap_or(proteus_wire::agent_api::default_mlp_batch()),
+                    learning_rate: lr
+                        .unwrap_or(proteus_wire::agent_api::default_mlp_learning_rate()),
+                    momentum: t
+                        .and_then(|t| t.momentum)
+                        .unwrap_or(proteus_wire::agent_api::default_mlp_momentum()),
+                    parallelism: t.and_then(|t| t.parallelism).unwrap_or_default(),
+                    link_mbit_per_sec: t.and_then(|t| t.link_mbit_per_sec),
+                };
+                Ok(app)
+            }
             App::Mlr => {
                 let dataset = match self.dataset.as_deref() {
                     None | Some("mnist") => ImageDataset::Mnist,
@@ -543,6 +610,12 @@ impl JobSpec {
             if let Some(sync) = t.sync_model()? {
                 cfg.sync = sync;
             }
+            if let Some(n) = t.min_workers {
+                if !(1..=1000).contains(&n) {
+                    return Err(bad("training.min_workers", "must be between 1 and 1000"));
+                }
+                cfg.min_workers = n;
+            }
         }
         cfg.validate().map_err(|e| bad("training", e))?;
         Ok(cfg)
@@ -561,6 +634,31 @@ impl JobSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mlp_jobs_choose_their_parallelism() {
+        let s = spec(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},
+                "training":{"parallelism":"data","layers":[128,10],"min_workers":4}}"#,
+        );
+        let v = s.validate(BillingModel::PerSecond, NOW).unwrap();
+        assert_eq!(v.training.min_workers, 4);
+        match v.training.app {
+            AppConfig::Mlp {
+                parallelism,
+                layers,
+                ..
+            } => {
+                assert_eq!(parallelism, Parallelism::Data);
+                assert_eq!(layers, [128, 10]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = spec(r#"{"app":"mlr","policy":"x","limits":{"max_instances":4},"training":{"parallelism":"pipeline"}}"#)
+            .validate(BillingModel::PerSecond, NOW)
+            .unwrap_err();
+        assert_eq!(e.field, "training");
+    }
 
     fn spec(json: &str) -> JobSpec {
         serde_json::from_str(json).unwrap()

@@ -1,0 +1,166 @@
+//! A whole pipeline on this machine: one OS thread, tokio runtime, TCP listener and transport
+//! endpoint per worker, talking over loopback TCP exactly as agents on different machines do
+//! (optionally through the emulated slow links of [`crate::transport::TokenBucket`]).
+
+use super::stage::{
+    self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
+};
+use crate::data::ImageSet;
+use crate::transport::Peers;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+/// Why a local run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("setting up worker {worker}: {source}")]
+    Setup { worker: u32, source: std::io::Error },
+    #[error("worker {worker}: {source}")]
+    Stage { worker: u32, source: StageError },
+    #[error("worker {0} panicked")]
+    Panicked(u32),
+}
+
+/// What a finished run reports.
+#[derive(Debug)]
+pub struct LocalRun {
+    /// One per worker, in worker order.
+    pub outcomes: Vec<StageOutcome>,
+    pub started: Instant,
+    pub wall_secs: f64,
+    pub checkpoints: Arc<Checkpoints>,
+}
+
+/// Interruption warnings to deliver during a run: worker, and how long after the start.
+pub type Warnings = Vec<(u32, std::time::Duration)>;
+
+impl LocalRun {
+    /// The whole model at the end (replica 0 of every stage of the final plan, in layer order).
+    pub fn model(&self) -> Vec<crate::apps::mlp::Dense> {
+        let mut stages: Vec<&StageOutcome> = self
+            .outcomes
+            .iter()
+            .filter(|o| o.replica == 0 && !o.evicted)
+            .collect();
+        stages.sort_by_key(|o| o.first_layer);
+        stages
+            .iter()
+            .flat_map(|o| o.layers.iter().cloned())
+            .collect()
+    }
+}
+
+/// Run `cfg` on `cfg.plan.workers()` local workers, each connection limited to
+/// `link_bytes_per_sec` (both directions together) when given.
+pub fn run(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link_bytes_per_sec: Option<f64>,
+) -> Result<LocalRun, LocalError> {
+    run_with_warnings(cfg, train, link_bytes_per_sec, Vec::new())
+}
+
+/// [`run`], with interruption warnings delivered at wall-clock times (the leader drains the
+/// pipeline and every survivor continues on the plan for one worker fewer).
+pub fn run_with_warnings(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link_bytes_per_sec: Option<f64>,
+    warnings: Warnings,
+) -> Result<LocalRun, LocalError> {
+    let n = cfg.plan.workers();
+    let cfg = Arc::new(cfg);
+    let checkpoints = Checkpoints::new(cfg.shape.layers());
+    let notices = Arc::new(Notices::default());
+    let mut setups = Vec::new();
+    for w in 0..n {
+        let setup = |source| LocalError::Setup { worker: w, source };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(format!("pipe-w{w}"))
+            .enable_all()
+            .build()
+            .map_err(setup)?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(setup)?;
+        listener.set_nonblocking(true).map_err(setup)?;
+        let addr = listener.local_addr().map_err(setup)?.to_string();
+        setups.push((rt, listener, addr));
+    }
+    let addrs: Arc<Vec<String>> = Arc::new(setups.iter().map(|s| s.2.clone()).collect());
+    // Every runtime stays up until every worker is done, so late acknowledgements still flow.
+    let all_done = Arc::new(Barrier::new(n as usize));
+    let started = Instant::now();
+    if !warnings.is_empty() {
+        let notices = notices.clone();
+        std::thread::spawn(move || {
+            let mut warnings = warnings;
+            warnings.sort_by_key(|w| w.1);
+            for (w, after) in warnings {
+                std::thread::sleep(after.saturating_sub(started.elapsed()));
+                notices.warn(w);
+            }
+        });
+    }
+    let mut threads = Vec::new();
+    for (w, (rt, listener, addr)) in setups.into_iter().enumerate() {
+        let w = w as u32;
+        let (addrs, cfg, train) = (addrs.clone(), cfg.clone(), train.clone());
+        let (cps, all_done, notices) = (checkpoints.clone(), all_done.clone(), notices.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("pipe-worker-{w}"))
+            .spawn(move || {
+                let result = rt.block_on(async move {
+                    let listener = tokio::net::TcpListener::from_std(listener)
+                        .map_err(|source| LocalError::Setup { worker: w, source })?;
+                    let peers = Peers::with_link_limit(addr, link_bytes_per_sec);
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    peers.set_handler(Arc::new(Inbox(tx)));
+                    tokio::spawn(peers.clone().serve(listener));
+                    let ctx = StageCtx {
+                        worker: w,
+                        addrs,
+                        peers,
+                        inbox: rx,
+                        train,
+                        cfg,
+                        checkpoints: Some(cps),
+                        notices: Some(notices),
+                        steps: None,
+                    };
+                    stage::run(ctx)
+                        .await
+                        .map_err(|source| LocalError::Stage { worker: w, source })
+                });
+                if let Err(e) = &result {
+                    tracing::error!(worker = w, error = %e, "pipeline worker failed");
+                }
+                all_done.wait();
+                drop(rt);
+                result
+            })
+            .map_err(|source| LocalError::Setup { worker: w, source })?;
+        threads.push(handle);
+    }
+    let mut outcomes = Vec::new();
+    let mut first_err = None;
+    for (w, t) in threads.into_iter().enumerate() {
+        match t.join() {
+            Ok(Ok(o)) => outcomes.push(o),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert(LocalError::Panicked(w as u32));
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    Ok(LocalRun {
+        outcomes,
+        started,
+        wall_secs: started.elapsed().as_secs_f64(),
+        checkpoints,
+    })
+}

@@ -1,0 +1,388 @@
+//! An agent's part in an MLP job: the pipeline (or data-parallel) worker the control loop runs
+//! instead of the parameter-server worker.
+//!
+//! The job's workers, in rank order, are the plan's workers. Rank 0 profiles the model on its
+//! machine, solves the partitioner for every worker count up to the job's, and sends the table
+//! to the others, so every worker runs the same plan and re-planning after a warning is a lookup.
+//! A warned agent tells the current leader (see [`super::stage::run`]); its stage's state moves to
+//! the survivors before it leaves. At the end, every stage sends its layers to the last leader,
+//! which evaluates the whole model and reports the job's final metric.
+
+use super::partition::{Link, Partitioner};
+use super::schedule::ScheduleKind;
+use super::stage::{self, Batches, Notices, RunConfig, StageCtx, StageError};
+use super::{PipeMsg, Plan, StagePlan, profile};
+use crate::apps::mlp::{self, MlpJob};
+use crate::transport::{Handler, Peers, Request, Response};
+use crate::worker::{SharedProgress, WorkerEvent};
+use proteus_wire::InstanceId;
+use proteus_wire::agent_api::{
+    ClusterView, Metric, MetricKind, Parallelism, StopCondition, TrainingConfig,
+};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// The segment number of the final hand-in of layers to the leader.
+pub const FINAL_SEGMENT: u32 = u32::MAX;
+
+/// Sends pipeline messages to the pipeline's inbox and everything else to the parameter server.
+pub struct Router {
+    ps: Arc<dyn Handler>,
+    pipe: mpsc::UnboundedSender<PipeMsg>,
+}
+
+impl Router {
+    /// The router and the receiving end of the pipeline inbox (messages wait there until the
+    /// pipeline starts).
+    pub fn new(ps: Arc<dyn Handler>) -> (Arc<Router>, mpsc::UnboundedReceiver<PipeMsg>) {
+        let (pipe, rx) = mpsc::unbounded_channel();
+        (Arc::new(Router { ps, pipe }), rx)
+    }
+}
+
+impl Handler for Router {
+    fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
+        match req {
+            Request::Pipe(m) => Box::pin(async move {
+                if self.pipe.send(m).is_ok() {
+                    Response::Ack
+                } else {
+                    Response::Busy
+                }
+            }),
+            other => self.ps.clone().handle(other),
+        }
+    }
+}
+
+/// Everything an agent's pipeline member needs.
+pub struct MemberCtx {
+    pub me: InstanceId,
+    pub view: Arc<ClusterView>,
+    pub peers: Arc<Peers>,
+    pub inbox: mpsc::UnboundedReceiver<PipeMsg>,
+    pub job: Arc<MlpJob>,
+    pub training: TrainingConfig,
+    pub notices: Arc<Notices>,
+    pub progress: SharedProgress,
+    pub events: mpsc::UnboundedSender<WorkerEvent>,
+}
+
+/// Why the member ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum MemberExit {
+    Finished,
+    /// Warned: state handed to the survivors.
+    Evicted,
+}
+
+/// Plans for 1..=n workers as a flat list: per plan, its stage count, then (start, end,
+/// replicas) per stage.
+fn encode_plans(plans: &BTreeMap<u32, Plan>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for p in plans.values() {
+        out.push(p.stages().len() as f32);
+        for s in p.stages() {
+            out.extend([
+                s.layers.start as f32,
+                s.layers.end as f32,
+                s.replicas as f32,
+            ]);
+        }
+        out.push(p.predicted_secs as f32);
+    }
+    out
+}
+
+fn decode_plans(flat: &[f32], layers: usize) -> Option<BTreeMap<u32, Plan>> {
+    let mut plans = BTreeMap::new();
+    let mut it = flat.iter().map(|&x| x as f64);
+    while let Some(n) = it.next() {
+        let mut stages = Vec::new();
+        for _ in 0..n as usize {
+            let (a, b, r) = (it.next()?, it.next()?, it.next()?);
+            stages.push(StagePlan {
+                layers: a as usize..b as usize,
+                replicas: r as u32,
+            });
+        }
+        let plan = Plan::new(stages, layers, it.next()?).ok()?;
+        plans.insert(plan.workers(), plan);
+    }
+    Some(plans)
+}
+
+/// The plan table: data parallelism on every count, or the partitioner's plans from a profile
+/// of this machine.
+fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
+    let layers = job.shape.layers();
+    match job.parallelism {
+        Parallelism::Data => (1..=workers)
+            .map(|n| (n, Plan::data_parallel(layers, n, 0.0)))
+            .collect(),
+        Parallelism::Pipeline => {
+            let prof = profile::profile(&job.shape, job.batch, 5, 1);
+            let link = Link {
+                bytes_per_sec: job.link_bytes_per_sec.unwrap_or(f64::INFINITY),
+            };
+            let part = Partitioner::solve(&prof, link, workers as usize);
+            (1..=workers)
+                .filter_map(|n| part.exact(n as usize).map(|p| (n, p.clone())))
+                .collect()
+        }
+    }
+}
+
+/// Run this agent's pipeline worker until the job's last minibatch or its eviction.
+pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
+    let workers: Vec<_> = ctx.view.workers.clone();
+    let rank = ctx
+        .view
+        .worker(&ctx.me)
+        .map(|w| w.rank)
+        .ok_or(StageError::NotInPlan(u32::MAX))?;
+    let n = workers.len() as u32;
+    let addrs: Vec<String> = workers
+        .iter()
+        .map(|w| {
+            ctx.view
+                .data_addr(&w.instance_id)
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    let addrs = Arc::new(addrs);
+    let mut inbox = ctx.inbox;
+    let layers = ctx.job.shape.layers();
+    let plans = if rank == 0 {
+        let job = ctx.job.clone();
+        let plans = tokio::task::spawn_blocking(move || solve(&job, n))
+            .await
+            .map_err(|_| StageError::InboxClosed)?;
+        let table = encode_plans(&plans);
+        for (w, addr) in addrs.iter().enumerate().skip(1) {
+            let msg = PipeMsg::Plans {
+                table: table.clone(),
+            };
+            match ctx
+                .peers
+                .call(addr, &Request::Pipe(msg), stage::MESSAGE_TIMEOUT)
+                .await
+            {
+                Ok(Response::Ack) => {}
+                other => {
+                    return Err(StageError::Send {
+                        worker: w as u32,
+                        message: format!("plan table: {other:?}"),
+                    });
+                }
+            }
+        }
+        plans
+    } else {
+        // The plan table comes first from rank 0; anything else that arrives meanwhile is
+        // for the stage and goes back in order.
+        let mut early = Vec::new();
+        let table = loop {
+            match tokio::time::timeout(stage::MESSAGE_TIMEOUT, inbox.recv()).await {
+                Ok(Some(PipeMsg::Plans { table })) => break table,
+                Ok(Some(other)) => early.push(other),
+                Ok(None) => return Err(StageError::InboxClosed),
+                Err(_) => {
+                    return Err(StageError::Timeout(
+                        stage::MESSAGE_TIMEOUT,
+                        "the plan table".into(),
+                    ));
+                }
+            }
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        for m in early {
+            let _ = tx.send(m);
+        }
+        // Keep forwarding from the real inbox.
+        let mut real = inbox;
+        tokio::spawn(async move {
+            while let Some(m) = real.recv().await {
+                if tx.send(m).is_err() {
+                    return;
+                }
+            }
+        });
+        inbox = rx;
+        decode_plans(&table, layers).ok_or(StageError::Shape(0))?
+    };
+    let plan = plans.get(&n).cloned().ok_or(StageError::NoPlan(n))?;
+    if rank == 0 {
+        tracing::info!(%plan, "pipeline plan");
+    }
+    let batches = Batches::new(ctx.job.train.len(), ctx.job.batch, ctx.training.seed);
+    let minibatches = match ctx.training.stop {
+        StopCondition::Epochs { epochs } => batches.per_epoch() * u64::from(epochs),
+        StopCondition::Clocks { clocks } => clocks,
+    };
+    let mut replans = plans;
+    replans.remove(&n);
+    let cfg = RunConfig {
+        shape: ctx.job.shape.clone(),
+        plan,
+        schedule: ScheduleKind::OneFOneB,
+        batches,
+        minibatches,
+        lr: ctx.job.lr,
+        momentum: ctx.job.momentum,
+        seed: ctx.training.seed,
+        checkpoint_every: 0,
+        replans,
+        warn_at: None,
+    };
+    // Heartbeats report the minibatches this worker has stepped through.
+    let steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reporter = {
+        let (steps, progress) = (steps.clone(), ctx.progress.clone());
+        let per_epoch = cfg.batches.per_epoch().max(1);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
+            loop {
+                tick.tick().await;
+                let n = steps.load(std::sync::atomic::Ordering::Relaxed);
+                if let Ok(mut p) = progress.lock() {
+                    p.clock = n;
+                    p.epoch = n as f64 / per_epoch as f64;
+                }
+            }
+        })
+    };
+    let sctx = StageCtx {
+        worker: rank,
+        addrs: addrs.clone(),
+        peers: ctx.peers.clone(),
+        inbox,
+        train: ctx.job.train.clone(),
+        cfg: Arc::new(cfg),
+        checkpoints: None,
+        notices: Some(ctx.notices.clone()),
+        steps: Some(steps),
+    };
+    let result = stage::run_keeping_inbox(sctx).await;
+    reporter.abort();
+    let (outcome, (mut inbox, left)) = result?;
+    // Final layers that arrived while this worker was still training come first.
+    let (early_tx, mut pending) = mpsc::unbounded_channel();
+    for m in left {
+        let _ = early_tx.send(m);
+    }
+    drop(early_tx);
+    if let Ok(mut p) = ctx.progress.lock() {
+        p.samples_processed = outcome.samples as u64;
+        p.clock = minibatches;
+    }
+    if outcome.evicted {
+        return Ok(MemberExit::Evicted);
+    }
+    // Hand the final layers to the last leader, which evaluates the whole model.
+    let leader = outcome.final_members.first().copied().unwrap_or(0);
+    if outcome.replica == 0 {
+        for (i, l) in outcome.layers.iter().enumerate() {
+            let msg = PipeMsg::State {
+                segment: FINAL_SEGMENT,
+                layer: (outcome.first_layer + i) as u32,
+                weights: mlp::flatten(std::slice::from_ref(l)),
+                velocity: Vec::new(),
+            };
+            let addr = addrs.get(leader as usize).cloned().unwrap_or_default();
+            match ctx
+                .peers
+                .call(&addr, &Request::Pipe(msg), stage::MESSAGE_TIMEOUT)
+                .await
+            {
+                Ok(Response::Ack) => {}
+                other => {
+                    return Err(StageError::Send {
+                        worker: leader,
+                        message: format!("final layers: {other:?}"),
+                    });
+                }
+            }
+        }
+    }
+    if rank == leader {
+        let init = ctx.job.shape.init(0);
+        let mut got: BTreeMap<u32, mlp::Dense> = BTreeMap::new();
+        while got.len() < layers {
+            let next = match pending.try_recv() {
+                Ok(m) => Ok(Some(m)),
+                Err(_) => tokio::time::timeout(stage::MESSAGE_TIMEOUT, inbox.recv()).await,
+            };
+            match next {
+                Ok(Some(PipeMsg::State {
+                    segment,
+                    layer,
+                    weights,
+                    ..
+                })) if segment == FINAL_SEGMENT && (layer as usize) < layers => {
+                    let like = std::slice::from_ref(&init[layer as usize]);
+                    let l = mlp::unflatten(like, &weights).ok_or(StageError::Shape(0))?;
+                    got.extend(l.into_iter().map(|l| (layer, l)));
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return Err(StageError::InboxClosed),
+                Err(_) => {
+                    return Err(StageError::Timeout(
+                        stage::MESSAGE_TIMEOUT,
+                        "the final layers".into(),
+                    ));
+                }
+            }
+        }
+        let model: Vec<mlp::Dense> = got.into_values().collect();
+        let job = ctx.job.clone();
+        let acc = tokio::task::spawn_blocking(move || mlp::accuracy(&model, &job.test))
+            .await
+            .unwrap_or(0.0);
+        let metric = Metric {
+            kind: MetricKind::Accuracy,
+            value: acc,
+            baseline: None,
+            clock: minibatches,
+        };
+        tracing::info!(accuracy = acc, "pipeline training finished");
+        if let Ok(mut p) = ctx.progress.lock() {
+            p.metric = Some(metric);
+        }
+        let _ = ctx.events.send(WorkerEvent::Finished(Some(metric)));
+    }
+    Ok(MemberExit::Finished)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_tables_roundtrip() {
+        let mut plans = BTreeMap::new();
+        plans.insert(1, Plan::data_parallel(3, 1, 0.5));
+        let p = Plan::new(
+            vec![
+                StagePlan {
+                    layers: 0..1,
+                    replicas: 2,
+                },
+                StagePlan {
+                    layers: 1..3,
+                    replicas: 1,
+                },
+            ],
+            3,
+            0.25,
+        )
+        .unwrap();
+        plans.insert(3, p);
+        assert_eq!(decode_plans(&encode_plans(&plans), 3), Some(plans));
+        assert_eq!(decode_plans(&[1.0, 0.0, 2.0], 3), None);
+    }
+}

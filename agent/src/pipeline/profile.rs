@@ -1,0 +1,127 @@
+//! The profiler: per layer, forward and backward time for the job's minibatch size, output
+//! activation bytes and parameter bytes, measured on this machine.
+//!
+//! `concurrency` runs that many profiling threads at once, each timing every layer: when several
+//! emulated workers share this machine's cores (a benchmark on one host), a layer takes as long as
+//! it takes with the others computing beside it, and that is the time the partitioner must use.
+
+use crate::apps::mlp::{self, Dense, MlpShape};
+use ndarray::Array2;
+use std::time::Instant;
+
+/// What the partitioner knows of one layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerProfile {
+    pub forward_secs: f64,
+    pub backward_secs: f64,
+    /// Bytes of the layer's output for one minibatch (what crosses a stage boundary after it,
+    /// forward; its gradient crosses back).
+    pub activation_bytes: u64,
+    pub param_bytes: u64,
+}
+
+impl LayerProfile {
+    /// Forward plus backward.
+    pub fn compute_secs(&self) -> f64 {
+        self.forward_secs + self.backward_secs
+    }
+}
+
+/// Per-layer profile for one minibatch size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    pub batch: usize,
+    pub layers: Vec<LayerProfile>,
+}
+
+impl Profile {
+    pub fn compute_secs(&self) -> f64 {
+        self.layers.iter().map(LayerProfile::compute_secs).sum()
+    }
+    pub fn param_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| l.param_bytes).sum()
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Time one layer's forward and backward `reps` times (after one warm-up run).
+fn time_layer(layer: &Dense, batch: usize, last: bool, reps: usize) -> (Vec<f64>, Vec<f64>) {
+    let inputs = layer.w.nrows();
+    let x = Array2::from_shape_fn((batch, inputs), |(i, j)| {
+        ((i * 31 + j * 17) % 97) as f32 / 97.0
+    });
+    let layers = std::slice::from_ref(layer);
+    let (mut f, mut b) = (Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let t = Instant::now();
+        let trace = mlp::forward(layers, x.clone(), last);
+        let tf = t.elapsed().as_secs_f64();
+        let g = Array2::from_elem(trace.output.raw_dim(), 0.01f32);
+        let t = Instant::now();
+        let out = mlp::backward(layers, &trace, g, last, true);
+        let tb = t.elapsed().as_secs_f64();
+        std::hint::black_box(out);
+        if rep > 0 {
+            f.push(tf);
+            b.push(tb);
+        }
+    }
+    (f, b)
+}
+
+/// Profile every layer of `shape` at minibatch size `batch`, `reps` timed runs per layer, on
+/// `concurrency` threads at once (at least one).
+pub fn profile(shape: &MlpShape, batch: usize, reps: usize, concurrency: usize) -> Profile {
+    let layers = shape.init(0);
+    let n = layers.len();
+    let runs: Vec<Vec<(Vec<f64>, Vec<f64>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..concurrency.max(1))
+            .map(|_| {
+                let layers = &layers;
+                s.spawn(move || {
+                    (0..n)
+                        .map(|l| time_layer(&layers[l], batch, l + 1 == n, reps.max(1)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let layers = (0..n)
+        .map(|l| {
+            let f: Vec<f64> = runs.iter().flat_map(|r| r[l].0.iter().copied()).collect();
+            let b: Vec<f64> = runs.iter().flat_map(|r| r[l].1.iter().copied()).collect();
+            LayerProfile {
+                forward_secs: median(f),
+                backward_secs: median(b),
+                activation_bytes: (batch * shape.widths()[l + 1] * 4) as u64,
+                param_bytes: (shape.layer_params(l) * 4) as u64,
+            }
+        })
+        .collect();
+    Profile { batch, layers }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_counts_bytes_and_measures_time() {
+        let shape = MlpShape::new(vec![64, 32, 10]).unwrap();
+        let p = profile(&shape, 16, 3, 1);
+        assert_eq!(p.layers.len(), 2);
+        assert_eq!(p.layers[0].activation_bytes, 16 * 32 * 4);
+        assert_eq!(p.layers[0].param_bytes, (64 * 32 + 32) * 4);
+        assert_eq!(p.layers[1].activation_bytes, 16 * 10 * 4);
+        assert!(
+            p.layers
+                .iter()
+                .all(|l| l.forward_secs > 0.0 && l.backward_secs > 0.0)
+        );
+    }
+}

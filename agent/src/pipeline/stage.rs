@@ -1,0 +1,1337 @@
+//! A stage replica at run time.
+//!
+//! [`StageCore`] is the synchronous part: the stage's layers, its current weights, the stash of
+//! (weights, activations) per minibatch in flight, the gradient accumulator and the optimizer.
+//! [`run`] drives it through the replica's schedule, receiving activations and gradients from its
+//! neighbours, sending its own, and synchronising weights with its peer replicas (ring
+//! all-reduce of the summed gradients, the same for the data-parallel baseline, which is one
+//! stage of all layers replicated on every worker).
+
+use super::schedule::{self, Op, ScheduleKind};
+use super::{PipeMsg, Plan, Tensor};
+use crate::apps::Partitioner;
+use crate::apps::mlp::{self, Dense, LrSchedule, MlpShape, Sgd, Trace};
+use crate::data::ImageSet;
+use crate::transport::{Handler, Peers, Request, Response};
+use ndarray::Array2;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+/// How long a stage waits for a message before it declares the pipeline broken.
+pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(120);
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Why a stage failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("minibatch {0}: no forward pass stashed for this backward pass")]
+    NotStashed(u64),
+    #[error("minibatch {minibatch}: the stash already holds {capacity} versions (1F1B bound)")]
+    StashFull { minibatch: u64, capacity: usize },
+    #[error("minibatch {0}: a tensor of the wrong shape arrived")]
+    Shape(u64),
+    #[error("worker {0} is not in the plan")]
+    NotInPlan(u32),
+    #[error("waited {0:?} for {1}; the pipeline is broken")]
+    Timeout(Duration, String),
+    #[error("inbox closed")]
+    InboxClosed,
+    #[error("no plan for {0} workers to re-plan to")]
+    NoPlan(u32),
+    #[error("sending to worker {worker}: {message}")]
+    Send { worker: u32, message: String },
+}
+
+/// Which samples minibatch `m` holds: a seeded shuffle per epoch, the same on every worker.
+#[derive(Debug, Clone)]
+pub struct Batches {
+    order: Partitioner,
+    per_epoch: u64,
+}
+
+impl Batches {
+    /// Minibatches of about `batch` samples over `n_items`.
+    pub fn new(n_items: usize, batch: usize, seed: u64) -> Self {
+        let per_epoch = (n_items / batch.max(1)).max(1) as u32;
+        Batches {
+            order: Partitioner::new(n_items, 1, per_epoch, seed),
+            per_epoch: u64::from(per_epoch),
+        }
+    }
+    pub fn per_epoch(&self) -> u64 {
+        self.per_epoch
+    }
+    pub fn rows(&self, m: u64) -> Vec<u32> {
+        self.order.batch(0, m)
+    }
+    pub fn epoch(&self, m: u64) -> u64 {
+        m / self.per_epoch
+    }
+}
+
+/// What every worker of one pipeline run agrees on.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub shape: MlpShape,
+    pub plan: Plan,
+    pub schedule: ScheduleKind,
+    pub batches: Batches,
+    pub minibatches: u64,
+    pub lr: LrSchedule,
+    pub momentum: f32,
+    /// Seed of the initial weights.
+    pub seed: u64,
+    /// Record every stage's weights after minibatch `m` when `(m + 1) % checkpoint_every == 0`
+    /// (0: never).
+    pub checkpoint_every: u64,
+    /// The plan for each smaller worker count (from [`super::partition::Partitioner`]), for
+    /// re-planning when a worker is warned; a run without it cannot re-plan.
+    pub replans: BTreeMap<u32, Plan>,
+    /// Tests: warn original worker `w` when the leader reaches minibatch `m`.
+    pub warn_at: Option<(u64, u32)>,
+}
+
+/// How an optimizer step scales the summed gradients it applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepScale {
+    /// The mean over every sample in the step: single-process SGD on their union (flushing).
+    Mean,
+    /// As many sequential steps' worth as the step has minibatches (1F1B): a stage replicated
+    /// `r` times, whose replicas step together over `r` minibatches, moves as far per minibatch
+    /// as a stage of one replica does (the sum of the minibatches' mean gradients, momentum
+    /// `μ^r`; see [`Sgd::step_as`]), so a re-plan that changes replication does not change the
+    /// optimisation; for data parallelism this is the linear scaling rule.
+    SumOfMinibatchMeans,
+}
+
+/// One minibatch between its forward and its backward pass.
+#[derive(Debug)]
+struct Stashed {
+    version: u64,
+    weights: Arc<Vec<Dense>>,
+    trace: Trace,
+    /// Last stage: the loss gradient, computed with the forward pass.
+    loss_grad: Option<Array2<f32>>,
+}
+
+/// A stage's layers, weights, stash and optimizer; no I/O.
+#[derive(Debug)]
+pub struct StageCore {
+    ends_model: bool,
+    starts_model: bool,
+    weights: Arc<Vec<Dense>>,
+    version: u64,
+    stash: BTreeMap<u64, Stashed>,
+    capacity: usize,
+    opt: Sgd,
+    acc: Vec<Dense>,
+    acc_samples: usize,
+    acc_minibatches: usize,
+    /// Training loss and correct predictions summed over forward passes (last stage only).
+    pub loss_sum: f64,
+    pub correct: usize,
+    pub samples: usize,
+    /// Most weight versions the stash held at once.
+    pub max_versions: usize,
+}
+
+impl StageCore {
+    /// `layers` of the model, `capacity` minibatches in flight at most (warm-up + 1).
+    pub fn new(
+        layers: Vec<Dense>,
+        starts_model: bool,
+        ends_model: bool,
+        capacity: usize,
+        lr: LrSchedule,
+        momentum: f32,
+    ) -> Self {
+        let opt = Sgd::new(&layers, lr, momentum);
+        let acc = layers.iter().map(Dense::zeros_like).collect();
+        StageCore {
+            ends_model,
+            starts_model,
+            weights: Arc::new(layers),
+            version: 0,
+            stash: BTreeMap::new(),
+            capacity: capacity.max(1),
+            opt,
+            acc,
+            acc_samples: 0,
+            acc_minibatches: 0,
+            loss_sum: 0.0,
+            correct: 0,
+            samples: 0,
+            max_versions: 0,
+        }
+    }
+
+    pub fn weights(&self) -> &[Dense] {
+        &self.weights
+    }
+
+    /// Number of optimizer steps taken.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The version minibatch `m`'s forward pass used, while it is stashed.
+    pub fn stashed_version(&self, m: u64) -> Option<u64> {
+        self.stash.get(&m).map(|s| s.version)
+    }
+
+    /// Forward pass of minibatch `m` with the current weights, stashing them. The last stage
+    /// also computes the loss against `labels`. Returns the stage's output.
+    pub fn forward(
+        &mut self,
+        m: u64,
+        x: Array2<f32>,
+        labels: Option<&[u8]>,
+    ) -> Result<Array2<f32>, StageError> {
+        if self.stash.len() >= self.capacity {
+            return Err(StageError::StashFull {
+                minibatch: m,
+                capacity: self.capacity,
+            });
+        }
+        let w0 = self.weights.first().map_or(0, |l| l.w.nrows());
+        if x.ncols() != w0 {
+            return Err(StageError::Shape(m));
+        }
+        let trace = mlp::forward(&self.weights, x, self.ends_model);
+        let out = trace.output.clone();
+        let loss_grad = match (self.ends_model, labels) {
+            (true, Some(y)) if y.len() == out.nrows() => {
+                let (loss, correct, g) = mlp::softmax_xent(&out, y);
+                self.loss_sum += loss;
+                self.correct += correct;
+                self.samples += y.len();
+                Some(g)
+            }
+            (true, _) => return Err(StageError::Shape(m)),
+            _ => None,
+        };
+        self.stash.insert(
+            m,
+            Stashed {
+                version: self.version,
+                weights: self.weights.clone(),
+                trace,
+                loss_grad,
+            },
+        );
+        let mut versions: Vec<u64> = self.stash.values().map(|s| s.version).collect();
+        versions.dedup();
+        self.max_versions = self.max_versions.max(versions.len());
+        Ok(out)
+    }
+
+    /// Backward pass of minibatch `m` with the weights its forward pass used; accumulates the
+    /// parameter gradients and returns the gradient for the previous stage (none at the first).
+    pub fn backward(
+        &mut self,
+        m: u64,
+        grad_out: Option<Array2<f32>>,
+    ) -> Result<Option<Array2<f32>>, StageError> {
+        let st = self.stash.remove(&m).ok_or(StageError::NotStashed(m))?;
+        let g = match (st.loss_grad, grad_out) {
+            (Some(g), _) => g,
+            (None, Some(g)) if g.raw_dim() == st.trace.output.raw_dim() => g,
+            _ => return Err(StageError::Shape(m)),
+        };
+        let rows = g.nrows();
+        let (grads, gin) = mlp::backward(
+            &st.weights,
+            &st.trace,
+            g,
+            self.ends_model,
+            !self.starts_model,
+        );
+        mlp::add_into(&mut self.acc, &grads);
+        self.acc_samples += rows;
+        self.acc_minibatches += 1;
+        Ok(gin)
+    }
+
+    /// The accumulated gradient sums, then their sample count and minibatch count, as one flat
+    /// vector (what replicas all-reduce); resets the accumulator.
+    pub fn take_gradients(&mut self) -> Vec<f32> {
+        let mut flat = mlp::flatten(&self.acc);
+        flat.push(self.acc_samples as f32);
+        flat.push(self.acc_minibatches as f32);
+        for a in &mut self.acc {
+            a.w.fill(0.0);
+            a.b.fill(0.0);
+        }
+        self.acc_samples = 0;
+        self.acc_minibatches = 0;
+        flat
+    }
+
+    /// One optimizer step with a (possibly all-reduced) vector from [`Self::take_gradients`].
+    pub fn apply(&mut self, flat: &[f32], epoch: u64, scale: StepScale) -> Result<(), StageError> {
+        let [.., samples, minibatches] = flat else {
+            return Err(StageError::Shape(0));
+        };
+        let grads = &flat[..flat.len() - 2];
+        let grads = mlp::unflatten(&self.weights, grads).ok_or(StageError::Shape(0))?;
+        // Copy-on-write: stashed minibatches keep the version they ran with.
+        let w = Arc::make_mut(&mut self.weights);
+        match scale {
+            StepScale::Mean => self.opt.step(w, &grads, *samples, epoch),
+            StepScale::SumOfMinibatchMeans => {
+                // One step for `minibatches` minibatches: as many sequential steps' worth.
+                let mb = minibatches.max(1.0);
+                self.opt
+                    .step_as(w, &grads, *samples / mb, epoch, mb.round() as u32)
+            }
+        }
+        self.version += 1;
+        Ok(())
+    }
+
+    /// Weights, optimizer state and stash as they are (for hand-over).
+    pub fn optimizer(&self) -> &Sgd {
+        &self.opt
+    }
+}
+
+/// Per layer of one checkpoint: when its stage recorded it, and its weights.
+type LayerSlots = Vec<Option<(Instant, Dense)>>;
+
+/// Every layer's weights at checkpoints, with the time its stage recorded them, and the run's
+/// re-planning events.
+#[derive(Debug)]
+pub struct Checkpoints {
+    layers: usize,
+    taken: Mutex<BTreeMap<u64, LayerSlots>>,
+    events: Mutex<Vec<(Event, Instant)>>,
+}
+
+/// Moments of a re-plan, for measuring the pause it causes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The leader decided to drain because worker `evicted` was warned.
+    Notice { evicted: u32, drain_at: u64 },
+    /// The first optimizer step of segment `segment` (training again on the new plan).
+    Resumed { segment: u32 },
+}
+
+/// A checkpoint every stage has recorded: the whole model after minibatch `minibatch`.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    pub minibatch: u64,
+    /// When the last stage recorded it.
+    pub at: Instant,
+    pub layers: Vec<Dense>,
+}
+
+impl Checkpoints {
+    pub fn new(layers: usize) -> Arc<Self> {
+        Arc::new(Checkpoints {
+            layers,
+            taken: Mutex::new(BTreeMap::new()),
+            events: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn record(&self, m: u64, first_layer: usize, layers: &[Dense]) {
+        let now = Instant::now();
+        if let Ok(mut t) = self.taken.lock() {
+            let e = t.entry(m).or_insert_with(|| vec![None; self.layers]);
+            for (i, l) in layers.iter().enumerate() {
+                if let Some(slot) = e.get_mut(first_layer + i) {
+                    *slot = Some((now, l.clone()));
+                }
+            }
+        }
+    }
+
+    fn event(&self, e: Event) {
+        if let Ok(mut ev) = self.events.lock() {
+            if matches!(e, Event::Resumed { .. }) && ev.iter().any(|x| x.0 == e) {
+                return;
+            }
+            ev.push((e, Instant::now()));
+        }
+    }
+
+    pub fn events(&self) -> Vec<(Event, Instant)> {
+        self.events.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// Complete checkpoints in minibatch order.
+    pub fn complete(&self) -> Vec<Checkpoint> {
+        let Ok(t) = self.taken.lock() else {
+            return Vec::new();
+        };
+        t.iter()
+            .filter(|(_, v)| v.iter().all(Option::is_some))
+            .map(|(&m, v)| {
+                let parts: Vec<&(Instant, Dense)> = v.iter().flatten().collect();
+                Checkpoint {
+                    minibatch: m,
+                    at: parts.iter().map(|p| p.0).max().unwrap_or_else(Instant::now),
+                    layers: parts.iter().map(|p| p.1.clone()).collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Interruption notices for workers of a local run: the current leader (worker 0 of the
+/// current plan) takes them and drains the pipeline for a re-plan.
+#[derive(Debug, Default)]
+pub struct Notices(Mutex<Vec<u32>>);
+
+impl Notices {
+    /// Worker `worker` (by its number in the original plan) will be gone soon.
+    pub fn warn(&self, worker: u32) {
+        if let Ok(mut n) = self.0.lock() {
+            n.push(worker);
+        }
+    }
+    fn take(&self, members: &[u32]) -> Option<u32> {
+        let mut n = self.0.lock().ok()?;
+        let i = n.iter().position(|w| members.contains(w))?;
+        Some(n.remove(i))
+    }
+}
+
+/// Routes pipeline messages arriving over the transport into a stage's inbox.
+pub struct Inbox(pub mpsc::UnboundedSender<PipeMsg>);
+
+impl Handler for Inbox {
+    fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
+        Box::pin(async move {
+            match req {
+                Request::Pipe(m) => {
+                    if self.0.send(m).is_ok() {
+                        Response::Ack
+                    } else {
+                        Response::Busy
+                    }
+                }
+                _ => Response::Error("this worker runs a pipeline stage only".into()),
+            }
+        })
+    }
+}
+
+/// Messages received ahead of when the schedule needs them.
+struct Mailbox {
+    rx: mpsc::UnboundedReceiver<PipeMsg>,
+    acts: HashMap<u64, Tensor>,
+    grads: HashMap<u64, Tensor>,
+    reduces: HashMap<(u64, u32), Vec<f32>>,
+    states: HashMap<(u32, u32), (Vec<f32>, Vec<f32>)>,
+    /// Drain orders by segment: (at, evicted).
+    drains: HashMap<u32, (u64, u32)>,
+    /// Warnings forwarded to this worker as the leader.
+    warns: Vec<u32>,
+    /// Messages that are not the stage's (plan tables), kept for the caller.
+    other: Vec<PipeMsg>,
+}
+
+enum Want {
+    Act(u64),
+    Grad(u64),
+    Reduce(u64, u32),
+    State(u32, u32),
+}
+
+enum Got {
+    Tensor(Tensor),
+    Chunk(Vec<f32>),
+    State(Vec<f32>, Vec<f32>),
+    /// A drain order arrived while waiting (interruptible waits only).
+    Drain,
+}
+
+impl Mailbox {
+    fn file(&mut self, msg: PipeMsg) -> bool {
+        match msg {
+            PipeMsg::Activation {
+                minibatch, tensor, ..
+            } => {
+                self.acts.insert(minibatch, tensor);
+            }
+            PipeMsg::Gradient {
+                minibatch, tensor, ..
+            } => {
+                self.grads.insert(minibatch, tensor);
+            }
+            PipeMsg::Reduce {
+                round, step, data, ..
+            } => {
+                self.reduces.insert((round, step), data);
+            }
+            PipeMsg::State {
+                segment,
+                layer,
+                weights,
+                velocity,
+            } => {
+                self.states.insert((segment, layer), (weights, velocity));
+            }
+            PipeMsg::Drain {
+                segment,
+                at,
+                evicted,
+            } => {
+                self.drains.insert(segment, (at, evicted));
+                return true;
+            }
+            PipeMsg::Warn { worker } => self.warns.push(worker),
+            m @ PipeMsg::Plans { .. } => self.other.push(m),
+        }
+        false
+    }
+
+    /// File whatever has arrived, without waiting.
+    fn poll(&mut self) {
+        while let Ok(msg) = self.rx.try_recv() {
+            self.file(msg);
+        }
+    }
+
+    fn take(&mut self, w: &Want) -> Option<Got> {
+        match *w {
+            Want::Act(m) => self.acts.remove(&m).map(Got::Tensor),
+            Want::Grad(m) => self.grads.remove(&m).map(Got::Tensor),
+            Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Got::Chunk),
+            Want::State(g, l) => self.states.remove(&(g, l)).map(|(w, v)| Got::State(w, v)),
+        }
+    }
+
+    async fn wait(&mut self, w: Want, interruptible: bool) -> Result<Got, StageError> {
+        let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
+        loop {
+            if let Some(x) = self.take(&w) {
+                return Ok(x);
+            }
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(msg)) => {
+                    if self.file(msg) && interruptible {
+                        return Ok(Got::Drain);
+                    }
+                }
+                Ok(None) => return Err(StageError::InboxClosed),
+                Err(_) => {
+                    let what = match w {
+                        Want::Act(m) => format!("the activation of minibatch {m}"),
+                        Want::Grad(m) => format!("the gradient of minibatch {m}"),
+                        Want::Reduce(r, s) => format!("all-reduce round {r} step {s}"),
+                        Want::State(g, l) => format!("layer {l}'s state for segment {g}"),
+                    };
+                    return Err(StageError::Timeout(MESSAGE_TIMEOUT, what));
+                }
+            }
+        }
+    }
+
+    async fn chunk(&mut self, round: u64, step: u32) -> Result<Vec<f32>, StageError> {
+        match self.wait(Want::Reduce(round, step), false).await? {
+            Got::Chunk(v) => Ok(v),
+            _ => Err(StageError::InboxClosed),
+        }
+    }
+}
+
+/// A worker's place in a run.
+pub struct StageCtx {
+    /// This worker's number in the run's first plan (its identity across re-plans).
+    pub worker: u32,
+    /// Data address of every worker, by worker number.
+    pub addrs: Arc<Vec<String>>,
+    pub peers: Arc<Peers>,
+    pub inbox: mpsc::UnboundedReceiver<PipeMsg>,
+    pub train: Arc<ImageSet>,
+    pub cfg: Arc<RunConfig>,
+    pub checkpoints: Option<Arc<Checkpoints>>,
+    pub notices: Option<Arc<Notices>>,
+    /// Counts the optimizer steps this worker took, for progress reports.
+    pub steps: Option<Arc<std::sync::atomic::AtomicU64>>,
+}
+
+/// What a stage replica reports at the end.
+#[derive(Debug)]
+pub struct StageOutcome {
+    pub worker: u32,
+    /// Stage, replica and layers in the last segment this worker took part in.
+    pub stage: usize,
+    pub replica: u32,
+    pub first_layer: usize,
+    pub layers: Vec<Dense>,
+    /// The worker left after a warning (its state moved to the survivors).
+    pub evicted: bool,
+    /// Original worker numbers of the last plan's workers, in plan order (the first leads).
+    pub final_members: Vec<u32>,
+    pub loss_sum: f64,
+    pub correct: usize,
+    pub samples: usize,
+    /// Minibatches whose loss this worker computed (as the last stage), in order.
+    pub minibatches: Vec<u64>,
+    pub max_versions: usize,
+    /// Seconds spent computing (forward, backward, optimizer).
+    pub compute_secs: f64,
+    /// From the first operation to the last.
+    pub wall_secs: f64,
+}
+
+fn to_tensor(a: Array2<f32>) -> Tensor {
+    let (rows, cols) = a.dim();
+    let data = if a.is_standard_layout() {
+        a.into_raw_vec_and_offset().0
+    } else {
+        a.iter().copied().collect()
+    };
+    Tensor {
+        rows: rows as u32,
+        cols: cols as u32,
+        data,
+    }
+}
+
+fn from_tensor(t: Tensor, m: u64) -> Result<Array2<f32>, StageError> {
+    Array2::from_shape_vec((t.rows as usize, t.cols as usize), t.data)
+        .map_err(|_| StageError::Shape(m))
+}
+
+/// Run `f` off the async threads (the runtime's other threads keep the transport going).
+fn compute<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+struct Sender {
+    me: u32,
+    peers: Arc<Peers>,
+    addrs: Arc<Vec<String>>,
+    tasks: JoinSet<Result<(), StageError>>,
+}
+
+async fn deliver(
+    peers: Arc<Peers>,
+    addr: String,
+    me: u32,
+    to: u32,
+    msg: PipeMsg,
+) -> Result<(), StageError> {
+    let req = Request::Pipe(msg);
+    let mut delay = Duration::from_millis(20);
+    let mut last = String::new();
+    for _ in 0..6 {
+        match peers.call(&addr, &req, CALL_TIMEOUT).await {
+            Ok(Response::Ack) => return Ok(()),
+            Ok(other) => last = format!("answered {other:?}"),
+            Err(e) => last = e.to_string(),
+        }
+        tracing::debug!(from = me, to, error = %last, "pipeline send failed; retrying");
+        tokio::time::sleep(delay).await;
+        delay *= 2;
+    }
+    Err(StageError::Send {
+        worker: to,
+        message: last,
+    })
+}
+
+impl Sender {
+    fn addr(&self, to: u32) -> Result<String, StageError> {
+        self.addrs
+            .get(to as usize)
+            .cloned()
+            .ok_or(StageError::NotInPlan(to))
+    }
+
+    /// Send in the background (to worker `to`, by original number).
+    fn send(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
+        let addr = self.addr(to)?;
+        self.tasks
+            .spawn(deliver(self.peers.clone(), addr, self.me, to, msg));
+        // Surface failures of earlier sends without waiting for the others.
+        while let Some(done) = self.tasks.try_join_next() {
+            if let Ok(Err(e)) = done {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Send and wait for the receiver's acknowledgement.
+    async fn send_now(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
+        let addr = self.addr(to)?;
+        deliver(self.peers.clone(), addr, self.me, to, msg).await
+    }
+
+    async fn drain(&mut self) -> Result<(), StageError> {
+        while let Some(done) = self.tasks.join_next().await {
+            if let Ok(Err(e)) = done {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One plan's stretch of a run: minibatches `start..` on `members` (plan worker `i` is original
+/// worker `members[i]`).
+#[derive(Debug, Clone)]
+struct Segment {
+    index: u32,
+    start: u64,
+    plan: Plan,
+    members: Vec<u32>,
+}
+
+impl Segment {
+    fn physical(&self, plan_worker: u32) -> u32 {
+        self.members[plan_worker as usize]
+    }
+}
+
+enum SegmentEnd {
+    Finished,
+    Drained { at: u64, evicted: u32 },
+}
+
+/// Totals across segments.
+#[derive(Default)]
+struct Totals {
+    loss_sum: f64,
+    correct: usize,
+    samples: usize,
+    minibatches: Vec<u64>,
+    max_versions: usize,
+    busy: Duration,
+    /// When this worker learnt of the last drain (to log the pause when training resumes).
+    drained_at: Option<Instant>,
+}
+
+/// Run worker `ctx.worker` through the whole run: its stage replica's schedule under the first
+/// plan and, after every re-plan, under the next (see [`PipeMsg::Drain`]).
+pub async fn run(ctx: StageCtx) -> Result<StageOutcome, StageError> {
+    Ok(run_inner(ctx).await?.0)
+}
+
+/// What arrived for a worker besides its stage's traffic, with the inbox, after [`run`].
+pub type Leftovers = (mpsc::UnboundedReceiver<PipeMsg>, Vec<PipeMsg>);
+
+/// [`run`], giving back the inbox and whatever arrived that was not the stage's (final layers
+/// for the leader, sent as `State` of segment `member::FINAL_SEGMENT`, and plan tables).
+pub async fn run_keeping_inbox(ctx: StageCtx) -> Result<(StageOutcome, Leftovers), StageError> {
+    let (o, mut mail) = run_inner(ctx).await?;
+    let mut left = std::mem::take(&mut mail.other);
+    for ((segment, layer), (weights, velocity)) in mail.states.drain() {
+        left.push(PipeMsg::State {
+            segment,
+            layer,
+            weights,
+            velocity,
+        });
+    }
+    Ok((o, (mail.rx, left)))
+}
+
+async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageError> {
+    let cfg = ctx.cfg.clone();
+    let n = cfg.plan.workers();
+    let mut seg = Segment {
+        index: 0,
+        start: 0,
+        plan: cfg.plan.clone(),
+        members: (0..n).collect(),
+    };
+    let me = seg
+        .members
+        .iter()
+        .position(|&w| w == ctx.worker)
+        .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+    let (s0, _) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
+    let all = cfg.shape.init(cfg.seed);
+    let range = seg.plan.stages()[s0].layers.clone();
+    let mut layers = all[range.clone()].to_vec();
+    let mut velocity: Vec<Dense> = layers.iter().map(Dense::zeros_like).collect();
+    let mut mail = Mailbox {
+        rx: std::mem::replace(&mut ctx.inbox, mpsc::unbounded_channel().1),
+        acts: HashMap::new(),
+        grads: HashMap::new(),
+        reduces: HashMap::new(),
+        states: HashMap::new(),
+        drains: HashMap::new(),
+        warns: Vec::new(),
+        other: Vec::new(),
+    };
+    let mut out = Sender {
+        me: ctx.worker,
+        peers: ctx.peers.clone(),
+        addrs: ctx.addrs.clone(),
+        tasks: JoinSet::new(),
+    };
+    let started = Instant::now();
+    let mut totals = Totals::default();
+    loop {
+        let me = seg
+            .members
+            .iter()
+            .position(|&w| w == ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+        let (s, k) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
+        let first_layer = seg.plan.stages()[s].layers.start;
+        let (end, core) = run_segment(
+            &ctx,
+            &seg,
+            me,
+            layers,
+            velocity,
+            &mut mail,
+            &mut out,
+            &mut totals,
+        )
+        .await?;
+        layers = core.weights().to_vec();
+        velocity = core.optimizer().velocity.clone();
+        totals.max_versions = totals.max_versions.max(core.max_versions);
+        let (at, evicted) = match end {
+            SegmentEnd::Finished => {
+                out.drain().await?;
+                let members = seg.members.clone();
+                let o = outcome(
+                    &ctx,
+                    s,
+                    k,
+                    first_layer,
+                    layers,
+                    false,
+                    members,
+                    totals,
+                    started,
+                );
+                return Ok((o, mail));
+            }
+            SegmentEnd::Drained { at, evicted } => (at, evicted),
+        };
+        // Re-plan for the survivors: a lookup in the partitioner's table.
+        let members: Vec<u32> = seg
+            .members
+            .iter()
+            .copied()
+            .filter(|&w| w != evicted)
+            .collect();
+        let plan = cfg
+            .replans
+            .get(&(members.len() as u32))
+            .cloned()
+            .ok_or(StageError::NoPlan(members.len() as u32))?;
+        let next = Segment {
+            index: seg.index + 1,
+            start: at,
+            plan,
+            members,
+        };
+        // Replica 0 of every stage hands its layers (weights and momentum) to every replica of
+        // the stage that owns them under the new plan.
+        if k == 0 {
+            for (i, l) in layers.iter().enumerate() {
+                let layer = first_layer + i;
+                let Some(ns) = next
+                    .plan
+                    .stages()
+                    .iter()
+                    .position(|st| st.layers.contains(&layer))
+                else {
+                    continue;
+                };
+                for rep in 0..next.plan.stages()[ns].replicas {
+                    let to = next.physical(next.plan.first_worker(ns) + rep);
+                    let msg = PipeMsg::State {
+                        segment: next.index,
+                        layer: layer as u32,
+                        weights: mlp::flatten(std::slice::from_ref(l)),
+                        velocity: mlp::flatten(std::slice::from_ref(&velocity[i])),
+                    };
+                    out.send(to, msg)?;
+                }
+            }
+        }
+        out.drain().await?;
+        if evicted == ctx.worker {
+            tracing::info!(
+                worker = ctx.worker,
+                "state handed over; leaving the pipeline"
+            );
+            let members = next.members.clone();
+            let o = outcome(
+                &ctx,
+                s,
+                k,
+                first_layer,
+                layers,
+                true,
+                members,
+                totals,
+                started,
+            );
+            return Ok((o, mail));
+        }
+        let me = next
+            .members
+            .iter()
+            .position(|&w| w == ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
+        let (ns, _) = next
+            .plan
+            .role(me)
+            .ok_or(StageError::NotInPlan(ctx.worker))?;
+        let range = next.plan.stages()[ns].layers.clone();
+        let (mut nl, mut nv) = (Vec::new(), Vec::new());
+        for layer in range.clone() {
+            let like = std::slice::from_ref(&all[layer]);
+            match mail
+                .wait(Want::State(next.index, layer as u32), false)
+                .await?
+            {
+                Got::State(w, v) => {
+                    let w = mlp::unflatten(like, &w).ok_or(StageError::Shape(at))?;
+                    let v = mlp::unflatten(like, &v).ok_or(StageError::Shape(at))?;
+                    nl.extend(w);
+                    nv.extend(v);
+                }
+                _ => return Err(StageError::InboxClosed),
+            }
+        }
+        tracing::info!(worker = ctx.worker, segment = next.index, from = at, plan = %next.plan, "re-planned");
+        layers = nl;
+        velocity = nv;
+        seg = next;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn outcome(
+    ctx: &StageCtx,
+    stage: usize,
+    replica: u32,
+    first_layer: usize,
+    layers: Vec<Dense>,
+    evicted: bool,
+    final_members: Vec<u32>,
+    t: Totals,
+    started: Instant,
+) -> StageOutcome {
+    StageOutcome {
+        worker: ctx.worker,
+        stage,
+        replica,
+        first_layer,
+        layers,
+        evicted,
+        final_members,
+        loss_sum: t.loss_sum,
+        correct: t.correct,
+        samples: t.samples,
+        minibatches: t.minibatches,
+        max_versions: t.max_versions,
+        compute_secs: t.busy.as_secs_f64(),
+        wall_secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// Run one segment's schedule from its start; stops early when drained for a re-plan.
+#[allow(clippy::too_many_arguments)]
+async fn run_segment(
+    ctx: &StageCtx,
+    seg: &Segment,
+    me: u32,
+    layers: Vec<Dense>,
+    velocity: Vec<Dense>,
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    totals: &mut Totals,
+) -> Result<(SegmentEnd, StageCore), StageError> {
+    let cfg = &ctx.cfg;
+    let plan = &seg.plan;
+    let (s, k) = plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
+    let sp = plan.stages()[s].clone();
+    let (first, last) = (s == 0, s + 1 == plan.stages().len());
+    let r = sp.replicas;
+    let warm = schedule::warmup(plan.workers_from(s), r);
+    let capacity = match cfg.schedule {
+        ScheduleKind::OneFOneB => warm + 1,
+        ScheduleKind::Flushing { group } => group as usize,
+    };
+    let mut core = StageCore::new(layers, first, last, capacity, cfg.lr, cfg.momentum);
+    core.opt.velocity = velocity;
+    let left = cfg.minibatches.saturating_sub(seg.start);
+    let later = plan.workers_from(s);
+    let mut ops = schedule::ops(cfg.schedule, left, r, k, later);
+    let ring_next = seg.physical(plan.first_worker(s) + (k + 1) % r);
+    let leader = me == 0;
+    let mut drain: Option<(u64, u32)> = None;
+    let mut round = 0u64;
+    let round_base = u64::from(seg.index) << 40;
+    let last_epoch = cfg.batches.epoch(cfg.minibatches.saturating_sub(1));
+    let mut pc = 0usize;
+    while pc < ops.len() {
+        mail.poll();
+        if drain.is_none()
+            && let Some(&(at, evicted)) = mail.drains.get(&seg.index)
+        {
+            drain = Some((at, evicted));
+            totals.drained_at = Some(Instant::now());
+            ops = schedule::ops(cfg.schedule, at - seg.start, r, k, later);
+            continue;
+        }
+        let op = ops[pc];
+        // A warned worker that does not lead tells the leader.
+        if !leader
+            && drain.is_none()
+            && let Some(w) = ctx.notices.as_ref().and_then(|n| n.take(&[ctx.worker]))
+        {
+            out.send(seg.physical(0), PipeMsg::Warn { worker: w })?;
+        }
+        // The leader turns a warning into a drain point no replica has admitted yet.
+        if leader && drain.is_none() {
+            let warned = match (cfg.warn_at, op) {
+                (Some((m, w)), Op::Forward(rel))
+                    if seg.start + rel >= m
+                        && seg.members.contains(&w)
+                        && seg.members.len() > 1 =>
+                {
+                    Some(w)
+                }
+                _ => ctx
+                    .notices
+                    .as_ref()
+                    .and_then(|n| n.take(&seg.members))
+                    .or_else(|| {
+                        let i = mail.warns.iter().position(|w| seg.members.contains(w))?;
+                        Some(mail.warns.remove(i))
+                    }),
+            };
+            if let Some(evicted) = warned {
+                let ahead = match cfg.schedule {
+                    ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
+                    ScheduleKind::Flushing { group } => (round + 2) * group,
+                };
+                let at = seg.start + ahead;
+                if at < cfg.minibatches {
+                    if let Some(cp) = &ctx.checkpoints {
+                        cp.event(Event::Notice {
+                            evicted,
+                            drain_at: at,
+                        });
+                    }
+                    tracing::warn!(
+                        evicted,
+                        drain_at = at,
+                        "warning: draining the pipeline for a re-plan"
+                    );
+                    let order = PipeMsg::Drain {
+                        segment: seg.index,
+                        at,
+                        evicted,
+                    };
+                    for &w in seg.members.iter().filter(|&&w| w != ctx.worker) {
+                        out.send_now(w, order.clone()).await?;
+                    }
+                    mail.drains.insert(seg.index, (at, evicted));
+                    continue;
+                }
+            }
+        }
+        let step_epoch = match op {
+            Op::Forward(rel) => {
+                let m = seg.start + rel;
+                let rows = cfg.batches.rows(m);
+                let x = if first {
+                    mlp::features(&ctx.train, &rows)
+                } else {
+                    match mail.wait(Want::Act(m), drain.is_none()).await? {
+                        Got::Tensor(t) => from_tensor(t, m)?,
+                        Got::Drain => continue,
+                        _ => return Err(StageError::InboxClosed),
+                    }
+                };
+                let labels = last.then(|| mlp::labels(&ctx.train, &rows));
+                let t = Instant::now();
+                let y = compute(|| core.forward(m, x, labels.as_deref()))?;
+                totals.busy += t.elapsed();
+                if last {
+                    totals.minibatches.push(m);
+                }
+                if !last {
+                    let msg = PipeMsg::Activation {
+                        to_stage: (s + 1) as u32,
+                        minibatch: m,
+                        tensor: to_tensor(y),
+                    };
+                    out.send(seg.physical(plan.worker_for(s + 1, rel)), msg)?;
+                }
+                None
+            }
+            Op::Backward(rel) => {
+                let m = seg.start + rel;
+                let g = if last {
+                    None
+                } else {
+                    match mail.wait(Want::Grad(m), false).await? {
+                        Got::Tensor(t) => Some(from_tensor(t, m)?),
+                        _ => return Err(StageError::InboxClosed),
+                    }
+                };
+                let t = Instant::now();
+                let gin = compute(|| core.backward(m, g))?;
+                totals.busy += t.elapsed();
+                if let Some(gin) = gin {
+                    let msg = PipeMsg::Gradient {
+                        to_stage: (s - 1) as u32,
+                        minibatch: m,
+                        tensor: to_tensor(gin),
+                    };
+                    out.send(seg.physical(plan.worker_for(s - 1, rel)), msg)?;
+                }
+                matches!(cfg.schedule, ScheduleKind::OneFOneB).then(|| cfg.batches.epoch(m))
+            }
+            Op::Sync => Some(last_epoch),
+            Op::Flush { group } => match cfg.schedule {
+                ScheduleKind::Flushing { group: g } => {
+                    Some(cfg.batches.epoch(seg.start + group * g))
+                }
+                ScheduleKind::OneFOneB => None,
+            },
+        };
+        pc += 1;
+        let Some(epoch) = step_epoch else {
+            continue;
+        };
+        // An optimizer step: all-reduce among replicas, then apply.
+        let mut flat = compute(|| core.take_gradients());
+        if r > 1 {
+            flat = ring_allreduce(
+                mail,
+                out,
+                s as u32,
+                k,
+                r,
+                ring_next,
+                round_base + round,
+                flat,
+            )
+            .await?;
+        }
+        let t = Instant::now();
+        let scale = match cfg.schedule {
+            ScheduleKind::OneFOneB => StepScale::SumOfMinibatchMeans,
+            ScheduleKind::Flushing { .. } => StepScale::Mean,
+        };
+        compute(|| core.apply(&flat, epoch, scale))?;
+        totals.busy += t.elapsed();
+        if seg.index > 0
+            && let Some(t) = totals.drained_at.take()
+        {
+            tracing::info!(
+                segment = seg.index,
+                pause_ms = t.elapsed().as_millis() as u64,
+                "training again on the new plan"
+            );
+        }
+        if let Some(c) = &ctx.steps {
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let Some(cp) = &ctx.checkpoints {
+            if seg.index > 0 {
+                cp.event(Event::Resumed { segment: seg.index });
+            }
+            // Minibatches whose updates this step completes.
+            let covered = match cfg.schedule {
+                ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
+                ScheduleKind::Flushing { group } => round * group..(round + 1) * group,
+            };
+            if k == 0 && cfg.checkpoint_every > 0 {
+                let limit = drain.map_or(cfg.minibatches, |d| d.0);
+                for m in covered.map(|rel| seg.start + rel).filter(|m| *m < limit) {
+                    if (m + 1).is_multiple_of(cfg.checkpoint_every) {
+                        cp.record(m, sp.layers.start, core.weights());
+                    }
+                }
+            }
+        }
+        round += 1;
+    }
+    totals.loss_sum += core.loss_sum;
+    totals.correct += core.correct;
+    totals.samples += core.samples;
+    let end = match drain {
+        Some((at, evicted)) => SegmentEnd::Drained { at, evicted },
+        None => SegmentEnd::Finished,
+    };
+    Ok((end, core))
+}
+
+/// Ring all-reduce (sum) of `data` among the `r` replicas of `stage`: reduce-scatter, then
+/// all-gather, each `r − 1` steps of one chunk to the next replica.
+#[allow(clippy::too_many_arguments)]
+async fn ring_allreduce(
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    stage: u32,
+    k: u32,
+    r: u32,
+    next: u32,
+    round: u64,
+    mut data: Vec<f32>,
+) -> Result<Vec<f32>, StageError> {
+    let n = data.len();
+    let ru = r as usize;
+    let chunk = |i: u32| (i as usize * n / ru)..((i as usize + 1) * n / ru);
+    for t in 0..r - 1 {
+        let send = (k + r - t) % r;
+        let msg = PipeMsg::Reduce {
+            stage,
+            round,
+            step: t,
+            data: data[chunk(send)].to_vec(),
+        };
+        out.send(next, msg)?;
+        let recv = (k + 2 * r - t - 1) % r;
+        let got = mail.chunk(round, t).await?;
+        let range = chunk(recv);
+        if got.len() != range.len() {
+            return Err(StageError::Shape(round));
+        }
+        for (d, g) in data[range].iter_mut().zip(got) {
+            *d += g;
+        }
+    }
+    for t in 0..r - 1 {
+        let send = (k + 1 + r - t) % r;
+        let msg = PipeMsg::Reduce {
+            stage,
+            round,
+            step: r - 1 + t,
+            data: data[chunk(send)].to_vec(),
+        };
+        out.send(next, msg)?;
+        let recv = (k + r - t) % r;
+        let got = mail.chunk(round, r - 1 + t).await?;
+        let range = chunk(recv);
+        if got.len() != range.len() {
+            return Err(StageError::Shape(round));
+        }
+        data[range].copy_from_slice(&got);
+    }
+    Ok(data)
+}
+
+/// Single-process minibatch SGD over the same minibatches, `group` minibatches per step: the
+/// reference the pipeline is compared against. Returns the weights after every
+/// `checkpoint_every`-th minibatch's step (when it completes a step) and at the end.
+pub fn train_sgd(
+    cfg: &RunConfig,
+    train: &ImageSet,
+    group: u64,
+) -> (Vec<(u64, Vec<Dense>)>, Vec<Dense>) {
+    let mut layers = cfg.shape.init(cfg.seed);
+    let mut opt = Sgd::new(&layers, cfg.lr, cfg.momentum);
+    let mut checkpoints = Vec::new();
+    let group = group.max(1);
+    let mut m = 0;
+    while m < cfg.minibatches {
+        let end = (m + group).min(cfg.minibatches);
+        let mut acc: Vec<Dense> = layers.iter().map(Dense::zeros_like).collect();
+        let mut samples = 0;
+        for mb in m..end {
+            let rows = cfg.batches.rows(mb);
+            let t = mlp::forward(&layers, mlp::features(train, &rows), true);
+            let (_, _, g) = mlp::softmax_xent(&t.output, &mlp::labels(train, &rows));
+            let (grads, _) = mlp::backward(&layers, &t, g, true, false);
+            mlp::add_into(&mut acc, &grads);
+            samples += rows.len();
+        }
+        opt.step(&mut layers, &acc, samples as f32, cfg.batches.epoch(m));
+        for mb in m..end {
+            if cfg.checkpoint_every > 0 && (mb + 1).is_multiple_of(cfg.checkpoint_every) {
+                checkpoints.push((mb, layers.clone()));
+            }
+        }
+        m = end;
+    }
+    (checkpoints, layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_stashing_uses_the_forward_pass_version() {
+        let shape = MlpShape::new(vec![6, 5, 4]).unwrap();
+        let layers = shape.init(1);
+        let v0 = layers[..1].to_vec();
+        let mut core = StageCore::new(v0.clone(), true, false, 2, LrSchedule::constant(0.5), 0.9);
+        let x = Array2::from_shape_fn((3, 6), |(i, j)| (i * 6 + j) as f32 / 18.0);
+        core.forward(0, x.clone(), None).unwrap();
+        // A step in between gives version 1 with deliberately different weights.
+        let mut push: Vec<f32> = (0..mlp::flatten(&v0).len())
+            .map(|i| (i % 7) as f32 - 3.0)
+            .collect();
+        push.extend([1.0, 1.0]);
+        core.apply(&push, 0, StepScale::Mean).unwrap();
+        assert_eq!(core.version(), 1);
+        assert_ne!(core.weights(), &v0[..]);
+        assert_eq!(core.stashed_version(0), Some(0));
+        core.forward(1, x.clone(), None).unwrap();
+        assert_eq!(core.stashed_version(1), Some(1));
+        assert_eq!(core.max_versions, 2);
+        // The capacity (warm-up + 1) bounds the minibatches in flight.
+        assert!(matches!(
+            core.forward(2, x.clone(), None),
+            Err(StageError::StashFull { .. })
+        ));
+
+        let g = Array2::from_shape_fn((3, 5), |(i, j)| ((i + j) % 3) as f32 - 1.0);
+        core.backward(0, Some(g.clone())).unwrap();
+        let got = core.take_gradients();
+        // What version 0 gives, and what the current version would have given.
+        let expect = |w: &[Dense]| {
+            let t = mlp::forward(w, x.clone(), false);
+            let (grads, _) = mlp::backward(w, &t, g.clone(), false, false);
+            let mut f = mlp::flatten(&grads);
+            f.extend([3.0, 1.0]);
+            f
+        };
+        assert_eq!(got, expect(&v0));
+        assert_ne!(got, expect(core.weights()));
+        assert!(matches!(
+            core.backward(0, Some(g)),
+            Err(StageError::NotStashed(0))
+        ));
+    }
+
+    #[test]
+    fn the_stage_input_gradient_uses_the_stashed_weights() {
+        let shape = MlpShape::new(vec![4, 3, 2]).unwrap();
+        let layers = shape.init(5);
+        let last = layers[1..].to_vec();
+        let mut core = StageCore::new(last.clone(), false, true, 1, LrSchedule::constant(1.0), 0.0);
+        let x = Array2::from_shape_fn((2, 3), |(i, j)| (i + j) as f32 / 3.0);
+        core.forward(4, x.clone(), Some(&[0, 1])).unwrap();
+        let mut push = vec![0.25f32; mlp::flatten(&last).len()];
+        push.extend([1.0, 1.0]);
+        core.apply(&push, 0, StepScale::SumOfMinibatchMeans)
+            .unwrap();
+        let gin = core.backward(4, None).unwrap().unwrap();
+        let t = mlp::forward(&last, x, true);
+        let (_, _, g) = mlp::softmax_xent(&t.output, &[0, 1]);
+        let (_, want) = mlp::backward(&last, &t, g, true, true);
+        assert_eq!(Some(gin), want);
+    }
+}

@@ -1,0 +1,387 @@
+//! Pipeline mode end to end: every worker its own runtime and TCP endpoint on loopback, the
+//! real stage runtime, against single-process SGD on the same minibatches.
+
+use proteus_agent::apps::mlp::{self, Dense, LrSchedule, MlpShape};
+use proteus_agent::data;
+use proteus_agent::pipeline::schedule::ScheduleKind;
+use proteus_agent::pipeline::stage::{Batches, RunConfig, train_sgd};
+use proteus_agent::pipeline::{Plan, StagePlan, local};
+use std::path::Path;
+use std::sync::Arc;
+
+fn plan(stages: &[(usize, usize, u32)], layers: usize) -> Plan {
+    let stages = stages
+        .iter()
+        .map(|&(a, b, r)| StagePlan {
+            layers: a..b,
+            replicas: r,
+        })
+        .collect();
+    Plan::new(stages, layers, 0.0).expect("valid plan")
+}
+
+fn max_rel_diff(a: &[Dense], b: &[Dense]) -> f32 {
+    let (fa, fb) = (mlp::flatten(a), mlp::flatten(b));
+    assert_eq!(fa.len(), fb.len());
+    fa.iter()
+        .zip(&fb)
+        .map(|(x, y)| (x - y).abs() / (1.0 + x.abs().max(y.abs())))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
+    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
+    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
+    let group = 4;
+    let cfg = RunConfig {
+        shape: shape.clone(),
+        // Stage 0 replicated: its replicas all-reduce their gradient sums at every flush.
+        plan: plan(&[(0, 2, 2), (2, 3, 1), (3, 4, 1)], 4),
+        schedule: ScheduleKind::Flushing { group },
+        batches: Batches::new(train.len(), 16, 3),
+        minibatches: 48,
+        lr: LrSchedule::constant(0.1),
+        momentum: 0.9,
+        seed: 11,
+        checkpoint_every: group,
+        replans: Default::default(),
+        warn_at: None,
+    };
+    let (reference, final_ref) = train_sgd(&cfg, &train, group);
+    let run = local::run(cfg, Arc::new(train), None).expect("pipeline runs");
+    let got = run.checkpoints.complete();
+    assert_eq!(got.len(), reference.len(), "one checkpoint per step");
+    let init = shape.init(11);
+    for (cp, (m, want)) in got.iter().zip(&reference) {
+        assert_eq!(cp.minibatch, *m);
+        let d = max_rel_diff(&cp.layers, want);
+        assert!(d < 1e-4, "after minibatch {m}: differs by {d}");
+        assert!(max_rel_diff(&cp.layers, &init) > 1e-3, "the model trained");
+    }
+    assert!(max_rel_diff(&run.model(), &final_ref) < 1e-4);
+    // Both replicas of stage 0 hold the same weights.
+    let s0: Vec<&Vec<Dense>> = run
+        .outcomes
+        .iter()
+        .filter(|o| o.stage == 0)
+        .map(|o| &o.layers)
+        .collect();
+    assert_eq!(s0.len(), 2);
+    assert_eq!(s0[0], s0[1]);
+}
+
+#[test]
+fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
+    let (train, test) = data::load_mnist(Path::new(super::support::DATA_DIR)).expect("mnist");
+    let shape = MlpShape::new(vec![784, 128, 64, 10]).unwrap();
+    let batches = Batches::new(train.len(), 64, 5);
+    let epochs = 1;
+    let minibatches = batches.per_epoch() * epochs;
+    let base = RunConfig {
+        shape: shape.clone(),
+        plan: plan(&[(0, 3, 1)], 3),
+        schedule: ScheduleKind::OneFOneB,
+        batches,
+        minibatches,
+        // Staleness compounds with momentum: PipeDream's stages see weights up to warm-up steps
+        // old, so the step size is moderate (0.05 with momentum 0.9 left 1F1B 1.3 points behind).
+        lr: LrSchedule::constant(0.02),
+        momentum: 0.9,
+        seed: 2,
+        checkpoint_every: 0,
+        replans: Default::default(),
+        warn_at: None,
+    };
+    let (_, sgd) = train_sgd(&base, &train, 1);
+    let sgd_acc = mlp::accuracy(&sgd, &test);
+    let train = Arc::new(train);
+    // Three single stages (warm-ups 2, 1, 0), and a replicated first stage (its replicas step
+    // together with the sum of their minibatches' mean gradients): both within 0.5 points of SGD.
+    for (stages, tolerance) in [
+        (vec![(0, 1, 1), (1, 2, 1), (2, 3, 1)], 0.005),
+        (vec![(0, 1, 2), (1, 2, 1), (2, 3, 1)], 0.005),
+    ] {
+        let cfg = RunConfig {
+            plan: plan(&stages, 3),
+            ..base.clone()
+        };
+        let run = local::run(cfg, train.clone(), None).expect("pipeline runs");
+        let acc = mlp::accuracy(&run.model(), &test);
+        eprintln!("plan {stages:?}: 1F1B {acc:.4} vs SGD {sgd_acc:.4}");
+        assert!(
+            (acc - sgd_acc).abs() <= tolerance,
+            "plan {stages:?}: 1F1B reached {acc:.4}, SGD {sgd_acc:.4}"
+        );
+        // Weight stashing really kept several versions in flight at the first stage.
+        let first = run.outcomes.iter().find(|o| o.stage == 0).unwrap();
+        assert!(first.max_versions >= 2, "{}", first.max_versions);
+        let last = run.outcomes.iter().find(|o| o.stage == 2).unwrap();
+        assert_eq!(last.samples as u64, {
+            let b = &base.batches;
+            (0..minibatches)
+                .map(|m| b.rows(m).len() as u64)
+                .sum::<u64>()
+        });
+    }
+}
+
+#[test]
+fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
+    let (train, test) = data::load_mnist(Path::new(super::support::DATA_DIR)).expect("mnist");
+    let shape = MlpShape::new(vec![784, 128, 64, 32, 10]).unwrap();
+    let batches = Batches::new(train.len(), 64, 5);
+    let minibatches = batches.per_epoch();
+    // Four single stages; the partitioner's table would give plans like these for fewer workers.
+    let replans = [
+        (3, plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4)),
+        (2, plan(&[(0, 2, 1), (2, 4, 1)], 4)),
+        (1, plan(&[(0, 4, 1)], 4)),
+    ]
+    .into_iter()
+    .collect();
+    let base = RunConfig {
+        shape: shape.clone(),
+        plan: plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4),
+        schedule: ScheduleKind::OneFOneB,
+        batches: batches.clone(),
+        minibatches,
+        lr: LrSchedule::constant(0.02),
+        momentum: 0.9,
+        seed: 2,
+        checkpoint_every: 0,
+        replans,
+        warn_at: None,
+    };
+    let train = Arc::new(train);
+    let plain = local::run(base.clone(), train.clone(), None).expect("uninterrupted run");
+    let plain_acc = mlp::accuracy(&plain.model(), &test);
+    // Worker 1 (stage 1, the only holder of layer 1) is warned a third of the way in: its layer
+    // moves to worker 2, whose layer moves to worker 3.
+    let cfg = RunConfig {
+        warn_at: Some((minibatches / 3, 1)),
+        ..base
+    };
+    let run = local::run(cfg, train, None).expect("run with an eviction");
+    let evicted: Vec<u32> = run
+        .outcomes
+        .iter()
+        .filter(|o| o.evicted)
+        .map(|o| o.worker)
+        .collect();
+    assert_eq!(evicted, [1]);
+    // The survivors finished on the plan for three workers.
+    let layout: Vec<(u32, usize, usize)> = run
+        .outcomes
+        .iter()
+        .filter(|o| !o.evicted)
+        .map(|o| (o.worker, o.first_layer, o.layers.len()))
+        .collect();
+    assert_eq!(layout, [(0, 0, 1), (2, 1, 1), (3, 2, 2)]);
+    // Every minibatch went through the last stage exactly once.
+    let mut seen: Vec<u64> = run
+        .outcomes
+        .iter()
+        .flat_map(|o| o.minibatches.iter().copied())
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..minibatches).collect::<Vec<_>>());
+    for o in &run.outcomes {
+        eprintln!(
+            "worker {} stage {} replica {} first layer {} shapes {:?} evicted {}",
+            o.worker,
+            o.stage,
+            o.replica,
+            o.first_layer,
+            o.layers.iter().map(|l| l.w.dim()).collect::<Vec<_>>(),
+            o.evicted
+        );
+    }
+    let acc = mlp::accuracy(&run.model(), &test);
+    let events = run.checkpoints.events();
+    let notice = events
+        .iter()
+        .find(|e| matches!(e.0, proteus_agent::pipeline::stage::Event::Notice { .. }));
+    let resumed = events
+        .iter()
+        .find(|e| matches!(e.0, proteus_agent::pipeline::stage::Event::Resumed { .. }));
+    let (Some(n), Some(r)) = (notice, resumed) else {
+        panic!("no re-plan recorded: {events:?}");
+    };
+    eprintln!(
+        "eviction: {:?}; training again on the new plan {:.3} s after the notice; accuracy {acc:.4} vs uninterrupted {plain_acc:.4}",
+        n.0,
+        r.1.duration_since(n.1).as_secs_f64()
+    );
+    assert!((acc - plain_acc).abs() <= 0.005, "{acc} vs {plain_acc}");
+}
+
+/// Seconds of the day of the first log line containing `what` (`…THH:MM:SS.ffffffZ …`).
+fn log_secs(log: &str, what: &str) -> Option<f64> {
+    let line = log.lines().find(|l| l.contains(what))?;
+    let time = line.split_whitespace().next()?.split_once('T')?.1;
+    let mut parts = time.trim_end_matches('Z').split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// `(start, end, replicas)` of every "layers A..B xR" in a logged plan.
+fn parse_plan(line: &str) -> Vec<(usize, usize, u32)> {
+    line.split("layers ")
+        .skip(1)
+        .filter_map(|part| {
+            let (range, rest) = part.split_once(" x")?;
+            let (a, b) = range.split_once("..")?;
+            let r: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            Some((a.parse().ok()?, b.parse().ok()?, r.parse().ok()?))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
+    use super::support::Cluster;
+    use proteus_wire::Tier;
+    use proteus_wire::agent_api::{
+        AppConfig, ImageDataset, Parallelism, StopCondition, TrainingConfig,
+    };
+    use std::time::{Duration, Instant};
+
+    // Wide layers behind slow links: the partitioner splits them into four single stages (the
+    // activations, not the layers, are the bottleneck), as in bench/pipeline.
+    let widths = vec![512u32, 512, 512, 10];
+    let mut cfg = TrainingConfig::new(AppConfig::Mlp {
+        dataset: ImageDataset::Mnist,
+        layers: widths.clone(),
+        batch: 64,
+        learning_rate: 0.02,
+        momentum: 0.9,
+        parallelism: Parallelism::Pipeline,
+        // Slow links make the partitioner split the layers into stages.
+        link_mbit_per_sec: Some(200.0),
+    });
+    // Two epochs: the comparison is made once training has mostly converged, where a re-plan's
+    // change of replication (and so of staleness) no longer shows at the first decimal.
+    cfg.stop = StopCondition::Epochs { epochs: 2 };
+    cfg.clocks_per_epoch = 937;
+    cfg.min_workers = 4;
+    cfg.seed = 3;
+    cfg.eval_every_epochs = 0;
+    let specs = [
+        ("p0", Tier::Reliable),
+        ("p1", Tier::Transient),
+        ("p2", Tier::Transient),
+        ("p3", Tier::Transient),
+    ];
+    let mut c = Cluster::start(cfg.clone(), &specs).await;
+    let started = c
+        .coord
+        .wait_for(Duration::from_secs(120), |s| s.progress.clock >= 150)
+        .await;
+    if started.is_none() {
+        c.dump_logs();
+        panic!("the pipeline did not get going");
+    }
+    let view = c.coord.with(|co| co.view().cloned()).expect("view");
+    let ranks: Vec<String> = view
+        .workers
+        .iter()
+        .map(|w| w.instance_id.0.clone())
+        .collect();
+    assert_eq!(ranks.len(), 4);
+    let warned = ranks[1].clone();
+    let noticed = Instant::now();
+    c.agent(&warned).imds.announce_interruption(120);
+    let st = c.wait_done(Duration::from_secs(300)).await;
+    let metric = st.final_metric.expect("final metric");
+    // The warned agent handed over and left on its own.
+    let code = c.agent(&warned).wait_exit(Duration::from_secs(60)).await;
+    assert_eq!(code, Some(0), "{}", c.agent(&warned).log_text());
+    // The leader logged the plan, the drain and the re-plan.
+    let leader_log = c.agent(&ranks[0]).log_text();
+    let plan_line = leader_log
+        .lines()
+        .find(|l| l.contains("pipeline plan"))
+        .expect("plan logged")
+        .to_string();
+    let stages = parse_plan(&plan_line);
+    assert!(!stages.is_empty(), "{plan_line}");
+    let all_logs: String = c.agents.iter().map(|a| a.log_text()).collect();
+    assert!(
+        all_logs.contains("draining the pipeline for a re-plan"),
+        "no drain"
+    );
+    assert!(all_logs.contains("re-planned"), "no re-plan");
+    let warned_log = c.agent(&warned).log_text();
+    assert!(warned_log.contains("state handed over"), "{warned_log}");
+    // Every survivor trained again on the new plan; the leader says after how long.
+    let pauses: Vec<String> = c
+        .agents
+        .iter()
+        .filter(|a| a.id != warned)
+        .filter_map(|a| {
+            a.log_text()
+                .lines()
+                .find(|l| l.contains("training again on the new plan"))
+                .map(|l| l.split("pause_ms=").nth(1).unwrap_or("?").to_string())
+        })
+        .collect();
+    assert_eq!(
+        pauses.len(),
+        3,
+        "every survivor resumes training: {pauses:?}"
+    );
+    // Wall time from the agent seeing the notice to the last survivor training again, from the
+    // log timestamps (all agents share this machine's clock).
+    let notice_at = log_secs(&warned_log, "interruption warning");
+    let resumed_at = c
+        .agents
+        .iter()
+        .filter(|a| a.id != warned)
+        .filter_map(|a| log_secs(&a.log_text(), "training again on the new plan"))
+        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))));
+    let (Some(n), Some(r)) = (notice_at, resumed_at) else {
+        panic!("no notice or resumption in the logs");
+    };
+    eprintln!(
+        "notice to training again on the new plan: {:.3} s",
+        (r - n).rem_euclid(86_400.0)
+    );
+    eprintln!(
+        "plan {stages:?}; pause after the drain (ms) per survivor: {pauses:?}; notice to job end {:.1} s; final accuracy {:.4}",
+        noticed.elapsed().as_secs_f64(),
+        metric.value
+    );
+    // The uninterrupted reference: the same plan, minibatches and seed, locally over TCP.
+    let (train, test) = data::load_mnist(Path::new(super::support::DATA_DIR)).expect("mnist");
+    let mut w = vec![784usize];
+    w.extend(widths.iter().map(|&x| x as usize));
+    let shape = MlpShape::new(w).unwrap();
+    let batches = Batches::new(train.len(), 64, 3);
+    let reference = RunConfig {
+        shape: shape.clone(),
+        plan: plan(&stages, shape.layers()),
+        schedule: ScheduleKind::OneFOneB,
+        minibatches: batches.per_epoch() * 2,
+        batches,
+        lr: LrSchedule::constant(0.02),
+        momentum: 0.9,
+        seed: 3,
+        checkpoint_every: 0,
+        replans: Default::default(),
+        warn_at: None,
+    };
+    let run = tokio::task::spawn_blocking(move || local::run(reference, Arc::new(train), None))
+        .await
+        .unwrap()
+        .expect("reference run");
+    let want = mlp::accuracy(&run.model(), &test);
+    eprintln!("uninterrupted: {want:.4}");
+    assert!(
+        (metric.value - want).abs() <= 0.005,
+        "{} vs {want}",
+        metric.value
+    );
+}
