@@ -114,6 +114,49 @@ impl BrokerProcess {
         b
     }
 
+    /// A broker on the simulated cloud, market time from 2015-05-01 at `speed`× with 250 ms
+    /// ticks, plus `extra` arguments (e.g. a trace of the test's own).
+    pub async fn start_sim(
+        dir: &Path,
+        database_url: &str,
+        speed: &str,
+        extra: &[&str],
+    ) -> BrokerProcess {
+        let mut args = vec![
+            "--cloud",
+            "sim",
+            "--speed",
+            speed,
+            "--start",
+            "2015-05-01T00:00:00Z",
+            "--tick-ms",
+            "250",
+        ];
+        args.extend_from_slice(extra);
+        Self::start(dir, database_url, &args, &[]).await
+    }
+
+    /// What the CLI needs to reach this broker as its user.
+    pub fn user_env(&self) -> [(&'static str, &str); 2] {
+        [("PROTEUS_URL", self.url.as_str()), ("PROTEUS_TOKEN", TOKEN)]
+    }
+
+    /// Writes `spec` (TOML) to `dir/job.toml` and submits it with `proteus submit`, as a user
+    /// would; returns the job's id.
+    pub fn submit_file(&self, dir: &Path, spec: &str) -> i64 {
+        let file = dir.join("job.toml");
+        std::fs::write(&file, spec).expect("write the job file");
+        let file = file.display().to_string();
+        let (code, out, err) = proteus(
+            None,
+            &["submit", &file, "--output", "json"],
+            &self.user_env(),
+        );
+        assert_eq!(code, 0, "submit failed: {err}");
+        let submitted: serde_json::Value = serde_json::from_str(&out).expect("submit's JSON");
+        submitted["id"].as_i64().expect("a job id")
+    }
+
     /// (Re)starts the process with the same settings plus `extra_env`.
     pub async fn spawn(&mut self, extra_env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()

@@ -4,10 +4,11 @@
 //! ledger bills the hour as provider-ended (free under `hourly-2015`), and the job completes.
 //! Nothing here posts a notice by hand.
 
-use proteus_e2e::{BrokerProcess, TOKEN, fresh_pg_database, proteus};
+use proteus_e2e::{BrokerProcess, fresh_pg_database};
 use std::path::Path;
 use std::time::Duration;
 
+/// Where `BrokerProcess::start_sim` starts market time.
 const START: &str = "2015-05-01T00:00:00Z";
 /// Market minutes after the start when both c3.xlarge spot markets spike above any bid, and
 /// how long the spike lasts. At 60× that is 15 wall seconds in: the agents are training then
@@ -60,57 +61,29 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_trace(dir.path());
     let db = fresh_pg_database().await;
-    let broker = BrokerProcess::start(
+    let broker = BrokerProcess::start_sim(
         dir.path(),
         &db,
+        "60",
         &[
-            "--cloud",
-            "sim",
             "--trace",
             &trace,
             "--on-demand",
             &od,
-            "--speed",
-            "60",
-            "--start",
-            START,
-            "--tick-ms",
-            "250",
             "--billing",
             "hourly-2015",
         ],
-        &[],
     )
     .await;
     // BidBrain with one reliable instance for the backups and two spot ones; stage 2 at a
     // 2:1 ratio puts the active shards on the spot instances, so a warning must move them.
-    let job_file = dir.path().join("job.toml");
-    std::fs::write(
-        &job_file,
+    let id = broker.submit_file(
+        dir.path(),
         "name = \"spike\"\napp = \"mlr\"\ndataset = \"mnist\"\npolicy = \"bidbrain\"\n\
          [stop]\nepochs = 60\n[limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
          [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
          [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\n",
-    )
-    .unwrap();
-    let env = [
-        ("PROTEUS_URL", broker.url.as_str()),
-        ("PROTEUS_TOKEN", TOKEN),
-    ];
-    let (code, out, err) = proteus(
-        None,
-        &[
-            "submit",
-            &job_file.display().to_string(),
-            "--output",
-            "json",
-        ],
-        &env,
     );
-    assert_eq!(code, 0, "submit failed: {err}");
-    let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
-        .as_i64()
-        .unwrap();
     let job = broker
         .wait_succeeded(
             &format!("/v1/jobs/{id}"),

@@ -1,48 +1,23 @@
 //! A job with `training.sync = "flexrr"` through the broker, on the simulated cloud with real
 //! agents, trains to the same accuracy as the same job under BSP.
 
-use proteus_e2e::{BrokerProcess, TOKEN, fresh_pg_database, proteus};
+use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus};
 use std::time::Duration;
 
 /// Final accuracy, `proteus status ID`, and the agents' logs.
 async fn run(sync: &str) -> (f64, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
-    let broker = BrokerProcess::start(
+    let broker = BrokerProcess::start_sim(dir.path(), &db, "300", &[]).await;
+    let id = broker.submit_file(
         dir.path(),
-        &db,
-        &[
-            "--cloud",
-            "sim",
-            "--speed",
-            "300",
-            "--start",
-            "2015-05-01T00:00:00Z",
-            "--tick-ms",
-            "250",
-        ],
-        &[],
-    )
-    .await;
-    let job_file = dir.path().join("job.toml");
-    std::fs::write(
-        &job_file,
-        format!(
+        &format!(
             "name = \"e2e-{sync}\"\napp = \"mlr\"\ndataset = \"digits\"\npolicy = \"bidbrain\"\n\
              [stop]\nepochs = 30\n[limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
              [work]\ntotal_work = 3.0\n[training]\nseed = 3\nsync = \"{sync}\"\n"
         ),
-    )
-    .unwrap();
-    let env = [
-        ("PROTEUS_URL", broker.url.as_str()),
-        ("PROTEUS_TOKEN", TOKEN),
-    ];
-    let file = job_file.display().to_string();
-    let (code, out, err) = proteus(None, &["submit", &file, "--output", "json"], &env);
-    assert_eq!(code, 0, "submit failed: {err}");
-    let submitted: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let id = submitted["id"].as_i64().unwrap();
+    );
+    let env = broker.user_env();
     let job = broker
         .client()
         .wait_for(

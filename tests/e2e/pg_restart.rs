@@ -132,22 +132,7 @@ async fn the_broker_rides_out_a_postgres_restart() {
     let mut pg = PrivatePostgres::init(dir.path());
     let work = dir.path().join("broker");
     std::fs::create_dir_all(&work).unwrap();
-    let broker = BrokerProcess::start(
-        &work,
-        &pg.url(),
-        &[
-            "--cloud",
-            "sim",
-            "--speed",
-            "300",
-            "--start",
-            "2015-05-01T00:00:00Z",
-            "--tick-ms",
-            "250",
-        ],
-        &[],
-    )
-    .await;
+    let broker = BrokerProcess::start_sim(&work, &pg.url(), "300", &[]).await;
     let api = broker.client();
     let job = serde_json::json!({
         "app": "mlr", "dataset": "mnist", "policy": "on-demand",

@@ -7,39 +7,14 @@ use std::time::Duration;
 async fn a_job_on_the_simulated_cloud_trains_and_reports_its_cost() {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
-    let broker = BrokerProcess::start(
+    let broker = BrokerProcess::start_sim(dir.path(), &db, "300", &[]).await;
+    let id = broker.submit_file(
         dir.path(),
-        &db,
-        &[
-            "--cloud",
-            "sim",
-            "--speed",
-            "300",
-            "--start",
-            "2015-05-01T00:00:00Z",
-            "--tick-ms",
-            "250",
-        ],
-        &[],
-    )
-    .await;
-    let job_file = dir.path().join("job.toml");
-    std::fs::write(
-        &job_file,
         "name = \"e2e-digits\"\napp = \"mlr\"\ndataset = \"digits\"\npolicy = \"bidbrain\"\n\
          [stop]\nepochs = 30\n[limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
          [work]\ntotal_work = 3.0\n[training]\nseed = 3\n",
-    )
-    .unwrap();
-    let env = [
-        ("PROTEUS_URL", broker.url.as_str()),
-        ("PROTEUS_TOKEN", TOKEN),
-    ];
-    let file = job_file.display().to_string();
-    let (code, out, err) = proteus(None, &["submit", &file, "--output", "json"], &env);
-    assert_eq!(code, 0, "submit failed: {err}");
-    let submitted: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let id = submitted["id"].as_i64().unwrap();
+    );
+    let env = broker.user_env();
 
     let api = broker.client();
     let job = api

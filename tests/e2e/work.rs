@@ -1,7 +1,7 @@
 //! Cost reports from the work a live job actually received, not from the estimate it was
 //! submitted with: a job whose estimate is several times what its training needs.
 
-use proteus_e2e::{BrokerProcess, TOKEN, fresh_pg_database, proteus};
+use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus};
 use std::time::Duration;
 
 fn at(v: &serde_json::Value) -> Option<chrono::DateTime<chrono::Utc>> {
@@ -16,49 +16,23 @@ fn at(v: &serde_json::Value) -> Option<chrono::DateTime<chrono::Utc>> {
 async fn the_report_prices_the_measured_work_not_the_estimate() {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
-    let broker = BrokerProcess::start(
-        dir.path(),
-        &db,
-        &[
-            "--cloud",
-            "sim",
-            "--speed",
-            "300",
-            "--start",
-            "2015-05-01T00:00:00Z",
-            "--tick-ms",
-            "250",
-        ],
-        &[],
-    )
-    .await;
+    let broker = BrokerProcess::start_sim(dir.path(), &db, "300", &[]).await;
     // Two on-demand c3.xlarge (1 unit per hour each: the reference type), per-second billing,
     // and an estimate of 6 units for ten epochs of MNIST, which take well under an hour of market
     // time on two instances.
     const ESTIMATE: f64 = 6.0;
     const STARTUP_MINUTES: f64 = 5.0;
-    let job_file = dir.path().join("job.toml");
-    std::fs::write(
-        &job_file,
-        format!(
+    let id = broker.submit_file(
+        dir.path(),
+        &format!(
             "name = \"overestimated\"\napp = \"mlr\"\ndataset = \"mnist\"\npolicy = \"on-demand\"\n\
              billing = \"per-second\"\n[stop]\nepochs = 10\n[limits]\nmax_instances = 2\nmax_reliable_instances = 2\n\
              [work]\ntotal_work = {ESTIMATE}\nreference_type = \"c3.xlarge\"\n\
              instance_types = [\"c3.xlarge\"]\nstartup_minutes = {STARTUP_MINUTES}\n\
              [training]\nseed = 5\n"
         ),
-    )
-    .unwrap();
-    let env = [
-        ("PROTEUS_URL", broker.url.as_str()),
-        ("PROTEUS_TOKEN", TOKEN),
-    ];
-    let file = job_file.display().to_string();
-    let (code, out, err) = proteus(None, &["submit", &file, "--output", "json"], &env);
-    assert_eq!(code, 0, "submit failed: {err}");
-    let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
-        .as_i64()
-        .unwrap();
+    );
+    let env = broker.user_env();
     broker
         .wait_succeeded(
             &format!("/v1/jobs/{id}"),
