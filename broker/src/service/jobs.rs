@@ -117,8 +117,9 @@ pub struct MarketCost {
     pub instances: u32,
 }
 
-/// The sync model a stored job runs under (its spec was validated at submission).
-fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
+/// The sync model a stored job runs under (its spec was validated at submission). It parses the
+/// spec: callers on the status path read it once per [`JobRecord`], not per request.
+pub(super) fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
     serde_json::from_str::<super::spec::JobSpec>(&job.spec)
         .ok()
         .and_then(|s| s.training)
@@ -212,6 +213,7 @@ impl Broker {
             &record.instances,
             record.spend_usd,
             &record.cooldowns,
+            &record.sync,
         ))
     }
 
@@ -221,6 +223,7 @@ impl Broker {
         instances: &[InstanceRow],
         spend: f64,
         cooldowns: &[Cooldown],
+        sync: &str,
     ) -> JobView {
         let mut by_tier =
             BTreeMap::from([("reliable".to_string(), 0), ("transient".to_string(), 0)]);
@@ -262,7 +265,7 @@ impl Broker {
                 .as_deref()
                 .and_then(|m| serde_json::from_str(m).ok()),
             stage,
-            sync: sync_of(job).to_string(),
+            sync: sync.to_string(),
             spend_usd: spend,
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),
@@ -301,7 +304,8 @@ impl Broker {
         for job in self.store.jobs(false).await? {
             let instances = self.store.instances_of_job(job.id).await?;
             let spend = self.store.spend_of_job(job.id).await?;
-            out.push(self.view_of(&job, &instances, spend, &cooldowns));
+            let sync = sync_of(&job).to_string();
+            out.push(self.view_of(&job, &instances, spend, &cooldowns, &sync));
         }
         Ok(out)
     }

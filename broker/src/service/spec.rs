@@ -437,6 +437,24 @@ impl JobSpec {
         })
     }
 
+    /// The image data set of an `mlr` or `mlp` job (which take no `training.rank`).
+    fn image_dataset(&self) -> Result<ImageDataset, FieldError> {
+        let dataset = match self.dataset.as_deref() {
+            None | Some("mnist") => ImageDataset::Mnist,
+            Some("digits") => ImageDataset::Digits,
+            Some(other) => {
+                return Err(bad(
+                    "dataset",
+                    format!("`{other}` is not an image data set (allowed: mnist, digits)"),
+                ));
+            }
+        };
+        if self.training.as_ref().and_then(|t| t.rank).is_some() {
+            return Err(bad("training.rank", "applies to `mf` only"));
+        }
+        Ok(dataset)
+    }
+
     fn app_config(&self) -> Result<AppConfig, FieldError> {
         let t = self.training.as_ref();
         let lr = t.and_then(|t| t.learning_rate);
@@ -466,19 +484,7 @@ impl JobSpec {
         }
         match self.app {
             App::Mlp => {
-                let dataset = match self.dataset.as_deref() {
-                    None | Some("mnist") => ImageDataset::Mnist,
-                    Some("digits") => ImageDataset::Digits,
-                    Some(other) => {
-                        return Err(bad(
-                            "dataset",
-                            format!("`{other}` is not an image data set (allowed: mnist, digits)"),
-                        ));
-                    }
-                };
-                if t.and_then(|t| t.rank).is_some() {
-                    return Err(bad("training.rank", "applies to `mf` only"));
-                }
+                let dataset = self.image_dataset()?;
                 let app = AppConfig::Mlp {
                     dataset,
                     layers: t
@@ -498,19 +504,7 @@ impl JobSpec {
                 Ok(app)
             }
             App::Mlr => {
-                let dataset = match self.dataset.as_deref() {
-                    None | Some("mnist") => ImageDataset::Mnist,
-                    Some("digits") => ImageDataset::Digits,
-                    Some(other) => {
-                        return Err(bad(
-                            "dataset",
-                            format!("`{other}` is not an image data set (allowed: mnist, digits)"),
-                        ));
-                    }
-                };
-                if t.and_then(|t| t.rank).is_some() {
-                    return Err(bad("training.rank", "applies to `mf` only"));
-                }
+                let dataset = self.image_dataset()?;
                 Ok(AppConfig::Mlr {
                     dataset,
                     learning_rate: lr

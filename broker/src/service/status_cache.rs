@@ -36,6 +36,8 @@ pub struct JobRecord {
     pub spend_usd: f64,
     /// Market cool-downs in force when read; filter by `until` again when shown.
     pub cooldowns: Vec<Cooldown>,
+    /// The job's sync model as shown, from its spec (which never changes).
+    pub sync: String,
 }
 
 impl JobRecord {
@@ -49,6 +51,7 @@ impl JobRecord {
             return Ok(None);
         };
         Ok(Some(JobRecord {
+            sync: super::jobs::sync_of(&job).to_string(),
             job,
             instances: store.instances_of_job(id).await?,
             spend_usd: store.spend_of_job(id).await?,
@@ -182,6 +185,7 @@ mod tests {
             instances: vec![],
             spend_usd: 0.0,
             cooldowns: vec![],
+            sync: "bsp".into(),
         })
     }
 
