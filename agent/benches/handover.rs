@@ -7,7 +7,7 @@
 mod common;
 
 use proteus_agent::testing::TestCoordinator;
-use proteus_agent::transport::{Peers, Request, Response};
+use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
 use proteus_wire::Tier;
 use proteus_wire::agent_api::{AppConfig, TrainingConfig};
 use proteus_wire::coordinator::MemberState;
@@ -63,7 +63,11 @@ async fn one_run() -> (f64, f64) {
 
     let start = Instant::now();
     t.1.announce_interruption(120);
-    let client = Peers::new("bench".into());
+    // The bench reads the agents' shards as one of the job's peers, with the job's secret.
+    let secret = coord
+        .with(|c| c.data_secret().cloned())
+        .expect("the job has a data-plane secret");
+    let client = Peers::new("bench".into(), DataPlane::new(secret, MAX_FRAME));
     let mut warned_at = None;
     loop {
         if warned_at.is_none() {

@@ -8,7 +8,7 @@ mod common;
 
 use proteus_agent::apps::App;
 use proteus_agent::ps::{PsNode, ShardState};
-use proteus_agent::transport::{Peers, Request, Response};
+use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
 use proteus_wire::InstanceId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ const ROUNDS: usize = 5;
 const TARGET_GBPS: f64 = 1.0;
 
 async fn client(addr: String, partition: u32, round: u64) -> u64 {
-    let peers = Peers::new(format!("client-{partition}"));
+    let peers = Peers::new(format!("client-{partition}"), test_plane());
     let delta = vec![0.001f32; FLOATS];
     let mut bytes = 0u64;
     for i in 0..OPS_PER_CLIENT {
@@ -56,7 +56,7 @@ fn main() {
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
-        let peers = Peers::new(addr.clone());
+        let peers = Peers::new(addr.clone(), test_plane());
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
         let app = Arc::new(App::Synthetic { model_len: FLOATS });
         let node = PsNode::new(InstanceId("ps".into()), app.clone(), CLIENTS, peers.clone(), tx);
@@ -100,4 +100,12 @@ fn main() {
             common::load_average()
         );
     });
+}
+
+/// One job's data plane: every peer of this test shares its secret.
+fn test_plane() -> DataPlane {
+    DataPlane::new(
+        proteus_wire::agent_api::DataSecret::from_bytes([7; 32]),
+        MAX_FRAME,
+    )
 }

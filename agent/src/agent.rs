@@ -9,7 +9,7 @@ use crate::ps::{self, PsEvent, PsNode};
 use crate::reassign::{Board, Node};
 use crate::straggler::Pace;
 use crate::sync::SyncPolicy;
-use crate::transport::Peers;
+use crate::transport::{DataPlane, Peers};
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
@@ -240,7 +240,14 @@ impl Agent {
             App::Mlp(job) => job.link_bytes_per_sec,
             _ => None,
         };
-        let peers = Peers::with_link_limit(data_addr, link);
+        let secret = reg.data_secret.clone().ok_or_else(|| {
+            AgentError::Config(
+                "the broker sent no data-plane secret (a broker older than this agent?)".into(),
+            )
+        })?;
+        let plane = DataPlane::new(secret, app.max_frame(&reg.training)).with_link_limit(link);
+        tracing::info!(max_frame = plane.max_frame(), "data plane bound");
+        let peers = Peers::new(data_addr, plane);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
         let ps = PsNode::with_slack(
             me.clone(),
@@ -330,6 +337,8 @@ impl Agent {
             w.abort();
         }
         self.event(AgentEvent::Exit { reason }).await;
+        // This agent is done with the job: its secret opens nothing here any more.
+        self.peers.revoke();
         tracing::info!(?outcome, "agent exiting");
         Ok(outcome)
     }

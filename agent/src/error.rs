@@ -26,6 +26,8 @@ pub enum AgentError {
     BrokerStatus { status: u16, message: String },
     #[error("peer {peer}: {message}")]
     Peer { peer: String, message: String },
+    #[error("data-plane hello refused: {0}")]
+    Handshake(String),
     #[error("malformed frame: {0}")]
     Frame(String),
     #[error("instance metadata: {0}")]

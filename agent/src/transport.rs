@@ -9,8 +9,33 @@
 //! u64 LE  request id (0 for hello)
 //! ...     body (see Request / Response encode)
 //! ```
+//!
+//! **Authentication.** Before any frame, both ends prove that they know the job's
+//! [`DataSecret`] (which the broker hands each agent in its registration answer, over the
+//! authenticated control channel): a challenge–response with HMAC-SHA256 over both sides'
+//! random nonces, each direction under its own label so that one side's proof can never be
+//! replayed or reflected as the other's:
+//!
+//! ```text
+//! initiator → acceptor   "PRTSDP01" ‖ nonce_i (32 bytes)
+//! acceptor → initiator   nonce_a (32) ‖ HMAC(secret, "proteus-dp1 acceptor" ‖ nonce_i ‖ nonce_a)
+//! initiator → acceptor   HMAC(secret, "proteus-dp1 initiator" ‖ nonce_i ‖ nonce_a)
+//! ```
+//!
+//! Every message has a fixed size and the whole exchange a deadline, so a peer that fails it
+//! (wrong secret, wrong protocol, silence) is dropped before a single frame is read from it. A
+//! shared-key MAC was chosen over mutual TLS with per-job certificates: the secret already
+//! travels over the broker's TLS channel, so there is no certificate authority to run or
+//! certificates to issue and expire, and the tensor stream is not encrypted and decrypted on
+//! every clock (see `docs/aws.md` for what this does and does not protect against).
+//!
+//! **Frame bound.** A frame may declare at most the job's bound (see [`frame_bound`]): what its
+//! model and batch sizes can legitimately need, not a global gigabyte. A larger declared length
+//! closes the connection before anything is allocated for it.
 
 use crate::error::{AgentError, Result};
+use hmac::{KeyInit, Mac};
+use proteus_wire::agent_api::DataSecret;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -22,8 +47,150 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-/// Frames larger than this are refused: a corrupt length must not allocate gigabytes.
+/// The ceiling of every job's frame bound (see [`frame_bound`]).
 pub const MAX_FRAME: usize = 1 << 30;
+
+/// Room in every frame bound for what is not a tensor: frame header, ids, strings, small lists.
+const FRAME_OVERHEAD: usize = 64 << 10;
+
+/// The largest frame a job's agents can legitimately send each other: its largest tensor
+/// (`tensor_floats` f32s: a shard's parameters, an update, a snapshot, an activation), its
+/// partition lists (a push names at most `num_partitions`; a snapshot lists at most a few clocks
+/// of them beyond the `slack` a worker may run ahead), and a fixed allowance for the rest.
+pub fn frame_bound(tensor_floats: usize, num_partitions: u32, slack: u32) -> usize {
+    let lists = (slack as usize + 8).saturating_mul(12 + 4 * num_partitions as usize);
+    FRAME_OVERHEAD
+        .saturating_add(lists)
+        .saturating_add(tensor_floats.saturating_mul(4))
+        .min(MAX_FRAME)
+}
+
+/// What a connection must satisfy on this agent's data plane: the job's secret (proved in the
+/// hello) and its frame bound; optionally an emulated link speed.
+#[derive(Clone, Debug)]
+pub struct DataPlane {
+    secret: DataSecret,
+    max_frame: usize,
+    link_limit: Option<f64>,
+    /// Off only in benchmarks measuring what the hello costs (feature `testing`).
+    hello: bool,
+}
+
+impl DataPlane {
+    /// `max_frame` from [`frame_bound`] (capped at [`MAX_FRAME`]).
+    pub fn new(secret: DataSecret, max_frame: usize) -> Self {
+        DataPlane {
+            secret,
+            max_frame: max_frame.min(MAX_FRAME),
+            link_limit: None,
+            hello: true,
+        }
+    }
+
+    /// Benchmarks only: connections skip the hello, to measure what it costs. Never in a build
+    /// without the `testing` feature (the agent binary has none).
+    #[cfg(feature = "testing")]
+    pub fn without_hello_for_benchmarks(mut self) -> Self {
+        self.hello = false;
+        self
+    }
+
+    /// Every connection (accepted or opened) limited to `bytes_per_sec`, shared by its two
+    /// directions; `None` is no limit.
+    pub fn with_link_limit(mut self, bytes_per_sec: Option<f64>) -> Self {
+        self.link_limit = bytes_per_sec.filter(|b| b.is_finite() && *b > 0.0);
+        self
+    }
+
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
+    }
+}
+
+const HELLO_MAGIC: &[u8; 8] = b"PRTSDP01";
+const NONCE_LEN: usize = 32;
+const MAC_LEN: usize = 32;
+/// The whole hello must be over within this; a silent peer does not hold a task for longer.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+const LABEL_ACCEPTOR: &[u8] = b"proteus-dp1 acceptor";
+const LABEL_INITIATOR: &[u8] = b"proteus-dp1 initiator";
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+fn hello_mac(secret: &DataSecret, label: &[u8], initiator: &[u8], acceptor: &[u8]) -> HmacSha256 {
+    // A 32-byte key is always accepted by HMAC.
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret.expose())
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    mac.update(label);
+    mac.update(initiator);
+    mac.update(acceptor);
+    mac
+}
+
+fn refused(message: &str) -> AgentError {
+    AgentError::Handshake(message.to_string())
+}
+
+/// The initiator's side of the hello (see the module documentation).
+pub async fn hello_as_initiator<S>(stream: &mut S, secret: &DataSecret) -> Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let exchange = async {
+        let mine: [u8; NONCE_LEN] = rand::random();
+        let mut first = Vec::with_capacity(HELLO_MAGIC.len() + NONCE_LEN);
+        first.extend_from_slice(HELLO_MAGIC);
+        first.extend_from_slice(&mine);
+        stream.write_all(&first).await?;
+        let mut answer = [0u8; NONCE_LEN + MAC_LEN];
+        stream.read_exact(&mut answer).await?;
+        let (theirs, proof) = answer.split_at(NONCE_LEN);
+        hello_mac(secret, LABEL_ACCEPTOR, &mine, theirs)
+            .verify_slice(proof)
+            .map_err(|_| refused("the peer does not know this job's secret"))?;
+        let reply = hello_mac(secret, LABEL_INITIATOR, &mine, theirs)
+            .finalize()
+            .into_bytes();
+        stream.write_all(&reply).await?;
+        Ok(())
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(refused("hello timed out")),
+    }
+}
+
+/// The acceptor's side of the hello: `Ok` only for a peer that proved the secret.
+pub async fn hello_as_acceptor<S>(stream: &mut S, secret: &DataSecret) -> Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let exchange = async {
+        let mut first = [0u8; HELLO_MAGIC.len() + NONCE_LEN];
+        stream.read_exact(&mut first).await?;
+        let (magic, theirs) = first.split_at(HELLO_MAGIC.len());
+        if magic != HELLO_MAGIC {
+            return Err(refused("not a Proteus data-plane hello"));
+        }
+        let mine: [u8; NONCE_LEN] = rand::random();
+        let proof = hello_mac(secret, LABEL_ACCEPTOR, theirs, &mine)
+            .finalize()
+            .into_bytes();
+        let mut answer = Vec::with_capacity(NONCE_LEN + MAC_LEN);
+        answer.extend_from_slice(&mine);
+        answer.extend_from_slice(&proof);
+        stream.write_all(&answer).await?;
+        let mut reply = [0u8; MAC_LEN];
+        stream.read_exact(&mut reply).await?;
+        hello_mac(secret, LABEL_INITIATOR, theirs, &mine)
+            .verify_slice(&reply)
+            .map_err(|_| refused("the peer does not know this job's secret"))
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(refused("hello timed out")),
+    }
+}
 
 const KIND_HELLO: u8 = 0;
 const KIND_REQUEST: u8 = 1;
@@ -603,33 +770,48 @@ pub struct Peers {
     conns: Mutex<HashMap<String, Arc<Conn>>>,
     next_id: AtomicU64,
     handler: Mutex<Option<Arc<dyn Handler>>>,
+    /// The job's secret; `None` once revoked (the job is over), which refuses every hello.
+    secret: Mutex<Option<DataSecret>>,
+    max_frame: usize,
+    hello: bool,
     /// Bytes per second per connection (both directions together), to emulate slow links.
     link_limit: Option<f64>,
 }
 
 impl Peers {
-    /// Like [`Peers::new`], with every connection (accepted or opened) limited to
-    /// `bytes_per_sec`, shared by its two directions; `None` is no limit.
-    pub fn with_link_limit(my_addr: String, bytes_per_sec: Option<f64>) -> Arc<Peers> {
+    /// `my_addr` is what peers use to reach us; it is sent in the hello so that they reuse the
+    /// connection we opened instead of opening a second one. Every connection, opened or
+    /// accepted, must pass `plane`'s hello and keep to its frame bound.
+    pub fn new(my_addr: String, plane: DataPlane) -> Arc<Peers> {
         Arc::new(Peers {
             my_addr,
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             handler: Mutex::new(None),
-            link_limit: bytes_per_sec.filter(|b| b.is_finite() && *b > 0.0),
+            secret: Mutex::new(Some(plane.secret)),
+            max_frame: plane.max_frame,
+            hello: plane.hello,
+            link_limit: plane.link_limit,
         })
     }
 
-    /// `my_addr` is what peers use to reach us; it is sent in the hello so that they reuse the
-    /// connection we opened instead of opening a second one.
-    pub fn new(my_addr: String) -> Arc<Peers> {
-        Arc::new(Peers {
-            my_addr,
-            conns: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
-            handler: Mutex::new(None),
-            link_limit: None,
-        })
+    /// Forget the job's secret and every connection: from now on no hello succeeds, in either
+    /// direction. Called when the job is over for this agent.
+    pub fn revoke(&self) {
+        if let Ok(mut s) = self.secret.lock() {
+            *s = None;
+        }
+        if let Ok(mut c) = self.conns.lock() {
+            c.clear();
+        }
+    }
+
+    fn secret(&self) -> Result<DataSecret> {
+        self.secret
+            .lock()
+            .ok()
+            .and_then(|s| s.clone())
+            .ok_or_else(|| refused("this agent's data plane is closed (the job is over)"))
     }
 
     pub fn set_handler(&self, h: Arc<dyn Handler>) {
@@ -646,10 +828,21 @@ impl Peers {
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         loop {
             match listener.accept().await {
-                Ok((stream, _)) => {
+                Ok((mut stream, from)) => {
                     let _ = stream.set_nodelay(true);
                     let peers = self.clone();
-                    tokio::spawn(async move { peers.run_conn(stream, None).await });
+                    tokio::spawn(async move {
+                        let hello = match peers.secret() {
+                            Ok(_) if !peers.hello => Ok(()),
+                            Ok(secret) => hello_as_acceptor(&mut stream, &secret).await,
+                            Err(e) => Err(e),
+                        };
+                        match hello {
+                            Ok(()) => peers.run_conn(stream, None).await,
+                            // Dropped here: nothing of it was read as a frame.
+                            Err(e) => tracing::warn!(peer = %from, error = %e, "refused a data-plane connection"),
+                        }
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -677,6 +870,17 @@ impl Peers {
             peer: addr.to_string(),
             message: m.to_string(),
         };
+        if bytes.len() - 4 > self.max_frame {
+            // The peer would drop the connection: say why here instead.
+            if let Ok(mut p) = conn.pending.lock() {
+                p.remove(&id);
+            }
+            return Err(peer_err(&format!(
+                "a request of {} bytes exceeds this job's frame bound of {} bytes",
+                bytes.len() - 4,
+                self.max_frame
+            )));
+        }
         if conn.tx.send(bytes).is_err() {
             self.forget(addr, &conn);
             return Err(peer_err("connection closed"));
@@ -708,7 +912,8 @@ impl Peers {
         if let Some(c) = self.conns.lock().ok().and_then(|c| c.get(addr).cloned()) {
             return Ok(c);
         }
-        let stream = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+        let secret = self.secret()?;
+        let mut stream = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
             .await
             .map_err(|_| AgentError::Peer {
                 peer: addr.into(),
@@ -719,6 +924,14 @@ impl Peers {
                 message: format!("connect: {e}"),
             })?;
         let _ = stream.set_nodelay(true);
+        if self.hello {
+            hello_as_initiator(&mut stream, &secret)
+                .await
+                .map_err(|e| AgentError::Peer {
+                    peer: addr.into(),
+                    message: e.to_string(),
+                })?;
+        }
         let (conn, reader) = self.attach(stream, Some(addr.to_string()));
         let hello = frame(KIND_HELLO, 0, 0, |e| e.str(&self.my_addr));
         let _ = conn.tx.send(hello);
@@ -765,8 +978,12 @@ impl Peers {
     ) {
         let mut reader = BufReader::with_capacity(1 << 16, reader);
         loop {
-            let body = match read_frame(&mut reader, conn.limit.as_deref()).await {
+            let body = match read_frame(&mut reader, conn.limit.as_deref(), self.max_frame).await {
                 Ok(b) => b,
+                Err(AgentError::Frame(e)) => {
+                    tracing::warn!(peer = key.as_deref().unwrap_or("?"), error = %e, "dropping a data-plane connection");
+                    break;
+                }
                 Err(_) => break,
             };
             let mut d = Dec(&body);
@@ -794,15 +1011,23 @@ impl Peers {
                     let req = Request::decode(&mut d);
                     let handler = self.handler();
                     let tx = conn.tx.clone();
+                    let max_frame = self.max_frame;
                     tokio::spawn(async move {
                         let resp = match (req, handler) {
                             (Ok(req), Some(h)) => h.handle(req).await,
                             (Err(e), _) => Response::Error(e.to_string()),
                             (_, None) => Response::Busy,
                         };
-                        let _ = tx.send(frame(KIND_RESPONSE, id, resp.payload_bytes(), |e| {
-                            resp.encode(e)
-                        }));
+                        let mut bytes =
+                            frame(KIND_RESPONSE, id, resp.payload_bytes(), |e| resp.encode(e));
+                        if bytes.len() - 4 > max_frame {
+                            let refusal = Response::Error(format!(
+                                "an answer of {} bytes exceeds this job's frame bound of {max_frame} bytes",
+                                bytes.len() - 4
+                            ));
+                            bytes = frame(KIND_RESPONSE, id, 0, |e| refusal.encode(e));
+                        }
+                        let _ = tx.send(bytes);
                     });
                 }
                 _ => break,
@@ -845,14 +1070,16 @@ async fn write_loop(
     let _ = w.shutdown().await;
 }
 
-async fn read_frame(
-    r: &mut BufReader<OwnedReadHalf>,
+/// One frame's body. A declared length over `max_frame` is an error before any allocation.
+pub async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
     limit: Option<&TokenBucket>,
+    max_frame: usize,
 ) -> Result<Vec<u8>> {
     let len = r.read_u32_le().await? as usize;
-    if len > MAX_FRAME {
+    if len > max_frame {
         return Err(AgentError::Frame(format!(
-            "frame of {len} bytes exceeds limit"
+            "a frame of {len} bytes exceeds this job's bound of {max_frame} bytes"
         )));
     }
     // Read into spare capacity: no zeroing pass over multi-megabyte tensors.
@@ -988,6 +1215,129 @@ mod tests {
         let later = t0 + Duration::from_secs(10);
         assert_eq!(b.debit(LIMIT_CHUNK, later), Duration::ZERO);
         assert!(b.debit(1, later) > Duration::ZERO);
+    }
+
+    fn secret(b: u8) -> DataSecret {
+        DataSecret::from_bytes([b; DataSecret::LEN])
+    }
+
+    #[tokio::test]
+    async fn the_hello_passes_with_the_job_secret_and_fails_without_it() {
+        // Same secret: both sides pass.
+        let (one, two) = (secret(1), secret(2));
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let (i, r) = tokio::join!(
+            hello_as_initiator(&mut a, &one),
+            hello_as_acceptor(&mut b, &one)
+        );
+        assert!(i.is_ok() && r.is_ok(), "{i:?} {r:?}");
+        // Different secrets: the initiator refuses the acceptor's proof (and sends none), so
+        // the acceptor fails too.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let (i, r) = tokio::join!(
+            async {
+                let r = hello_as_initiator(&mut a, &one).await;
+                drop(a);
+                r
+            },
+            hello_as_acceptor(&mut b, &two)
+        );
+        assert!(matches!(i, Err(AgentError::Handshake(_))), "{i:?}");
+        assert!(r.is_err());
+        // Not our protocol at all (a raw frame where the hello belongs): refused on the magic.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let raw = frame(KIND_REQUEST, 1, 0, |e| Request::Progress.encode(e));
+        let mut junk = raw.clone();
+        junk.resize(64, 0);
+        a.write_all(&junk).await.unwrap();
+        let r = hello_as_acceptor(&mut b, &one).await;
+        assert!(
+            matches!(&r, Err(AgentError::Handshake(m)) if m.contains("not a Proteus")),
+            "{r:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_replays_a_proof_is_refused() {
+        // A rogue that saw an honest exchange replays the initiator's proof on a new connection:
+        // the acceptor's fresh nonce makes it worthless.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let (mut tap_a, mut tap_b) = (Vec::new(), Vec::new());
+        let s = secret(3);
+        let acceptor = tokio::spawn({
+            let s = s.clone();
+            async move { hello_as_acceptor(&mut b, &s).await }
+        });
+        // Honest initiator, recording what it sends.
+        let mine: [u8; NONCE_LEN] = rand::random();
+        tap_a.extend_from_slice(HELLO_MAGIC);
+        tap_a.extend_from_slice(&mine);
+        a.write_all(&tap_a).await.unwrap();
+        let mut answer = [0u8; NONCE_LEN + MAC_LEN];
+        a.read_exact(&mut answer).await.unwrap();
+        let proof = hello_mac(&s, LABEL_INITIATOR, &mine, &answer[..NONCE_LEN])
+            .finalize()
+            .into_bytes();
+        tap_b.extend_from_slice(&proof);
+        a.write_all(&tap_b).await.unwrap();
+        assert!(acceptor.await.unwrap().is_ok());
+        // Replay both messages to a new acceptor.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let acceptor = tokio::spawn({
+            let s = s.clone();
+            async move { hello_as_acceptor(&mut b, &s).await }
+        });
+        a.write_all(&tap_a).await.unwrap();
+        a.read_exact(&mut answer).await.unwrap();
+        a.write_all(&tap_b).await.unwrap();
+        assert!(acceptor.await.unwrap().is_err());
+        // Reflection: the acceptor's own proof sent back as the initiator's is refused too.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let acceptor = tokio::spawn({
+            let s = s.clone();
+            async move { hello_as_acceptor(&mut b, &s).await }
+        });
+        a.write_all(&tap_a).await.unwrap();
+        a.read_exact(&mut answer).await.unwrap();
+        a.write_all(&answer[NONCE_LEN..]).await.unwrap();
+        assert!(acceptor.await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_frame_over_the_bound_is_refused_before_its_body_is_read() {
+        // Only the 4-byte header exists: a decoder that allocated and read the body would fail
+        // on the missing bytes instead, with another message.
+        let bound = frame_bound(1000, 4, 0);
+        let header = ((bound + 1) as u32).to_le_bytes();
+        let err = read_frame(&mut &header[..], None, bound).await.unwrap_err();
+        assert!(
+            err.to_string().contains("exceeds this job's bound"),
+            "{err}"
+        );
+        // At the bound it is read (here it is cut short, which is another error).
+        let header = (bound as u32).to_le_bytes();
+        let err = read_frame(&mut &header[..], None, bound).await.unwrap_err();
+        assert!(err.to_string().contains("connection closed after 0"), "{err}");
+    }
+
+    #[test]
+    fn the_frame_bound_fits_the_largest_legitimate_message() {
+        // A push of a whole model with every partition named fits; four times the model does not.
+        let (floats, parts) = (250_000usize, 64u32);
+        let bound = frame_bound(floats, parts, 2);
+        let push = frame(KIND_REQUEST, 1, 0, |e| {
+            Request::Push {
+                shard: 0,
+                clock: 1,
+                partitions: (0..parts).collect(),
+                delta: vec![0.5; floats],
+            }
+            .encode(e)
+        });
+        assert!(push.len() - 4 <= bound);
+        assert!(4 * floats * 4 > bound);
+        assert!(bound < 2 << 20, "{bound}");
+        assert_eq!(frame_bound(usize::MAX, u32::MAX, u32::MAX), MAX_FRAME);
     }
 
     #[test]

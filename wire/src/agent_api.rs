@@ -95,6 +95,88 @@ pub struct RegisterResponse {
     /// Longest `wait_ms` the broker honours on the commands long poll.
     #[serde(default = "default_command_wait_ms")]
     pub command_wait_ms: u64,
+    /// The job's data-plane secret: every connection between this job's agents proves it knows
+    /// it (see `proteus_agent::transport`). Absent only from a broker that predates it, which
+    /// the agent refuses.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub data_secret: Option<DataSecret>,
+}
+
+/// A job's data-plane secret: 32 random bytes, hex on the wire.
+///
+/// It only crosses the authenticated (and, off loopback, TLS) control channel, and its `Debug`
+/// and `Display` print `DataSecret(..)`, so that logging a [`RegisterResponse`] or a saved
+/// coordinator at any level cannot leak it. The bytes are reachable only through
+/// [`DataSecret::expose`], which the data plane's HMAC calls.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DataSecret([u8; DataSecret::LEN]);
+
+impl DataSecret {
+    pub const LEN: usize = 32;
+
+    /// Wraps bytes the caller drew from a cryptographic random source.
+    pub fn from_bytes(bytes: [u8; DataSecret::LEN]) -> Self {
+        DataSecret(bytes)
+    }
+
+    /// The key bytes, for the HMAC and nothing else.
+    pub fn expose(&self) -> &[u8; DataSecret::LEN] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for DataSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DataSecret(..)")
+    }
+}
+
+impl fmt::Display for DataSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DataSecret(..)")
+    }
+}
+
+impl Serialize for DataSecret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(2 * DataSecret::LEN);
+        for b in self.0 {
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 15)] as char);
+        }
+        s.serialize_str(&out)
+    }
+}
+
+impl<'de> Deserialize<'de> for DataSecret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        };
+        let raw = text.as_bytes();
+        if raw.len() != 2 * DataSecret::LEN {
+            // Neither the value nor its prefix goes into the message.
+            return Err(serde::de::Error::custom(format!(
+                "a data secret is {} hex digits, got {}",
+                2 * DataSecret::LEN,
+                raw.len()
+            )));
+        }
+        let mut bytes = [0u8; DataSecret::LEN];
+        for (i, pair) in raw.chunks_exact(2).enumerate() {
+            match (digit(pair[0]), digit(pair[1])) {
+                (Some(h), Some(l)) => bytes[i] = (h << 4) | l,
+                _ => return Err(serde::de::Error::custom("a data secret is hex digits only")),
+            }
+        }
+        Ok(DataSecret(bytes))
+    }
 }
 
 pub fn default_heartbeat_interval_ms() -> u64 {

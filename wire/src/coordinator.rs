@@ -13,7 +13,7 @@ use crate::agent_api::{
     PartitionRange, Progress, RegisterRequest, RegisterResponse, ShardPlacement, ShardSource,
     Stage, StageThresholds, TrainingConfig, WorkerAssignment,
 };
-use crate::agent_api::{ApiError, ExitReason};
+use crate::agent_api::{ApiError, DataSecret, ExitReason};
 use crate::ids::{InstanceId, JobId, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -236,6 +236,11 @@ pub struct Coordinator {
     latest_metric: Option<Metric>,
     /// Samples processed by members that departed, so the job total never goes down.
     departed_samples: u64,
+    /// The job's data-plane secret, handed to each agent at registration; dropped when the job
+    /// ends (a new job gets a new one). Saved with the rest so that agents joining after a broker
+    /// restart can talk to those already running.
+    #[serde(default)]
+    data_secret: Option<DataSecret>,
 }
 
 impl Coordinator {
@@ -260,7 +265,28 @@ impl Coordinator {
             final_metric: None,
             latest_metric: None,
             departed_samples: 0,
+            data_secret: None,
         })
+    }
+
+    /// The secret agents of this job prove to each other on the data plane. The broker draws it
+    /// from a cryptographic random source (this type does no I/O and stays deterministic).
+    pub fn with_data_secret(mut self, secret: DataSecret) -> Self {
+        if !self.state.is_over() {
+            self.data_secret = Some(secret);
+        }
+        self
+    }
+
+    /// Whether the job has a data-plane secret (none once it is over, or in a state saved by a
+    /// broker that predates them).
+    pub fn has_data_secret(&self) -> bool {
+        self.data_secret.is_some()
+    }
+
+    /// The job's data-plane secret while it runs (tests and benchmarks act as a peer with it).
+    pub fn data_secret(&self) -> Option<&DataSecret> {
+        self.data_secret.as_ref()
     }
 
     /// After a broker restart: the members' last heartbeats are as old as the outage, which says
@@ -344,6 +370,7 @@ impl Coordinator {
             training: self.training.clone(),
             heartbeat_interval_ms: self.heartbeat_interval_ms,
             command_wait_ms: self.command_wait_ms,
+            data_secret: self.data_secret.clone(),
         })
     }
 
@@ -592,6 +619,8 @@ impl Coordinator {
 
     fn finish(&mut self, state: JobState, reason: String) {
         self.state = state;
+        // The secret dies with the job: nothing that learnt it can use it again.
+        self.data_secret = None;
         for m in self.members.values_mut() {
             m.push(Command::Stop {
                 reason: reason.clone(),
@@ -1476,5 +1505,42 @@ mod tests {
         let mut cfg = config();
         cfg.stop = StopCondition::Clocks { clocks: 7 };
         assert_eq!(cfg.total_clocks(), 7);
+    }
+
+    #[test]
+    fn the_data_secret_reaches_members_only_while_the_job_runs_and_never_prints() {
+        let secret = DataSecret::from_bytes([0xab; DataSecret::LEN]);
+        let mut c = Coordinator::new(JobId(1), config())
+            .unwrap()
+            .with_data_secret(secret.clone());
+        let reg = c
+            .register(
+                RegisterRequest {
+                    instance_id: InstanceId("i-1".into()),
+                    data_addr: "127.0.0.1:1".into(),
+                    vcpus: 1,
+                    agent_version: String::new(),
+                },
+                Tier::Reliable,
+                0,
+            )
+            .unwrap();
+        assert_eq!(reg.data_secret.as_ref(), Some(&secret));
+        // Saved and restored with the coordinator (a broker restart keeps the job's secret)...
+        let saved = serde_json::to_string(&c).unwrap();
+        let restored: Coordinator = serde_json::from_str(&saved).unwrap();
+        assert_eq!(restored.data_secret(), Some(&secret));
+        // ...but never in a log line, whatever is logged.
+        let hex = "ab".repeat(DataSecret::LEN);
+        assert!(saved.contains(&hex));
+        assert!(!format!("{reg:?} {c:?} {secret}").contains(&hex));
+        // It dies with the job, and a finished job takes no new one.
+        c.cancel("done");
+        assert!(!c.has_data_secret());
+        let c = c.with_data_secret(DataSecret::from_bytes([1; DataSecret::LEN]));
+        assert!(c.data_secret().is_none());
+        // Malformed secrets are refused without echoing them.
+        let err = serde_json::from_str::<DataSecret>("\"zz\"").unwrap_err();
+        assert!(!err.to_string().contains("zz"), "{err}");
     }
 }

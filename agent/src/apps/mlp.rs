@@ -28,6 +28,9 @@ pub struct MlpJob {
     pub link_bytes_per_sec: Option<f64>,
 }
 
+/// The most workers a pipeline's plan table is sized for in the frame bound.
+pub const PLAN_WORKERS: usize = 4096;
+
 /// Number of classes of the image data sets.
 pub const CLASSES: usize = 10;
 
@@ -67,6 +70,23 @@ impl MlpShape {
     /// Parameters of layer `l` (weights and biases).
     pub fn layer_params(&self, l: usize) -> usize {
         self.0[l] * self.0[l + 1] + self.0[l + 1]
+    }
+
+    /// The most f32s one pipeline message of this model carries with minibatches of about
+    /// `batch` samples: a stage's weights for the all-reduce, a layer's weights and velocity, an
+    /// activation or gradient (a minibatch holds fewer than `2 × batch` rows, see
+    /// `pipeline::stage::Batches`), or the table of plans for up to [`PLAN_WORKERS`] workers.
+    pub fn max_message_floats(&self, batch: usize) -> usize {
+        let widest = self.0.iter().copied().max().unwrap_or(0);
+        let layer = (0..self.layers())
+            .map(|l| self.layer_params(l))
+            .max()
+            .unwrap_or(0);
+        let plans = PLAN_WORKERS * (2 + 3 * self.layers());
+        self.params()
+            .max(batch.saturating_mul(2).saturating_mul(widest))
+            .max(2 * layer)
+            .max(plans)
     }
 
     pub fn params(&self) -> usize {

@@ -179,6 +179,18 @@ impl App {
         })
     }
 
+    /// The data-plane frame bound of a job training this app with `cfg` (see
+    /// [`crate::transport::frame_bound`]): parameter-server messages carry at most the whole
+    /// model (a shard's values, an update, a snapshot); pipeline messages at most
+    /// [`mlp::MlpShape::max_message_floats`].
+    pub fn max_frame(&self, cfg: &TrainingConfig) -> usize {
+        let floats = match self {
+            App::Mlp(job) => job.shape.max_message_floats(job.batch),
+            _ => self.model_len(),
+        };
+        crate::transport::frame_bound(floats, cfg.num_partitions, cfg.sync.slack())
+    }
+
     pub fn model_len(&self) -> usize {
         match self {
             App::Mlr(a) => a.model_len(),

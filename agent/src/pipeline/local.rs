@@ -6,7 +6,8 @@ use super::stage::{
     self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
 };
 use crate::data::ImageSet;
-use crate::transport::Peers;
+use crate::transport::{DataPlane, Peers, frame_bound};
+use proteus_wire::agent_api::DataSecret;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
@@ -101,10 +102,17 @@ pub fn run_with_warnings(
             }
         });
     }
+    // The local workers are one job: one fresh secret, the bound of this model and batch.
+    let batch = train.len() / cfg.batches.per_epoch().max(1) as usize + 1;
+    let plane = DataPlane::new(
+        DataSecret::from_bytes(rand::random()),
+        frame_bound(cfg.shape.max_message_floats(batch), 1, 0),
+    )
+    .with_link_limit(link_bytes_per_sec);
     let mut threads = Vec::new();
     for (w, (rt, listener, addr)) in setups.into_iter().enumerate() {
         let w = w as u32;
-        let (addrs, cfg, train) = (addrs.clone(), cfg.clone(), train.clone());
+        let (addrs, cfg, train, plane) = (addrs.clone(), cfg.clone(), train.clone(), plane.clone());
         let (cps, all_done, notices) = (checkpoints.clone(), all_done.clone(), notices.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pipe-worker-{w}"))
@@ -112,7 +120,7 @@ pub fn run_with_warnings(
                 let result = rt.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener)
                         .map_err(|source| LocalError::Setup { worker: w, source })?;
-                    let peers = Peers::with_link_limit(addr, link_bytes_per_sec);
+                    let peers = Peers::new(addr, plane.clone());
                     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                     peers.set_handler(Arc::new(Inbox(tx)));
                     tokio::spawn(peers.clone().serve(listener));

@@ -2,7 +2,7 @@
 
 use proteus_agent::apps::App;
 use proteus_agent::ps::{PsNode, ShardState};
-use proteus_agent::transport::Peers;
+use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers};
 use proteus_wire::InstanceId;
 use proteus_wire::Tier;
 use proteus_wire::agent_api::{
@@ -17,7 +17,7 @@ async fn node(name: &str, app: Arc<App>) -> (Arc<PsNode>, String) {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
-    let peers = Peers::new(addr.clone());
+    let peers = Peers::new(addr.clone(), test_plane());
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     std::mem::forget(_rx);
     let node = PsNode::new(InstanceId(name.into()), app, 4, peers.clone(), tx);
@@ -83,7 +83,7 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
         for p in 0..4u32 {
             let delta: Vec<f32> = (0..LEN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             // Through the real request path, over TCP.
-            let peers = Peers::new("client".into());
+            let peers = Peers::new("client".into(), test_plane());
             let resp = peers
                 .call(
                     &a_addr,
@@ -162,4 +162,12 @@ async fn promoted_backup_holds_every_update_up_to_its_seq() {
     );
     // Clock 20's partitions are missing on the promoted shard: workers will resend them.
     assert_eq!(promoted.clocks.missing(20), vec![0, 1, 2, 3]);
+}
+
+/// One job's data plane: every peer of this test shares its secret.
+fn test_plane() -> DataPlane {
+    DataPlane::new(
+        proteus_wire::agent_api::DataSecret::from_bytes([7; 32]),
+        MAX_FRAME,
+    )
 }

@@ -12,7 +12,7 @@ use proteus_agent::ps::PsNode;
 use proteus_agent::reassign::{Audit, AuditEvent, Board, How, Node};
 use proteus_agent::straggler::Pace;
 use proteus_agent::sync::SyncPolicy;
-use proteus_agent::transport::{Peers, Request, Response};
+use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
 use proteus_agent::worker::{self, WorkerCtx, WorkerExit};
 use proteus_wire::agent_api::{
     AppConfig, ClusterView, ImageDataset, MemberInfo, PartitionRange, ShardPlacement, ShardSource,
@@ -114,7 +114,7 @@ async fn start(app: Arc<App>, cfg: TrainingConfig, slowdowns: &[f64]) -> InProce
     let (views_tx, _) = watch::channel(Some(view.clone()));
     let mut ctxs = Vec::new();
     for (i, listener) in listeners.into_iter().enumerate() {
-        let peers = Peers::new(addrs[i].clone());
+        let peers = Peers::new(addrs[i].clone(), test_plane());
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();
         std::mem::forget(ps_rx);
         let ps = PsNode::with_slack(
@@ -158,7 +158,7 @@ async fn start(app: Arc<App>, cfg: TrainingConfig, slowdowns: &[f64]) -> InProce
         .collect();
     InProcess {
         log,
-        peers: Peers::new("127.0.0.1:1".into()),
+        peers: Peers::new("127.0.0.1:1".into(), test_plane()),
         addrs,
         workers,
         cfg,
@@ -518,4 +518,12 @@ fn text_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
 
 fn field<T: std::str::FromStr>(line: &str, name: &str) -> Option<T> {
     text_field(line, name)?.parse().ok()
+}
+
+/// One job's data plane: every peer of this test shares its secret.
+fn test_plane() -> DataPlane {
+    DataPlane::new(
+        proteus_wire::agent_api::DataSecret::from_bytes([7; 32]),
+        MAX_FRAME,
+    )
 }

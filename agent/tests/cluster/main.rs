@@ -2,6 +2,7 @@
 //! IMDS mock per agent. One test binary (modules below) so it links once.
 
 mod backup;
+mod data_plane;
 mod faults;
 mod flexrr;
 mod pipeline;

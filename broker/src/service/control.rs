@@ -7,6 +7,7 @@
 
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{CommandEnvelope, TrainingConfig};
+use proteus_wire::agent_api::DataSecret;
 use proteus_wire::coordinator::{Coordinator, CoordinatorError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -121,9 +122,13 @@ impl ControlPlane {
                 None
             }
         });
+        // A fresh secret per job, from the OS-seeded CSPRNG; a state saved before secrets
+        // existed gets one too (its agents re-register and learn it).
+        let secret = || DataSecret::from_bytes(rand::random());
         let coordinator = match restored {
-            Some(c) => c,
-            None => Coordinator::new(job, training.clone())?,
+            Some(c) if c.has_data_secret() => c,
+            Some(c) => c.with_data_secret(secret()),
+            None => Coordinator::new(job, training.clone())?.with_data_secret(secret()),
         };
         let control = Arc::new(JobControl {
             coordinator: Mutex::new(coordinator),
