@@ -74,6 +74,8 @@ pub struct BrokerProcess {
     pub port: u16,
     pub state_dir: PathBuf,
     pub log: PathBuf,
+    /// The CA this broker's HTTPS certificate chains to (from `--tls-ca`), when it serves TLS.
+    pub ca_file: Option<PathBuf>,
     args: Vec<String>,
     envs: Vec<(String, String)>,
 }
@@ -88,7 +90,8 @@ pub fn free_port() -> u16 {
 
 impl BrokerProcess {
     /// Starts `proteus serve` with `args` (plus listen address, token, state dir and log) and
-    /// waits until it answers `/healthz`.
+    /// waits until it answers `/healthz`. With `--tls-cert` in `args` the broker is reached
+    /// over HTTPS, trusting the `--tls-ca` given with it.
     pub async fn start(
         dir: &Path,
         database_url: &str,
@@ -96,12 +99,20 @@ impl BrokerProcess {
         envs: &[(&str, &str)],
     ) -> BrokerProcess {
         let port = free_port();
+        let tls = args.contains(&"--tls-cert");
+        let ca_file = args
+            .iter()
+            .position(|a| *a == "--tls-ca")
+            .and_then(|i| args.get(i + 1))
+            .map(PathBuf::from);
+        let scheme = if tls { "https" } else { "http" };
         let mut b = BrokerProcess {
             child: None,
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("{scheme}://127.0.0.1:{port}"),
             port,
             state_dir: dir.join("state"),
             log: dir.join("broker.log"),
+            ca_file,
             args: args.iter().map(|s| s.to_string()).collect(),
             envs: envs
                 .iter()
@@ -137,8 +148,23 @@ impl BrokerProcess {
     }
 
     /// What the CLI needs to reach this broker as its user.
-    pub fn user_env(&self) -> [(&'static str, &str); 2] {
-        [("PROTEUS_URL", self.url.as_str()), ("PROTEUS_TOKEN", TOKEN)]
+    pub fn user_env(&self) -> Vec<(&'static str, &str)> {
+        let mut env = vec![("PROTEUS_URL", self.url.as_str()), ("PROTEUS_TOKEN", TOKEN)];
+        if let Some(ca) = self.ca_file.as_deref().and_then(|p| p.to_str()) {
+            env.push(("PROTEUS_CA_FILE", ca));
+        }
+        env
+    }
+
+    /// An HTTP client that trusts this broker (its test CA when it serves TLS).
+    pub fn http(&self) -> reqwest::Client {
+        let mut b = reqwest::Client::builder().timeout(Duration::from_secs(60));
+        if let Some(ca) = &self.ca_file {
+            let pem = std::fs::read(ca).expect("read the test CA");
+            let certs = reqwest::Certificate::from_pem_bundle(&pem).expect("the test CA is PEM");
+            b = b.tls_certs_only(certs);
+        }
+        b.build().expect("client")
     }
 
     /// Writes `spec` (TOML) to `dir/job.toml` and submits it with `proteus submit`, as a user
@@ -185,7 +211,7 @@ impl BrokerProcess {
         }
         self.child = Some(cmd.spawn().expect("start proteus serve"));
         let deadline = Instant::now() + Duration::from_secs(60);
-        let http = reqwest::Client::new();
+        let http = self.http();
         loop {
             if let Ok(r) = http.get(format!("{}/healthz", self.url)).send().await
                 && r.status().is_success()
@@ -292,10 +318,7 @@ impl BrokerProcess {
     pub fn client(&self) -> Api {
         Api {
             base: self.url.clone(),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(60))
-                .build()
-                .expect("client"),
+            http: self.http(),
         }
     }
 }

@@ -30,6 +30,8 @@ use tokio::task::JoinHandle;
 pub struct AgentOptions {
     pub broker: String,
     pub token: String,
+    /// PEM CA certificates to verify the broker's HTTPS against (`None`: the system roots).
+    pub ca_file: Option<PathBuf>,
     /// From the command line; otherwise IMDS `instance-id`.
     pub instance_id: Option<String>,
     /// IMDS base URL; `None` disables interruption polling.
@@ -76,7 +78,7 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
     let instance_id = resolve_instance_id(&opts, imds.as_mut()).await?;
     let listener = TcpListener::bind(opts.listen).await?;
     let data_addr = advertised_addr(&opts, listener.local_addr()?, imds.as_mut()).await;
-    let broker = Broker::new(&opts.broker, &opts.token)?;
+    let broker = Broker::new(&opts.broker, &opts.token, opts.ca_file.as_deref())?;
     tracing::info!(instance = %instance_id, broker = %broker.url(), data_addr = %data_addr, "registering");
     let reg = broker
         .register(&RegisterRequest {

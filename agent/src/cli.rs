@@ -25,6 +25,9 @@ pub struct Cli {
     /// Base URL of the broker's agent API.
     #[arg(long, env = "PROTEUS_BROKER_URL")]
     broker: String,
+    /// PEM CA certificate(s) to verify the broker's HTTPS against, instead of the system roots.
+    #[arg(long, env = "PROTEUS_CA_FILE")]
+    ca_file: Option<PathBuf>,
     /// Per-instance bearer token issued by the broker.
     #[arg(long, env = "PROTEUS_AGENT_TOKEN", hide_env_values = true)]
     token: String,
@@ -94,6 +97,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let opts = AgentOptions {
         broker: cli.broker,
         token: cli.token,
+        ca_file: cli.ca_file,
         instance_id: cli.instance_id,
         imds_endpoint: (cli.imds_endpoint != "off").then_some(cli.imds_endpoint),
         imds_poll: Duration::from_millis(cli.imds_poll_ms.max(10)),

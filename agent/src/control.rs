@@ -10,6 +10,28 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::time::Duration;
 
+/// Makes `builder` verify HTTPS servers against the PEM CA certificates in `ca_file` only (a
+/// private CA, e.g. `proteus serve --tls-ca`), or against the system roots when `None`. Shared by
+/// the agent and the `proteus` CLI, so both trust a broker the same way.
+pub fn trust(
+    builder: reqwest::ClientBuilder,
+    ca_file: Option<&std::path::Path>,
+) -> std::result::Result<reqwest::ClientBuilder, String> {
+    let Some(path) = ca_file else {
+        return Ok(builder);
+    };
+    let pem = std::fs::read(path).map_err(|e| format!("--ca-file {}: {e}", path.display()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| format!("--ca-file {}: not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "--ca-file {}: no certificate in it (expected `-----BEGIN CERTIFICATE-----`)",
+            path.display()
+        ));
+    }
+    Ok(builder.tls_certs_only(certs))
+}
+
 /// The broker as seen from one agent.
 #[derive(Clone)]
 pub struct Broker {
@@ -28,9 +50,11 @@ pub fn is_transient(e: &AgentError) -> bool {
 }
 
 impl Broker {
-    pub fn new(base: &str, token: &str) -> Result<Broker> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
+    /// `ca_file`: see [`trust`].
+    pub fn new(base: &str, token: &str, ca_file: Option<&std::path::Path>) -> Result<Broker> {
+        let builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
+        let http = trust(builder, ca_file)
+            .map_err(AgentError::Config)?
             .build()
             .map_err(|e| AgentError::Broker(e.to_string()))?;
         Ok(Broker {
@@ -54,7 +78,7 @@ impl Broker {
             .timeout(timeout)
             .send()
             .await
-            .map_err(|e| AgentError::Broker(format!("{}: {e}", self.base)))?;
+            .map_err(|e| AgentError::Broker(format!("{}: {}", self.base, error_chain(&e))))?;
         let status = resp.status();
         if status.is_success() {
             if status == reqwest::StatusCode::NO_CONTENT {
@@ -154,4 +178,17 @@ impl Broker {
             .await?
             .unwrap_or_default())
     }
+}
+
+/// An error with its causes (`reqwest` says only "error sending request"; the cause says, e.g.,
+/// that the certificate is not trusted).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }

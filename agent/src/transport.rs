@@ -687,6 +687,35 @@ impl Response {
     }
 }
 
+/// A frame's body, decoded. A malformed message inside a well-formed frame is kept as its
+/// error (the caller answers it); a frame whose header is unreadable ends the connection.
+#[derive(Debug)]
+pub enum Frame {
+    /// The opener's data address (so that we reuse its connection to call it).
+    Hello(Result<String>),
+    Request { id: u64, req: Result<Request> },
+    Response { id: u64, resp: Result<Response> },
+}
+
+/// Decodes one frame body (what [`read_frame`] returned).
+pub fn decode_frame(body: &[u8]) -> Result<Frame> {
+    let mut d = Dec(body);
+    let kind = d.u8()?;
+    let id = d.u64()?;
+    Ok(match kind {
+        KIND_HELLO => Frame::Hello(d.str()),
+        KIND_REQUEST => Frame::Request {
+            id,
+            req: Request::decode(&mut d),
+        },
+        KIND_RESPONSE => Frame::Response {
+            id,
+            resp: Response::decode(&mut d),
+        },
+        k => return Err(AgentError::Frame(format!("unknown frame kind {k}"))),
+    })
+}
+
 fn frame(kind: u8, id: u64, size_hint: usize, body: impl FnOnce(&mut Enc)) -> Vec<u8> {
     let mut e = Enc(Vec::with_capacity(64 + size_hint));
     e.u32(0);
@@ -986,29 +1015,26 @@ impl Peers {
                 }
                 Err(_) => break,
             };
-            let mut d = Dec(&body);
-            let (Ok(kind), Ok(id)) = (d.u8(), d.u64()) else {
+            let Ok(decoded) = decode_frame(&body) else {
                 break;
             };
-            match kind {
-                KIND_HELLO => {
-                    if let Ok(addr) = d.str()
+            match decoded {
+                Frame::Hello(addr) => {
+                    if let Ok(addr) = addr
                         && let Ok(mut c) = self.conns.lock()
                     {
                         c.entry(addr.clone()).or_insert_with(|| conn.clone());
                         key = Some(addr);
                     }
                 }
-                KIND_RESPONSE => {
-                    let resp =
-                        Response::decode(&mut d).unwrap_or_else(|e| Response::Error(e.to_string()));
+                Frame::Response { id, resp } => {
+                    let resp = resp.unwrap_or_else(|e| Response::Error(e.to_string()));
                     let waiter = conn.pending.lock().ok().and_then(|mut p| p.remove(&id));
                     if let Some(w) = waiter {
                         let _ = w.send(resp);
                     }
                 }
-                KIND_REQUEST => {
-                    let req = Request::decode(&mut d);
+                Frame::Request { id, req } => {
                     let handler = self.handler();
                     let tx = conn.tx.clone();
                     let max_frame = self.max_frame;
@@ -1030,7 +1056,6 @@ impl Peers {
                         let _ = tx.send(bytes);
                     });
                 }
-                _ => break,
             }
         }
         // Fail every call still waiting on this connection, and stop offering it.

@@ -8,4 +8,5 @@ mod flexrr;
 mod localstack;
 mod pg_restart;
 mod sim;
+mod tls;
 mod work;

@@ -4,7 +4,7 @@
 //! `rounds` closed-loop rounds (throughput) and `rounds` fixed-rate rounds at `--rate`
 //! (latency at the target rate), and prints the medians over rounds.
 
-use crate::load::{client, closed_loop, fixed_rate};
+use crate::load::{client_trusting, closed_loop, fixed_rate};
 use crate::stats::{Samples, median};
 use anyhow::{Context, Result, bail};
 use std::time::Duration;
@@ -17,6 +17,9 @@ pub struct Args {
     /// The user token.
     #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
     pub token: String,
+    /// PEM CA to verify an https:// broker against (as `proteus --ca-file`).
+    #[arg(long)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// Connections of the throughput rounds.
     #[arg(long, default_value_t = 16)]
     pub connections: usize,
@@ -43,7 +46,8 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> Result<bool> {
-    let http = client();
+    let client = || client_trusting(args.ca_file.as_deref());
+    let http = client()?;
     let auth = format!("Bearer {}", args.token);
     let spec = serde_json::json!({
         "name": "bench-get-job",
@@ -91,7 +95,7 @@ pub async fn run(args: Args) -> Result<bool> {
 
     let clients: Vec<reqwest::Client> = (0..args.connections.max(args.senders))
         .map(|_| client())
-        .collect();
+        .collect::<Result<_>>()?;
     let request = {
         let (clients, url, auth) = (clients.clone(), url.clone(), auth.clone());
         move |worker: usize, _seq: u64| {

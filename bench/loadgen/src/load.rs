@@ -122,6 +122,18 @@ pub fn client() -> reqwest::Client {
     client_with_timeout(Duration::from_secs(10))
 }
 
+/// [`client`], verifying HTTPS against `ca_file` when given (the way the `proteus` CLI does).
+pub fn client_trusting(ca_file: Option<&std::path::Path>) -> anyhow::Result<reqwest::Client> {
+    let builder = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .timeout(Duration::from_secs(10))
+        .tcp_nodelay(true);
+    proteus_agent::control::trust(builder, ca_file)
+        .map_err(anyhow::Error::msg)?
+        .build()
+        .map_err(anyhow::Error::from)
+}
+
 pub fn client_with_timeout(timeout: Duration) -> reqwest::Client {
     reqwest::Client::builder()
         .pool_max_idle_per_host(64)

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod error;
 mod openapi;
+pub mod tls;
 
 use crate::market::{Market, Timestamp};
 use crate::service::jobs::{CostReport, JobView};

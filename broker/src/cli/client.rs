@@ -19,6 +19,9 @@ pub struct Remote {
     /// The user API token (printed by `proteus serve` on first start).
     #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// PEM CA certificate(s) to verify an https:// broker against, instead of the system roots.
+    #[arg(long, env = "PROTEUS_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -84,10 +87,13 @@ impl Client {
         Ok(Client {
             base: remote.url.trim_end_matches('/').to_string(),
             token: remote.token.clone(),
-            http: reqwest::Client::builder()
-                .timeout(std::time::Duration::from_secs(60))
-                .build()
-                .context("building the HTTP client")?,
+            http: proteus_agent::control::trust(
+                reqwest::Client::builder().timeout(std::time::Duration::from_secs(60)),
+                remote.ca_file.as_deref(),
+            )
+            .map_err(anyhow::Error::msg)?
+            .build()
+            .context("building the HTTP client")?,
         })
     }
 

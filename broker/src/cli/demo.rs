@@ -128,6 +128,7 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     let remote = super::client::Remote {
         url: url.clone(),
         token: Some(token.clone()),
+        ca_file: None,
     };
     let client = super::client::Client::new(&remote)?;
     let job: JobView = client

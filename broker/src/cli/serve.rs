@@ -2,6 +2,7 @@
 
 use super::GlobalArgs;
 use crate::api::auth::{UserAuth, hash_token, new_token};
+use crate::api::tls::{self, ReloadingCert, TlsFiles};
 use crate::api::{AppState, router};
 use crate::billing::BillingModel;
 use crate::clock::{ScaledClock, SharedClock, WallClock};
@@ -41,9 +42,22 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, env = "PROTEUS_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// The URL agents use to reach this broker. Default: http://<listen>.
+    /// The URL agents use to reach this broker. Default: http://<listen>, or https://<listen>
+    /// with --tls-cert.
     #[arg(long, env = "PROTEUS_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
+    /// Serve HTTPS with this PEM certificate chain (leaf first). Reloaded on SIGHUP and when
+    /// the file changes. Without it the API is plain HTTP: for loopback and the demo only.
+    #[arg(long, env = "PROTEUS_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "PROTEUS_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// A PEM CA certificate that agents should trust for this broker (a private CA): passed to
+    /// local agents as --ca-file and written onto VMs by the user data. Default: agents use the
+    /// system roots.
+    #[arg(long, env = "PROTEUS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
     #[arg(long, env = "PROTEUS_CLOUD", value_enum, default_value_t = CloudKind::Sim)]
     pub cloud: CloudKind,
     #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
@@ -88,6 +102,9 @@ pub struct ServeArgs {
     /// data/ml.
     #[arg(long, env = "PROTEUS_AGENT_DATA_DIR")]
     pub agent_data_dir: Option<PathBuf>,
+    /// Log filter of local agents (tracing `EnvFilter` syntax).
+    #[arg(long, env = "PROTEUS_LOCAL_AGENT_LOG", default_value = "warn,proteus_agent=info")]
+    pub agent_log: String,
     /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
     #[arg(long, env = "PROTEUS_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -141,6 +158,9 @@ impl ServeArgs {
         ServeArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise_url: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
             cloud: CloudKind::Sim,
             region: "us-east-1".into(),
             token: None,
@@ -155,6 +175,7 @@ impl ServeArgs {
             agent_bin: None,
             agent_download: None,
             agent_data_dir: None,
+            agent_log: "warn,proteus_agent=info".into(),
             state_dir: None,
             startup_minutes: None,
             cooldown_secs: 600.0,
@@ -186,8 +207,16 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let server = start(store, args, listener).await?;
+    let scheme = if server.tls.is_some() { "https" } else { "http" };
+    if server.tls.is_none() && !server.addr.ip().is_loopback() {
+        tracing::warn!(
+            "serving plain HTTP on {}: API and agent tokens cross the network in clear; \
+             use --tls-cert and --tls-key (see docs/aws.md)",
+            server.addr
+        );
+    }
     eprintln!(
-        "proteus broker listening on http://{} ({} cloud)",
+        "proteus broker listening on {scheme}://{} ({} cloud)",
         server.addr,
         server.broker.cloud.kind()
     );
@@ -204,20 +233,48 @@ pub struct Server {
     pub broker: Arc<Broker>,
     pub addr: SocketAddr,
     pub token: Option<String>,
+    /// The certificate in service when the API is HTTPS.
+    pub tls: Option<Arc<ReloadingCert>>,
     app: axum::Router,
     listener: tokio::net::TcpListener,
 }
+
+/// How often the certificate files are checked for a replacement.
+const TLS_RELOAD_POLL: Duration = Duration::from_secs(2);
 
 impl Server {
     /// Serves the API only; the caller drives the scheduler with [`Broker::tick`].
     pub fn serve_api(self) -> (Arc<Broker>, tokio::task::JoinHandle<()>) {
         let broker = self.broker.clone();
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(self.listener, self.app).await {
-                tracing::error!(error = %e, "API server failed");
-            }
-        });
+        let task = tokio::spawn(self.serve(std::future::pending()));
         (broker, task)
+    }
+
+    /// The API over HTTPS (with the certificate watched for replacement) or plain HTTP, until
+    /// `stop` resolves.
+    async fn serve(self, stop: impl std::future::Future<Output = ()> + Send + 'static) {
+        match self.tls {
+            Some(cert) => {
+                let config = match cert.server_config() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS configuration failed");
+                        return;
+                    }
+                };
+                let watcher = tokio::spawn(tls::watch(cert, TLS_RELOAD_POLL));
+                tls::serve(self.listener, self.app, config, stop).await;
+                watcher.abort();
+            }
+            None => {
+                if let Err(e) = axum::serve(self.listener, self.app)
+                    .with_graceful_shutdown(stop)
+                    .await
+                {
+                    tracing::error!(error = %e, "API server failed");
+                }
+            }
+        }
     }
 
     /// Serves the API and runs the scheduler until `shutdown` resolves.
@@ -229,14 +286,9 @@ impl Server {
             let _ = rx2.wait_for(|stop| *stop).await;
         }));
         let mut rx3 = rx.clone();
-        let serve = axum::serve(self.listener, self.app).with_graceful_shutdown(async move {
+        let server = tokio::spawn(self.serve(async move {
             let _ = rx3.wait_for(|stop| *stop).await;
-        });
-        let server = tokio::spawn(async move {
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "API server failed");
-            }
-        });
+        }));
         shutdown.await;
         let _ = tx.send(true);
         let _ = scheduler.await;
@@ -269,6 +321,21 @@ pub async fn start_with(
     options: StartOptions,
 ) -> Result<Server> {
     let addr = listener.local_addr().context("listener address")?;
+    // Certificate problems stop the start, before anything is recovered or launched.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            ReloadingCert::load(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            })
+            .context("--tls-cert/--tls-key")?,
+        ),
+        (None, None) => None,
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
+    if let Some(ca) = &args.tls_ca {
+        crate::api::tls::read_ca_pem(ca).context("--tls-ca")?;
+    }
     let region = Region::parse(&args.region).context("--region")?;
     let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
         CloudKind::Sim => {
@@ -319,10 +386,7 @@ pub async fn start_with(
         )),
         None => cloud,
     };
-    let advertise = args
-        .advertise_url
-        .clone()
-        .unwrap_or_else(|| format!("http://{addr}"));
+    let advertise = advertise_url(&args, addr);
     let local_agents = args
         .local_agents
         .unwrap_or(args.cloud == CloudKind::Sim || std::env::var_os("AWS_ENDPOINT_URL").is_some());
@@ -343,7 +407,8 @@ pub async fn start_with(
             state_dir,
             imds_poll_ms: 500,
             exit_margin_secs: 1,
-            agent_log: "warn,proteus_agent=info".into(),
+            agent_log: args.agent_log.clone(),
+            ca_file: args.tls_ca.clone(),
         };
         Some(Arc::new(LocalLauncher::new(config)?))
     } else {
@@ -397,8 +462,17 @@ pub async fn start_with(
         broker,
         addr,
         token,
+        tls,
         app,
         listener,
+    })
+}
+
+/// What agents call: the flag's URL, or this listener's with the scheme it serves.
+fn advertise_url(args: &ServeArgs, addr: SocketAddr) -> String {
+    args.advertise_url.clone().unwrap_or_else(|| {
+        let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
+        format!("{scheme}://{addr}")
     })
 }
 
@@ -472,10 +546,12 @@ fn ec2_config(args: &ServeArgs, region: &Region, addr: SocketAddr) -> crate::clo
         instance_profile: args.ec2.instance_profile.clone(),
         key_name: args.ec2.key_name.clone(),
         spot_requests: args.ec2.spot_requests,
-        broker_url: args
-            .advertise_url
-            .clone()
-            .unwrap_or_else(|| format!("http://{addr}")),
+        broker_url: advertise_url(args, addr),
+        // Checked readable at start.
+        ca_pem: args
+            .tls_ca
+            .as_deref()
+            .and_then(|p| crate::api::tls::read_ca_pem(p).ok()),
         deployment: args.ec2.deployment.clone(),
     }
 }

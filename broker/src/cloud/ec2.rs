@@ -44,6 +44,9 @@ pub struct Ec2Config {
     pub spot_requests: bool,
     /// What the launched agents call.
     pub broker_url: String,
+    /// A private CA's PEM certificate for the agents to trust the broker's HTTPS by (written to
+    /// `/etc/proteus/broker-ca.pem` by the user data); `None`: the VM's system roots.
+    pub ca_pem: Option<String>,
     /// Tags every instance and scopes every listing, so that several brokers (or a test's
     /// brokers) can share an account without taking each other's instances for leaks.
     pub deployment: String,
@@ -83,6 +86,7 @@ impl Ec2Cloud {
     fn user_data(&self, token: &str) -> String {
         let script = USER_DATA_TEMPLATE
             .replace("{{BROKER_URL}}", &self.config.broker_url)
+            .replace("{{CA_PEM}}", self.config.ca_pem.as_deref().unwrap_or(""))
             .replace("{{TOKEN}}", token);
         base64::engine::general_purpose::STANDARD.encode(script)
     }

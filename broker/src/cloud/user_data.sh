@@ -2,6 +2,8 @@
 # Proteus agent bootstrap (EC2 user data). Filled in by the broker at launch:
 #   {{BROKER_URL}}  the broker's URL as agents reach it
 #   {{TOKEN}}       this instance's agent token (valid only for this instance and its job)
+#   {{CA_PEM}}      the CA to trust for the broker's HTTPS (`serve --tls-ca`), or nothing for
+#                   the system roots
 set -euo pipefail
 BROKER_URL='{{BROKER_URL}}'
 install -d -m 0700 /etc/proteus
@@ -13,9 +15,20 @@ PROTEUS_AGENT_TOKEN={{TOKEN}}
 PROTEUS_AGENT_DATA_DIR=/var/lib/proteus/data
 PROTEUS_AGENT_LISTEN=0.0.0.0:7070
 ENV
+CA_PEM=$(cat <<'PROTEUS_CA_PEM'
+{{CA_PEM}}
+PROTEUS_CA_PEM
+)
+CURL_TLS=()
+if [ -n "${CA_PEM}" ]; then
+    printf '%s\n' "${CA_PEM}" > /etc/proteus/broker-ca.pem
+    chmod 0644 /etc/proteus/broker-ca.pem
+    echo "PROTEUS_CA_FILE=/etc/proteus/broker-ca.pem" >> /etc/proteus/agent.env
+    CURL_TLS=(--cacert /etc/proteus/broker-ca.pem)
+fi
 fetch() { # fetch PATH DEST: from the broker, authenticated by this instance's token, with retries
     for attempt in $(seq 1 30); do
-        if curl -fsS -H "Authorization: Bearer {{TOKEN}}" "${BROKER_URL}$1" -o "$2.part"; then
+        if curl -fsS "${CURL_TLS[@]}" -H "Authorization: Bearer {{TOKEN}}" "${BROKER_URL}$1" -o "$2.part"; then
             mv "$2.part" "$2"
             return 0
         fi

@@ -59,6 +59,8 @@ pub struct LauncherConfig {
     pub exit_margin_secs: u64,
     /// Log filter passed to agents.
     pub agent_log: String,
+    /// The CA agents trust for the broker's HTTPS (their `--ca-file`); `None`: system roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl LauncherConfig {
@@ -191,6 +193,12 @@ impl LocalLauncher {
             .arg("127.0.0.1:0")
             .arg("--log")
             .arg(&self.config.agent_log)
+            .args(
+                self.config
+                    .ca_file
+                    .iter()
+                    .flat_map(|f| [std::ffi::OsStr::new("--ca-file"), f.as_os_str()]),
+            )
             // The token goes by environment, not argv, so `ps` does not show it.
             .env("PROTEUS_AGENT_TOKEN", agent_token)
             .stdin(std::process::Stdio::null())
