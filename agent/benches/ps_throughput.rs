@@ -142,13 +142,21 @@ fn main() {
 
 /// A PS node serving one 4 MB shard on a fresh loopback port; its address.
 async fn serve(plane: DataPlane) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let peers = Peers::new(addr.clone(), plane);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     std::mem::forget(rx);
     let app = Arc::new(App::Synthetic { model_len: FLOATS });
-    let node = PsNode::new(InstanceId("ps".into()), app.clone(), CLIENTS, peers.clone(), tx);
+    let node = PsNode::new(
+        InstanceId("ps".into()),
+        app.clone(),
+        CLIENTS,
+        peers.clone(),
+        tx,
+    );
     node.install_active(0, ShardState::fresh(0, app.init(0..FLOATS), CLIENTS));
     peers.set_handler(node.clone());
     tokio::spawn(peers.serve(listener));

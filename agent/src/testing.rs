@@ -185,7 +185,9 @@ impl TestCoordinator {
         let coordinator = Coordinator::new(JobId(1), training)
             .map_err(|e| std::io::Error::other(e.to_string()))?
             .with_intervals(300, 5_000)
-            .with_data_secret(proteus_wire::agent_api::DataSecret::from_bytes(rand::random()));
+            .with_data_secret(proteus_wire::agent_api::DataSecret::from_bytes(
+                rand::random(),
+            ));
         let tokens = agents
             .iter()
             .map(|(t, id, tier)| (t.to_string(), (InstanceId(id.to_string()), *tier)))

@@ -693,8 +693,14 @@ impl Response {
 pub enum Frame {
     /// The opener's data address (so that we reuse its connection to call it).
     Hello(Result<String>),
-    Request { id: u64, req: Result<Request> },
-    Response { id: u64, resp: Result<Response> },
+    Request {
+        id: u64,
+        req: Result<Request>,
+    },
+    Response {
+        id: u64,
+        resp: Result<Response>,
+    },
 }
 
 /// Decodes one frame body (what [`read_frame`] returned).
@@ -869,7 +875,9 @@ impl Peers {
                         match hello {
                             Ok(()) => peers.run_conn(stream, None).await,
                             // Dropped here: nothing of it was read as a frame.
-                            Err(e) => tracing::warn!(peer = %from, error = %e, "refused a data-plane connection"),
+                            Err(e) => {
+                                tracing::warn!(peer = %from, error = %e, "refused a data-plane connection")
+                            }
                         }
                     });
                 }
@@ -1342,7 +1350,10 @@ mod tests {
         // At the bound it is read (here it is cut short, which is another error).
         let header = (bound as u32).to_le_bytes();
         let err = read_frame(&mut &header[..], None, bound).await.unwrap_err();
-        assert!(err.to_string().contains("connection closed after 0"), "{err}");
+        assert!(
+            err.to_string().contains("connection closed after 0"),
+            "{err}"
+        );
     }
 
     #[test]

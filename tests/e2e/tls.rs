@@ -157,28 +157,38 @@ async fn the_cli_and_agents_use_tls_and_a_trace_level_run_logs_no_secret() {
     assert_eq!(secret.len(), 64);
     assert!(!tokens.is_empty(), "no agent was started");
     broker
-        .wait_succeeded(&format!("/v1/jobs/{id}"), Duration::from_secs(240), "the TLS job")
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(240),
+            "the TLS job",
+        )
         .await;
-    assert_eq!(job_secret(&db, id).await, None, "the secret outlived the job");
+    assert_eq!(
+        job_secret(&db, id).await,
+        None,
+        "the secret outlived the job"
+    );
 
     // A client that does not trust the CA is refused: the CLI without --ca-file, and plain HTTP.
-    let env = [("PROTEUS_URL", broker.url.as_str()), ("PROTEUS_TOKEN", TOKEN)];
+    let env = [
+        ("PROTEUS_URL", broker.url.as_str()),
+        ("PROTEUS_TOKEN", TOKEN),
+    ];
     let (code, _, err) = proteus(None, &["status"], &env);
     assert_ne!(code, 0, "the CLI trusted an unknown CA");
     assert!(err.to_lowercase().contains("certificate"), "{err}");
     let other = pki(dir.path(), "other");
-    let (code, _, err) = proteus(
-        None,
-        &["status", "--ca-file", path(&other.ca)],
-        &env,
-    );
+    let (code, _, err) = proteus(None, &["status", "--ca-file", path(&other.ca)], &env);
     assert_ne!(code, 0);
     assert!(err.to_lowercase().contains("certificate"), "{err}");
     let plain = broker.url.replace("https://", "http://");
     assert!(healthy(&reqwest::Client::new(), &plain).await.is_err());
     let (code, out, err) = proteus(None, &["status", "--ca-file", path(&p.ca)], &env);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("e2e-tls") && out.contains("succeeded"), "{out}");
+    assert!(
+        out.contains("e2e-tls") && out.contains("succeeded"),
+        "{out}"
+    );
 
     // No token or secret in any log, at trace level.
     let logs = format!("{}{}", broker.log_text(), broker.agent_logs());
@@ -191,7 +201,10 @@ async fn the_cli_and_agents_use_tls_and_a_trace_level_run_logs_no_secret() {
     for t in &tokens {
         assert!(!logs.contains(t.as_str()), "an agent token was logged");
     }
-    assert!(!proteus_e2e::contains_agent_token(&logs), "an agent token was logged");
+    assert!(
+        !proteus_e2e::contains_agent_token(&logs),
+        "an agent token was logged"
+    );
     assert!(
         !logs.to_lowercase().contains(&secret),
         "the job's data-plane secret was logged"

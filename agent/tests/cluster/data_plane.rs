@@ -3,7 +3,9 @@
 
 use crate::support::Cluster;
 use proteus_agent::apps::App;
-use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response, hello_as_initiator};
+use proteus_agent::transport::{
+    DataPlane, MAX_FRAME, Peers, Request, Response, hello_as_initiator,
+};
 use proteus_wire::Tier;
 use proteus_wire::agent_api::{AppConfig, DataSecret, TrainingConfig};
 use std::time::Duration;
@@ -31,7 +33,10 @@ async fn shard_holder() -> (Cluster, String, DataSecret, TrainingConfig) {
         .await;
     if ready.is_none() {
         cluster.dump_logs();
-        panic!("the agent never took shard 0: {:#?}", cluster.coord.status());
+        panic!(
+            "the agent never took shard 0: {:#?}",
+            cluster.coord.status()
+        );
     }
     let addr = cluster.coord.status().members[0].data_addr.clone();
     let secret = cluster
@@ -105,7 +110,11 @@ async fn a_rogue_peer_without_the_secret_reads_no_parameter_and_changes_none() {
     bytes.extend(request_frame(2, &pull_req));
     let _ = s.write_all(&bytes).await;
     let answer = read_until_closed(&mut s).await;
-    assert_eq!(answer, Some(Vec::new()), "the agent answered a peer with no hello");
+    assert_eq!(
+        answer,
+        Some(Vec::new()),
+        "the agent answered a peer with no hello"
+    );
 
     // 2. The hello's form with a made-up proof, then frames anyway: the agent's challenge is
     //    all it ever sends (32-byte nonce + 32-byte proof of its own), then it hangs up.
@@ -120,14 +129,20 @@ async fn a_rogue_peer_without_the_secret_reads_no_parameter_and_changes_none() {
     bytes.extend(request_frame(2, &pull_req));
     let _ = s.write_all(&bytes).await;
     let answer = read_until_closed(&mut s).await;
-    assert_eq!(answer, Some(Vec::new()), "the agent answered a forged proof");
+    assert_eq!(
+        answer,
+        Some(Vec::new()),
+        "the agent answered a forged proof"
+    );
 
     // 3. The real client code with another job's secret: refused at the hello.
     let rogue = Peers::new(
         "rogue".into(),
         DataPlane::new(DataSecret::from_bytes([0x5a; 32]), MAX_FRAME),
     );
-    let err = pull(&rogue, &addr).await.expect_err("a wrong secret is refused");
+    let err = pull(&rogue, &addr)
+        .await
+        .expect_err("a wrong secret is refused");
     assert!(err.to_string().contains("secret"), "{err}");
     assert!(
         rogue
@@ -149,7 +164,10 @@ async fn a_rogue_peer_without_the_secret_reads_no_parameter_and_changes_none() {
     let pushed = own.call(&addr, &push, Duration::from_secs(5)).await;
     assert!(matches!(pushed, Ok(Response::Pushed(_))), "{pushed:?}");
     let changed = model(&addr, &secret).await;
-    assert_ne!(before, changed, "a push with the secret must change the model");
+    assert_ne!(
+        before, changed,
+        "a push with the secret must change the model"
+    );
     cluster.agent("r").kill9();
 }
 
@@ -171,7 +189,10 @@ async fn a_frame_over_the_jobs_bound_is_refused_without_allocating_it() {
         model_len: MODEL_LEN,
     }
     .max_frame(&cfg);
-    assert!(bound < 1 << 20, "a 5000-parameter job needs no more: {bound}");
+    assert!(
+        bound < 1 << 20,
+        "a 5000-parameter job needs no more: {bound}"
+    );
     let pid = cluster.agent("r").pid().expect("running");
     let peak_before = vm_peak_kib(pid);
 

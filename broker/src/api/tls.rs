@@ -195,8 +195,12 @@ pub async fn watch(cert: Arc<ReloadingCert>, poll: Duration) {
             }
         };
         match cert.reload() {
-            Ok(()) => tracing::info!(cert = %cert.files.cert.display(), reason = why, "TLS certificate reloaded"),
-            Err(e) => tracing::error!(reason = why, error = %e, "TLS certificate not reloaded; the previous one stays in service"),
+            Ok(()) => {
+                tracing::info!(cert = %cert.files.cert.display(), reason = why, "TLS certificate reloaded")
+            }
+            Err(e) => {
+                tracing::error!(reason = why, error = %e, "TLS certificate not reloaded; the previous one stays in service")
+            }
         }
     }
 }
@@ -287,7 +291,10 @@ mod tests {
             key: a.key.clone(),
         };
         let e = junk.load().unwrap_err().to_string();
-        assert!(e.contains("junk.crt") && e.contains("no PEM certificate"), "{e}");
+        assert!(
+            e.contains("junk.crt") && e.contains("no PEM certificate"),
+            "{e}"
+        );
         let swapped = TlsFiles {
             cert: a.cert.clone(),
             key: b.key.clone(),
@@ -313,8 +320,11 @@ mod tests {
         let cert = ReloadingCert::load(a.clone()).unwrap();
         let served = |c: &ReloadingCert| c.current.read().unwrap().cert[0].clone();
         let first = served(&cert);
-        std::fs::write(&a.cert, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
-            .unwrap();
+        std::fs::write(
+            &a.cert,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
         assert!(cert.reload().is_err());
         assert_eq!(served(&cert), first);
         let b = self_signed(dir.path(), "b.test");

@@ -103,7 +103,11 @@ pub struct ServeArgs {
     #[arg(long, env = "PROTEUS_AGENT_DATA_DIR")]
     pub agent_data_dir: Option<PathBuf>,
     /// Log filter of local agents (tracing `EnvFilter` syntax).
-    #[arg(long, env = "PROTEUS_LOCAL_AGENT_LOG", default_value = "warn,proteus_agent=info")]
+    #[arg(
+        long,
+        env = "PROTEUS_LOCAL_AGENT_LOG",
+        default_value = "warn,proteus_agent=info"
+    )]
     pub agent_log: String,
     /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
     #[arg(long, env = "PROTEUS_STATE_DIR")]
@@ -207,7 +211,11 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let server = start(store, args, listener).await?;
-    let scheme = if server.tls.is_some() { "https" } else { "http" };
+    let scheme = if server.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     if server.tls.is_none() && !server.addr.ip().is_loopback() {
         tracing::warn!(
             "serving plain HTTP on {}: API and agent tokens cross the network in clear; \
@@ -471,7 +479,11 @@ pub async fn start_with(
 /// What agents call: the flag's URL, or this listener's with the scheme it serves.
 fn advertise_url(args: &ServeArgs, addr: SocketAddr) -> String {
     args.advertise_url.clone().unwrap_or_else(|| {
-        let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
+        let scheme = if args.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         format!("{scheme}://{addr}")
     })
 }

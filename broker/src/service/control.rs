@@ -6,8 +6,8 @@
 //! processes, whatever speed the market clock runs at.
 
 use proteus_wire::JobId;
-use proteus_wire::agent_api::{CommandEnvelope, TrainingConfig};
 use proteus_wire::agent_api::DataSecret;
+use proteus_wire::agent_api::{CommandEnvelope, TrainingConfig};
 use proteus_wire::coordinator::{Coordinator, CoordinatorError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
