@@ -269,3 +269,61 @@ async fn new_connections_get_a_replaced_certificate() {
     }
     assert_eq!(healthy(&new(), &broker.url).await, Ok(200));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = pki(dir.path(), "first");
+    let second = pki(dir.path(), "second");
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::copy(&first.cert, &cert).unwrap();
+    std::fs::copy(&first.key, &key).unwrap();
+    let db = fresh_pg_database().await;
+    // No file polling: only the signal can make the broker read the files again.
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &[
+            "--tls-cert",
+            path(&cert),
+            "--tls-key",
+            path(&key),
+            "--tls-ca",
+            path(&first.ca),
+            "--tls-reload-poll-secs",
+            "0",
+        ],
+    )
+    .await;
+    std::fs::copy(&second.key, &key).unwrap();
+    std::fs::copy(&second.cert, &cert).unwrap();
+    assert_eq!(
+        healthy(&client_trusting(&first.ca), &broker.url).await,
+        Ok(200),
+        "replaced files alone changed nothing"
+    );
+    let pid = broker.child.as_ref().expect("running").id();
+    // SAFETY: signalling the broker process this test started.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGHUP) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while healthy(&client_trusting(&second.ca), &broker.url).await != Ok(200) {
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not reload:\n{}",
+            broker.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        healthy(&client_trusting(&first.ca), &broker.url)
+            .await
+            .is_err()
+    );
+    let log = broker.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("TLS certificate reloaded") && l.contains("SIGHUP")),
+        "{log}"
+    );
+}

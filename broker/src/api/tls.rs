@@ -169,9 +169,9 @@ impl ReloadingCert {
     }
 }
 
-/// Reloads `cert` on SIGHUP and whenever its files change (polled every `poll`), until the
-/// task is dropped. Outcomes are logged; the files' contents never are.
-pub async fn watch(cert: Arc<ReloadingCert>, poll: Duration) {
+/// Reloads `cert` on SIGHUP and whenever its files change (polled every `poll`; `None`: on
+/// SIGHUP only), until the task is dropped. Outcomes are logged; the files' contents never are.
+pub async fn watch(cert: Arc<ReloadingCert>, poll: Option<Duration>) {
     let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(s) => Some(s),
         Err(e) => {
@@ -180,12 +180,13 @@ pub async fn watch(cert: Arc<ReloadingCert>, poll: Duration) {
         }
     };
     let mut stamp = cert.files.stamp();
-    let mut tick = tokio::time::interval(poll);
+    // (Without polling the interval is never polled: the branch below is disabled.)
+    let mut tick = tokio::time::interval(poll.unwrap_or(Duration::from_secs(3600)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let why = tokio::select! {
             Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => "SIGHUP",
-            _ = tick.tick() => {
+            _ = tick.tick(), if poll.is_some() => {
                 let now = cert.files.stamp();
                 if now == stamp || now.is_none() {
                     continue;
@@ -196,10 +197,10 @@ pub async fn watch(cert: Arc<ReloadingCert>, poll: Duration) {
         };
         match cert.reload() {
             Ok(()) => {
-                tracing::info!(cert = %cert.files.cert.display(), reason = why, "TLS certificate reloaded")
+                tracing::info!(cert = %cert.files.cert.display(), reason = %why, "TLS certificate reloaded")
             }
             Err(e) => {
-                tracing::error!(reason = why, error = %e, "TLS certificate not reloaded; the previous one stays in service")
+                tracing::error!(reason = %why, error = %e, "TLS certificate not reloaded; the previous one stays in service")
             }
         }
     }

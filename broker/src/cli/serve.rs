@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// system roots.
     #[arg(long, env = "PROTEUS_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// Seconds between checks of the certificate files for a replacement; 0: reload on SIGHUP
+    /// only.
+    #[arg(long, env = "PROTEUS_TLS_RELOAD_POLL_SECS", default_value_t = 2)]
+    pub tls_reload_poll_secs: u64,
     #[arg(long, env = "PROTEUS_CLOUD", value_enum, default_value_t = CloudKind::Sim)]
     pub cloud: CloudKind,
     #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
@@ -165,6 +169,7 @@ impl ServeArgs {
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
+            tls_reload_poll_secs: 2,
             cloud: CloudKind::Sim,
             region: "us-east-1".into(),
             token: None,
@@ -243,12 +248,11 @@ pub struct Server {
     pub token: Option<String>,
     /// The certificate in service when the API is HTTPS.
     pub tls: Option<Arc<ReloadingCert>>,
+    /// How often its files are checked for a replacement (`None`: on SIGHUP only).
+    tls_poll: Option<Duration>,
     app: axum::Router,
     listener: tokio::net::TcpListener,
 }
-
-/// How often the certificate files are checked for a replacement.
-const TLS_RELOAD_POLL: Duration = Duration::from_secs(2);
 
 impl Server {
     /// Serves the API only; the caller drives the scheduler with [`Broker::tick`].
@@ -270,7 +274,7 @@ impl Server {
                         return;
                     }
                 };
-                let watcher = tokio::spawn(tls::watch(cert, TLS_RELOAD_POLL));
+                let watcher = tokio::spawn(tls::watch(cert, self.tls_poll));
                 tls::serve(self.listener, self.app, config, stop).await;
                 watcher.abort();
             }
@@ -471,6 +475,8 @@ pub async fn start_with(
         addr,
         token,
         tls,
+        tls_poll: (args.tls_reload_poll_secs > 0)
+            .then(|| Duration::from_secs(args.tls_reload_poll_secs)),
         app,
         listener,
     })
