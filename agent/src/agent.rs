@@ -352,12 +352,17 @@ impl Agent {
                     }
                 },
                 Some(n) = self.notices_rx.recv() => self.on_notice(n, exit_margin).await,
-                Some(ev) = self.worker_rx.recv() => {
-                    let WorkerEvent::Finished(metric) = ev;
-                    self.finished = true;
-                    let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
-                    self.event(AgentEvent::TrainingComplete { metric }).await;
-                }
+                Some(ev) = self.worker_rx.recv() => match ev {
+                    WorkerEvent::Finished(metric) => {
+                        self.finished = true;
+                        let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
+                        self.event(AgentEvent::TrainingComplete { metric }).await;
+                    }
+                    WorkerEvent::PipelineResumed { segment, workers, pause } => {
+                        let pause_ms = pause.as_millis() as u64;
+                        self.event(AgentEvent::PipelineResumed { segment, workers, pause_ms }).await;
+                    }
+                },
                 Some(PsEvent::HandedOver { shard, to, seq }) = self.ps_rx.recv() => {
                     self.event(AgentEvent::HandoverComplete { shard, to, seq }).await;
                 }

@@ -7,5 +7,6 @@ mod eviction;
 mod flexrr;
 mod localstack;
 mod pg_restart;
+mod pipeline;
 mod sim;
 mod work;

@@ -972,6 +972,14 @@ pub enum AgentEvent {
     Ready { model_len: u64 },
     /// A worker completed the last clock and evaluated the final model.
     TrainingComplete { metric: Metric },
+    /// Pipeline jobs: after a re-plan (a stage was warned), this worker took its first
+    /// optimizer step on the plan for `workers` workers, `pause_ms` after the pipeline drained.
+    /// `segment` counts the plans the run has had (1 after the first re-plan).
+    PipelineResumed {
+        segment: u32,
+        workers: u32,
+        pause_ms: u64,
+    },
     /// The agent is about to exit.
     Exit { reason: ExitReason },
 }

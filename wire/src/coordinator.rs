@@ -391,7 +391,7 @@ impl Coordinator {
                     self.relayout();
                 }
             }
-            AgentEvent::HandoverComplete { .. } => {}
+            AgentEvent::HandoverComplete { .. } | AgentEvent::PipelineResumed { .. } => {}
             AgentEvent::TrainingComplete { metric } => {
                 self.note_metric(metric);
                 if !self.state.is_over() {

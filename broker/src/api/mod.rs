@@ -61,6 +61,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
         .route("/v1/jobs/{id}/cost", get(job_cost))
         .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/instances/{id}/interruption", post(interrupt_instance))
         .route("/v1/markets", get(list_markets))
         .route("/v1/prices", get(list_prices))
         .route("/v1/downloads/proteus-agent", get(download_agent))
@@ -80,6 +81,10 @@ impl From<ServiceError> for ApiError {
             ServiceError::Invalid { field, message } => ApiError::invalid(&field, message),
             ServiceError::NoSuchJob(id) => ApiError::not_found(format!("job {id} does not exist")),
             ServiceError::JobOver(id) => ApiError::conflict(format!("job {id} is already over")),
+            ServiceError::NoSuchInstance(id) => {
+                ApiError::not_found(format!("instance {id} does not exist"))
+            }
+            ServiceError::Refused(message) => ApiError::conflict(message),
             other => ApiError::internal(other),
         }
     }
@@ -187,6 +192,23 @@ async fn cancel_job(
 ) -> Result<Json<JobView>, ApiError> {
     user(&s, &headers).await?;
     Ok(Json(s.broker.cancel(job_id(&id)?).await?))
+}
+
+/// Interrupts a spot instance now, as a price spike would (the simulated cloud; on AWS, Fault
+/// Injection Service does this): the job's events then show the warning, the agent's notice,
+/// the hand-over and the eviction.
+#[utoipa::path(post, path = "/v1/instances/{id}/interruption", params(("id" = String, Path)),
+    responses((status = 202, body = crate::service::jobs::InterruptionSent),
+        (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn interrupt_instance(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<crate::service::jobs::InterruptionSent>), ApiError> {
+    user(&s, &headers).await?;
+    let sent = s.broker.interrupt_instance(&id).await?;
+    Ok((StatusCode::ACCEPTED, Json(sent)))
 }
 
 #[utoipa::path(get, path = "/v1/jobs/{id}/cost", params(("id" = i64, Path)),

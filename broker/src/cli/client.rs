@@ -72,6 +72,20 @@ pub struct CancelArgs {
     pub output: OutputFormat,
 }
 
+#[derive(Debug, Args)]
+#[command(
+    after_help = "The instance then gets the two-minute warning through its metadata, hands over and is \
+reclaimed; `proteus status JOB` lists instance ids.\n\nExamples:\n  proteus interrupt pi-3-0f1e2d3c\n  proteus interrupt pi-3-0f1e2d3c --output json"
+)]
+pub struct InterruptArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    /// The broker's instance id (as `proteus status JOB` shows it).
+    pub instance: String,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
 /// A thin JSON client of the broker's API.
 pub struct Client {
     base: String,
@@ -208,6 +222,33 @@ pub async fn cancel(args: CancelArgs) -> Result<ExitCode> {
         );
     } else {
         emit(args.output, &job, || jobs_table(std::slice::from_ref(&job)))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn interrupt(args: InterruptArgs) -> Result<ExitCode> {
+    let sent: crate::service::jobs::InterruptionSent = Client::new(&args.remote)?
+        .post(
+            &format!("/v1/instances/{}/interruption", args.instance),
+            &serde_json::json!({}),
+        )
+        .await?;
+    if args.output == OutputFormat::Table {
+        println!(
+            "interruption sent to {} ({}) of job {} at {}",
+            sent.instance_id, sent.cloud_id, sent.job_id, sent.sent
+        );
+    } else {
+        emit(args.output, &sent, || {
+            let mut t = Table::new(&["instance", "cloud id", "job", "sent"]);
+            t.push(vec![
+                sent.instance_id.clone(),
+                sent.cloud_id.clone(),
+                sent.job_id.to_string(),
+                sent.sent.clone(),
+            ]);
+            t
+        })?;
     }
     Ok(ExitCode::SUCCESS)
 }

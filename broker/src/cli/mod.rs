@@ -71,6 +71,9 @@ pub enum Command {
     Report(client::ReportArgs),
     /// Cancel a job: every instance released, ledger closed.
     Cancel(client::CancelArgs),
+    /// Interrupt a spot instance now, as a price spike would (simulated cloud), to try a job's
+    /// eviction handling.
+    Interrupt(client::InterruptArgs),
     /// Print the REST API's OpenAPI document.
     Openapi,
     /// Run the broker service (REST API, scheduler, cloud driver).
@@ -150,6 +153,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Status(args) => client::status(args).await,
         Command::Report(args) => client::report(args).await,
         Command::Cancel(args) => client::cancel(args).await,
+        Command::Interrupt(args) => client::interrupt(args).await,
         Command::Simulate(args) => simulate::run(args),
     }
 }

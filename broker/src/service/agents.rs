@@ -318,6 +318,16 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             "training_complete",
             format!("{} {:.4}", metric.kind, metric.value),
         ),
+        AgentEvent::PipelineResumed {
+            segment,
+            workers,
+            pause_ms,
+        } => (
+            "pipeline_resumed",
+            format!(
+                "training again on plan {segment} (for {workers} workers), {pause_ms} ms after the drain"
+            ),
+        ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
     }
 }

@@ -204,6 +204,11 @@ pub enum ServiceError {
     NoSuchJob(JobId),
     #[error("job {0} is already over")]
     JobOver(JobId),
+    #[error("instance {0} does not exist")]
+    NoSuchInstance(String),
+    /// The request is well formed but the thing it names cannot do it now.
+    #[error("{0}")]
+    Refused(String),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{0}")]
