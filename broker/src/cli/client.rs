@@ -392,7 +392,7 @@ fn job_detail(j: &JobView) -> String {
         out.push_str(&format!("unavailable: {u}\n"));
     }
     let mut t = Table::new(&[
-        "instance", "market", "tier", "bid", "state", "launched", "ended",
+        "instance", "market", "tier", "bid", "state", "rank", "launched", "ended",
     ]);
     for i in &j.instances {
         t.push(vec![
@@ -401,6 +401,7 @@ fn job_detail(j: &JobView) -> String {
             i.tier.clone(),
             i.bid_usd.map(usd).unwrap_or_else(|| "-".into()),
             i.state.clone(),
+            i.worker_rank.map_or("-".into(), |r| r.to_string()),
             i.launched.clone().unwrap_or_default(),
             match (&i.ended, &i.end_reason) {
                 (Some(e), Some(r)) => format!("{e} ({r})"),
