@@ -1,7 +1,8 @@
 //! Crash points for the crash-safety tests (of the broker and of `prices ingest`). With
 //! `PROTEUS_FAILPOINTS=NAME[,NAME…]` in its environment, the process dies on the spot — no
 //! destructors, no flushing, like `kill -9` — the first time it reaches a named point. The
-//! tests then restart it and check that nothing was launched twice and nothing leaked. Unset, a point costs one branch on a cached value.
+//! tests then restart it and check that nothing was launched twice and nothing leaked.
+//! Unset, a point costs one branch on a cached value.
 
 use std::sync::OnceLock;
 
