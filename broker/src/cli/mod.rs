@@ -124,9 +124,11 @@ pub fn init_tracing_for(global: &GlobalArgs, command: &Command) {
 fn init_tracing_with_default(global: &GlobalArgs, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(global.log.as_deref().unwrap_or(default))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a terminal: logs sent to a file or a collector stay plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = match global.log_format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),

@@ -226,7 +226,10 @@ impl Broker {
             )
             .await?;
         if matches!(event, AgentEvent::InterruptionWarning { .. })
-            && self.store.mark_warned(&identity.instance_id, now).await?
+            && self
+                .store
+                .mark_warned(&identity.instance_id, now, None)
+                .await?
         {
             self.status_cache.invalidate();
             Metrics::inc(&self.metrics.warnings);

@@ -185,6 +185,9 @@ pub struct Broker {
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
     pub(crate) final_bills: Mutex<HashMap<String, f64>>,
+    /// What the cloud reported and the store has not recorded yet (see
+    /// `Broker::apply_cloud_events`).
+    unrecorded_cloud_events: Mutex<std::collections::VecDeque<crate::cloud::CloudEvent>>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -248,6 +251,7 @@ impl Broker {
             agent_cache: Mutex::new(HashMap::new()),
             final_bills: Mutex::new(HashMap::new()),
             status_cache: Default::default(),
+            unrecorded_cloud_events: Mutex::new(Default::default()),
         })
     }
 
