@@ -182,6 +182,15 @@ impl TestCoordinator {
         training: TrainingConfig,
         agents: &[(&str, &str, Tier)],
     ) -> std::io::Result<TestCoordinator> {
+        Self::start_at(training, agents, "127.0.0.1:0".parse().expect("an address")).await
+    }
+
+    /// Serve on `addr` (e.g. a port agents were already told about).
+    pub async fn start_at(
+        training: TrainingConfig,
+        agents: &[(&str, &str, Tier)],
+        addr: std::net::SocketAddr,
+    ) -> std::io::Result<TestCoordinator> {
         let coordinator = Coordinator::new(JobId(1), training)
             .map_err(|e| std::io::Error::other(e.to_string()))?
             .with_intervals(300, 5_000);
@@ -201,7 +210,7 @@ impl TestCoordinator {
             .route(paths::COMMANDS_ROUTE, get(commands))
             .route(paths::EVENTS_ROUTE, post(event))
             .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;

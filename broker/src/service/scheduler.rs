@@ -434,13 +434,38 @@ impl Broker {
             let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
             (r.valid.budget_usd, r.valid.deadline)
         };
-        if let Some(budget) = budget
-            && spend >= budget
-        {
-            let reason = format!("budget exhausted: spent ${spend:.2} of ${budget:.2}");
-            self.finish_job(job.id, JobState::Failed, &reason, now)
-                .await?;
-            return Ok(());
+        if let Some(budget) = budget {
+            // Stop before the next billing period that would take spend past the budget, not
+            // after it: the scheduler may not run again until a little market time has passed.
+            let billing = runtime
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .valid
+                .billing;
+            let ahead = BUDGET_LOOKAHEAD_SECS
+                .max(2.0 * self.settings.tick.as_secs_f64() * self.clock.speed());
+            let data = self.market_data();
+            let running_on: f64 = instances
+                .iter()
+                .filter(|i| !i.state.is_final() && i.state != InstanceState::Terminating)
+                .filter_map(|i| {
+                    let launched = i.launched?;
+                    let price = price_now(&data, &i.market, i.tier, now);
+                    Some(billing.cost_of_running_on(price, launched, now, ahead))
+                })
+                .sum();
+            if spend >= budget || spend + running_on > budget {
+                let reason = if spend >= budget {
+                    format!("budget exhausted: spent ${spend:.2} of ${budget:.2}")
+                } else {
+                    format!(
+                        "budget reached: spent ${spend:.2} of ${budget:.2}; the next billing period would add ${running_on:.2}"
+                    )
+                };
+                self.finish_job(job.id, JobState::Failed, &reason, now)
+                    .await?;
+                return Ok(());
+            }
         }
         if let Some(deadline) = deadline
             && now >= deadline
@@ -999,13 +1024,21 @@ fn first_period_cost(
     billing: BillingModel,
     now: Timestamp,
 ) -> f64 {
-    let price = match purchase {
-        Purchase::OnDemand => data.markets.on_demand(market).map(UsdPerHour::get),
-        Purchase::Spot { .. } => data.history.get(market).and_then(|s| s.price_at(now)),
-    }
-    .unwrap_or(0.0);
-    price * billing.billed_hours(0.0)
+    price_now(data, market, purchase.tier(), now) * billing.billed_hours(0.0)
 }
+
+/// What an hour of `market` on `tier` costs at `now`: its on-demand price, or the spot price.
+fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> f64 {
+    match tier {
+        Tier::Reliable => data.markets.on_demand(market).map(UsdPerHour::get),
+        Tier::Transient => data.history.get(market).and_then(|s| s.price_at(now)),
+    }
+    .unwrap_or(0.0)
+}
+
+/// How far ahead (market seconds, at least two ticks) a job's budget is checked against the
+/// billing periods its instances are about to start.
+const BUDGET_LOOKAHEAD_SECS: f64 = 60.0;
 
 /// The trace view minus markets the cloud refused recently.
 struct LiveView<'a> {

@@ -465,8 +465,9 @@ async fn budget_and_deadline_end_a_job() {
     body["work"]["total_work"] = json!(500.0);
     let (_, view) = s.post("/v1/jobs", body).await;
     let deadline_job = view["id"].as_i64().unwrap();
-    for _ in 0..12 {
-        s.step(900.0).await;
+    // Ticks every 30 market seconds, as a live broker's would come, for three hours.
+    for _ in 0..360 {
+        s.step(30.0).await;
     }
     let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;
     assert_eq!(view["state"], "failed", "{view}");
@@ -474,9 +475,16 @@ async fn budget_and_deadline_end_a_job() {
         view["state_reason"].as_str().unwrap().contains("budget"),
         "{view}"
     );
+    // $0.50 buys two first hours at $0.21; the job ends before their second hours start.
+    assert_eq!(
+        view["instances"].as_array().unwrap().len(),
+        2,
+        "two launches fit the budget: {view}"
+    );
+    let spend = view["spend_usd"].as_f64().unwrap();
     assert!(
-        view["spend_usd"].as_f64().unwrap() < 0.5 + 4.0 * 0.21 + 1e-9,
-        "spend stops near the budget: {view}"
+        (spend - 0.42).abs() < 1e-9,
+        "spend stays within the budget (two instance-hours): {view}"
     );
     let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
     assert_eq!(view["state"], "failed", "{view}");
