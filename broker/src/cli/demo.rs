@@ -10,6 +10,7 @@
 
 use super::GlobalArgs;
 use super::serve::{ServeArgs, StartOptions, start_with};
+use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
 use crate::output::{OutputFormat, pct, usd};
@@ -182,15 +183,20 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         "Proteus demo: job {} ({}), policy {}",
         job.id, job.name, job.policy
     );
-    let svg = crate::chart::job_chart(
-        &title,
-        &broker.market_data().history,
-        &instances,
-        start,
-        market_end,
-    );
-    std::fs::write(&chart_path, svg)
-        .with_context(|| format!("writing {}", chart_path.display()))?;
+    for (format, path) in [
+        (Format::Svg, &chart_path),
+        (Format::Png, &chart_path.with_extension("png")),
+    ] {
+        let bytes = crate::chart::job_chart(
+            format,
+            &title,
+            &broker.market_data().history,
+            &instances,
+            start,
+            market_end,
+        )?;
+        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    }
     let digest = decisions_digest(&broker.store, id).await?;
     if let Some(launcher) = &broker.launcher {
         launcher.stop_all(Duration::from_secs(2)).await;
@@ -510,7 +516,7 @@ fn summary(r: &DemoResult) -> String {
         out.push_str(&format!("\n{}: {}\n", r.job.policy, vs.join(", ")));
     }
     out.push_str(&format!(
-        "chart: {}\ndecisions digest: {} (same seed, same digest)\n",
+        "chart: {} (and .png)\ndecisions digest: {} (same seed, same digest)\n",
         r.chart.display(),
         r.decisions_digest
     ));
