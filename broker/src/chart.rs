@@ -37,6 +37,7 @@ const COLOURS: [RGBColor; 8] = [
 const GREY: RGBColor = RGBColor(0x44, 0x44, 0x44);
 const LIGHT: RGBColor = RGBColor(0x66, 0x66, 0x66);
 const RELIABLE: RGBColor = RGBColor(0x33, 0x33, 0x33);
+const MESH: RGBColor = RGBColor(0xe6, 0xe6, 0xe6);
 
 /// What a chart is rendered as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,6 +389,8 @@ impl Chart for JobChartData {
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
             .x_labels(0)
             .y_labels(5)
             .y_label_formatter(&|v| format!("${v:.3}"))
@@ -449,6 +452,8 @@ impl Chart for JobChartData {
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
             .x_labels(5)
             .x_label_formatter(&|x| axis.label(*x))
             .y_labels(self.max_count as usize + 1)
@@ -533,6 +538,8 @@ impl Chart for PriceChartData {
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
             .x_labels(5)
             .x_label_formatter(&|x| axis.label(*x))
             .y_labels(5)

@@ -41,7 +41,8 @@ pub enum DemoApp {
     proteus demo\n  \
     proteus demo --policy standard-bidding --seed 7\n  \
     proteus demo --app mf --start 2015-06-01T00:00:00Z --speed 4000\n  \
-    proteus demo --output json > demo.json")]
+    proteus demo --output json > demo.json\n  \
+    proteus demo --keep-serving   # then open the printed dashboard URL")]
 pub struct DemoArgs {
     /// The policy that buys capacity: bidbrain, on-demand, standard-bidding.
     #[arg(long, default_value = "bidbrain")]
@@ -75,6 +76,10 @@ pub struct DemoArgs {
     pub out: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
+    /// After the report, keep the broker and its dashboard up (printing their URL and token)
+    /// until Ctrl-C.
+    #[arg(long)]
+    pub keep_serving: bool,
 }
 
 /// What the demo prints at the end (and `--output json`).
@@ -201,7 +206,6 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     if let Some(launcher) = &broker.launcher {
         launcher.stop_all(Duration::from_secs(2)).await;
     }
-    api.abort();
 
     let result = DemoResult {
         wall_seconds: started.elapsed().as_secs_f64(),
@@ -217,6 +221,18 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         }
         _ => print!("{}", summary(&result)),
     }
+    if args.keep_serving {
+        // The report is on stdout; where to look goes to stderr so that `--output json` stays
+        // one document.
+        eprintln!(
+            "\nthe broker keeps serving (Ctrl-C stops it):\n  dashboard: {url}/\n  token:     {token}\n  \
+             CLI:       PROTEUS_URL={url} PROTEUS_TOKEN={token} proteus status"
+        );
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+    }
+    api.abort();
     Ok(if result.job.state == "succeeded" {
         ExitCode::SUCCESS
     } else {
