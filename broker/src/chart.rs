@@ -78,7 +78,10 @@ pub fn job_chart(
     from: Timestamp,
     to: Timestamp,
 ) -> Result<Vec<u8>, ChartError> {
-    render(format, &JobChartData::new(title, history, instances, from, to))
+    render(
+        format,
+        &JobChartData::new(title, history, instances, from, to),
+    )
 }
 
 /// The spot price of `markets` over `[from, to]`, with their on-demand prices where they fit
@@ -152,7 +155,11 @@ fn register_font() {
 
 /// A price (or count) that holds from one time to the next, as the corner points of a step line
 /// in chart coordinates (hours since the chart's start).
-fn steps(start: Option<f64>, changes: impl Iterator<Item = (f64, f64)>, end: f64) -> Vec<(f64, f64)> {
+fn steps(
+    start: Option<f64>,
+    changes: impl Iterator<Item = (f64, f64)>,
+    end: f64,
+) -> Vec<(f64, f64)> {
     let mut points = Vec::new();
     let mut last = start;
     if let Some(v) = start {
@@ -191,7 +198,11 @@ struct TimeAxis {
 
 impl TimeAxis {
     fn new(from: Timestamp, to: Timestamp) -> Self {
-        let to = if to <= from { from.plus_secs(3600.0) } else { to };
+        let to = if to <= from {
+            from.plus_secs(3600.0)
+        } else {
+            to
+        };
         TimeAxis { from, to }
     }
     fn hours(&self) -> f64 {
@@ -602,7 +613,11 @@ fn legend<DB: DrawingBackend>(
         }
         None => x,
     };
-    root.draw(&Text::new(label.to_string(), (label_x, y - 11), text(12, BLACK)))
+    root.draw(&Text::new(
+        label.to_string(),
+        (label_x, y - 11),
+        text(12, BLACK),
+    ))
 }
 
 fn legend_note<DB: DrawingBackend>(
@@ -671,7 +686,10 @@ mod tests {
         assert!(svg.contains("t &lt;1&gt;"), "the title is escaped");
         assert!(svg.contains("<circle"), "the eviction is marked");
         assert!(svg.contains("instances per tier") && svg.contains("market time (UTC)"));
-        assert!(svg.contains("$0.300"), "the price axis is labelled in dollars");
+        assert!(
+            svg.contains("$0.300"),
+            "the price axis is labelled in dollars"
+        );
         assert_eq!(svg.matches("<svg").count(), 1);
     }
 
@@ -679,7 +697,10 @@ mod tests {
     fn job_chart_steps_follow_the_price_changes() {
         let axis = TimeAxis::new(Timestamp(0), Timestamp(3_600_000));
         let points = steps(Some(0.05), [(0.5, 0.3)].into_iter(), axis.hours());
-        assert_eq!(points, vec![(0.0, 0.05), (0.5, 0.05), (0.5, 0.3), (1.0, 0.3)]);
+        assert_eq!(
+            points,
+            vec![(0.0, 0.05), (0.5, 0.05), (0.5, 0.3), (1.0, 0.3)]
+        );
         let (history, inst) = one_evicted_instance();
         let data = JobChartData::new("t", &history, &[inst], Timestamp(0), Timestamp(3_600_000));
         assert_eq!(data.markets[0].points, points);

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 /// A job that trains far longer than any test waits, so that it is running when the browser
 /// looks at it.
 const LONG_JOB: &str = "name = \"e2e-dashboard\"\napp = \"mlr\"\ndataset = \"digits\"\n\
-    policy = \"bidbrain\"\n[stop]\nepochs = 100000\n[limits]\nmax_instances = 2\n\
+    policy = \"bidbrain\"\n[stop]\nepochs = 10000\n[limits]\nmax_instances = 2\n\
     max_reliable_instances = 1\n[work]\ntotal_work = 500.0\n[training]\nseed = 5\n";
 
 /// How long any one thing may take to show up in the page.
@@ -83,7 +83,10 @@ impl Browser {
             {
                 break;
             }
-            assert!(Instant::now() < deadline, "chromedriver did not get ready on {url}");
+            assert!(
+                Instant::now() < deadline,
+                "chromedriver did not get ready on {url}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let profile = tempfile::tempdir().expect("profile dir");
@@ -128,7 +131,11 @@ impl Browser {
     async fn wait_js(&self, what: &str, script: &str, ok: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + DEADLINE;
         loop {
-            let v = self.client.execute(script, vec![]).await.unwrap_or(Value::Null);
+            let v = self
+                .client
+                .execute(script, vec![])
+                .await
+                .unwrap_or(Value::Null);
             if ok(&v) {
                 return v;
             }
@@ -210,12 +217,9 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
     let broker = BrokerProcess::start_sim(dir.path(), &db, "60", &[]).await;
     let id = broker.submit_file(dir.path(), LONG_JOB);
     let api = broker.client();
-    api.wait_for(
-        &format!("/v1/jobs/{id}"),
-        DEADLINE,
-        "the job to run",
-        |j| j["state"] == "running",
-    )
+    api.wait_for(&format!("/v1/jobs/{id}"), DEADLINE, "the job to run", |j| {
+        j["state"] == "running"
+    })
     .await;
 
     let browser = Browser::start().await;
@@ -248,7 +252,9 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
     browser.wait_text("#job-state", "running").await;
     browser.wait_image("#job-chart", 900).await;
     browser.wait_text("#ledger-table", "transient").await;
-    browser.wait_text("#counterfactuals-table", "standard-bidding").await;
+    browser
+        .wait_text("#counterfactuals-table", "standard-bidding")
+        .await;
     browser.wait_text("#events-table", "launched").await;
     browser.screenshot("job").await;
 
@@ -345,6 +351,12 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     let db = fresh_pg_database().await;
     let broker = BrokerProcess::start_sim(dir.path(), &db, "60", &[]).await;
     let id = broker.submit_file(dir.path(), LONG_JOB);
+    broker
+        .client()
+        .wait_for(&format!("/v1/jobs/{id}"), DEADLINE, "the job to run", |j| {
+            j["state"] == "running"
+        })
+        .await;
     let http = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
@@ -354,10 +366,16 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     // Without a session: the login form, and no data or chart.
     let page = http.get(url("/")).send().await.unwrap();
     assert_eq!(page.status(), 200);
-    let csp = page.headers()["content-security-policy"].to_str().unwrap().to_string();
+    let csp = page.headers()["content-security-policy"]
+        .to_str()
+        .unwrap()
+        .to_string();
     assert!(csp.contains("script-src 'self'"), "{csp}");
     let text = page.text().await.unwrap();
-    assert!(text.contains("id=\"login-form\"") && !text.contains("csrf-token"), "{text}");
+    assert!(
+        text.contains("id=\"login-form\"") && !text.contains("csrf-token"),
+        "{text}"
+    );
     for path in [
         "/v1/jobs".to_string(),
         format!("/v1/jobs/{id}/chart"),
@@ -381,7 +399,12 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     assert_eq!(ok.status(), 303);
     assert_eq!(ok.headers()["location"], "/");
     let set = ok.headers()["set-cookie"].to_str().unwrap().to_string();
-    for part in ["proteus_session=ps_", "HttpOnly", "SameSite=Strict", "Path=/"] {
+    for part in [
+        "proteus_session=ps_",
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/",
+    ] {
         assert!(set.contains(part), "{set}");
     }
     assert!(!set.contains("Secure"), "plain HTTP: {set}");
@@ -428,7 +451,9 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     assert_eq!(png.headers()["content-type"], "image/png");
     assert_eq!(&png.bytes().await.unwrap()[..4], b"\x89PNG");
     let bad = http
-        .get(url("/v1/markets/chart?market=us-east-1a/c3.xlarge&from=2015-05-02&to=2015-05-01"))
+        .get(url(
+            "/v1/markets/chart?market=us-east-1a/c3.xlarge&from=2015-05-02&to=2015-05-01",
+        ))
         .bearer_auth(TOKEN)
         .send()
         .await
@@ -456,7 +481,7 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(r.status(), 200, "{}", broker.log_text());
     assert_eq!(r.json::<Value>().await.unwrap()["state"], "cancelled");
 
     // Signing out ends the session on the server, not only in the browser.
@@ -466,7 +491,12 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
         .send()
         .await
         .unwrap();
-    assert!(out.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
+    assert!(
+        out.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("Max-Age=0")
+    );
     let after = http
         .get(url("/v1/jobs"))
         .header("cookie", &cookie)
@@ -484,7 +514,16 @@ async fn the_demo_keeps_serving_its_dashboard_until_interrupted() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().display().to_string();
     let mut child = Command::new(proteus_e2e::bin("proteus"))
-        .args(["demo", "--keep-serving", "--output", "json", "--work", "2", "--epochs", "1"])
+        .args([
+            "demo",
+            "--keep-serving",
+            "--output",
+            "json",
+            "--work",
+            "2",
+            "--epochs",
+            "1",
+        ])
         .args(["--out", &out])
         .env_remove("PROTEUS_DATABASE_URL")
         .stdin(Stdio::null())
@@ -497,7 +536,10 @@ async fn the_demo_keeps_serving_its_dashboard_until_interrupted() {
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
             if tx.send(line).is_err() {
                 return;
             }

@@ -53,7 +53,10 @@ mod tests {
     #[test]
     fn rfc3339_with_any_offset_and_bare_dates() {
         assert_eq!(parse_millis("2015-03-11T10:34:42Z"), Ok(1_426_070_082_000));
-        assert_eq!(parse_millis(" 2015-03-11T11:34:42+01:00 "), Ok(1_426_070_082_000));
+        assert_eq!(
+            parse_millis(" 2015-03-11T11:34:42+01:00 "),
+            Ok(1_426_070_082_000)
+        );
         assert_eq!(parse_millis("2000-02-29T23:59:59.5Z"), Ok(951_868_799_500));
         assert_eq!(parse_millis("1969-07-20T20:17:40Z"), Ok(-14_182_940_000));
         assert_eq!(parse_millis("2015-03-12"), Ok(1_426_118_400_000));
@@ -67,7 +70,11 @@ mod tests {
             "2015-03-11T10:34:42",
             "2015-02-30",
         ] {
-            assert_eq!(parse_millis(bad), Err(InvalidTime(bad.to_string())), "{bad}");
+            assert_eq!(
+                parse_millis(bad),
+                Err(InvalidTime(bad.to_string())),
+                "{bad}"
+            );
         }
     }
 

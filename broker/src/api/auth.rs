@@ -209,7 +209,9 @@ impl UserAuth {
                 "{SESSION_COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
                 SESSION_LIFETIME.as_secs()
             ),
-            None => format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}"),
+            None => {
+                format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}")
+            }
         }
     }
 }
@@ -253,7 +255,9 @@ mod tests {
         assert_eq!(auth.check_user(&h, Access::Read).unwrap_err().status, 401);
         h.insert(
             "cookie",
-            format!("theme=dark; {SESSION_COOKIE}={}", s.id).parse().unwrap(),
+            format!("theme=dark; {SESSION_COOKIE}={}", s.id)
+                .parse()
+                .unwrap(),
         );
         assert!(auth.check_user(&h, Access::Read).is_ok());
         assert_eq!(auth.check_user(&h, Access::Write).unwrap_err().status, 403);
@@ -273,6 +277,10 @@ mod tests {
             assert!(cookie.contains(part), "{cookie}");
         }
         assert!(!cookie.contains("Secure"));
-        assert!(auth.with_secure_cookies(true).cookie(Some("ps_x")).ends_with("; Secure"));
+        assert!(
+            auth.with_secure_cookies(true)
+                .cookie(Some("ps_x"))
+                .ends_with("; Secure")
+        );
     }
 }

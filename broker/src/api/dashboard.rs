@@ -11,12 +11,12 @@ use super::error::{ApiError, ApiQuery};
 use super::{AppState, job_id, user};
 use crate::chart::{self, Format};
 use crate::market::{Market, Timestamp};
+use axum::Router;
 use axum::extract::rejection::FormRejection;
 use axum::extract::{Form, Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
 use serde::Deserialize;
 
 const LOGIN_HTML: &str = include_str!("dashboard/login.html");
@@ -36,7 +36,10 @@ pub(super) fn routes() -> Router<AppState> {
         .route("/", get(index))
         .route("/login", post(login).get(|| async { redirect_home() }))
         .route("/logout", post(logout))
-        .route("/ui/app.js", get(|| async { asset("text/javascript", APP_JS) }))
+        .route(
+            "/ui/app.js",
+            get(|| async { asset("text/javascript", APP_JS) }),
+        )
         .route("/ui/app.css", get(|| async { asset("text/css", APP_CSS) }))
         .route("/v1/jobs/{id}/chart", get(job_chart))
         .route("/v1/markets/chart", get(markets_chart))
@@ -103,7 +106,10 @@ fn login_page(status: StatusCode, message: &str) -> Response {
     let message = if message.is_empty() {
         String::new()
     } else {
-        format!(r#"<p class="error" id="login-error" role="alert">{}</p>"#, escape(message))
+        format!(
+            r#"<p class="error" id="login-error" role="alert">{}</p>"#,
+            escape(message)
+        )
     };
     page(status, LOGIN_HTML.replace("{{message}}", &message))
 }
@@ -152,7 +158,8 @@ pub(super) struct ChartQuery {
 
 fn chart_format(raw: Option<&str>) -> Result<Format, ApiError> {
     raw.map_or(Ok(Format::Svg), |f| {
-        Format::parse(f).ok_or_else(|| ApiError::invalid("format", format!("`{f}` is not svg or png")))
+        Format::parse(f)
+            .ok_or_else(|| ApiError::invalid("format", format!("`{f}` is not svg or png")))
     })
 }
 
@@ -237,7 +244,9 @@ pub(super) async fn markets_chart(
     if markets.is_empty() || markets.len() > MAX_CHART_MARKETS {
         return Err(ApiError::invalid(
             "market",
-            format!("name between 1 and {MAX_CHART_MARKETS} markets (`zone/type`, comma-separated)"),
+            format!(
+                "name between 1 and {MAX_CHART_MARKETS} markets (`zone/type`, comma-separated)"
+            ),
         ));
     }
     let time = |field: &str, v: &Option<String>| {
@@ -250,16 +259,24 @@ pub(super) async fn markets_chart(
     let from = match (time("from", &q.from)?, q.hours) {
         (Some(from), _) => from,
         (None, Some(h)) if !(h > 0.0 && h <= 24.0 * 3660.0) => {
-            return Err(ApiError::invalid("hours", "must be between 0 and ten years of hours"));
+            return Err(ApiError::invalid(
+                "hours",
+                "must be between 0 and ten years of hours",
+            ));
         }
         (None, h) => to.plus_secs(-h.unwrap_or(168.0) * 3600.0),
     };
     if from >= to {
-        return Err(ApiError::invalid("from", format!("{from} is not before {to}")));
+        return Err(ApiError::invalid(
+            "from",
+            format!("{from} is not before {to}"),
+        ));
     }
     let data = s.broker.market_data();
     if let Some(unknown) = markets.iter().find(|m| data.history.get(m).is_none()) {
-        return Err(ApiError::not_found(format!("no prices for market {unknown}")));
+        return Err(ApiError::not_found(format!(
+            "no prices for market {unknown}"
+        )));
     }
     let title = if markets.len() == 1 {
         format!("spot price of {}", markets[0])

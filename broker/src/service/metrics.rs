@@ -84,9 +84,10 @@ impl Metrics {
         self.decisions.observe(took.as_secs_f64());
     }
 
-    /// The counters and the histogram, without the closing `# EOF`.
-    fn encode(&self, out: &mut String) -> std::fmt::Result {
-        prometheus_client::encoding::text::encode_registry(out, &self.registry)
+    /// Appends the counters and the histogram (OpenMetrics text, without the closing `# EOF`).
+    pub fn render(&self, out: &mut String) {
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
     }
 }
 
@@ -150,9 +151,9 @@ pub(super) fn exposition(gauges: &StoreGauges, metrics: &Metrics) -> String {
 
     let mut out = String::new();
     // Writing into a String cannot fail.
-    let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry)
-        .and_then(|()| metrics.encode(&mut out))
-        .and_then(|()| prometheus_client::encoding::text::encode_eof(&mut out));
+    let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
+    metrics.render(&mut out);
+    let _ = prometheus_client::encoding::text::encode_eof(&mut out);
     out
 }
 
