@@ -286,7 +286,14 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
         .select_by_value("720")
         .await
         .unwrap();
-    browser.wait_image("#market-chart", 900).await;
+    browser
+        .wait_js(
+            "the 30-day chart",
+            "const e = document.getElementById('market-chart'); \
+             return e.complete && e.src.includes('hours=720') ? e.naturalWidth : 0;",
+            |v| v.as_u64().is_some_and(|w| w >= 900),
+        )
+        .await;
     browser.screenshot("markets").await;
 
     // Signing out ends the session: the page is the login form again and data is refused.
