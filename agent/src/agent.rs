@@ -471,7 +471,8 @@ impl Agent {
     async fn on_notice(&mut self, n: Notice, exit_margin: Duration) {
         match n {
             Notice::Interruption { action, time } => {
-                let left = imds::parse_rfc3339(&time).map_or(120, |t| t - now_unix());
+                let left = proteus_wire::time::parse_millis(&time)
+                    .map_or(120, |t| t.div_euclid(1000) - now_unix());
                 let budget = Duration::from_secs(left.max(0) as u64).saturating_sub(exit_margin);
                 tracing::warn!(%action, %time, seconds_left = left, "interruption warning: handing over and leaving");
                 self.leave_by = Some(Instant::now() + budget);

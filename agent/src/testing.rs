@@ -389,27 +389,12 @@ impl Drop for ImdsMock {
     }
 }
 
-/// `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, Howard Hinnant).
+/// `YYYY-MM-DDTHH:MM:SSZ`, as IMDS writes a notice's time.
 pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t
+    let millis = t
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+        .map_or(0, |d| d.as_millis() as i64);
+    proteus_wire::time::format_millis(millis)
 }
 
 #[cfg(test)]
@@ -419,6 +404,6 @@ mod tests {
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_034_900);
         let s = super::rfc3339(t);
         assert_eq!(s, "2026-11-30T10:35:00Z");
-        assert_eq!(crate::imds::parse_rfc3339(&s), Some(1_796_034_900));
+        assert_eq!(proteus_wire::time::parse_millis(&s), Ok(1_796_034_900_000));
     }
 }

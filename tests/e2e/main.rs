@@ -2,6 +2,7 @@
 //! LocalStack. Run through `scripts/test`, which starts the services and exports their URLs.
 
 mod crash;
+mod dashboard;
 mod demo;
 mod eviction;
 mod flexrr;

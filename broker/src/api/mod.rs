@@ -5,6 +5,7 @@
 //! to it over real HTTP.
 
 pub mod auth;
+mod dashboard;
 pub mod error;
 mod openapi;
 
@@ -13,7 +14,7 @@ use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use crate::service::{Broker, ServiceError};
 use crate::store::MarketFilter;
-use auth::{UserAuth, bearer};
+use auth::{Access, UserAuth, bearer};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -70,6 +71,7 @@ pub fn router(state: AppState) -> Router {
         .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
         .route(paths::COMMANDS_ROUTE, get(agent_commands))
         .route(paths::EVENTS_ROUTE, post(agent_event))
+        .merge(dashboard::routes())
         .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
         .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
         .with_state(state)
@@ -99,9 +101,19 @@ fn job_id(raw: &str) -> Result<JobId, ApiError> {
         .ok_or_else(|| ApiError::not_found(format!("job `{raw}` does not exist")))
 }
 
-/// User endpoints: the user token, and a distinct 403 for an agent's token.
+/// User endpoints that read: the user token (or a dashboard session), and a distinct 403 for an
+/// agent's token.
 async fn user(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match state.auth.check(headers) {
+    authorize(state, headers, Access::Read).await
+}
+
+/// User endpoints that change something: as [`user`], and a session must send its CSRF header.
+async fn user_change(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    authorize(state, headers, Access::Write).await
+}
+
+async fn authorize(state: &AppState, headers: &HeaderMap, access: Access) -> Result<(), ApiError> {
+    match state.auth.check_user(headers, access) {
         Ok(()) => Ok(()),
         Err(e) => {
             if let Some(t) = bearer(headers)
@@ -142,10 +154,11 @@ async fn healthz(State(s): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format")))]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (Prometheus)")))]
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let text = crate::service::metrics_text(&s.broker).await?;
-    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+    let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    Ok(([("content-type", content_type)], text).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/jobs", request_body = JobSpec,
@@ -156,7 +169,7 @@ async fn submit_job(
     headers: HeaderMap,
     ApiJson(spec): ApiJson<JobSpec>,
 ) -> Result<Response, ApiError> {
-    user(&s, &headers).await?;
+    user_change(&s, &headers).await?;
     let view = s.broker.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(view)).into_response())
 }
@@ -190,7 +203,7 @@ async fn cancel_job(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    user(&s, &headers).await?;
+    user_change(&s, &headers).await?;
     Ok(Json(s.broker.cancel(job_id(&id)?).await?))
 }
 

@@ -17,6 +17,8 @@ use utoipa::{Modify, OpenApi};
         super::interrupt_instance,
         super::job_cost,
         super::job_events,
+        super::dashboard::job_chart,
+        super::dashboard::markets_chart,
         super::list_markets,
         super::list_prices,
         super::agent_register,

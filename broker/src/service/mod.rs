@@ -466,42 +466,27 @@ impl Broker {
 
 /// `GET /metrics`: counters kept in memory plus gauges read from the store.
 pub async fn metrics_text(broker: &Broker) -> Result<String, ServiceError> {
-    use std::fmt::Write;
-    let mut out = String::new();
     let jobs = broker.store.jobs(false).await?;
-    let _ = writeln!(
-        out,
-        "# HELP proteus_jobs Jobs by state.\n# TYPE proteus_jobs gauge"
-    );
-    for state in ["pending", "running", "succeeded", "failed", "cancelled"] {
-        let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
-        let _ = writeln!(out, "proteus_jobs{{state=\"{state}\"}} {n}");
-    }
-    let live = broker.store.live_instances().await?;
-    let mut by: std::collections::BTreeMap<(String, String), u32> = Default::default();
-    for i in &live {
+    let states = ["pending", "running", "succeeded", "failed", "cancelled"]
+        .into_iter()
+        .map(|state| {
+            let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
+            (state, n as i64)
+        })
+        .collect();
+    let mut by: std::collections::BTreeMap<(String, String), i64> = Default::default();
+    for i in broker.store.live_instances().await? {
         *by.entry((i.tier.to_string(), i.market.to_string()))
             .or_default() += 1;
     }
-    let _ = writeln!(
-        out,
-        "# HELP proteus_instances Live instances by tier and market.\n# TYPE proteus_instances gauge"
-    );
-    for ((tier, market), n) in by {
-        let _ = writeln!(
-            out,
-            "proteus_instances{{tier=\"{tier}\",market=\"{}\"}} {n}",
-            metrics::label(&market)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP proteus_spend_usd Ledger total per job.\n# TYPE proteus_spend_usd gauge"
-    );
+    let mut spend = Vec::with_capacity(jobs.len());
     for j in &jobs {
-        let spend = broker.store.spend_of_job(j.id).await?;
-        let _ = writeln!(out, "proteus_spend_usd{{job=\"{}\"}} {spend}", j.id);
+        spend.push((j.id.0, broker.store.spend_of_job(j.id).await?));
     }
-    broker.metrics.render(&mut out);
-    Ok(out)
+    let gauges = metrics::StoreGauges {
+        jobs: states,
+        instances: by.into_iter().collect(),
+        spend,
+    };
+    Ok(metrics::exposition(&gauges, &broker.metrics))
 }
