@@ -736,7 +736,7 @@ mod tests {
             Format::Png,
             "prices",
             &history,
-            &[inst.market.clone()],
+            std::slice::from_ref(&inst.market),
             Timestamp(0),
             Timestamp(3_600_000),
         )
