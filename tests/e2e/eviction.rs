@@ -18,7 +18,7 @@ const SPIKE_MIN: i64 = 10;
 
 /// Eight days of calm prices before the start (BidBrain's market model reads a week of
 /// history), the spike, then calm again for a day.
-fn write_trace(dir: &Path) -> (String, String) {
+pub(crate) fn write_trace(dir: &Path) -> (String, String) {
     let start = chrono::DateTime::parse_from_rfc3339(START)
         .unwrap()
         .to_utc();

@@ -71,6 +71,8 @@ pub enum Command {
     Report(client::ReportArgs),
     /// Cancel a job: every instance released, ledger closed.
     Cancel(client::CancelArgs),
+    /// The newest output of a command job's program, per instance.
+    Logs(client::LogsArgs),
     /// Print the REST API's OpenAPI document.
     Openapi,
     /// Run the broker service (REST API, scheduler, cloud driver).
@@ -150,6 +152,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Status(args) => client::status(args).await,
         Command::Report(args) => client::report(args).await,
         Command::Cancel(args) => client::cancel(args).await,
+        Command::Logs(args) => client::logs(args).await,
         Command::Simulate(args) => simulate::run(args),
     }
 }

@@ -15,6 +15,7 @@ pub mod control;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;
+pub mod programs;
 pub mod recovery;
 pub mod scheduler;
 pub mod spec;
@@ -185,6 +186,9 @@ pub struct Broker {
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
     pub(crate) final_bills: Mutex<HashMap<String, f64>>,
+    /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
+    /// checkpoint.
+    pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -237,6 +241,7 @@ impl Broker {
             control: ControlPlane::default(),
             settings,
             metrics: metrics::Metrics::default(),
+            programs: std::sync::OnceLock::new(),
             market_data: RwLock::new(Arc::new(data)),
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),
