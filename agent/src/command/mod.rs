@@ -27,8 +27,7 @@ use crate::imds::{self, Imds, Notice};
 use program::{Ended, Launch, OutputTail, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, CommandConfig, ExitReason, ProgramProgress,
-    RegisterResponse,
+    AgentEvent, ClusterView, Command, CommandConfig, ExitReason, ProgramProgress, RegisterResponse,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -339,9 +338,13 @@ impl Runner {
                     "restored the checkpoint of rank {ck_rank}: {} bytes in {:.2} s",
                     t.bytes, t.secs
                 )),
-                Ok(None) => self.note(format!("no checkpoint of rank {ck_rank} yet: starting fresh")),
+                Ok(None) => self.note(format!(
+                    "no checkpoint of rank {ck_rank} yet: starting fresh"
+                )),
                 Err(e) => {
-                    self.note(format!("cannot restore the checkpoint ({e}); retrying in 2 s"));
+                    self.note(format!(
+                        "cannot restore the checkpoint ({e}); retrying in 2 s"
+                    ));
                     self.restart_at = Some(Instant::now() + Duration::from_secs(2));
                     return;
                 }
@@ -349,7 +352,8 @@ impl Runner {
             self.restored = true;
         }
         let env = self.env(rank, world);
-        let setup = (!self.setup_done && !self.cfg.setup.is_empty()).then(|| self.cfg.setup.clone());
+        let setup =
+            (!self.setup_done && !self.cfg.setup.is_empty()).then(|| self.cfg.setup.clone());
         let argv = self.cfg.run.clone();
         let (cwd, log, tail) = (
             self.paths.workdir.clone(),
@@ -394,7 +398,12 @@ impl Runner {
                         }
                         setup_done = true;
                     }
-                    Err(e) => return RunEnd { ended: failed(e, &tail), setup_done },
+                    Err(e) => {
+                        return RunEnd {
+                            ended: failed(e, &tail),
+                            setup_done,
+                        };
+                    }
                 }
             }
             match launch(&argv, &env) {
@@ -404,14 +413,23 @@ impl Runner {
                     group.store(0, Ordering::SeqCst);
                     RunEnd { ended, setup_done }
                 }
-                Err(e) => RunEnd { ended: failed(e, &tail), setup_done },
+                Err(e) => RunEnd {
+                    ended: failed(e, &tail),
+                    setup_done,
+                },
             }
         });
-        self.run = Some(Run { task, pgid, rank: ck_rank });
+        self.run = Some(Run {
+            task,
+            pgid,
+            rank: ck_rank,
+        });
     }
 
     fn pgid(&self) -> i32 {
-        self.run.as_ref().map_or(0, |r| r.pgid.load(Ordering::SeqCst))
+        self.run
+            .as_ref()
+            .map_or(0, |r| r.pgid.load(Ordering::SeqCst))
     }
 
     fn kill_now(&self) {
@@ -443,7 +461,10 @@ impl Runner {
         let deadline = imds::parse_rfc3339(&time).unwrap_or_else(|| now_unix() + 120);
         let left = Duration::from_secs((deadline - now_unix()).max(0) as u64);
         let margin = Duration::from_secs(self.cfg.kill_margin_secs);
-        self.deliver_notice(deadline, &format!("spot instance {action} notice for {time}"));
+        self.deliver_notice(
+            deadline,
+            &format!("spot instance {action} notice for {time}"),
+        );
         self.leaving = Some(Leaving {
             kill_at: Instant::now() + left.saturating_sub(margin),
             exit_after: true,
@@ -455,7 +476,10 @@ impl Runner {
         })
         .await;
         if self.run.is_none() {
-            return Some(self.leave(ExitReason::Interrupted, Outcome::Interrupted).await);
+            return Some(
+                self.leave(ExitReason::Interrupted, Outcome::Interrupted)
+                    .await,
+            );
         }
         None
     }
@@ -491,7 +515,11 @@ impl Runner {
                 tokio::spawn(async move {
                     let _guard = guard;
                     match checkpoint::upload(&broker, &me, rank, &dir).await {
-                        Ok(t) => tracing::info!(bytes = t.bytes, secs = t.secs, "periodic checkpoint uploaded"),
+                        Ok(t) => tracing::info!(
+                            bytes = t.bytes,
+                            secs = t.secs,
+                            "periodic checkpoint uploaded"
+                        ),
                         Err(e) => tail
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
@@ -534,8 +562,7 @@ impl Runner {
                 Some(p) => p.done >= p.total,
                 None => self.slot.is_some_and(|(r, _)| r == 0),
             };
-        let idle_success =
-            ended.success() && !completes && !after_notice && progress.is_none();
+        let idle_success = ended.success() && !completes && !after_notice && progress.is_none();
         if !idle_success {
             self.event(AgentEvent::ProgramExited {
                 code: ended.code,
@@ -548,7 +575,10 @@ impl Runner {
         self.send_output().await;
         match self.leaving.take() {
             Some(l) if l.exit_after => {
-                return Some(self.leave(ExitReason::Interrupted, Outcome::Interrupted).await);
+                return Some(
+                    self.leave(ExitReason::Interrupted, Outcome::Interrupted)
+                        .await,
+                );
             }
             Some(_) => {
                 let _ = std::fs::remove_file(&self.paths.notice_file);

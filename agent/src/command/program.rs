@@ -119,8 +119,14 @@ impl Running {
         let mut readers = Vec::new();
         let log = Arc::new(tokio::sync::Mutex::new(None::<tokio::fs::File>));
         let log_path = l.log.to_path_buf();
-        let stdout = child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
-        let stderr = child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
+        let stdout = child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
+        let stderr = child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
         for stream in [stdout, stderr].into_iter().flatten() {
             let (tail, log, log_path) = (l.tail.clone(), log.clone(), log_path.clone());
             readers.push(tokio::spawn(async move {

@@ -469,7 +469,9 @@ async fn agent_checkpoint_get(
         .await?
     {
         Some(path) => send_file(&path, "application/gzip").await,
-        None => Err(ApiError::not_found(format!("no checkpoint of rank {rank} yet"))),
+        None => Err(ApiError::not_found(format!(
+            "no checkpoint of rank {rank} yet"
+        ))),
     }
 }
 

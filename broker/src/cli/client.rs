@@ -252,7 +252,10 @@ pub async fn logs(args: LogsArgs) -> Result<ExitCode> {
         .map(|()| ExitCode::SUCCESS);
     }
     if tails.is_empty() {
-        eprintln!("no output yet for job {} (only command jobs have one)", args.id);
+        eprintln!(
+            "no output yet for job {} (only command jobs have one)",
+            args.id
+        );
     }
     for t in &tails {
         println!("==> {} <==", t["instance_id"].as_str().unwrap_or("?"));

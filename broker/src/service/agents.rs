@@ -335,8 +335,16 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
                     (None, Some(s)) => format!("killed by signal {s}"),
                     _ => "unknown status".into(),
                 },
-                if *after_notice { ", after a notice" } else { "" },
-                if *completes { ", completing the job" } else { "" },
+                if *after_notice {
+                    ", after a notice"
+                } else {
+                    ""
+                },
+                if *completes {
+                    ", completing the job"
+                } else {
+                    ""
+                },
             ),
         ),
     }

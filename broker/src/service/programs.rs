@@ -45,7 +45,10 @@ impl Broker {
 
     fn checked_rank(rank: u32) -> Result<u32, ApiError> {
         if rank >= MAX_RANK {
-            return Err(ApiError::invalid("rank", format!("must be below {MAX_RANK}")));
+            return Err(ApiError::invalid(
+                "rank",
+                format!("must be below {MAX_RANK}"),
+            ));
         }
         Ok(rank)
     }

@@ -408,7 +408,11 @@ impl Broker {
                 .await?;
             let reason = match status.final_metric {
                 Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
-                None => "training complete".to_string(),
+                // A command job: the coordinator says how its program completed.
+                None => status
+                    .end_reason
+                    .clone()
+                    .unwrap_or_else(|| "training complete".to_string()),
             };
             self.finish_job(job.id, JobState::Succeeded, &reason, now)
                 .await?;

@@ -21,8 +21,8 @@ use proteus_wire::agent_api::{
     AppConfig, CommandConfig, CommandLauncher, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK,
     Parallelism, StopCondition, SyncModel, TrainingConfig,
 };
-use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
 /// A training job as submitted.
@@ -103,10 +103,16 @@ impl CommandSpec {
     fn config(&self) -> Result<CommandConfig, FieldError> {
         let argv = |field: &str, v: &[String]| -> Result<(), FieldError> {
             if v.first().is_none_or(|p| p.trim().is_empty()) {
-                return Err(bad(field, "must name a program, e.g. [\"python3\", \"train.py\"]"));
+                return Err(bad(
+                    field,
+                    "must name a program, e.g. [\"python3\", \"train.py\"]",
+                ));
             }
             if let Some(i) = v.iter().position(|a| a.contains('\0')) {
-                return Err(bad(&format!("{field}[{i}]"), "must not contain a NUL character"));
+                return Err(bad(
+                    &format!("{field}[{i}]"),
+                    "must not contain a NUL character",
+                ));
             }
             Ok(())
         };
@@ -132,7 +138,10 @@ impl CommandSpec {
                 ));
             }
             if v.contains('\0') {
-                return Err(bad(&format!("command.env.{k}"), "must not contain a NUL character"));
+                return Err(bad(
+                    &format!("command.env.{k}"),
+                    "must not contain a NUL character",
+                ));
             }
         }
         if let Some(w) = &self.workdir {
@@ -603,10 +612,12 @@ impl JobSpec {
                     "applies to built-in apps; a `command` job is configured in `command`",
                 ));
             }
-            let command = self
-                .command
-                .as_ref()
-                .ok_or_else(|| bad("command", "an `app = \"command\"` job needs a `command` table with `run`"))?;
+            let command = self.command.as_ref().ok_or_else(|| {
+                bad(
+                    "command",
+                    "an `app = \"command\"` job needs a `command` table with `run`",
+                )
+            })?;
             return command.config().map(AppConfig::Command);
         }
         if self.command.is_some() {
@@ -639,7 +650,10 @@ impl JobSpec {
             ));
         }
         match self.app {
-            App::Command => Err(bad("command", "an `app = \"command\"` job needs a `command` table")),
+            App::Command => Err(bad(
+                "command",
+                "an `app = \"command\"` job needs a `command` table",
+            )),
             App::Mlp => {
                 let dataset = self.image_dataset()?;
                 let app = AppConfig::Mlp {
@@ -821,6 +835,60 @@ mod tests {
     }
 
     const NOW: Timestamp = Timestamp(1_426_000_000_000);
+
+    #[test]
+    fn command_jobs_are_checked_field_by_field() {
+        let ok = spec(
+            r#"{"app":"command","policy":"x","limits":{"max_instances":1},
+                "command":{"run":["python3","t.py"],"env":{"LR":"0.1"},"max_restarts":2}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap();
+        assert_eq!(ok.name, "command-python3");
+        assert_eq!(ok.training.num_shards, 1);
+        match ok.training.app {
+            AppConfig::Command(c) => {
+                assert_eq!(c.max_restarts, 2);
+                assert_eq!(c.checkpoint_interval_secs, 60);
+            }
+            other => panic!("{other:?}"),
+        }
+        for (json, field) in [
+            (r#""command":{"run":[]}"#, "command.run"),
+            (
+                r#""command":{"run":["p"],"env":{"PROTEUS_RANK":"3"}}"#,
+                "command.env.PROTEUS_RANK",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://b/k"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"launcher":"torchrun"}"#,
+                "command.launcher",
+            ),
+            (
+                r#""command":{"run":["p"],"max_restarts":1000}"#,
+                "command.max_restarts",
+            ),
+            (r#""stop":{"epochs":1},"command":{"run":["p"]}"#, "stop"),
+            (r#""dataset":"mnist""#, "dataset"),
+        ] {
+            let text = format!(
+                r#"{{"app":"command","policy":"x","limits":{{"max_instances":1}},{json}}}"#
+            );
+            let e = spec(&text)
+                .validate(BillingModel::PerSecond, NOW)
+                .unwrap_err();
+            assert_eq!(e.field, field, "{text}: {}", e.message);
+        }
+        let e = spec(
+            r#"{"app":"mlr","policy":"x","limits":{"max_instances":1},"command":{"run":["p"]}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap_err();
+        assert_eq!(e.field, "command");
+    }
 
     #[test]
     fn a_minimal_spec_gets_defaults() {
