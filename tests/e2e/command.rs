@@ -1,12 +1,11 @@
 //! Command jobs end to end: a stdlib-only Python program (`examples/command/train.py`) under
 //! the contract of docs/command-jobs.md, run by real agents on the sim cloud, evicted by a
 //! price spike (the same hand-made trace as `eviction.rs`), resumed by a replacement from its
-//! durable checkpoint in the broker's directory store, plus exit codes mapped to job states.
-//! (S3 is not exercised here: LocalStack 4.14's S3 provider does not import on Python 3.11,
-//! see docs/command-jobs.md; the presigned URLs are checked against AWS's published example.)
+//! durable checkpoint — in LocalStack's S3 through presigned URLs (LocalStack checks their
+//! signatures), or in the broker's directory store — plus exit codes mapped to job states.
 
 use super::eviction::write_trace;
-use proteus_e2e::{BrokerProcess, fresh_pg_database};
+use proteus_e2e::{BrokerProcess, fresh_pg_database, localstack_url};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -112,15 +111,55 @@ fn evicted_then_resumed(tails: &[(String, String)]) -> (u64, u64, String) {
     (last_step, resumed[0], replacement.1.clone())
 }
 
-/// Evicted mid-run by a price spike; the checkpoint goes through the broker's directory
-/// store; the replacement resumes exactly where the warned program saved; the job succeeds on
-/// the program's own progress.
+/// A plain (unsigned) `GET` on LocalStack's S3: LocalStack lets anonymous requests read, so
+/// the test sees the bucket without signing code of its own.
+async fn s3_get(path: &str) -> (reqwest::StatusCode, Vec<u8>) {
+    let resp = reqwest::get(format!("{}{path}", localstack_url()))
+        .await
+        .expect("LocalStack S3 answers");
+    let status = resp.status();
+    (status, resp.bytes().await.expect("S3 body").to_vec())
+}
+
+/// The `step` in `state.json` of a checkpoint archive (gzipped tar), read by Python's
+/// `tarfile` — an implementation independent of the agent's packing.
+fn step_in_archive(archive: &[u8]) -> u64 {
+    use std::io::Write;
+    let mut child = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import io, json, sys, tarfile\n\
+             t = tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()))\n\
+             print(json.load(t.extractfile('state.json'))['step'])",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    child.stdin.take().unwrap().write_all(archive).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the archive is not a tar.gz with state.json"
+    );
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// Evicted mid-run by a price spike; the checkpoint goes through LocalStack's S3 (the broker
+/// presigns, the agent `PUT`s and `GET`s, LocalStack verifies the signatures); the replacement
+/// resumes exactly where the warned program saved; the job succeeds on the program's own
+/// progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_trace(dir.path());
     let db = fresh_pg_database().await;
-    let broker = BrokerProcess::start_sim(
+    let bucket = proteus_e2e::unique("ck")
+        .replace('_', "-")
+        .to_ascii_lowercase();
+    let store = format!("s3://{bucket}/e2e");
+    let endpoint = localstack_url();
+    let broker = BrokerProcess::start_sim_with_env(
         dir.path(),
         &db,
         "60",
@@ -131,6 +170,14 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
             &od,
             "--min-notice-secs",
             "8",
+            "--checkpoint-store",
+            &store,
+        ],
+        &[
+            ("AWS_ENDPOINT_URL_S3", endpoint.as_str()),
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_REGION", "us-east-1"),
         ],
     )
     .await;
@@ -180,14 +227,41 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
         replacement.lines().any(|l| l == "step 150"),
         "{replacement}"
     );
+    // The checkpoint is in the bucket (and not in the broker's directory): the last upload,
+    // taken when the program exited, holds its final step.
+    let key = format!("e2e/job-{id}/rank-0.tar.gz");
+    let (status, listing) = s3_get(&format!("/{bucket}?list-type=2")).await;
+    assert!(status.is_success(), "{status}");
+    let listing = String::from_utf8_lossy(&listing);
+    assert!(listing.contains(&format!("<Key>{key}</Key>")), "{listing}");
+    let (status, archive) = s3_get(&format!("/{bucket}/{key}")).await;
+    assert!(status.is_success(), "{status}");
+    assert_eq!(step_in_archive(&archive), 150);
     assert!(
-        broker
+        !broker
             .state_dir
             .join("checkpoints")
             .join(format!("job-{id}"))
-            .join("rank-0.tar.gz")
-            .is_file(),
-        "the directory store holds the checkpoint"
+            .exists(),
+        "the directory store was not used"
+    );
+    // LocalStack does check presigned signatures, so the agent's transfers above were signed
+    // right: the same object with a wrong signature is refused.
+    let now = chrono::Utc::now();
+    let forged = format!(
+        "/{bucket}/{key}?X-Amz-Algorithm=AWS4-HMAC-SHA256\
+         &X-Amz-Credential=test%2F{}%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Date={}\
+         &X-Amz-Expires=600&X-Amz-SignedHeaders=host&X-Amz-Signature={}",
+        now.format("%Y%m%d"),
+        now.format("%Y%m%dT%H%M%SZ"),
+        "0".repeat(64)
+    );
+    let (status, body) = s3_get(&forged).await;
+    assert_eq!(
+        status,
+        reqwest::StatusCode::FORBIDDEN,
+        "{}",
+        String::from_utf8_lossy(&body)
     );
     let kinds: Vec<(String, String, String)> = events(&broker, id).await;
     assert!(
