@@ -125,6 +125,18 @@ impl BrokerProcess {
         speed: &str,
         extra: &[&str],
     ) -> BrokerProcess {
+        Self::start_sim_with_env(dir, database_url, speed, extra, &[]).await
+    }
+
+    /// [`BrokerProcess::start_sim`] with extra environment for the broker (e.g. the S3
+    /// endpoint and credentials of a checkpoint store).
+    pub async fn start_sim_with_env(
+        dir: &Path,
+        database_url: &str,
+        speed: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> BrokerProcess {
         let mut args = vec![
             "--cloud",
             "sim",
@@ -136,7 +148,7 @@ impl BrokerProcess {
             "250",
         ];
         args.extend_from_slice(extra);
-        Self::start(dir, database_url, &args, &[]).await
+        Self::start(dir, database_url, &args, envs).await
     }
 
     /// What the CLI needs to reach this broker as its user.

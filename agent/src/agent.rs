@@ -44,6 +44,8 @@ pub struct AgentOptions {
     pub exit_margin: Duration,
     /// This agent's worker is a persistent straggler this many times slower (1: normal).
     pub slowdown: f64,
+    /// Command jobs: where each instance's working, checkpoint, notice and progress files go.
+    pub scratch_dir: PathBuf,
 }
 
 /// How the agent ended.
@@ -55,13 +57,13 @@ pub enum Outcome {
     Interrupted,
 }
 
-enum Control {
+pub(crate) enum Control {
     Command(Command),
     JobOver,
     Forgotten,
 }
 
-fn now_unix() -> i64 {
+pub(crate) fn now_unix() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64)
@@ -87,6 +89,11 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
         })
         .await?;
     tracing::info!(job = %reg.job_id, tier = %reg.tier, app = reg.training.app.name(), "registered");
+    if let proteus_wire::agent_api::AppConfig::Command(cfg) = &reg.training.app {
+        drop(listener);
+        let cfg = cfg.clone();
+        return crate::command::run(&opts, cfg, reg, broker, instance_id, imds).await;
+    }
     let mut agent = match Agent::start(
         &opts,
         reg,
@@ -580,7 +587,7 @@ fn check_view(view: &ClusterView, model_len: u64) -> std::result::Result<(), Str
     Ok(())
 }
 
-async fn poll_commands(
+pub(crate) async fn poll_commands(
     broker: Broker,
     me: InstanceId,
     wait_ms: u64,
@@ -621,7 +628,7 @@ async fn poll_commands(
     }
 }
 
-async fn heartbeats(
+pub(crate) async fn heartbeats(
     broker: Broker,
     me: InstanceId,
     interval: Duration,

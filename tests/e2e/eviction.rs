@@ -10,8 +10,8 @@ use std::time::Duration;
 /// Market minutes after the start when both c3.xlarge spot markets spike above any bid, and
 /// how long the spike lasts. At 60× that is 15 wall seconds in: the agents are training then
 /// (they start in a few seconds and train for tens of seconds).
-const SPIKE_AT_MIN: i64 = 15;
-const SPIKE_MIN: i64 = 10;
+pub(crate) const SPIKE_AT_MIN: i64 = 15;
+pub(crate) const SPIKE_MIN: i64 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {

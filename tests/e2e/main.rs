@@ -1,6 +1,7 @@
 //! End-to-end tests: real `proteus serve` and `proteus-agent` processes, real Postgres, real
 //! LocalStack. Run through `scripts/test`, which starts the services and exports their URLs.
 
+mod command;
 mod crash;
 mod dashboard;
 mod demo;

@@ -18,12 +18,13 @@ use auth::{Access, UserAuth, bearer};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
-    AgentEvent, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+    AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
+    RegisterRequest, RegisterResponse, paths,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -71,9 +72,23 @@ pub fn router(state: AppState) -> Router {
         .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
         .route(paths::COMMANDS_ROUTE, get(agent_commands))
         .route(paths::EVENTS_ROUTE, post(agent_event))
+        .route(paths::CHECKPOINT_ROUTE, get(agent_checkpoint))
+        .route(paths::OUTPUT_ROUTE, post(agent_output))
+        .route("/v1/jobs/{id}/logs", get(job_logs))
         .merge(dashboard::routes())
-        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
         .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
+        // Checkpoint archives are large: their route has its own limit (the store's).
+        .merge(
+            Router::new()
+                .route(
+                    paths::CHECKPOINT_DATA_ROUTE,
+                    put(agent_checkpoint_put).get(agent_checkpoint_get),
+                )
+                .layer(tower_http::limit::RequestBodyLimitLayer::new(
+                    crate::checkpoint::MAX_ARCHIVE_BYTES as usize,
+                )),
+        )
+        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
         .with_state(state)
 }
 
@@ -431,6 +446,95 @@ async fn agent_event(
         .agent_event(agent_token(&headers), &id, event)
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint", params(("instance_id" = String, Path), ("rank" = u32, Query),
+    ("op" = String, Query, description = "`upload` or `download`")),
+    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<CheckpointQuery>,
+) -> Result<Json<CheckpointTransfer>, ApiError> {
+    Ok(Json(
+        s.broker
+            .agent_checkpoint_transfer(agent_token(&headers), &id, q.rank, q.op)
+            .await?,
+    ))
+}
+
+fn rank_of(raw: &str) -> Result<u32, ApiError> {
+    raw.parse()
+        .map_err(|_| ApiError::invalid("rank", format!("`{raw}` is not a rank")))
+}
+
+#[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
+    request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint_put(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((id, rank)): Path<(String, String)>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let rank = rank_of(&rank)?;
+    let bytes = s
+        .broker
+        .agent_checkpoint_put(agent_token(&headers), &id, rank, body.into_data_stream())
+        .await?;
+    tracing::debug!(instance = %id, rank, bytes, "checkpoint stored");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
+    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint_get(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((id, rank)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let rank = rank_of(&rank)?;
+    match s
+        .broker
+        .agent_checkpoint_file(agent_token(&headers), &id, rank)
+        .await?
+    {
+        Some(path) => send_file(&path, "application/gzip").await,
+        None => Err(ApiError::not_found(format!(
+            "no checkpoint of rank {rank} yet"
+        ))),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/output", params(("instance_id" = String, Path)),
+    request_body(content = String, description = "the newest tail of the program's output", content_type = "text/plain"),
+    responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+async fn agent_output(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    text: String,
+) -> Result<StatusCode, ApiError> {
+    s.broker
+        .agent_output(agent_token(&headers), &id, &text)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}/logs", params(("id" = i64, Path)),
+    responses((status = 200, body = Vec<crate::service::programs::OutputView>), (status = 404, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn job_logs(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<crate::service::programs::OutputView>>, ApiError> {
+    user(&s, &headers).await?;
+    Ok(Json(s.broker.job_outputs(job_id(&id)?).await?))
 }
 
 /// Downloads need a live instance's token: only the broker's own VMs may fetch.

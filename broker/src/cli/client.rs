@@ -86,6 +86,19 @@ pub struct InterruptArgs {
     pub output: OutputFormat,
 }
 
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    pub id: i64,
+    /// Only this instance's output.
+    #[arg(long)]
+    pub instance: Option<String>,
+    /// `table` prints each instance's tail under a header; `json` the API's answer.
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
 /// A thin JSON client of the broker's API.
 pub struct Client {
     base: String,
@@ -249,6 +262,45 @@ pub async fn interrupt(args: InterruptArgs) -> Result<ExitCode> {
             ]);
             t
         })?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `proteus logs JOB`: the newest output of a command job's program on each instance.
+pub async fn logs(args: LogsArgs) -> Result<ExitCode> {
+    let tails: Vec<serde_json::Value> = Client::new(&args.remote)?
+        .get(&format!("/v1/jobs/{}/logs", args.id))
+        .await?;
+    let tails: Vec<serde_json::Value> = tails
+        .into_iter()
+        .filter(|t| {
+            args.instance
+                .as_deref()
+                .is_none_or(|i| t["instance_id"].as_str() == Some(i))
+        })
+        .collect();
+    if args.output != OutputFormat::Table {
+        return emit(args.output, &tails, || {
+            let mut t = Table::new(&["instance_id", "output"]);
+            for tail in &tails {
+                t.push(vec![
+                    tail["instance_id"].as_str().unwrap_or("").to_string(),
+                    tail["output"].as_str().unwrap_or("").to_string(),
+                ]);
+            }
+            t
+        })
+        .map(|()| ExitCode::SUCCESS);
+    }
+    if tails.is_empty() {
+        eprintln!(
+            "no output yet for job {} (only command jobs have one)",
+            args.id
+        );
+    }
+    for t in &tails {
+        println!("==> {} <==", t["instance_id"].as_str().unwrap_or("?"));
+        print!("{}", t["output"].as_str().unwrap_or(""));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -321,6 +321,7 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
             deadline_hours: None,
         },
         billing: None,
+        command: None,
         work: Some(WorkSpec {
             total_work: Some(args.work),
             reference_type: None,

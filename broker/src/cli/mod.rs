@@ -74,6 +74,8 @@ pub enum Command {
     /// Interrupt a spot instance now, as a price spike would (simulated cloud), to try a job's
     /// eviction handling.
     Interrupt(client::InterruptArgs),
+    /// The newest output of a command job's program, per instance.
+    Logs(client::LogsArgs),
     /// Print the REST API's OpenAPI document.
     Openapi,
     /// Run the broker service (REST API, scheduler, cloud driver).
@@ -156,6 +158,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Report(args) => client::report(args).await,
         Command::Cancel(args) => client::cancel(args).await,
         Command::Interrupt(args) => client::interrupt(args).await,
+        Command::Logs(args) => client::logs(args).await,
         Command::Simulate(args) => simulate::run(args),
     }
 }

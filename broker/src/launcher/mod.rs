@@ -191,6 +191,11 @@ impl LocalLauncher {
             .arg("127.0.0.1:0")
             .arg("--log")
             .arg(&self.config.agent_log)
+            // Command jobs' files per instance, beside the agents' logs.
+            .env(
+                "PROTEUS_AGENT_SCRATCH_DIR",
+                self.config.state_dir.join("scratch"),
+            )
             // The token goes by environment, not argv, so `ps` does not show it.
             .env("PROTEUS_AGENT_TOKEN", agent_token)
             .stdin(std::process::Stdio::null())

@@ -236,7 +236,9 @@ impl Broker {
         }
         let wake = matches!(
             event,
-            AgentEvent::TrainingComplete { .. } | AgentEvent::InterruptionWarning { .. }
+            AgentEvent::TrainingComplete { .. }
+                | AgentEvent::InterruptionWarning { .. }
+                | AgentEvent::ProgramExited { .. }
         );
         if let Some(control) = self.control.get(identity.job_id) {
             control
@@ -332,6 +334,32 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             ),
         ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
+        AgentEvent::ProgramExited {
+            code,
+            signal,
+            after_notice,
+            completes,
+        } => (
+            "program_exited",
+            format!(
+                "{}{}{}",
+                match (code, signal) {
+                    (Some(c), _) => format!("exit code {c}"),
+                    (None, Some(s)) => format!("killed by signal {s}"),
+                    _ => "unknown status".into(),
+                },
+                if *after_notice {
+                    ", after a notice"
+                } else {
+                    ""
+                },
+                if *completes {
+                    ", completing the job"
+                } else {
+                    ""
+                },
+            ),
+        ),
     }
 }
 

@@ -15,6 +15,7 @@ pub mod control;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;
+pub mod programs;
 pub mod recovery;
 pub mod scheduler;
 pub mod spec;
@@ -188,6 +189,9 @@ pub struct Broker {
     /// What the cloud reported and the store has not recorded yet (see
     /// `Broker::apply_cloud_events`).
     unrecorded_cloud_events: Mutex<std::collections::VecDeque<crate::cloud::CloudEvent>>,
+    /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
+    /// checkpoint.
+    pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -245,6 +249,7 @@ impl Broker {
             control: ControlPlane::default(),
             settings,
             metrics: metrics::Metrics::default(),
+            programs: std::sync::OnceLock::new(),
             market_data: RwLock::new(Arc::new(data)),
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),

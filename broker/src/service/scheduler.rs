@@ -374,13 +374,12 @@ impl Broker {
                 Pacing::Measured => {
                     // Heartbeats carry clocks; the end of training may arrive before the
                     // last of them.
+                    // A command job's program reports its own progress (any units); the
+                    // built-in apps report clocks.
                     let fraction = if status.state == TrainingState::Completed {
                         1.0
-                    } else if status.progress.total_clocks > 0 {
-                        (status.progress.clock as f64 / status.progress.total_clocks as f64)
-                            .min(1.0)
                     } else {
-                        0.0
+                        status.progress.fraction()
                     };
                     let expected = work::reestimate_total(done, fraction);
                     if let Some(total) = expected {
@@ -408,6 +407,16 @@ impl Broker {
         };
         self.announce_reestimate(job.id, &runtime, now).await?;
         let training_done = status.state == TrainingState::Completed;
+        if status.state == TrainingState::Failed {
+            self.save_control(job.id).await?;
+            let reason = status
+                .end_reason
+                .clone()
+                .unwrap_or_else(|| "the program failed".into());
+            self.finish_job(job.id, JobState::Failed, &reason, now)
+                .await?;
+            return Ok(());
+        }
         self.save_control(job.id).await?;
         let metric = status
             .final_metric
@@ -423,7 +432,11 @@ impl Broker {
                 .await?;
             let reason = match status.final_metric {
                 Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
-                None => "training complete".to_string(),
+                // A command job: the coordinator says how its program completed.
+                None => status
+                    .end_reason
+                    .clone()
+                    .unwrap_or_else(|| "training complete".to_string()),
             };
             self.finish_job(job.id, JobState::Succeeded, &reason, now)
                 .await?;
