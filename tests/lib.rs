@@ -80,6 +80,9 @@ pub struct BrokerProcess {
     envs: Vec<(String, String)>,
 }
 
+/// Where [`BrokerProcess::start_sim`] starts market time.
+pub const SIM_START: &str = "2015-05-01T00:00:00Z";
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -125,7 +128,7 @@ impl BrokerProcess {
         b
     }
 
-    /// A broker on the simulated cloud, market time from 2015-05-01 at `speed`× with 250 ms
+    /// A broker on the simulated cloud, market time from [`SIM_START`] at `speed`× with 250 ms
     /// ticks, plus `extra` arguments (e.g. a trace of the test's own).
     pub async fn start_sim(
         dir: &Path,
@@ -133,18 +136,30 @@ impl BrokerProcess {
         speed: &str,
         extra: &[&str],
     ) -> BrokerProcess {
+        Self::start_sim_with_env(dir, database_url, speed, extra, &[]).await
+    }
+
+    /// [`BrokerProcess::start_sim`] with extra environment for the broker (e.g. the S3
+    /// endpoint and credentials of a checkpoint store).
+    pub async fn start_sim_with_env(
+        dir: &Path,
+        database_url: &str,
+        speed: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> BrokerProcess {
         let mut args = vec![
             "--cloud",
             "sim",
             "--speed",
             speed,
             "--start",
-            "2015-05-01T00:00:00Z",
+            SIM_START,
             "--tick-ms",
             "250",
         ];
         args.extend_from_slice(extra);
-        Self::start(dir, database_url, &args, &[]).await
+        Self::start(dir, database_url, &args, envs).await
     }
 
     /// What the CLI needs to reach this broker as its user.
@@ -520,4 +535,45 @@ pub fn contains_agent_token(text: &str) -> bool {
         let rest = &text[i + 3..];
         rest.len() >= 48 && rest.as_bytes()[..48].iter().all(|b| b.is_ascii_hexdigit())
     })
+}
+
+/// A hand-made c3.xlarge trace for the simulated cloud, written to `dir`: eight days of calm
+/// prices in us-east-1a and us-east-1b before [`SIM_START`] (BidBrain's market model reads a
+/// week of history), calm for a day after it, and optionally a spike above any bid
+/// `(minutes after the start, minutes long)`. Returns the trace's and the on-demand catalogue's
+/// paths, as `--trace` and `--on-demand` take them.
+pub fn write_c3_trace(dir: &Path, spike: Option<(i64, i64)>) -> (String, String) {
+    let start = chrono::DateTime::parse_from_rfc3339(SIM_START)
+        .expect("SIM_START is RFC 3339")
+        .to_utc();
+    let mut text =
+        String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
+    let mut row = |t: chrono::DateTime<chrono::Utc>, zone: &str, price: f64| {
+        text.push_str(&format!(
+            "{},{zone},c3.xlarge,Linux/UNIX,{price:.4}\n",
+            t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        ));
+    };
+    for h in -8 * 24..0 {
+        let t = start + chrono::Duration::hours(h);
+        row(t, "us-east-1a", 0.0320 + 0.0002 * f64::from((h % 3) as i32));
+        row(t, "us-east-1b", 0.0330 + 0.0002 * f64::from((h % 2) as i32));
+    }
+    for zone in ["us-east-1a", "us-east-1b"] {
+        row(start, zone, 0.0321);
+        if let Some((at, len)) = spike {
+            row(start + chrono::Duration::minutes(at), zone, 2.5);
+            row(start + chrono::Duration::minutes(at + len), zone, 0.0322);
+        }
+        row(start + chrono::Duration::hours(24), zone, 0.0323);
+    }
+    let trace = dir.join("c3-trace.csv");
+    std::fs::write(&trace, text).expect("write the trace");
+    let od = dir.join("on-demand.csv");
+    std::fs::write(
+        &od,
+        "instance_type,vcpus,memory_gib,on_demand_usd_per_hour,region\nc3.xlarge,4,7.5,0.21,us-east-1\n",
+    )
+    .expect("write the on-demand catalogue");
+    (trace.display().to_string(), od.display().to_string())
 }

@@ -46,6 +46,8 @@ pub struct AgentOptions {
     pub exit_margin: Duration,
     /// This agent's worker is a persistent straggler this many times slower (1: normal).
     pub slowdown: f64,
+    /// Command jobs: where each instance's working, checkpoint, notice and progress files go.
+    pub scratch_dir: PathBuf,
 }
 
 /// How the agent ended.
@@ -57,13 +59,13 @@ pub enum Outcome {
     Interrupted,
 }
 
-enum Control {
+pub(crate) enum Control {
     Command(Command),
     JobOver,
     Forgotten,
 }
 
-fn now_unix() -> i64 {
+pub(crate) fn now_unix() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64)
@@ -89,6 +91,11 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
         })
         .await?;
     tracing::info!(job = %reg.job_id, tier = %reg.tier, app = reg.training.app.name(), "registered");
+    if let proteus_wire::agent_api::AppConfig::Command(cfg) = &reg.training.app {
+        drop(listener);
+        let cfg = cfg.clone();
+        return crate::command::run(&opts, cfg, reg, broker, instance_id, imds).await;
+    }
     let mut agent = match Agent::start(
         &opts,
         reg,
@@ -363,12 +370,17 @@ impl Agent {
                     }
                 },
                 Some(n) = self.notices_rx.recv() => self.on_notice(n, exit_margin).await,
-                Some(ev) = self.worker_rx.recv() => {
-                    let WorkerEvent::Finished(metric) = ev;
-                    self.finished = true;
-                    let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
-                    self.event(AgentEvent::TrainingComplete { metric }).await;
-                }
+                Some(ev) = self.worker_rx.recv() => match ev {
+                    WorkerEvent::Finished(metric) => {
+                        self.finished = true;
+                        let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
+                        self.event(AgentEvent::TrainingComplete { metric }).await;
+                    }
+                    WorkerEvent::PipelineResumed { segment, workers, pause } => {
+                        let pause_ms = pause.as_millis() as u64;
+                        self.event(AgentEvent::PipelineResumed { segment, workers, pause_ms }).await;
+                    }
+                },
                 Some(PsEvent::HandedOver { shard, to, seq }) = self.ps_rx.recv() => {
                     self.event(AgentEvent::HandoverComplete { shard, to, seq }).await;
                 }
@@ -477,7 +489,8 @@ impl Agent {
     async fn on_notice(&mut self, n: Notice, exit_margin: Duration) {
         match n {
             Notice::Interruption { action, time } => {
-                let left = imds::parse_rfc3339(&time).map_or(120, |t| t - now_unix());
+                let left = proteus_wire::time::parse_millis(&time)
+                    .map_or(120, |t| t.div_euclid(1000) - now_unix());
                 let budget = Duration::from_secs(left.max(0) as u64).saturating_sub(exit_margin);
                 tracing::warn!(%action, %time, seconds_left = left, "interruption warning: handing over and leaving");
                 self.leave_by = Some(Instant::now() + budget);
@@ -585,7 +598,7 @@ fn check_view(view: &ClusterView, model_len: u64) -> std::result::Result<(), Str
     Ok(())
 }
 
-async fn poll_commands(
+pub(crate) async fn poll_commands(
     broker: Broker,
     me: InstanceId,
     wait_ms: u64,
@@ -626,7 +639,7 @@ async fn poll_commands(
     }
 }
 
-async fn heartbeats(
+pub(crate) async fn heartbeats(
     broker: Broker,
     me: InstanceId,
     interval: Duration,

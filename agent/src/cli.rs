@@ -61,6 +61,10 @@ pub struct Cli {
     /// benchmarks; 1 = normal). Adds to the job's own straggler injection.
     #[arg(long, env = "PROTEUS_AGENT_SLOWDOWN", default_value_t = 1.0)]
     slowdown: f64,
+    /// Command jobs: each instance's working directory, checkpoint directory, notice and
+    /// progress files go under this directory. Default: the system's temporary directory.
+    #[arg(long, env = "PROTEUS_AGENT_SCRATCH_DIR")]
+    scratch_dir: Option<PathBuf>,
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "PROTEUS_AGENT_LOG", default_value = "info")]
     log: String,
@@ -107,6 +111,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         exit_margin: Duration::from_secs(cli.exit_margin_secs),
         slowdown: cli.slowdown,
+        scratch_dir: cli
+            .scratch_dir
+            .unwrap_or_else(|| std::env::temp_dir().join("proteus-agent")),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

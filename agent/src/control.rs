@@ -3,8 +3,8 @@
 use crate::error::{AgentError, Result};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ApiError, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest,
-    RegisterResponse, paths,
+    AgentEvent, ApiError, CheckpointOp, CheckpointQuery, CheckpointTransfer, CommandEnvelope,
+    CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -177,6 +177,103 @@ impl Broker {
             .send::<Vec<CommandEnvelope>>(req, timeout)
             .await?
             .unwrap_or_default())
+    }
+
+    /// Where to upload or fetch `rank`'s checkpoint (a presigned URL or the broker's store).
+    pub async fn checkpoint_transfer(
+        &self,
+        id: &InstanceId,
+        rank: u32,
+        op: CheckpointOp,
+    ) -> Result<CheckpointTransfer> {
+        let req = self
+            .http
+            .get(format!("{}{}", self.base, paths::checkpoint(id)))
+            .query(&CheckpointQuery { rank, op });
+        self.send::<CheckpointTransfer>(req, Duration::from_secs(15))
+            .await?
+            .ok_or_else(|| AgentError::Broker("empty checkpoint answer".into()))
+    }
+
+    /// A transfer's URL: absolute (presigned), or a path on the broker (its own store).
+    fn transfer_url(&self, t: &CheckpointTransfer) -> String {
+        if t.url.starts_with('/') {
+            format!("{}{}", self.base, t.url)
+        } else {
+            t.url.clone()
+        }
+    }
+
+    /// `PUT` an archive where `t` says. Large bodies get a generous timeout.
+    pub async fn put_archive(&self, t: &CheckpointTransfer, body: Vec<u8>) -> Result<()> {
+        let timeout = Duration::from_secs(60 + body.len() as u64 / 1_000_000);
+        let mut req = self
+            .http
+            .put(self.transfer_url(t))
+            .body(body)
+            .timeout(timeout);
+        if t.bearer {
+            req = req.bearer_auth(&self.token);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| AgentError::Broker(format!("checkpoint upload: {e}")))?;
+        if resp.status().is_success() {
+            return Ok(());
+        }
+        let status = resp.status().as_u16();
+        Err(AgentError::BrokerStatus {
+            status,
+            message: format!(
+                "checkpoint upload: {}",
+                resp.text().await.unwrap_or_default()
+            ),
+        })
+    }
+
+    /// `GET` an archive where `t` says; `None` when there is none yet (404).
+    pub async fn get_archive(&self, t: &CheckpointTransfer) -> Result<Option<bytes::Bytes>> {
+        let mut req = self
+            .http
+            .get(self.transfer_url(t))
+            .timeout(Duration::from_secs(600));
+        if t.bearer {
+            req = req.bearer_auth(&self.token);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| AgentError::Broker(format!("checkpoint download: {e}")))?;
+        let status = resp.status();
+        if status == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(AgentError::BrokerStatus {
+                status: status.as_u16(),
+                message: format!(
+                    "checkpoint download: {}",
+                    resp.text().await.unwrap_or_default()
+                ),
+            });
+        }
+        resp.bytes()
+            .await
+            .map(Some)
+            .map_err(|e| AgentError::Broker(format!("checkpoint download: {e}")))
+    }
+
+    /// Send the newest tail of a command job's output.
+    pub async fn output(&self, id: &InstanceId, tail: String) -> Result<()> {
+        let req = self
+            .http
+            .post(format!("{}{}", self.base, paths::output(id)))
+            .header("content-type", "text/plain; charset=utf-8")
+            .body(tail);
+        self.send::<serde_json::Value>(req, Duration::from_secs(15))
+            .await
+            .map(|_| ())
     }
 }
 

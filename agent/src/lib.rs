@@ -7,11 +7,14 @@
 //!   FlexRR's RapidReassignment; [`straggler`]: injected slowness and pacing;
 //! - [`apps`] and [`data`]: MLR, MF and the MLP on ndarray, data loaders;
 //! - [`pipeline`]: PipeDream's pipeline-parallel mode (profiler, partitioner, 1F1B, stages);
+//! - [`command`]: command jobs — the user's own program under the contract of
+//!   `docs/command-jobs.md` (notice file and signals, progress file, durable checkpoints);
 //! - `testing` (feature `testing`): a coordinator HTTP server and an IMDS mock.
 
 pub mod agent;
 pub mod apps;
 pub mod cli;
+pub mod command;
 pub mod control;
 pub mod data;
 pub mod error;

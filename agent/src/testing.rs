@@ -182,6 +182,15 @@ impl TestCoordinator {
         training: TrainingConfig,
         agents: &[(&str, &str, Tier)],
     ) -> std::io::Result<TestCoordinator> {
+        Self::start_at(training, agents, "127.0.0.1:0".parse().expect("an address")).await
+    }
+
+    /// Serve on `addr` (e.g. a port agents were already told about).
+    pub async fn start_at(
+        training: TrainingConfig,
+        agents: &[(&str, &str, Tier)],
+        addr: std::net::SocketAddr,
+    ) -> std::io::Result<TestCoordinator> {
         let coordinator = Coordinator::new(JobId(1), training)
             .map_err(|e| std::io::Error::other(e.to_string()))?
             .with_intervals(300, 5_000)
@@ -204,7 +213,7 @@ impl TestCoordinator {
             .route(paths::COMMANDS_ROUTE, get(commands))
             .route(paths::EVENTS_ROUTE, post(event))
             .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -383,27 +392,12 @@ impl Drop for ImdsMock {
     }
 }
 
-/// `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, Howard Hinnant).
+/// `YYYY-MM-DDTHH:MM:SSZ`, as IMDS writes a notice's time.
 pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t
+    let millis = t
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+        .map_or(0, |d| d.as_millis() as i64);
+    proteus_wire::time::format_millis(millis)
 }
 
 #[cfg(test)]
@@ -413,6 +407,6 @@ mod tests {
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_034_900);
         let s = super::rfc3339(t);
         assert_eq!(s, "2026-11-30T10:35:00Z");
-        assert_eq!(crate::imds::parse_rfc3339(&s), Some(1_796_034_900));
+        assert_eq!(proteus_wire::time::parse_millis(&s), Ok(1_796_034_900_000));
     }
 }

@@ -25,6 +25,12 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum WorkerEvent {
     /// The last clock is complete; this is the final model's evaluation.
     Finished(Option<Metric>),
+    /// Pipeline jobs: training again after a re-plan (see [`proteus_wire::agent_api::AgentEvent::PipelineResumed`]).
+    PipelineResumed {
+        segment: u32,
+        workers: u32,
+        pause: Duration,
+    },
 }
 
 /// Shared, live progress of this agent's worker (read by the heartbeat).

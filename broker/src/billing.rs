@@ -66,6 +66,21 @@ impl BillingModel {
         }
     }
 
+    /// What keeping an instance (launched at `launch`, at `usd_per_hour`) running from `now`
+    /// for `secs` more adds to its bill: under `hourly-2015` a whole hour if that crosses an
+    /// hour boundary, else nothing; under `per-second`, the seconds. What a budget must be
+    /// checked against before the next period starts, not after.
+    pub fn cost_of_running_on(
+        self,
+        usd_per_hour: f64,
+        launch: Timestamp,
+        now: Timestamp,
+        secs: f64,
+    ) -> f64 {
+        let ran = now.secs_since(launch).max(0.0);
+        usd_per_hour * (self.billed_hours(ran + secs.max(0.0)) - self.billed_hours(ran))
+    }
+
     /// The end of the billing period that contains `now` for an instance launched at `launch`:
     /// the next hour boundary (counted from launch) under `hourly-2015`; under `per-second`,
     /// `now` itself, or the end of the 60 s minimum if that is later. A user who ends the
@@ -302,6 +317,20 @@ mod tests {
                 (Timestamp(2 * H), usd(0.50)),
             ],
         )
+    }
+
+    #[test]
+    fn running_on_costs_an_hour_only_across_an_hour_boundary() {
+        let launch = Timestamp(0);
+        let at = |secs: i64| Timestamp(secs * 1000);
+        let h = BillingModel::Hourly2015;
+        assert_eq!(h.cost_of_running_on(0.21, launch, at(600), 60.0), 0.0);
+        assert!((h.cost_of_running_on(0.21, launch, at(3570), 60.0) - 0.21).abs() < 1e-12);
+        assert!((h.cost_of_running_on(0.21, launch, at(7170), 60.0) - 0.21).abs() < 1e-12);
+        let p = BillingModel::PerSecond;
+        // Inside the 60 s minimum nothing more is owed; after it, the seconds.
+        assert_eq!(p.cost_of_running_on(3.6, launch, at(0), 30.0), 0.0);
+        assert!((p.cost_of_running_on(3.6, launch, at(600), 60.0) - 0.06).abs() < 1e-12);
     }
 
     #[test]

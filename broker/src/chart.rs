@@ -1,299 +1,634 @@
-//! An SVG chart of a job's life on the market: the spot price of each market it used against
-//! the bids it placed there (and the on-demand price), above the number of instances per tier.
-//! Hand-written SVG: no font or image library, and the file opens in any browser.
+//! Charts of the market, drawn with `plotters`: one implementation for the demo's files, the
+//! dashboard's pictures and PNGs for terminals and reports.
+//!
+//! - [`job_chart`]: a job's life on the market — the spot price of each market it used against
+//!   the bids it placed there (and the on-demand price), above the number of instances per tier.
+//! - [`price_chart`]: the spot price history of some markets over a window.
+//!
+//! Each chart is laid out once (steps, scales, legend: the `*Data` structs) and drawn on the
+//! backend the [`Format`] asks for. Text is measured with the DejaVu Sans font embedded in the
+//! binary (plotters' `ab_glyph` feature), so PNGs need no font library on the machine.
 
 use crate::market::{Market, Timestamp};
 use crate::prices::PriceHistory;
 use crate::store::InstanceRow;
+use plotters::coord::Shift;
+use plotters::prelude::*;
 use proteus_wire::Tier;
 use std::collections::BTreeMap;
-use std::fmt::Write;
 
-const WIDTH: f64 = 1000.0;
-const LEFT: f64 = 70.0;
-const RIGHT: f64 = 200.0;
-const PRICE_TOP: f64 = 50.0;
-const PRICE_HEIGHT: f64 = 260.0;
-const COUNT_TOP: f64 = 360.0;
-const COUNT_HEIGHT: f64 = 140.0;
-const HEIGHT: f64 = 550.0;
-const COLOURS: [&str; 8] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+const WIDTH: u32 = 1000;
+const HEIGHT: u32 = 550;
+/// Width of the y-label area left of the panels.
+const LEFT: u32 = 70;
+/// Width of the legend column right of the panels.
+const LEGEND: u32 = 200;
+const FONT: &str = "sans-serif";
+const COLOURS: [RGBColor; 8] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
+const GREY: RGBColor = RGBColor(0x44, 0x44, 0x44);
+const LIGHT: RGBColor = RGBColor(0x66, 0x66, 0x66);
+const RELIABLE: RGBColor = RGBColor(0x33, 0x33, 0x33);
+const MESH: RGBColor = RGBColor(0xe6, 0xe6, 0xe6);
 
-/// Renders the chart of `instances` over `[from, to]`.
+/// What a chart is rendered as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Svg,
+    Png,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Svg => "image/svg+xml",
+            Format::Png => "image/png",
+        }
+    }
+
+    /// `svg` or `png` (a file extension or a query parameter).
+    pub fn parse(text: &str) -> Option<Format> {
+        match text.to_ascii_lowercase().as_str() {
+            "svg" => Some(Format::Svg),
+            "png" => Some(Format::Png),
+            _ => None,
+        }
+    }
+}
+
+/// Drawing or encoding failed (a backend error; the data cannot cause one).
+#[derive(Debug, thiserror::Error)]
+#[error("drawing the chart: {0}")]
+pub struct ChartError(String);
+
+/// A job's chart over `[from, to]`, as `format`.
 pub fn job_chart(
+    format: Format,
     title: &str,
     history: &PriceHistory,
     instances: &[InstanceRow],
     from: Timestamp,
     to: Timestamp,
-) -> String {
-    let to = if to <= from {
-        from.plus_secs(3600.0)
-    } else {
-        to
-    };
-    let x = |t: Timestamp| {
-        LEFT + (WIDTH - LEFT - RIGHT) * (t.secs_since(from) / to.secs_since(from)).clamp(0.0, 1.0)
-    };
+) -> Result<Vec<u8>, ChartError> {
+    render(
+        format,
+        &JobChartData::new(title, history, instances, from, to),
+    )
+}
 
-    let mut markets: Vec<&Market> = instances
-        .iter()
-        .filter(|i| i.tier == Tier::Transient)
-        .map(|i| &i.market)
-        .collect();
-    markets.sort();
-    markets.dedup();
-    let mut max_price: f64 = 0.0;
-    for m in &markets {
-        if let Some(s) = history.get(m) {
-            let (_, prices) = s.window(from, to);
-            max_price = prices
-                .iter()
-                .copied()
-                .chain(s.price_at(from))
-                .fold(max_price, f64::max);
+/// The spot price of `markets` over `[from, to]`, with their on-demand prices where they fit
+/// the scale, as `format`.
+pub fn price_chart(
+    format: Format,
+    title: &str,
+    history: &PriceHistory,
+    markets: &[Market],
+    from: Timestamp,
+    to: Timestamp,
+) -> Result<Vec<u8>, ChartError> {
+    render(
+        format,
+        &PriceChartData::new(title, history, markets, from, to),
+    )
+}
+
+type Drawn<DB> = Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+/// A laid-out chart that can draw itself on any plotters backend.
+trait Chart {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB>;
+}
+
+fn render(format: Format, chart: &impl Chart) -> Result<Vec<u8>, ChartError> {
+    register_font();
+    let failed = |e: &dyn std::fmt::Display| ChartError(e.to_string());
+    match format {
+        Format::Svg => {
+            let mut svg = String::new();
+            {
+                let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+                chart.draw(&root).map_err(|e| failed(&e))?;
+                root.present().map_err(|e| failed(&e))?;
+            }
+            Ok(svg.into_bytes())
+        }
+        Format::Png => {
+            let mut rgb = vec![0u8; (WIDTH * HEIGHT * 3) as usize];
+            {
+                let root =
+                    BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+                chart.draw(&root).map_err(|e| failed(&e))?;
+                root.present().map_err(|e| failed(&e))?;
+            }
+            let mut png = Vec::new();
+            image::ImageEncoder::write_image(
+                image::codecs::png::PngEncoder::new(&mut png),
+                &rgb,
+                WIDTH,
+                HEIGHT,
+                image::ColorType::Rgb8,
+            )
+            .map_err(|e| failed(&e))?;
+            Ok(png)
         }
     }
-    for i in instances {
-        if let Some(b) = i.bid {
-            max_price = max_price.max(b.get());
-        }
-    }
-    let max_price = if max_price > 0.0 {
-        max_price * 1.25
-    } else {
-        1.0
-    };
-    let y_price = |p: f64| PRICE_TOP + PRICE_HEIGHT * (1.0 - (p / max_price).clamp(0.0, 1.0));
+}
 
-    let mut svg = String::new();
-    let _ = write!(
-        svg,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">
-<rect width="100%" height="100%" fill="white"/>
-<text x="{LEFT}" y="24" font-size="16" font-weight="bold">{}</text>
-<text x="{LEFT}" y="{}" fill="#444">spot price (solid), bids (dashed), on-demand (dotted), USD/h</text>
-"##,
-        escape(title),
-        PRICE_TOP - 8.0
-    );
-    axes(&mut svg, PRICE_TOP, PRICE_HEIGHT, max_price, |v| {
-        format!("${v:.3}")
+/// Registers the embedded font under the family name every chart uses (once per process).
+fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Both are valid TrueType files shipped by the `dejavu` crate; a failure would only
+        // leave text unmeasured, which plotters reports as a drawing error.
+        let _ = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
+        let _ = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
     });
+}
 
-    let mut off_scale: Vec<String> = Vec::new();
-    for (k, m) in markets.iter().enumerate() {
-        let colour = COLOURS[k % COLOURS.len()];
-        if let Some(series) = history.get(m) {
-            let mut path = String::new();
-            let mut last = series.price_at(from);
-            if let Some(p) = last {
-                let _ = write!(path, "M{:.1},{:.1}", x(from), y_price(p));
+/// A price (or count) that holds from one time to the next, as the corner points of a step line
+/// in chart coordinates (hours since the chart's start).
+fn steps(
+    start: Option<f64>,
+    changes: impl Iterator<Item = (f64, f64)>,
+    end: f64,
+) -> Vec<(f64, f64)> {
+    let mut points = Vec::new();
+    let mut last = start;
+    if let Some(v) = start {
+        points.push((0.0, v));
+    }
+    for (x, v) in changes {
+        if let Some(prev) = last {
+            points.push((x, prev));
+        }
+        points.push((x, v));
+        last = Some(v);
+    }
+    if let Some(v) = last {
+        points.push((end, v));
+    }
+    // A change at the window's start repeats the price in force there.
+    points.dedup();
+    points
+}
+
+/// A market's spot price over the window, and its on-demand price.
+struct MarketLine {
+    name: String,
+    instance_type: String,
+    colour: RGBColor,
+    points: Vec<(f64, f64)>,
+    on_demand: Option<f64>,
+}
+
+/// The time axis: hours since `from`, labelled in market time (UTC).
+#[derive(Clone, Copy)]
+struct TimeAxis {
+    from: Timestamp,
+    to: Timestamp,
+}
+
+impl TimeAxis {
+    fn new(from: Timestamp, to: Timestamp) -> Self {
+        let to = if to <= from {
+            from.plus_secs(3600.0)
+        } else {
+            to
+        };
+        TimeAxis { from, to }
+    }
+    fn hours(&self) -> f64 {
+        self.to.secs_since(self.from) / 3600.0
+    }
+    fn x(&self, t: Timestamp) -> f64 {
+        (t.secs_since(self.from) / 3600.0).clamp(0.0, self.hours())
+    }
+    fn label(&self, x: f64) -> String {
+        let fmt = if self.hours() > 72.0 {
+            "%m-%d"
+        } else {
+            "%m-%d %H:%M"
+        };
+        self.from
+            .plus_secs(x * 3600.0)
+            .to_datetime()
+            .format(fmt)
+            .to_string()
+    }
+}
+
+fn market_lines<'a>(
+    history: &PriceHistory,
+    markets: impl Iterator<Item = &'a Market>,
+    axis: TimeAxis,
+) -> Vec<MarketLine> {
+    markets
+        .enumerate()
+        .map(|(k, m)| {
+            let points = history
+                .get(m)
+                .map(|s| {
+                    let (times, prices) = s.window(axis.from, axis.to);
+                    steps(
+                        s.price_at(axis.from),
+                        times.iter().map(|t| axis.x(*t)).zip(prices.iter().copied()),
+                        axis.hours(),
+                    )
+                })
+                .unwrap_or_default();
+            MarketLine {
+                name: m.to_string(),
+                instance_type: m.instance_type.to_string(),
+                colour: COLOURS[k % COLOURS.len()],
+                points,
+                on_demand: history.on_demand().for_market(m).map(|o| o.on_demand.get()),
             }
-            let (times, prices) = series.window(from, to);
-            for (t, p) in times.iter().zip(prices) {
-                match last {
-                    Some(prev) => {
-                        let _ = write!(
-                            path,
-                            " L{:.1},{:.1} L{:.1},{:.1}",
-                            x(*t),
-                            y_price(prev),
-                            x(*t),
-                            y_price(*p)
-                        );
-                    }
-                    None => {
-                        let _ = write!(path, "M{:.1},{:.1}", x(*t), y_price(*p));
-                    }
-                }
-                last = Some(*p);
+        })
+        .collect()
+}
+
+/// A quarter of headroom above the highest value, so that the lines do not touch the frame.
+fn scale(max: f64) -> f64 {
+    if max > 0.0 { max * 1.25 } else { 1.0 }
+}
+
+/// On-demand prices above the scale, named instead of drawn (it is usually far above spot).
+fn off_scale(lines: &[MarketLine], max: f64) -> Vec<String> {
+    let mut notes: Vec<String> = lines
+        .iter()
+        .filter_map(|l| {
+            l.on_demand
+                .filter(|od| *od > max)
+                .map(|od| format!("on-demand {} ${od:.3}/h ↑", l.instance_type))
+        })
+        .collect();
+    notes.sort();
+    notes.dedup();
+    notes
+}
+
+/// A bid held from launch to end; `evicted` marks the end with a dot.
+struct BidLine {
+    colour: RGBColor,
+    bid: f64,
+    from: f64,
+    to: f64,
+    evicted: bool,
+}
+
+/// Everything [`job_chart`] draws, computed from the job's instances and the price history.
+struct JobChartData {
+    title: String,
+    axis: TimeAxis,
+    markets: Vec<MarketLine>,
+    bids: Vec<BidLine>,
+    max_price: f64,
+    notes: Vec<String>,
+    /// Step lines of the live count per tier: reliable, transient.
+    tiers: [Vec<(f64, f64)>; 2],
+    max_count: i32,
+}
+
+impl JobChartData {
+    fn new(
+        title: &str,
+        history: &PriceHistory,
+        instances: &[InstanceRow],
+        from: Timestamp,
+        to: Timestamp,
+    ) -> Self {
+        let axis = TimeAxis::new(from, to);
+        let mut markets: Vec<&Market> = instances
+            .iter()
+            .filter(|i| i.tier == Tier::Transient)
+            .map(|i| &i.market)
+            .collect();
+        markets.sort();
+        markets.dedup();
+        let lines = market_lines(history, markets.iter().copied(), axis);
+        let mut bids = Vec::new();
+        for i in instances {
+            if let (Some(bid), Some(launched)) = (i.bid, i.launched)
+                && let Some(k) = markets.iter().position(|m| *m == &i.market)
+            {
+                bids.push(BidLine {
+                    colour: lines[k].colour,
+                    bid: bid.get(),
+                    from: axis.x(launched),
+                    to: axis.x(i.ended.unwrap_or(axis.to)),
+                    evicted: i.ended_by_provider,
+                });
             }
-            if let Some(p) = last {
-                let _ = write!(path, " L{:.1},{:.1}", x(to), y_price(p));
+        }
+        let highest = lines
+            .iter()
+            .flat_map(|l| l.points.iter().map(|p| p.1))
+            .chain(instances.iter().filter_map(|i| i.bid.map(|b| b.get())))
+            .fold(0.0, f64::max);
+        let max_price = scale(highest);
+
+        // Instances per tier over time, as steps.
+        let mut changes: BTreeMap<Timestamp, [i32; 2]> = BTreeMap::new();
+        for i in instances {
+            let Some(launched) = i.launched else { continue };
+            let k = usize::from(i.tier != Tier::Reliable);
+            changes.entry(launched.max(from)).or_default()[k] += 1;
+            if let Some(end) = i.ended {
+                changes.entry(end.max(from)).or_default()[k] -= 1;
             }
-            let _ = writeln!(
-                svg,
-                r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>"#
+        }
+        let mut level = [0i32; 2];
+        let mut tiers: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
+        let mut max_count = 1;
+        for (k, series) in tiers.iter_mut().enumerate() {
+            level[k] = 0;
+            *series = steps(
+                Some(0.0),
+                changes.iter().map(|(t, d)| {
+                    level[k] += d[k];
+                    max_count = max_count.max(level[k]);
+                    (axis.x(*t), f64::from(level[k]))
+                }),
+                axis.hours(),
             );
         }
-        // On-demand is usually far above spot; drawn only when it fits, otherwise named.
-        if let Some(o) = history.on_demand().for_market(m) {
-            let od = o.on_demand.get();
-            if od <= max_price {
-                let y = y_price(od);
-                let _ = writeln!(
-                    svg,
-                    r#"<line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="{colour}" stroke-dasharray="2,3" opacity="0.6"/>"#,
-                    WIDTH - RIGHT
-                );
-            } else {
-                off_scale.push(format!("on-demand {} ${od:.3}/h ↑", m.instance_type));
-            }
+        JobChartData {
+            title: title.to_string(),
+            axis,
+            notes: off_scale(&lines, max_price),
+            markets: lines,
+            bids,
+            max_price,
+            tiers,
+            max_count,
         }
-        for i in instances.iter().filter(|i| &i.market == *m) {
-            if let (Some(bid), Some(launched)) = (i.bid, i.launched) {
-                let end = i.ended.unwrap_or(to);
-                let y = y_price(bid.get());
-                let _ = writeln!(
-                    svg,
-                    r#"<line x1="{:.1}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="{colour}" stroke-width="2" stroke-dasharray="6,3"/>"#,
-                    x(launched),
-                    x(end)
-                );
-                if i.ended_by_provider {
-                    let _ = writeln!(
-                        svg,
-                        r#"<circle cx="{:.1}" cy="{y:.1}" r="3.5" fill="{colour}"/>"#,
-                        x(end)
-                    );
-                }
-            }
-        }
-        legend(&mut svg, PRICE_TOP, k, colour, &m.to_string());
-    }
-    let _ = writeln!(
-        svg,
-        r##"<text x="{}" y="{}" fill="#444">● eviction</text>"##,
-        WIDTH - RIGHT + 12.0,
-        PRICE_TOP + 18.0 + 16.0 * markets.len() as f64
-    );
-    off_scale.sort();
-    off_scale.dedup();
-    for (k, note) in off_scale.iter().enumerate() {
-        let _ = writeln!(
-            svg,
-            r##"<text x="{}" y="{}" fill="#666" font-size="10">{}</text>"##,
-            WIDTH - RIGHT + 12.0,
-            PRICE_TOP + 40.0 + 16.0 * (markets.len() + k) as f64,
-            escape(note)
-        );
-    }
-
-    // Instances per tier over time, as steps.
-    let mut changes: BTreeMap<Timestamp, [i32; 2]> = BTreeMap::new();
-    for i in instances {
-        let Some(launched) = i.launched else { continue };
-        let k = if i.tier == Tier::Reliable { 0 } else { 1 };
-        changes.entry(launched.max(from)).or_default()[k] += 1;
-        if let Some(end) = i.ended {
-            changes.entry(end.max(from)).or_default()[k] -= 1;
-        }
-    }
-    let mut level = [0i32; 2];
-    let mut steps: Vec<(Timestamp, [i32; 2])> = vec![(from, level)];
-    for (t, d) in &changes {
-        level[0] += d[0];
-        level[1] += d[1];
-        steps.push((*t, level));
-    }
-    let max_count = steps
-        .iter()
-        .map(|(_, l)| l[0].max(l[1]))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let y_count = |c: f64| COUNT_TOP + COUNT_HEIGHT * (1.0 - c / (max_count * 1.1));
-    let _ = writeln!(
-        svg,
-        r##"<text x="{LEFT}" y="{}" fill="#444">instances per tier</text>"##,
-        COUNT_TOP - 8.0
-    );
-    axes(&mut svg, COUNT_TOP, COUNT_HEIGHT, max_count * 1.1, |v| {
-        format!("{v:.0}")
-    });
-    for (k, (name, colour)) in [
-        ("on-demand (reliable)", "#333333"),
-        ("spot (transient)", "#1f77b4"),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let mut path = String::new();
-        let mut prev: Option<f64> = None;
-        for (t, l) in &steps {
-            let yv = y_count(f64::from(l[k]));
-            match prev {
-                None => {
-                    let _ = write!(path, "M{:.1},{yv:.1}", x(*t));
-                }
-                Some(py) => {
-                    let _ = write!(path, " L{:.1},{py:.1} L{:.1},{yv:.1}", x(*t), x(*t));
-                }
-            }
-            prev = Some(yv);
-        }
-        if let Some(py) = prev {
-            let _ = write!(path, " L{:.1},{py:.1}", x(to));
-        }
-        let _ = writeln!(
-            svg,
-            r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="2"/>"#
-        );
-        legend(&mut svg, COUNT_TOP, k, colour, name);
-    }
-    // Time axis labels (market time).
-    for k in 0..=4 {
-        let t = from.plus_secs(to.secs_since(from) * f64::from(k) / 4.0);
-        let label = t.to_datetime().format("%m-%d %H:%M").to_string();
-        let _ = writeln!(
-            svg,
-            r##"<text x="{:.1}" y="{}" text-anchor="middle" fill="#444">{label}</text>"##,
-            x(t),
-            COUNT_TOP + COUNT_HEIGHT + 18.0
-        );
-    }
-    let _ = writeln!(
-        svg,
-        r##"<text x="{:.1}" y="{}" text-anchor="middle" fill="#444">market time (UTC)</text>"##,
-        LEFT + (WIDTH - LEFT - RIGHT) / 2.0,
-        COUNT_TOP + COUNT_HEIGHT + 36.0
-    );
-    svg.push_str("</svg>\n");
-    svg
-}
-
-/// The `k`th entry of the legend right of the panel that starts at `top`: a swatch and a label.
-fn legend(svg: &mut String, top: f64, k: usize, colour: &str, label: &str) {
-    let ly = top + 14.0 + 16.0 * k as f64;
-    let lx = WIDTH - RIGHT + 12.0;
-    let _ = writeln!(
-        svg,
-        r#"<line x1="{lx}" x2="{}" y1="{}" y2="{}" stroke="{colour}" stroke-width="2"/><text x="{}" y="{ly}">{}</text>"#,
-        lx + 18.0,
-        ly - 4.0,
-        ly - 4.0,
-        lx + 24.0,
-        escape(label)
-    );
-}
-
-fn axes(svg: &mut String, top: f64, height: f64, max: f64, label: impl Fn(f64) -> String) {
-    let _ = writeln!(
-        svg,
-        r##"<rect x="{LEFT}" y="{top}" width="{}" height="{height}" fill="none" stroke="#999"/>"##,
-        WIDTH - LEFT - RIGHT
-    );
-    for k in 0..=4 {
-        let v = max * f64::from(k) / 4.0;
-        let y = top + height * (1.0 - f64::from(k) / 4.0);
-        let _ = writeln!(
-            svg,
-            r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end" fill="#444">{}</text>"##,
-            WIDTH - RIGHT,
-            LEFT - 6.0,
-            y + 4.0,
-            label(v)
-        );
     }
 }
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+impl Chart for JobChartData {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
+        root.fill(&WHITE)?;
+        root.draw(&Text::new(
+            self.title.clone(),
+            (LEFT as i32, 12),
+            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
+        ))?;
+        let (prices, counts) = root.split_vertically(340);
+        let (price_plot, _) = prices.split_horizontally(WIDTH - LEGEND);
+        let (count_plot, _) = counts.split_horizontally(WIDTH - LEGEND);
+        let hours = self.axis.hours();
+
+        // Spot prices, bids and on-demand prices.
+        price_plot.draw(&Text::new(
+            "spot price (solid), bids (dashed), on-demand (dotted), USD/h",
+            (LEFT as i32, 34),
+            text(12, GREY),
+        ))?;
+        let mut chart = ChartBuilder::on(&price_plot)
+            .margin_top(50)
+            .margin_right(10)
+            .y_label_area_size(LEFT)
+            .build_cartesian_2d(0.0..hours, 0.0..self.max_price)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
+            .x_labels(0)
+            .y_labels(5)
+            .y_label_formatter(&|v| format!("${v:.3}"))
+            .label_style(text(12, GREY))
+            .draw()?;
+        for m in &self.markets {
+            chart.draw_series(LineSeries::new(
+                m.points.iter().copied(),
+                m.colour.stroke_width(2),
+            ))?;
+            if let Some(od) = m.on_demand.filter(|od| *od <= self.max_price) {
+                chart.draw_series(DashedLineSeries::new(
+                    [(0.0, od), (hours, od)],
+                    2,
+                    3,
+                    m.colour.mix(0.6).stroke_width(1),
+                ))?;
+            }
+        }
+        for b in &self.bids {
+            chart.draw_series(DashedLineSeries::new(
+                [(b.from, b.bid), (b.to, b.bid)],
+                6,
+                3,
+                b.colour.stroke_width(2),
+            ))?;
+            if b.evicted {
+                chart.draw_series(std::iter::once(Circle::new(
+                    (b.to, b.bid),
+                    4,
+                    b.colour.filled(),
+                )))?;
+            }
+        }
+        let mut row = 0;
+        for m in &self.markets {
+            legend(root, 50, row, Some(m.colour), &m.name)?;
+            row += 1;
+        }
+        legend(root, 50, row, None, "● eviction")?;
+        for note in &self.notes {
+            row += 1;
+            legend_note(root, 50, row, note)?;
+        }
+
+        // Instances per tier.
+        count_plot.draw(&Text::new(
+            "instances per tier",
+            (LEFT as i32, 4),
+            text(12, GREY),
+        ))?;
+        let axis = self.axis;
+        let mut chart = ChartBuilder::on(&count_plot)
+            .margin_top(20)
+            .margin_right(10)
+            .y_label_area_size(LEFT)
+            .x_label_area_size(45)
+            .build_cartesian_2d(0.0..hours, 0.0..f64::from(self.max_count) * 1.1)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
+            .x_labels(5)
+            .x_label_formatter(&|x| axis.label(*x))
+            .y_labels(self.max_count as usize + 1)
+            .y_label_formatter(&|v| format!("{v:.0}"))
+            .x_desc("market time (UTC)")
+            .label_style(text(12, GREY))
+            .axis_desc_style(text(12, GREY))
+            .draw()?;
+        for (k, (name, colour)) in [
+            ("on-demand (reliable)", RELIABLE),
+            ("spot (transient)", COLOURS[0]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            chart.draw_series(LineSeries::new(
+                self.tiers[k].iter().copied(),
+                colour.stroke_width(2),
+            ))?;
+            legend(root, 340 + 20, k, Some(colour), name)?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything [`price_chart`] draws.
+struct PriceChartData {
+    title: String,
+    axis: TimeAxis,
+    markets: Vec<MarketLine>,
+    max_price: f64,
+    notes: Vec<String>,
+}
+
+impl PriceChartData {
+    fn new(
+        title: &str,
+        history: &PriceHistory,
+        markets: &[Market],
+        from: Timestamp,
+        to: Timestamp,
+    ) -> Self {
+        let axis = TimeAxis::new(from, to);
+        let lines = market_lines(history, markets.iter(), axis);
+        let highest = lines
+            .iter()
+            .flat_map(|l| l.points.iter().map(|p| p.1))
+            .fold(0.0, f64::max);
+        let max_price = scale(highest);
+        PriceChartData {
+            title: title.to_string(),
+            axis,
+            notes: off_scale(&lines, max_price),
+            markets: lines,
+            max_price,
+        }
+    }
+}
+
+impl Chart for PriceChartData {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
+        root.fill(&WHITE)?;
+        root.draw(&Text::new(
+            self.title.clone(),
+            (LEFT as i32, 12),
+            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
+        ))?;
+        let (plot, _) = root.split_horizontally(WIDTH - LEGEND);
+        plot.draw(&Text::new(
+            "spot price (solid), on-demand (dotted), USD/h",
+            (LEFT as i32, 34),
+            text(12, GREY),
+        ))?;
+        let axis = self.axis;
+        let hours = axis.hours();
+        let mut chart = ChartBuilder::on(&plot)
+            .margin_top(50)
+            .margin_right(10)
+            .y_label_area_size(LEFT)
+            .x_label_area_size(45)
+            .build_cartesian_2d(0.0..hours, 0.0..self.max_price)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
+            .x_labels(5)
+            .x_label_formatter(&|x| axis.label(*x))
+            .y_labels(5)
+            .y_label_formatter(&|v| format!("${v:.3}"))
+            .x_desc("market time (UTC)")
+            .label_style(text(12, GREY))
+            .axis_desc_style(text(12, GREY))
+            .draw()?;
+        for (k, m) in self.markets.iter().enumerate() {
+            chart.draw_series(LineSeries::new(
+                m.points.iter().copied(),
+                m.colour.stroke_width(2),
+            ))?;
+            if let Some(od) = m.on_demand.filter(|od| *od <= self.max_price) {
+                chart.draw_series(DashedLineSeries::new(
+                    [(0.0, od), (hours, od)],
+                    2,
+                    3,
+                    m.colour.mix(0.6).stroke_width(1),
+                ))?;
+            }
+            legend(root, 50, k, Some(m.colour), &m.name)?;
+        }
+        for (k, note) in self.notes.iter().enumerate() {
+            legend_note(root, 50, self.markets.len() + k, note)?;
+        }
+        if self.markets.iter().all(|m| m.points.is_empty()) {
+            plot.draw(&Text::new(
+                "no prices recorded in this window",
+                (LEFT as i32 + 20, 80),
+                text(14, LIGHT),
+            ))?;
+        }
+        Ok(())
+    }
+}
+
+fn text(size: u32, colour: RGBColor) -> TextStyle<'static> {
+    (FONT, size).into_font().color(&colour)
+}
+
+/// The `row`th entry of the legend column right of the panel that starts at `top`: a swatch (if
+/// any) and a label.
+fn legend<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    top: i32,
+    row: usize,
+    swatch: Option<RGBColor>,
+    label: &str,
+) -> Drawn<DB> {
+    let x = (WIDTH - LEGEND) as i32 + 12;
+    let y = top + 14 + 16 * row as i32;
+    let label_x = match swatch {
+        Some(colour) => {
+            root.draw(&PathElement::new(
+                vec![(x, y - 4), (x + 18, y - 4)],
+                colour.stroke_width(2),
+            ))?;
+            x + 24
+        }
+        None => x,
+    };
+    root.draw(&Text::new(
+        label.to_string(),
+        (label_x, y - 11),
+        text(12, BLACK),
+    ))
+}
+
+fn legend_note<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    top: i32,
+    row: usize,
+    note: &str,
+) -> Drawn<DB> {
+    let x = (WIDTH - LEGEND) as i32 + 12;
+    let y = top + 14 + 16 * row as i32;
+    root.draw(&Text::new(note.to_string(), (x, y - 9), text(10, LIGHT)))
 }
 
 #[cfg(test)]
@@ -303,8 +638,7 @@ mod tests {
     use crate::prices::{OnDemandCatalog, PriceSeries};
     use crate::store::InstanceState;
 
-    #[test]
-    fn chart_is_well_formed_svg_with_every_market() {
+    fn one_evicted_instance() -> (PriceHistory, InstanceRow) {
         let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
         let p = |v| UsdPerHour::new(v).unwrap();
         let series = PriceSeries::new(
@@ -331,17 +665,82 @@ mod tests {
             launch_error: None,
             metadata_addr: None,
         };
+        (history, inst)
+    }
+
+    #[test]
+    fn job_chart_is_well_formed_svg_with_every_market() {
+        let (history, inst) = one_evicted_instance();
         let svg = job_chart(
+            Format::Svg,
             "t <1>",
             &history,
             &[inst],
             Timestamp(0),
             Timestamp(3_600_000),
-        );
+        )
+        .unwrap();
+        let svg = String::from_utf8(svg).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("us-east-1a/c3.xlarge"));
-        assert!(svg.contains("t &lt;1&gt;"));
+        assert!(svg.contains("t &lt;1&gt;"), "the title is escaped");
         assert!(svg.contains("<circle"), "the eviction is marked");
+        assert!(svg.contains("instances per tier") && svg.contains("market time (UTC)"));
+        assert!(
+            svg.contains("$0.300"),
+            "the price axis is labelled in dollars"
+        );
         assert_eq!(svg.matches("<svg").count(), 1);
+    }
+
+    #[test]
+    fn job_chart_steps_follow_the_price_changes() {
+        let axis = TimeAxis::new(Timestamp(0), Timestamp(3_600_000));
+        let points = steps(Some(0.05), [(0.5, 0.3)].into_iter(), axis.hours());
+        assert_eq!(
+            points,
+            vec![(0.0, 0.05), (0.5, 0.05), (0.5, 0.3), (1.0, 0.3)]
+        );
+        let (history, inst) = one_evicted_instance();
+        let data = JobChartData::new("t", &history, &[inst], Timestamp(0), Timestamp(3_600_000));
+        assert_eq!(data.markets[0].points, points);
+        assert_eq!(data.bids.len(), 1);
+        assert!(data.bids[0].evicted && (data.bids[0].to - 1_920.0 / 3_600.0).abs() < 1e-9);
+        assert_eq!(data.tiers[1].iter().map(|p| p.1).fold(0.0, f64::max), 1.0);
+        assert!((data.max_price - 0.3 * 1.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn charts_render_as_png_with_the_embedded_font() {
+        let (history, inst) = one_evicted_instance();
+        let png = job_chart(
+            Format::Png,
+            "png",
+            &history,
+            std::slice::from_ref(&inst),
+            Timestamp(0),
+            Timestamp(3_600_000),
+        )
+        .unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        let img = image::load_from_memory(&png).unwrap();
+        assert_eq!((img.width(), img.height()), (WIDTH, HEIGHT));
+        // Text and lines were drawn: not a blank white canvas.
+        let dark = img
+            .to_rgb8()
+            .pixels()
+            .filter(|p| p.0.iter().all(|c| *c < 128))
+            .count();
+        assert!(dark > 500, "only {dark} dark pixels");
+        let price = price_chart(
+            Format::Png,
+            "prices",
+            &history,
+            std::slice::from_ref(&inst.market),
+            Timestamp(0),
+            Timestamp(3_600_000),
+        )
+        .unwrap();
+        assert_eq!(&price[..4], b"\x89PNG");
     }
 }

@@ -1,12 +1,14 @@
-//! Crash points for the crash-safety tests. With `PROTEUS_FAILPOINTS=NAME[,NAME…]` in its
-//! environment, the broker dies on the spot — no destructors, no flushing, like `kill -9` — the
-//! first time it reaches a named point. The tests then restart it and check that nothing was
-//! launched twice and nothing leaked. Unset, a point costs one branch on a cached value.
+//! Crash points for the crash-safety tests (of the broker and of `prices ingest`). With
+//! `PROTEUS_FAILPOINTS=NAME[,NAME…]` in its environment, the process dies on the spot — no
+//! destructors, no flushing, like `kill -9` — the first time it reaches a named point. The
+//! tests then restart it and check that nothing was launched twice and nothing leaked.
+//! Unset, a point costs one branch on a cached value.
 
 use std::sync::OnceLock;
 
 /// The points the broker defines, in the order a job's life reaches them.
-pub const POINTS: [&str; 5] = [
+pub const POINTS: [&str; 6] = [
+    "ingest-mid-write",
     "launch-after-intent",
     "launch-after-cloud",
     "terminate-after-intent",

@@ -15,6 +15,7 @@
 pub mod api;
 pub mod billing;
 pub mod chart;
+pub mod checkpoint;
 pub mod cli;
 pub mod clock;
 pub mod cloud;

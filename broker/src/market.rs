@@ -3,7 +3,7 @@
 //! Every value here is validated once, at the edge (a file, a flag, a request), so the rest of
 //! the broker never has to wonder whether a zone is empty or a price is negative.
 
-use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use thiserror::Error;
@@ -56,26 +56,16 @@ impl Timestamp {
     }
 
     /// Accepts RFC 3339 (`2015-03-11T10:34:42Z`, `2015-03-11T10:34:42.000+00:00`) and, because
-    /// people type them on the command line, a bare date (`2015-04-01`, midnight UTC).
+    /// people type them on the command line, a bare date (`2015-04-01`, midnight UTC): the
+    /// parser the agent uses too ([`proteus_wire::time::parse_millis`]).
     pub fn parse(text: &str) -> Result<Self, InvalidValue> {
-        let text = text.trim();
-        if let Some(ms) = fast_utc_rfc3339(text.as_bytes()) {
-            return Ok(Timestamp(ms));
-        }
-        if let Ok(dt) = DateTime::parse_from_rfc3339(text) {
-            return Ok(Timestamp(dt.timestamp_millis()));
-        }
-        if let Ok(date) = chrono::NaiveDate::parse_from_str(text, "%Y-%m-%d") {
-            let dt = date.and_hms_opt(0, 0, 0).expect("midnight exists");
-            return Ok(Timestamp(Utc.from_utc_datetime(&dt).timestamp_millis()));
-        }
-        Err(InvalidValue::Timestamp(text.to_string()))
+        proteus_wire::time::parse_millis(text)
+            .map(Timestamp)
+            .map_err(|e| InvalidValue::Timestamp(e.0))
     }
 
     pub fn to_datetime(self) -> DateTime<Utc> {
-        Utc.timestamp_millis_opt(self.0)
-            .single()
-            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+        proteus_wire::time::datetime(self.0)
     }
 
     pub fn plus_secs(self, secs: f64) -> Timestamp {
@@ -88,83 +78,9 @@ impl Timestamp {
     }
 }
 
-/// The common UTC form `YYYY-MM-DDTHH:MM:SS[.fff]Z` (or `+00:00`), parsed without allocation:
-/// ingestion parses hundreds of thousands of these. Anything else returns `None` and goes to the
-/// general parser.
-fn fast_utc_rfc3339(b: &[u8]) -> Option<i64> {
-    if b.len() < 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || b[10] != b'T'
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| -> Option<i64> {
-        b[r].iter().try_fold(0i64, |acc, &c| {
-            c.is_ascii_digit().then(|| acc * 10 + i64::from(c - b'0'))
-        })
-    };
-    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    let mut rest = &b[19..];
-    let mut millis = 0;
-    if let Some(frac) = rest.strip_prefix(b".") {
-        let digits = frac.iter().take_while(|c| c.is_ascii_digit()).count();
-        if digits == 0 {
-            return None;
-        }
-        for (i, &c) in frac[..digits].iter().take(3).enumerate() {
-            millis += i64::from(c - b'0') * [100, 10, 1][i];
-        }
-        rest = &frac[digits..];
-    }
-    if rest != b"Z" && rest != b"+00:00" {
-        return None;
-    }
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let month_days = [
-        31,
-        if leap { 29 } else { 28 },
-        31,
-        30,
-        31,
-        30,
-        31,
-        31,
-        30,
-        31,
-        30,
-        31,
-    ];
-    if !(1..=12).contains(&month)
-        || day < 1
-        || day > month_days[(month - 1) as usize]
-        || hour > 23
-        || minute > 59
-        || second > 59
-    {
-        return None;
-    }
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(((days * 24 + hour) * 60 + minute) * 60_000 + second * 1000 + millis)
-}
-
 impl fmt::Display for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(
-            &self
-                .to_datetime()
-                .to_rfc3339_opts(SecondsFormat::Secs, true),
-        )
+        f.write_str(&proteus_wire::time::format_millis(self.0))
     }
 }
 
@@ -424,26 +340,6 @@ mod tests {
             1_426_118_400_000
         );
         assert!(Timestamp::parse("yesterday").is_err());
-        for text in [
-            "2015-03-11T10:34:42Z",
-            "2000-02-29T23:59:59.5Z",
-            "1999-12-31T00:00:00.123+00:00",
-            "2021-05-30T12:00:00.000Z",
-            "1969-07-20T20:17:40Z",
-        ] {
-            let general = DateTime::parse_from_rfc3339(text)
-                .unwrap()
-                .timestamp_millis();
-            assert_eq!(fast_utc_rfc3339(text.as_bytes()), Some(general), "{text}");
-        }
-        for bad in [
-            "2015-02-29T00:00:00Z",
-            "2015-03-11T24:00:00Z",
-            "2015-03-11T10:34:42",
-            "2015-03-11 10:34:42Z",
-        ] {
-            assert_eq!(fast_utc_rfc3339(bad.as_bytes()), None, "{bad}");
-        }
         assert!(Timestamp::parse("2015-02-29T00:00:00Z").is_err());
         assert!(Timestamp::parse("2015-13-01T00:00:00Z").is_err());
     }

@@ -35,49 +35,47 @@ impl Table {
         self.rows.push(row);
     }
 
-    /// Renders with columns padded to their widest cell; numbers (cells starting with a digit,
-    /// `$` or `-`) are right-aligned so that they line up on the units.
+    /// Renders through comfy-table: columns padded to their widest cell, a rule under the
+    /// header, no borders; numbers (cells starting with a digit, `$`, `-` or `+`) are
+    /// right-aligned so that they line up on the units. Never wrapped: a pipe gets whole rows.
     pub fn render(&self) -> String {
+        use comfy_table::{
+            CellAlignment, ContentArrangement, ContentLineStyle, LineStyle, TableStyle,
+        };
+        // Two spaces between columns (one of padding, one of junction), a dashed rule under the
+        // header, nothing else.
+        const PLAIN: TableStyle = TableStyle::new()
+            .header_lines(ContentLineStyle::none().junction(' '))
+            .content_lines(ContentLineStyle::none().junction(' '))
+            .header_separator(LineStyle::none().fill('-').junction(' '));
         let cols = self.header.len();
-        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
-        for row in &self.rows {
-            for (i, cell) in row.iter().enumerate().take(cols) {
-                widths[i] = widths[i].max(cell.chars().count());
-            }
-        }
         let is_number = |c: &str| {
             c.starts_with(|c: char| c.is_ascii_digit() || c == '$' || c == '-' || c == '+')
         };
-        let numeric: Vec<bool> = (0..cols)
-            .map(|i| {
-                i > 0
-                    && !self.rows.is_empty()
-                    && self.rows.iter().all(|r| {
-                        r.get(i)
-                            .is_none_or(|c| c.is_empty() || c == "?" || is_number(c))
-                    })
-            })
-            .collect();
-        let mut out = String::new();
-        let line = |cells: &[String], out: &mut String| {
-            let mut parts = Vec::with_capacity(cols);
-            for (i, w) in widths.iter().enumerate() {
-                let cell = cells.get(i).map(String::as_str).unwrap_or("");
-                if numeric[i] {
-                    parts.push(format!("{cell:>w$}"));
-                } else {
-                    parts.push(format!("{cell:<w$}"));
+        let mut table = comfy_table::Table::new();
+        table
+            .load_style(PLAIN)
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .set_header(self.header.clone());
+        for row in &self.rows {
+            table.add_row((0..cols).map(|i| row.get(i).cloned().unwrap_or_default()));
+        }
+        for i in 0..cols {
+            let numeric = i > 0
+                && !self.rows.is_empty()
+                && self.rows.iter().all(|r| {
+                    r.get(i)
+                        .is_none_or(|c| c.is_empty() || c == "?" || is_number(c))
+                });
+            if let Some(column) = table.column_mut(i) {
+                column.set_padding((0, u16::from(i + 1 < cols)));
+                if numeric {
+                    column.set_cell_alignment(CellAlignment::Right);
                 }
             }
-            out.push_str(parts.join("  ").trim_end());
-            out.push('\n');
-        };
-        line(&self.header, &mut out);
-        let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-        line(&rule, &mut out);
-        for row in &self.rows {
-            line(row, &mut out);
         }
+        let mut out = table.trim_fmt();
+        out.push('\n');
         out
     }
 
@@ -133,7 +131,7 @@ mod tests {
         t.push(vec!["bbbbbb".into(), "$10.25".into()]);
         assert_eq!(
             t.render(),
-            "market   price\n------  ------\na         $1.5\nbbbbbb  $10.25\n"
+            "market   price\n------- ------\na         $1.5\nbbbbbb  $10.25\n"
         );
         assert_eq!(t.to_csv(), "market,price\na,$1.5\nbbbbbb,$10.25\n");
     }

@@ -4,62 +4,19 @@
 //! ledger bills the hour as provider-ended (free under `hourly-2015`), and the job completes.
 //! Nothing here posts a notice by hand.
 
-use proteus_e2e::{BrokerProcess, fresh_pg_database};
-use std::path::Path;
+use proteus_e2e::{BrokerProcess, fresh_pg_database, write_c3_trace};
 use std::time::Duration;
 
-/// Where `BrokerProcess::start_sim` starts market time.
-const START: &str = "2015-05-01T00:00:00Z";
 /// Market minutes after the start when both c3.xlarge spot markets spike above any bid, and
 /// how long the spike lasts. At 60× that is 15 wall seconds in: the agents are training then
 /// (they start in a few seconds and train for tens of seconds).
-const SPIKE_AT_MIN: i64 = 15;
-const SPIKE_MIN: i64 = 10;
-
-/// Eight days of calm prices before the start (BidBrain's market model reads a week of
-/// history), the spike, then calm again for a day.
-fn write_trace(dir: &Path) -> (String, String) {
-    let start = chrono::DateTime::parse_from_rfc3339(START)
-        .unwrap()
-        .to_utc();
-    let mut text =
-        String::from("timestamp,availability_zone,instance_type,product_description,spot_price\n");
-    let mut row = |t: chrono::DateTime<chrono::Utc>, zone: &str, price: f64| {
-        text.push_str(&format!(
-            "{},{zone},c3.xlarge,Linux/UNIX,{price:.4}\n",
-            t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-        ));
-    };
-    for h in -8 * 24..0 {
-        let t = start + chrono::Duration::hours(h);
-        row(t, "us-east-1a", 0.0320 + 0.0002 * f64::from((h % 3) as i32));
-        row(t, "us-east-1b", 0.0330 + 0.0002 * f64::from((h % 2) as i32));
-    }
-    for zone in ["us-east-1a", "us-east-1b"] {
-        row(start, zone, 0.0321);
-        row(start + chrono::Duration::minutes(SPIKE_AT_MIN), zone, 2.5);
-        row(
-            start + chrono::Duration::minutes(SPIKE_AT_MIN + SPIKE_MIN),
-            zone,
-            0.0322,
-        );
-        row(start + chrono::Duration::hours(24), zone, 0.0323);
-    }
-    let trace = dir.join("spike.csv");
-    std::fs::write(&trace, text).unwrap();
-    let od = dir.join("on-demand.csv");
-    std::fs::write(
-        &od,
-        "instance_type,vcpus,memory_gib,on_demand_usd_per_hour,region\nc3.xlarge,4,7.5,0.21,us-east-1\n",
-    )
-    .unwrap();
-    (trace.display().to_string(), od.display().to_string())
-}
+pub(crate) const SPIKE_AT_MIN: i64 = 15;
+pub(crate) const SPIKE_MIN: i64 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let dir = tempfile::tempdir().unwrap();
-    let (trace, od) = write_trace(dir.path());
+    let (trace, od) = write_c3_trace(dir.path(), Some((SPIKE_AT_MIN, SPIKE_MIN)));
     let db = fresh_pg_database().await;
     let broker = BrokerProcess::start_sim(
         dir.path(),

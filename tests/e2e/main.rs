@@ -1,12 +1,15 @@
 //! End-to-end tests: real `proteus serve` and `proteus-agent` processes, real Postgres, real
 //! LocalStack. Run through `scripts/test`, which starts the services and exports their URLs.
 
+mod command;
 mod crash;
+mod dashboard;
 mod demo;
 mod eviction;
 mod flexrr;
 mod localstack;
 mod pg_restart;
+mod pipeline;
 mod sim;
 mod tls;
 mod work;

@@ -9,6 +9,9 @@
 //! | `POST` | `/v1/agents/{instance_id}/heartbeat` | [`Heartbeat`] | `204` |
 //! | `GET`  | `/v1/agents/{instance_id}/commands?after=<seq>&wait_ms=<n>` | — | `Vec<`[`CommandEnvelope`]`>` (empty on timeout) |
 //! | `POST` | `/v1/agents/{instance_id}/events` | [`AgentEvent`] | `204` |
+//! | `GET`  | `/v1/agents/{instance_id}/checkpoint?rank=<r>&op=upload\|download` | — | [`CheckpointTransfer`] |
+//! | `PUT`/`GET` | `/v1/agents/{instance_id}/checkpoint-data/{rank}` | archive | `204` / archive (broker's directory store) |
+//! | `POST` | `/v1/agents/{instance_id}/output` | text (the tail of the program's output) | `204` |
 //!
 //! Every request carries `Authorization: Bearer <per-instance token>`. Errors are JSON
 //! [`ApiError`] with status 401 (token missing or unknown), 403 (token belongs to another
@@ -51,6 +54,67 @@ pub mod paths {
     pub fn events(id: &InstanceId) -> String {
         format!("/v1/agents/{id}/events")
     }
+
+    /// The axum route pattern for [`checkpoint`].
+    pub const CHECKPOINT_ROUTE: &str = "/v1/agents/{instance_id}/checkpoint";
+    /// The axum route pattern for [`checkpoint_data`].
+    pub const CHECKPOINT_DATA_ROUTE: &str = "/v1/agents/{instance_id}/checkpoint-data/{rank}";
+    /// The axum route pattern for [`output`].
+    pub const OUTPUT_ROUTE: &str = "/v1/agents/{instance_id}/output";
+
+    /// `GET` with query [`super::CheckpointQuery`]: where to put or fetch a rank's checkpoint.
+    pub fn checkpoint(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/checkpoint")
+    }
+
+    /// `PUT` / `GET`: a rank's checkpoint archive in the broker's own (directory) store.
+    pub fn checkpoint_data(id: &InstanceId, rank: u32) -> String {
+        format!("/v1/agents/{id}/checkpoint-data/{rank}")
+    }
+
+    /// `POST` (text body): the newest tail of a command job's output on this instance.
+    pub fn output(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/output")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints of command jobs
+// ---------------------------------------------------------------------------------------------
+
+/// Which way a checkpoint moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointOp {
+    Upload,
+    Download,
+}
+
+/// Query of [`paths::checkpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CheckpointQuery {
+    /// The rank whose checkpoint it is.
+    pub rank: u32,
+    pub op: CheckpointOp,
+}
+
+/// Where the agent sends (`PUT`) or fetches (`GET`) one rank's checkpoint archive (a gzipped
+/// tar of `PROTEUS_CHECKPOINT_DIR`). The agent needs no cloud SDK: the broker hands it either a
+/// presigned S3 URL or its own directory store's URL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CheckpointTransfer {
+    /// `PUT` for uploads, `GET` for downloads; a `GET` answered 404 means "no checkpoint yet".
+    pub url: String,
+    /// Send the agent's bearer token (the broker's own store). A presigned URL carries its
+    /// authorisation in the query and must not get a second one.
+    #[serde(default)]
+    pub bearer: bool,
+    /// Seconds the URL stays valid.
+    #[serde(default)]
+    pub expires_in_secs: u64,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -381,6 +445,77 @@ pub enum AppConfig {
         #[serde(default)]
         link_mbit_per_sec: Option<f64>,
     },
+    /// The user's own program, run by the agent under the contract of `docs/command-jobs.md`.
+    Command(CommandConfig),
+}
+
+/// A command job: what to run on each working instance and how (see `docs/command-jobs.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CommandConfig {
+    /// The program and its arguments (no shell: `["python3", "train.py"]`).
+    pub run: Vec<String>,
+    /// Run once per instance before `run` (installing dependencies, fetching data); empty: none.
+    #[serde(default)]
+    pub setup: Vec<String>,
+    /// Extra environment variables for `setup` and `run`.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The program's working directory: a local directory (local launcher), or an `s3://` URL
+    /// fetched before `setup` on EC2. Default: a fresh directory per instance.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    #[serde(default)]
+    pub launcher: CommandLauncher,
+    /// Failed runs (non-zero exit not caused by a notice) the job survives; one more fails it.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
+    /// How often the checkpoint directory is uploaded while the program runs, seconds.
+    #[serde(default = "default_checkpoint_interval_secs")]
+    pub checkpoint_interval_secs: u64,
+    /// SIGKILL this many seconds before a notice's deadline if the program is still running,
+    /// leaving that long to upload its checkpoint.
+    #[serde(default = "default_kill_margin_secs")]
+    pub kill_margin_secs: u64,
+}
+
+/// How the agent starts a command job's program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum CommandLauncher {
+    /// `run` as given, once per working instance.
+    #[default]
+    Plain,
+    /// `torchrun --nnodes=MIN:MAX --rdzv-backend=c10d ... <run>` (elastic).
+    Torchrun,
+}
+
+pub fn default_max_restarts() -> u32 {
+    3
+}
+pub fn default_checkpoint_interval_secs() -> u64 {
+    60
+}
+pub fn default_kill_margin_secs() -> u64 {
+    10
+}
+
+/// `{"done": x, "total": y}` as a command job's program writes it to `PROTEUS_PROGRESS_FILE`
+/// (any units).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProgramProgress {
+    pub done: f64,
+    pub total: f64,
+}
+
+impl ProgramProgress {
+    /// `done / total` in `[0, 1]`; `None` unless both are finite and `total > 0`.
+    pub fn fraction(&self) -> Option<f64> {
+        (self.done.is_finite() && self.total.is_finite() && self.total > 0.0)
+            .then(|| (self.done / self.total).clamp(0.0, 1.0))
+    }
 }
 
 /// How an MLP job uses its workers.
@@ -483,6 +618,14 @@ impl AppConfig {
                     return Err("mlp link_mbit_per_sec must be > 0".into());
                 }
             }
+            AppConfig::Command(c) => {
+                if c.run.first().is_none_or(|p| p.is_empty()) {
+                    return Err("command needs a program to run".into());
+                }
+                if c.checkpoint_interval_secs == 0 {
+                    return Err("command checkpoint_interval_secs must be at least 1".into());
+                }
+            }
         }
         Ok(())
     }
@@ -494,6 +637,7 @@ impl AppConfig {
             AppConfig::Mf { .. } => "mf",
             AppConfig::Synthetic { .. } => "synthetic",
             AppConfig::Mlp { .. } => "mlp",
+            AppConfig::Command(_) => "command",
         }
     }
 }
@@ -761,6 +905,9 @@ pub struct Progress {
     pub active_shards: Vec<u32>,
     #[serde(default)]
     pub backup_shards: Vec<u32>,
+    /// Command jobs: what the program last wrote to its progress file.
+    #[serde(default)]
+    pub program: Option<ProgramProgress>,
 }
 
 /// A held-out evaluation.
@@ -1054,8 +1201,33 @@ pub enum AgentEvent {
     Ready { model_len: u64 },
     /// A worker completed the last clock and evaluated the final model.
     TrainingComplete { metric: Metric },
+    /// Pipeline jobs: after a re-plan (a stage was warned), this worker took its first
+    /// optimizer step on the plan for `workers` workers, `pause_ms` after the pipeline drained.
+    /// `segment` counts the plans the run has had (1 after the first re-plan).
+    PipelineResumed {
+        segment: u32,
+        workers: u32,
+        pause_ms: u64,
+    },
     /// The agent is about to exit.
     Exit { reason: ExitReason },
+    /// A command job's program ended (see `docs/command-jobs.md` for how this maps to the
+    /// job's state).
+    ProgramExited {
+        /// Exit code, when it exited on its own.
+        #[serde(default)]
+        code: Option<i32>,
+        /// The signal that ended it, otherwise.
+        #[serde(default)]
+        signal: Option<i32>,
+        /// It ended after an interruption notice (or because the instance left the layout):
+        /// never counts as a failure.
+        #[serde(default)]
+        after_notice: bool,
+        /// This exit completes the job (0 with `done >= total`, or rank 0 without progress).
+        #[serde(default)]
+        completes: bool,
+    },
 }
 
 /// Why an agent leaves.

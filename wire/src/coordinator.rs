@@ -94,14 +94,19 @@ pub enum JobState {
     /// Fewer than `min_workers` have joined so far.
     Waiting,
     Running,
-    /// A worker finished the last clock.
+    /// A worker finished the last clock (or a command job's program completed).
     Completed,
     Cancelled,
+    /// A command job's program failed more often than its `max_restarts` allow.
+    Failed,
 }
 
 impl JobState {
     pub fn is_over(self) -> bool {
-        matches!(self, JobState::Completed | JobState::Cancelled)
+        matches!(
+            self,
+            JobState::Completed | JobState::Cancelled | JobState::Failed
+        )
     }
 }
 
@@ -150,6 +155,24 @@ pub struct AggregateProgress {
     pub samples_per_sec: f64,
     /// Mean of the members' latest training loss.
     pub loss: Option<f64>,
+    /// Command jobs: the furthest progress any member's program reported (kept when that
+    /// member leaves, so a job between instances does not fall back to zero).
+    #[serde(default)]
+    pub program: Option<crate::agent_api::ProgramProgress>,
+}
+
+impl AggregateProgress {
+    /// The fraction of the job done: the program's own progress when it reports one, else
+    /// clocks over the stop condition's clocks.
+    pub fn fraction(&self) -> f64 {
+        match self.program.and_then(|p| p.fraction()) {
+            Some(f) => f,
+            None if self.total_clocks > 0 => {
+                (self.clock as f64 / self.total_clocks as f64).min(1.0)
+            }
+            None => 0.0,
+        }
+    }
 }
 
 /// What the broker's `GET /jobs/{id}` shows about training.
@@ -241,6 +264,12 @@ pub struct Coordinator {
     /// restart can talk to those already running.
     #[serde(default)]
     data_secret: Option<DataSecret>,
+    /// Command jobs: the newest program progress reported by any member.
+    #[serde(default)]
+    program_progress: Option<crate::agent_api::ProgramProgress>,
+    /// Command jobs: program runs that failed (not after a notice).
+    #[serde(default)]
+    program_failures: u32,
 }
 
 impl Coordinator {
@@ -266,6 +295,8 @@ impl Coordinator {
             latest_metric: None,
             departed_samples: 0,
             data_secret: None,
+            program_progress: None,
+            program_failures: 0,
         })
     }
 
@@ -388,6 +419,11 @@ impl Coordinator {
         if let Some(metric) = hb.progress.metric {
             self.note_metric(metric);
         }
+        if let Some(p) = hb.progress.program
+            && p.fraction().is_some()
+        {
+            self.program_progress = Some(p);
+        }
         let member = self.member_mut(id)?;
         member.progress = hb.progress;
         Ok(())
@@ -418,7 +454,7 @@ impl Coordinator {
                     self.relayout();
                 }
             }
-            AgentEvent::HandoverComplete { .. } => {}
+            AgentEvent::HandoverComplete { .. } | AgentEvent::PipelineResumed { .. } => {}
             AgentEvent::TrainingComplete { metric } => {
                 self.note_metric(metric);
                 if !self.state.is_over() {
@@ -433,8 +469,54 @@ impl Coordinator {
                 self.depart(id, DepartureReason::Exited { reason }, now_ms);
                 self.relayout();
             }
+            AgentEvent::ProgramExited {
+                code,
+                signal,
+                after_notice,
+                completes,
+            } => self.program_exited(code, signal, after_notice, completes),
         }
         Ok(())
+    }
+
+    /// A command job's program ended: completion ends the job; a failure (not after a
+    /// notice) counts against `max_restarts` and one too many fails the job.
+    fn program_exited(
+        &mut self,
+        code: Option<i32>,
+        signal: Option<i32>,
+        after_notice: bool,
+        completes: bool,
+    ) {
+        if self.state.is_over() {
+            return;
+        }
+        let how = match (code, signal) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("signal {s}"),
+            (None, None) => "an unknown status".to_string(),
+        };
+        if completes {
+            self.finish(JobState::Completed, format!("program completed ({how})"));
+            return;
+        }
+        if after_notice {
+            return;
+        }
+        self.program_failures += 1;
+        let allowed = match &self.training.app {
+            crate::agent_api::AppConfig::Command(c) => c.max_restarts,
+            _ => 0,
+        };
+        if self.program_failures > allowed {
+            self.finish(
+                JobState::Failed,
+                format!(
+                    "program failed {} times (last with {how}); max_restarts is {allowed}",
+                    self.program_failures
+                ),
+            );
+        }
     }
 
     fn ready(
@@ -670,6 +752,7 @@ impl Coordinator {
                 .map(|m| m.progress.samples_per_sec)
                 .sum(),
             loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
+            program: self.program_progress,
         }
     }
 

@@ -6,9 +6,11 @@
 //! - [`agent_api`]: the agent control protocol (registration, heartbeats, commands, events).
 //! - [`coordinator`]: the per-job control-plane state machine both the broker and the agent's
 //!   tests run.
+//! - [`time`]: the one parser (and writer) of times as text.
 
 pub mod agent_api;
 pub mod coordinator;
 pub mod ids;
+pub mod time;
 
 pub use ids::{InstanceId, JobId, Tier};

@@ -144,6 +144,11 @@ impl App {
                     hyper,
                 ))
             }
+            AppConfig::Command(_) => {
+                return Err(AgentError::Config(
+                    "a command job runs the user's program, not a built-in app".into(),
+                ));
+            }
             AppConfig::Mlp {
                 dataset,
                 layers,

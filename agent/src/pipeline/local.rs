@@ -134,6 +134,7 @@ pub fn run_with_warnings(
                         checkpoints: Some(cps),
                         notices: Some(notices),
                         steps: None,
+                        resumed: None,
                     };
                     stage::run(ctx)
                         .await

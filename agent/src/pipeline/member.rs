@@ -266,6 +266,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         checkpoints: None,
         notices: Some(ctx.notices.clone()),
         steps: Some(steps),
+        resumed: Some(ctx.events.clone()),
     };
     let result = stage::run_keeping_inbox(sctx).await;
     reporter.abort();

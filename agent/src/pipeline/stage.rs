@@ -556,6 +556,8 @@ pub struct StageCtx {
     pub notices: Option<Arc<Notices>>,
     /// Counts the optimizer steps this worker took, for progress reports.
     pub steps: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// Where to say that training resumed after a re-plan (the agent reports it to the broker).
+    pub resumed: Option<mpsc::UnboundedSender<crate::worker::WorkerEvent>>,
 }
 
 /// What a stage replica reports at the end.
@@ -1137,11 +1139,19 @@ async fn run_segment(
         if seg.index > 0
             && let Some(t) = totals.drained_at.take()
         {
+            let pause = t.elapsed();
             tracing::info!(
                 segment = seg.index,
-                pause_ms = t.elapsed().as_millis() as u64,
+                pause_ms = pause.as_millis() as u64,
                 "training again on the new plan"
             );
+            if let Some(tx) = &ctx.resumed {
+                let _ = tx.send(crate::worker::WorkerEvent::PipelineResumed {
+                    segment: seg.index,
+                    workers: seg.members.len() as u32,
+                    pause,
+                });
+            }
         }
         if let Some(c) = &ctx.steps {
             c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

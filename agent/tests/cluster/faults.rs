@@ -127,8 +127,21 @@ async fn rebalance_moves_shards_early_without_exiting() {
         .await;
     assert!(moved.is_some(), "shards did not move off {owner}");
     let st = c.wait_done(Duration::from_secs(120)).await;
+    assert_eq!(st.state, JobState::Completed);
+    // A recommendation is not a notice: the owner worked to the end and left only when the
+    // finished job stopped everyone, not as an interrupted instance.
     assert!(
-        st.departed.iter().all(|d| d.instance_id.0 != owner) || st.state == JobState::Completed
+        st.departed
+            .iter()
+            .filter(|d| d.instance_id.0 == owner)
+            .all(|d| matches!(
+                &d.reason,
+                proteus_wire::coordinator::DepartureReason::Exited {
+                    reason: proteus_wire::agent_api::ExitReason::Stopped
+                }
+            )),
+        "{owner} left early: {:?}",
+        st.departed
     );
     c.assert_all_exit_cleanly(Duration::from_secs(20)).await;
     assert!(
@@ -137,7 +150,8 @@ async fn rebalance_moves_shards_early_without_exiting() {
             .contains("rebalance recommendation")
     );
     assert!(
-        st.final_metric.is_some_and(|m| m.value > 0.8),
+        // This configuration (digits, 40 short epochs) ends near 0.89; a lost shard costs more.
+        st.final_metric.is_some_and(|m| m.value >= 0.87),
         "{:?}",
         st.final_metric
     );
@@ -151,14 +165,40 @@ async fn agent_retries_until_broker_is_reachable() {
     drop(probe);
     let dir = tempfile::tempdir().expect("tempdir");
     let mut a = spawn_agent(&format!("http://{addr}"), "r1", dir.path()).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // It retries (and says so) rather than giving up...
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !a
+        .log_text()
+        .contains("broker unreachable; retrying registration")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no retry logged: {}",
+            a.log_text()
+        );
+        assert!(
+            a.wait_exit(Duration::from_millis(100)).await.is_none(),
+            "agent must not give up: {}",
+            a.log_text()
+        );
+    }
+    // ...and registers once a broker listens there.
+    let coord = proteus_agent::testing::TestCoordinator::start_at(
+        crate::training::mnist_config(),
+        &[("tok-r1", "r1", Tier::Reliable)],
+        addr,
+    )
+    .await
+    .expect("a coordinator on the reserved port");
+    let joined = coord
+        .wait_for(Duration::from_secs(60), |s| {
+            s.members.iter().any(|m| m.instance_id.0 == "r1")
+        })
+        .await;
     assert!(
-        a.wait_exit(Duration::from_millis(10)).await.is_none(),
-        "agent must not give up"
+        joined.is_some(),
+        "the agent registered once the broker was up: {}",
+        a.log_text()
     );
-    let log = a.log_text();
-    assert!(
-        log.contains("broker unreachable; retrying registration"),
-        "{log}"
-    );
+    assert!(a.wait_exit(Duration::from_millis(10)).await.is_none());
 }

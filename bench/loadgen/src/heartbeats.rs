@@ -290,6 +290,7 @@ async fn drive(args: &Args, base: &str, agents: Arc<Vec<Agent>>) -> Result<(Samp
                         samples_per_sec: 640.0,
                         active_shards: vec![],
                         backup_shards: vec![],
+                        program: None,
                     },
                 };
                 let outcome = post(http, &url, &a.token, &hb, 204).await;

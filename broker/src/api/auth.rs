@@ -1,12 +1,31 @@
-//! Bearer tokens: one user token for the job API, one token per instance for its agent.
+//! Bearer tokens: one user token for the job API, one token per instance for its agent; and the
+//! dashboard's sessions, which a browser opens by posting the user token once.
 //!
-//! Only SHA-256 hashes of tokens are kept (in memory and in the store), compared in constant
-//! time; tokens are never logged.
+//! Only SHA-256 hashes of tokens and session ids are kept (in memory and in the store), compared
+//! in constant time; tokens are never logged.
+//!
+//! A session is a random id in an `HttpOnly`, `SameSite=Strict` cookie, so page scripts cannot
+//! read it and other sites' pages cannot send it. Writes made with a session (cancel, submit)
+//! must also carry the session's CSRF token in [`CSRF_HEADER`]: a custom header that a
+//! cross-origin form cannot set, with a value only the dashboard's own page knows.
 
 use super::error::ApiError;
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
+
+/// The dashboard's session cookie.
+pub const SESSION_COOKIE: &str = "proteus_session";
+/// The header that carries a session's CSRF token on writes.
+pub const CSRF_HEADER: &str = "x-csrf-token";
+/// How long a session lasts after login.
+pub const SESSION_LIFETIME: Duration = Duration::from_secs(12 * 3600);
+/// Sessions kept at most; the oldest goes first (logins need the token, so this only bounds a
+/// forgetful user's memory use).
+const MAX_SESSIONS: usize = 1024;
 
 /// A fresh random token with a recognisable prefix (`pt_` user, `pa_` agent).
 pub fn new_token(prefix: &str) -> String {
@@ -33,10 +52,33 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty()).then(|| token.trim())
 }
 
-/// The user token's hash.
+/// What a request may do with the user's rights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// A change (submit, cancel): through a session it needs the CSRF header too.
+    Write,
+}
+
+/// The user token's hash, and the dashboard sessions opened with it.
 #[derive(Clone)]
 pub struct UserAuth {
     hash: String,
+    sessions: Arc<Mutex<HashMap<String, Session>>>,
+    secure_cookies: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    csrf: String,
+    expires: Instant,
+}
+
+/// A session just opened: the cookie to set and the CSRF token the page will send back.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    pub id: String,
+    pub csrf: String,
 }
 
 impl std::fmt::Debug for UserAuth {
@@ -47,27 +89,143 @@ impl std::fmt::Debug for UserAuth {
 
 impl UserAuth {
     pub fn from_token(token: &str) -> Self {
-        UserAuth {
-            hash: hash_token(token),
-        }
+        Self::from_hash(hash_token(token))
     }
     pub fn from_hash(hash: String) -> Self {
-        UserAuth { hash }
+        UserAuth {
+            hash,
+            sessions: Arc::default(),
+            secure_cookies: false,
+        }
+    }
+    /// Marks session cookies `Secure`: for a broker that serves HTTPS.
+    pub fn with_secure_cookies(mut self, secure: bool) -> Self {
+        self.secure_cookies = secure;
+        self
     }
     pub fn hash(&self) -> &str {
         &self.hash
+    }
+
+    fn token_matches(&self, token: &str) -> bool {
+        hashes_match(&hash_token(token), &self.hash)
     }
 
     /// 401 without a token or with a wrong one.
     pub fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let token = bearer(headers)
             .ok_or_else(|| ApiError::unauthorized("missing `Authorization: Bearer <token>`"))?;
-        if hashes_match(&hash_token(token), &self.hash) {
+        if self.token_matches(token) {
             Ok(())
         } else {
             Err(ApiError::unauthorized("invalid token"))
         }
     }
+
+    /// The user's rights from a bearer token or, without one, from a dashboard session (plus
+    /// its CSRF header for a write).
+    pub fn check_user(&self, headers: &HeaderMap, access: Access) -> Result<(), ApiError> {
+        if bearer(headers).is_some() {
+            return self.check(headers);
+        }
+        let Some(session) = self.session(headers) else {
+            return Err(ApiError::unauthorized(
+                "missing `Authorization: Bearer <token>` (or a dashboard session)",
+            ));
+        };
+        if access == Access::Write {
+            let sent = headers
+                .get(CSRF_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !hashes_match(sent, &session.csrf) {
+                return Err(ApiError::forbidden(format!(
+                    "a change made with a dashboard session needs its `{CSRF_HEADER}` header"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens a session for whoever presents the user token; `None` for a wrong one.
+    pub fn login(&self, token: &str) -> Option<NewSession> {
+        if !self.token_matches(token.trim()) {
+            return None;
+        }
+        let new = NewSession {
+            id: new_token("ps_"),
+            csrf: new_token("pc_"),
+        };
+        let now = Instant::now();
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        sessions.retain(|_, s| s.expires > now);
+        if sessions.len() >= MAX_SESSIONS
+            && let Some(oldest) = sessions
+                .iter()
+                .min_by_key(|(_, s)| s.expires)
+                .map(|(k, _)| k.clone())
+        {
+            sessions.remove(&oldest);
+        }
+        sessions.insert(
+            hash_token(&new.id),
+            Session {
+                csrf: new.csrf.clone(),
+                expires: now + SESSION_LIFETIME,
+            },
+        );
+        Some(new)
+    }
+
+    /// The CSRF token of the request's live session, if it has one.
+    pub fn session_csrf(&self, headers: &HeaderMap) -> Option<String> {
+        self.session(headers).map(|s| s.csrf)
+    }
+
+    /// Ends the request's session, if any.
+    pub fn logout(&self, headers: &HeaderMap) {
+        if let Some(id) = session_cookie(headers) {
+            self.sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&hash_token(id));
+        }
+    }
+
+    fn session(&self, headers: &HeaderMap) -> Option<Session> {
+        let id = session_cookie(headers)?;
+        let sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        sessions
+            .get(&hash_token(id))
+            .filter(|s| s.expires > Instant::now())
+            .cloned()
+    }
+
+    /// The `Set-Cookie` value that opens (`Some(id)`) or clears (`None`) the session cookie.
+    pub fn cookie(&self, id: Option<&str>) -> String {
+        let secure = if self.secure_cookies { "; Secure" } else { "" };
+        match id {
+            Some(id) => format!(
+                "{SESSION_COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
+                SESSION_LIFETIME.as_secs()
+            ),
+            None => {
+                format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}")
+            }
+        }
+    }
+}
+
+/// The session id of the request's `Cookie` header(s).
+fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(axum::http::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, value)| *name == SESSION_COOKIE && !value.is_empty())
+        .map(|(_, value)| value)
 }
 
 #[cfg(test)]
@@ -86,5 +244,43 @@ mod tests {
         h.insert("authorization", "Bearer nope".parse().unwrap());
         assert_eq!(auth.check(&h).unwrap_err().status, 401);
         assert!(!hashes_match("ab", "abc"));
+    }
+
+    #[test]
+    fn sessions_open_with_the_token_and_writes_need_the_csrf_header() {
+        let auth = UserAuth::from_token("pt_right");
+        assert!(auth.login("pt_wrong").is_none());
+        let s = auth.login("pt_right").unwrap();
+        let mut h = HeaderMap::new();
+        assert_eq!(auth.check_user(&h, Access::Read).unwrap_err().status, 401);
+        h.insert(
+            "cookie",
+            format!("theme=dark; {SESSION_COOKIE}={}", s.id)
+                .parse()
+                .unwrap(),
+        );
+        assert!(auth.check_user(&h, Access::Read).is_ok());
+        assert_eq!(auth.check_user(&h, Access::Write).unwrap_err().status, 403);
+        h.insert(CSRF_HEADER, "pc_guess".parse().unwrap());
+        assert_eq!(auth.check_user(&h, Access::Write).unwrap_err().status, 403);
+        h.insert(CSRF_HEADER, s.csrf.parse().unwrap());
+        assert!(auth.check_user(&h, Access::Write).is_ok());
+        // A bearer header is judged on its own, never rescued by a cookie.
+        h.insert("authorization", "Bearer nope".parse().unwrap());
+        assert_eq!(auth.check_user(&h, Access::Read).unwrap_err().status, 401);
+        h.remove("authorization");
+        auth.logout(&h);
+        assert_eq!(auth.check_user(&h, Access::Read).unwrap_err().status, 401);
+
+        let cookie = auth.cookie(Some("ps_x"));
+        for part in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+            assert!(cookie.contains(part), "{cookie}");
+        }
+        assert!(!cookie.contains("Secure"));
+        assert!(
+            auth.with_secure_cookies(true)
+                .cookie(Some("ps_x"))
+                .ends_with("; Secure")
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! to it over real HTTP.
 
 pub mod auth;
+mod dashboard;
 pub mod error;
 mod openapi;
 pub mod tls;
@@ -14,16 +15,17 @@ use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use crate::service::{Broker, ServiceError};
 use crate::store::MarketFilter;
-use auth::{UserAuth, bearer};
+use auth::{Access, UserAuth, bearer};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
-    AgentEvent, CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+    AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
+    RegisterRequest, RegisterResponse, paths,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -62,6 +64,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
         .route("/v1/jobs/{id}/cost", get(job_cost))
         .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/instances/{id}/interruption", post(interrupt_instance))
         .route("/v1/markets", get(list_markets))
         .route("/v1/prices", get(list_prices))
         .route("/v1/downloads/proteus-agent", get(download_agent))
@@ -70,8 +73,23 @@ pub fn router(state: AppState) -> Router {
         .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
         .route(paths::COMMANDS_ROUTE, get(agent_commands))
         .route(paths::EVENTS_ROUTE, post(agent_event))
-        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
+        .route(paths::CHECKPOINT_ROUTE, get(agent_checkpoint))
+        .route(paths::OUTPUT_ROUTE, post(agent_output))
+        .route("/v1/jobs/{id}/logs", get(job_logs))
+        .merge(dashboard::routes())
         .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
+        // Checkpoint archives are large: their route has its own limit (the store's).
+        .merge(
+            Router::new()
+                .route(
+                    paths::CHECKPOINT_DATA_ROUTE,
+                    put(agent_checkpoint_put).get(agent_checkpoint_get),
+                )
+                .layer(tower_http::limit::RequestBodyLimitLayer::new(
+                    crate::checkpoint::MAX_ARCHIVE_BYTES as usize,
+                )),
+        )
+        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
         .with_state(state)
 }
 
@@ -81,6 +99,10 @@ impl From<ServiceError> for ApiError {
             ServiceError::Invalid { field, message } => ApiError::invalid(&field, message),
             ServiceError::NoSuchJob(id) => ApiError::not_found(format!("job {id} does not exist")),
             ServiceError::JobOver(id) => ApiError::conflict(format!("job {id} is already over")),
+            ServiceError::NoSuchInstance(id) => {
+                ApiError::not_found(format!("instance {id} does not exist"))
+            }
+            ServiceError::Refused(message) => ApiError::conflict(message),
             other => ApiError::internal(other),
         }
     }
@@ -95,9 +117,19 @@ fn job_id(raw: &str) -> Result<JobId, ApiError> {
         .ok_or_else(|| ApiError::not_found(format!("job `{raw}` does not exist")))
 }
 
-/// User endpoints: the user token, and a distinct 403 for an agent's token.
+/// User endpoints that read: the user token (or a dashboard session), and a distinct 403 for an
+/// agent's token.
 async fn user(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match state.auth.check(headers) {
+    authorize(state, headers, Access::Read).await
+}
+
+/// User endpoints that change something: as [`user`], and a session must send its CSRF header.
+async fn user_change(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    authorize(state, headers, Access::Write).await
+}
+
+async fn authorize(state: &AppState, headers: &HeaderMap, access: Access) -> Result<(), ApiError> {
+    match state.auth.check_user(headers, access) {
         Ok(()) => Ok(()),
         Err(e) => {
             if let Some(t) = bearer(headers)
@@ -138,10 +170,11 @@ async fn healthz(State(s): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format")))]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (Prometheus)")))]
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let text = crate::service::metrics_text(&s.broker).await?;
-    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+    let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    Ok(([("content-type", content_type)], text).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/jobs", request_body = JobSpec,
@@ -152,7 +185,7 @@ async fn submit_job(
     headers: HeaderMap,
     ApiJson(spec): ApiJson<JobSpec>,
 ) -> Result<Response, ApiError> {
-    user(&s, &headers).await?;
+    user_change(&s, &headers).await?;
     let view = s.broker.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(view)).into_response())
 }
@@ -186,8 +219,25 @@ async fn cancel_job(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    user(&s, &headers).await?;
+    user_change(&s, &headers).await?;
     Ok(Json(s.broker.cancel(job_id(&id)?).await?))
+}
+
+/// Interrupts a spot instance now, as a price spike would (the simulated cloud; on AWS, Fault
+/// Injection Service does this): the job's events then show the warning, the agent's notice,
+/// the hand-over and the eviction.
+#[utoipa::path(post, path = "/v1/instances/{id}/interruption", params(("id" = String, Path)),
+    responses((status = 202, body = crate::service::jobs::InterruptionSent),
+        (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn interrupt_instance(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<crate::service::jobs::InterruptionSent>), ApiError> {
+    user(&s, &headers).await?;
+    let sent = s.broker.interrupt_instance(&id).await?;
+    Ok((StatusCode::ACCEPTED, Json(sent)))
 }
 
 #[utoipa::path(get, path = "/v1/jobs/{id}/cost", params(("id" = i64, Path)),
@@ -397,6 +447,95 @@ async fn agent_event(
         .agent_event(agent_token(&headers), &id, event)
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint", params(("instance_id" = String, Path), ("rank" = u32, Query),
+    ("op" = String, Query, description = "`upload` or `download`")),
+    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<CheckpointQuery>,
+) -> Result<Json<CheckpointTransfer>, ApiError> {
+    Ok(Json(
+        s.broker
+            .agent_checkpoint_transfer(agent_token(&headers), &id, q.rank, q.op)
+            .await?,
+    ))
+}
+
+fn rank_of(raw: &str) -> Result<u32, ApiError> {
+    raw.parse()
+        .map_err(|_| ApiError::invalid("rank", format!("`{raw}` is not a rank")))
+}
+
+#[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
+    request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint_put(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((id, rank)): Path<(String, String)>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let rank = rank_of(&rank)?;
+    let bytes = s
+        .broker
+        .agent_checkpoint_put(agent_token(&headers), &id, rank, body.into_data_stream())
+        .await?;
+    tracing::debug!(instance = %id, rank, bytes, "checkpoint stored");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
+    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody)),
+    security(("agent" = [])))]
+async fn agent_checkpoint_get(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((id, rank)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let rank = rank_of(&rank)?;
+    match s
+        .broker
+        .agent_checkpoint_file(agent_token(&headers), &id, rank)
+        .await?
+    {
+        Some(path) => send_file(&path, "application/gzip").await,
+        None => Err(ApiError::not_found(format!(
+            "no checkpoint of rank {rank} yet"
+        ))),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/agents/{instance_id}/output", params(("instance_id" = String, Path)),
+    request_body(content = String, description = "the newest tail of the program's output", content_type = "text/plain"),
+    responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+async fn agent_output(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    text: String,
+) -> Result<StatusCode, ApiError> {
+    s.broker
+        .agent_output(agent_token(&headers), &id, &text)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}/logs", params(("id" = i64, Path)),
+    responses((status = 200, body = Vec<crate::service::programs::OutputView>), (status = 404, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn job_logs(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<crate::service::programs::OutputView>>, ApiError> {
+    user(&s, &headers).await?;
+    Ok(Json(s.broker.job_outputs(job_id(&id)?).await?))
 }
 
 /// Downloads need a live instance's token: only the broker's own VMs may fetch.

@@ -75,6 +75,33 @@ pub struct CancelArgs {
     pub output: OutputFormat,
 }
 
+#[derive(Debug, Args)]
+#[command(
+    after_help = "The instance then gets the two-minute warning through its metadata, hands over and is \
+reclaimed; `proteus status JOB` lists instance ids.\n\nExamples:\n  proteus interrupt pi-3-0f1e2d3c\n  proteus interrupt pi-3-0f1e2d3c --output json"
+)]
+pub struct InterruptArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    /// The broker's instance id (as `proteus status JOB` shows it).
+    pub instance: String,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+    pub id: i64,
+    /// Only this instance's output.
+    #[arg(long)]
+    pub instance: Option<String>,
+    /// `table` prints each instance's tail under a header; `json` the API's answer.
+    #[arg(long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
 /// A thin JSON client of the broker's API.
 pub struct Client {
     base: String,
@@ -218,6 +245,72 @@ pub async fn cancel(args: CancelArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+pub async fn interrupt(args: InterruptArgs) -> Result<ExitCode> {
+    let sent: crate::service::jobs::InterruptionSent = Client::new(&args.remote)?
+        .post(
+            &format!("/v1/instances/{}/interruption", args.instance),
+            &serde_json::json!({}),
+        )
+        .await?;
+    if args.output == OutputFormat::Table {
+        println!(
+            "interruption sent to {} ({}) of job {} at {}",
+            sent.instance_id, sent.cloud_id, sent.job_id, sent.sent
+        );
+    } else {
+        emit(args.output, &sent, || {
+            let mut t = Table::new(&["instance", "cloud id", "job", "sent"]);
+            t.push(vec![
+                sent.instance_id.clone(),
+                sent.cloud_id.clone(),
+                sent.job_id.to_string(),
+                sent.sent.clone(),
+            ]);
+            t
+        })?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `proteus logs JOB`: the newest output of a command job's program on each instance.
+pub async fn logs(args: LogsArgs) -> Result<ExitCode> {
+    let tails: Vec<serde_json::Value> = Client::new(&args.remote)?
+        .get(&format!("/v1/jobs/{}/logs", args.id))
+        .await?;
+    let tails: Vec<serde_json::Value> = tails
+        .into_iter()
+        .filter(|t| {
+            args.instance
+                .as_deref()
+                .is_none_or(|i| t["instance_id"].as_str() == Some(i))
+        })
+        .collect();
+    if args.output != OutputFormat::Table {
+        return emit(args.output, &tails, || {
+            let mut t = Table::new(&["instance_id", "output"]);
+            for tail in &tails {
+                t.push(vec![
+                    tail["instance_id"].as_str().unwrap_or("").to_string(),
+                    tail["output"].as_str().unwrap_or("").to_string(),
+                ]);
+            }
+            t
+        })
+        .map(|()| ExitCode::SUCCESS);
+    }
+    if tails.is_empty() {
+        eprintln!(
+            "no output yet for job {} (only command jobs have one)",
+            args.id
+        );
+    }
+    for t in &tails {
+        println!("==> {} <==", t["instance_id"].as_str().unwrap_or("?"));
+        print!("{}", t["output"].as_str().unwrap_or(""));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn report(args: ReportArgs) -> Result<ExitCode> {
     let client = Client::new(&args.remote)?;
     if args.all {
@@ -357,7 +450,7 @@ fn job_detail(j: &JobView) -> String {
         out.push_str(&format!("unavailable: {u}\n"));
     }
     let mut t = Table::new(&[
-        "instance", "market", "tier", "bid", "state", "launched", "ended",
+        "instance", "market", "tier", "bid", "state", "rank", "launched", "ended",
     ]);
     for i in &j.instances {
         t.push(vec![
@@ -366,6 +459,7 @@ fn job_detail(j: &JobView) -> String {
             i.tier.clone(),
             i.bid_usd.map(usd).unwrap_or_else(|| "-".into()),
             i.state.clone(),
+            i.worker_rank.map_or("-".into(), |r| r.to_string()),
             i.launched.clone().unwrap_or_default(),
             match (&i.ended, &i.end_reason) {
                 (Some(e), Some(r)) => format!("{e} ({r})"),

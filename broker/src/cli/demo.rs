@@ -10,6 +10,7 @@
 
 use super::GlobalArgs;
 use super::serve::{ServeArgs, StartOptions, start_with};
+use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
 use crate::output::{OutputFormat, pct, usd};
@@ -40,7 +41,8 @@ pub enum DemoApp {
     proteus demo\n  \
     proteus demo --policy standard-bidding --seed 7\n  \
     proteus demo --app mf --start 2015-06-01T00:00:00Z --speed 4000\n  \
-    proteus demo --output json > demo.json")]
+    proteus demo --output json > demo.json\n  \
+    proteus demo --keep-serving   # then open the printed dashboard URL")]
 pub struct DemoArgs {
     /// The policy that buys capacity: bidbrain, on-demand, standard-bidding.
     #[arg(long, default_value = "bidbrain")]
@@ -74,6 +76,10 @@ pub struct DemoArgs {
     pub out: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
+    /// After the report, keep the broker and its dashboard up (printing their URL and token)
+    /// until Ctrl-C.
+    #[arg(long)]
+    pub keep_serving: bool,
 }
 
 /// What the demo prints at the end (and `--output json`).
@@ -183,20 +189,24 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         "Proteus demo: job {} ({}), policy {}",
         job.id, job.name, job.policy
     );
-    let svg = crate::chart::job_chart(
-        &title,
-        &broker.market_data().history,
-        &instances,
-        start,
-        market_end,
-    );
-    std::fs::write(&chart_path, svg)
-        .with_context(|| format!("writing {}", chart_path.display()))?;
+    for (format, path) in [
+        (Format::Svg, &chart_path),
+        (Format::Png, &chart_path.with_extension("png")),
+    ] {
+        let bytes = crate::chart::job_chart(
+            format,
+            &title,
+            &broker.market_data().history,
+            &instances,
+            start,
+            market_end,
+        )?;
+        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    }
     let digest = decisions_digest(&broker.store, id).await?;
     if let Some(launcher) = &broker.launcher {
         launcher.stop_all(Duration::from_secs(2)).await;
     }
-    api.abort();
 
     let result = DemoResult {
         wall_seconds: started.elapsed().as_secs_f64(),
@@ -212,6 +222,18 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         }
         _ => print!("{}", summary(&result)),
     }
+    if args.keep_serving {
+        // The report is on stdout; where to look goes to stderr so that `--output json` stays
+        // one document.
+        eprintln!(
+            "\nthe broker keeps serving (Ctrl-C stops it):\n  dashboard: {url}/\n  token:     {token}\n  \
+             CLI:       PROTEUS_URL={url} PROTEUS_TOKEN={token} proteus status"
+        );
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+    }
+    api.abort();
     Ok(if result.job.state == "succeeded" {
         ExitCode::SUCCESS
     } else {
@@ -300,6 +322,7 @@ fn job_spec(args: &DemoArgs) -> JobSpec {
             deadline_hours: None,
         },
         billing: None,
+        command: None,
         work: Some(WorkSpec {
             total_work: Some(args.work),
             reference_type: None,
@@ -511,7 +534,7 @@ fn summary(r: &DemoResult) -> String {
         out.push_str(&format!("\n{}: {}\n", r.job.policy, vs.join(", ")));
     }
     out.push_str(&format!(
-        "chart: {}\ndecisions digest: {} (same seed, same digest)\n",
+        "chart: {} (and .png)\ndecisions digest: {} (same seed, same digest)\n",
         r.chart.display(),
         r.decisions_digest
     ));

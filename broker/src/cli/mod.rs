@@ -71,6 +71,11 @@ pub enum Command {
     Report(client::ReportArgs),
     /// Cancel a job: every instance released, ledger closed.
     Cancel(client::CancelArgs),
+    /// Interrupt a spot instance now, as a price spike would (simulated cloud), to try a job's
+    /// eviction handling.
+    Interrupt(client::InterruptArgs),
+    /// The newest output of a command job's program, per instance.
+    Logs(client::LogsArgs),
     /// Print the REST API's OpenAPI document.
     Openapi,
     /// Run the broker service (REST API, scheduler, cloud driver).
@@ -121,9 +126,11 @@ pub fn init_tracing_for(global: &GlobalArgs, command: &Command) {
 fn init_tracing_with_default(global: &GlobalArgs, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(global.log.as_deref().unwrap_or(default))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a terminal: logs sent to a file or a collector stay plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = match global.log_format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
@@ -150,6 +157,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Status(args) => client::status(args).await,
         Command::Report(args) => client::report(args).await,
         Command::Cancel(args) => client::cancel(args).await,
+        Command::Interrupt(args) => client::interrupt(args).await,
+        Command::Logs(args) => client::logs(args).await,
         Command::Simulate(args) => simulate::run(args),
     }
 }

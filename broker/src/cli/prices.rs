@@ -55,6 +55,9 @@ pub struct IngestArgs {
     /// With --from-ec2: fetch from this time (RFC 3339 or YYYY-MM-DD) instead of resuming.
     #[arg(long)]
     pub since: Option<String>,
+    /// With --from-ec2: price changes per DescribeSpotPriceHistory page (5–1000).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(5..=1000))]
+    pub page_size: u32,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
 }
@@ -344,6 +347,7 @@ async fn ingest_from_ec2(
         instance_types,
         product: crate::market::Product::linux(),
         since,
+        page_size: ec2::PageSize::new(args.page_size).map_err(anyhow::Error::msg)?,
     };
     let fetched = ec2::fetch(&client, &request).await?;
     let parsed = Instant::now();

@@ -5,6 +5,7 @@ use crate::api::auth::{UserAuth, hash_token, new_token};
 use crate::api::tls::{self, ReloadingCert, TlsFiles};
 use crate::api::{AppState, router};
 use crate::billing::BillingModel;
+use crate::checkpoint::{CheckpointStore, ProgramStorage};
 use crate::clock::{ScaledClock, SharedClock, WallClock};
 use crate::cloud::Cloud;
 use crate::cloud::faults::FaultyCloud;
@@ -116,6 +117,11 @@ pub struct ServeArgs {
     /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
     #[arg(long, env = "PROTEUS_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Where command jobs' checkpoints go: `s3://bucket/prefix` (presigned URLs; credentials
+    /// and endpoint from the AWS environment), or a directory. Default:
+    /// `<state dir>/checkpoints`, served to agents by the broker itself.
+    #[arg(long, env = "PROTEUS_CHECKPOINT_STORE")]
+    pub checkpoint_store: Option<String>,
     /// Minutes from launch to useful work assumed by policies when a job does not say.
     #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
     pub startup_minutes: Option<f64>,
@@ -186,6 +192,7 @@ impl ServeArgs {
             agent_data_dir: None,
             agent_log: "warn,proteus_agent=info".into(),
             state_dir: None,
+            checkpoint_store: None,
             startup_minutes: None,
             cooldown_secs: 600.0,
             min_notice_secs: 6.0,
@@ -447,6 +454,19 @@ pub async fn start_with(
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
     let broker = Broker::new(store, clock, cloud, launcher, history, settings);
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    let checkpoints = match &args.checkpoint_store {
+        Some(spec) => spec.clone(),
+        None => state_dir.join("checkpoints").display().to_string(),
+    };
+    let checkpoints = CheckpointStore::open(&checkpoints)
+        .await
+        .with_context(|| format!("--checkpoint-store {checkpoints}"))?;
+    tracing::info!(store = %checkpoints.describe(), "command-job checkpoints");
+    broker.set_program_storage(
+        ProgramStorage::new(checkpoints, state_dir.join("outputs"))
+            .context("command-job output directory")?,
+    );
     broker
         .recover()
         .await

@@ -123,6 +123,10 @@ impl Cloud for FaultyCloud {
     async fn events(&self) -> Result<Vec<CloudEvent>, CloudError> {
         self.inner.events().await
     }
+
+    async fn send_interruption(&self, cloud_id: &str) -> Result<(), CloudError> {
+        self.inner.send_interruption(cloud_id).await
+    }
 }
 
 #[cfg(test)]

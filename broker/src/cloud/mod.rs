@@ -138,4 +138,21 @@ pub trait Cloud: Send + Sync + fmt::Debug {
     /// What the provider did since the last call (warnings, reclaims). Clouds whose warnings
     /// reach only the instance itself (EC2) report terminations here and warnings via the agent.
     async fn events(&self) -> Result<Vec<CloudEvent>, CloudError>;
+
+    /// Interrupts a spot instance now, as the provider would when the price crossed its bid:
+    /// the two-minute warning, then the reclaim. This is what AWS Fault Injection Service's
+    /// `aws:ec2:send-spot-instance-interruptions` action does, and it exists for the same
+    /// reason: to try a job's eviction handling at a moment of one's choosing. Clouds that
+    /// cannot do it say so.
+    async fn send_interruption(&self, cloud_id: &str) -> Result<(), CloudError> {
+        Err(CloudError::Call {
+            operation: "SendSpotInstanceInterruptions",
+            message: format!(
+                "the {} cloud does not interrupt instances on request (on AWS, run a Fault \
+                 Injection Service experiment with aws:ec2:send-spot-instance-interruptions \
+                 against {cloud_id})",
+                self.kind()
+            ),
+        })
+    }
 }

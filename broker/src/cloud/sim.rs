@@ -22,7 +22,9 @@ struct SimInstance {
     instance_id: String,
     job_id: JobId,
     launched: Timestamp,
-    /// When the trace says the price crosses the bid (spot only).
+    spot: bool,
+    /// When the provider warns: the trace's price crosses the bid, or an interruption was sent
+    /// (spot only).
     warn_at: Option<Timestamp>,
     warned_wall: Option<Instant>,
     ended: Option<(Timestamp, bool)>,
@@ -116,6 +118,7 @@ impl Cloud for SimCloud {
             instance_id: spec.instance_id.clone(),
             job_id: spec.job_id,
             launched: now,
+            spot: spec.tier == Tier::Transient,
             warn_at,
             warned_wall: None,
             ended: None,
@@ -187,6 +190,33 @@ impl Cloud for SimCloud {
             }
         }
         Ok(events)
+    }
+
+    async fn send_interruption(&self, cloud_id: &str) -> Result<(), CloudError> {
+        let now = self.clock.now();
+        let refuse = |message: String| CloudError::Call {
+            operation: "SendSpotInstanceInterruptions",
+            message,
+        };
+        let mut state = self.lock();
+        let i = state
+            .instances
+            .get_mut(cloud_id)
+            .ok_or_else(|| refuse(format!("no instance {cloud_id}")))?;
+        if i.ended.is_some() {
+            return Err(refuse(format!("{cloud_id} has already ended")));
+        }
+        // Only spot instances have a warning time; on-demand ones are never interrupted.
+        match i.warn_at {
+            None if !i.spot => Err(refuse(format!(
+                "{cloud_id} is an on-demand instance; only spot instances are interrupted"
+            ))),
+            Some(at) if at <= now => Ok(()),
+            _ => {
+                i.warn_at = Some(now);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -333,6 +363,46 @@ mod tests {
                 by_provider: true
             }]
         );
+    }
+
+    #[tokio::test]
+    async fn a_sent_interruption_warns_a_spot_instance_now_and_never_an_on_demand_one() {
+        let clock = ManualClock::new(Timestamp(60_000));
+        let cloud = cloud(&clock);
+        let spot = cloud
+            .launch(&spec("a", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap();
+        let od = cloud
+            .launch(&spec("b", Tier::Reliable, None))
+            .await
+            .unwrap();
+        clock.set(Timestamp(600_000));
+        assert!(cloud.events().await.unwrap().is_empty(), "calm prices");
+        cloud.send_interruption(&spot.cloud_id).await.unwrap();
+        assert_eq!(
+            cloud.events().await.unwrap(),
+            vec![CloudEvent::Warning {
+                cloud_id: spot.cloud_id.clone(),
+                at: Timestamp(600_000),
+                action_time: Timestamp(720_000)
+            }],
+            "warned at once, reclaimed two minutes later"
+        );
+        clock.set(Timestamp(720_000));
+        assert_eq!(
+            cloud.events().await.unwrap(),
+            vec![CloudEvent::Ended {
+                cloud_id: spot.cloud_id.clone(),
+                at: Timestamp(720_000),
+                by_provider: true
+            }]
+        );
+        let err = cloud.send_interruption(&od.cloud_id).await.unwrap_err();
+        assert!(err.to_string().contains("on-demand"), "{err}");
+        let err = cloud.send_interruption(&spot.cloud_id).await.unwrap_err();
+        assert!(err.to_string().contains("already ended"), "{err}");
+        assert!(cloud.send_interruption("sim-nope").await.is_err());
     }
 
     #[tokio::test]

@@ -199,6 +199,11 @@ impl LocalLauncher {
                     .iter()
                     .flat_map(|f| [std::ffi::OsStr::new("--ca-file"), f.as_os_str()]),
             )
+            // Command jobs' files per instance, beside the agents' logs.
+            .env(
+                "PROTEUS_AGENT_SCRATCH_DIR",
+                self.config.state_dir.join("scratch"),
+            )
             // The token goes by environment, not argv, so `ps` does not show it.
             .env("PROTEUS_AGENT_TOKEN", agent_token)
             .stdin(std::process::Stdio::null())

@@ -35,6 +35,36 @@ pub struct FetchRequest {
     pub instance_types: Vec<InstanceType>,
     pub product: Product,
     pub since: Timestamp,
+    /// Items per page (`MaxResults`): EC2 accepts 5 to 1000.
+    pub page_size: PageSize,
+}
+
+/// A `DescribeSpotPriceHistory` page size, within what EC2 accepts (5 to 1000 items).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageSize(i32);
+
+impl PageSize {
+    pub const MAX: PageSize = PageSize(1000);
+
+    pub fn new(items: u32) -> Result<PageSize, String> {
+        if (5..=1000).contains(&items) {
+            Ok(PageSize(items as i32))
+        } else {
+            Err(format!(
+                "{items} items per page: EC2 returns 5 to 1000 price changes per page"
+            ))
+        }
+    }
+
+    pub fn get(self) -> i32 {
+        self.0
+    }
+}
+
+impl Default for PageSize {
+    fn default() -> Self {
+        PageSize::MAX
+    }
 }
 
 /// The rows fetched and how many pages it took.
@@ -71,7 +101,7 @@ pub async fn fetch(
         .product_descriptions(req.product.as_str())
         .start_time(start)
         .into_paginator()
-        .page_size(1000)
+        .page_size(req.page_size.get())
         .send();
     let region = req.region.as_str().to_string();
     let mut rows = Vec::new();

@@ -179,6 +179,7 @@ fn parse_spot_csv(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileEr
     let mut key = Vec::with_capacity(64);
     let mut rows = Vec::with_capacity(bytes.len() / 60);
     let mut record = csv::ByteRecord::new();
+    let mut instants = OnePricePerInstant::default();
     loop {
         let more = reader
             .read_byte_record(&mut record)
@@ -216,6 +217,7 @@ fn parse_spot_csv(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileEr
         };
         let price = UsdPerHour::parse(price)
             .map_err(|e| FileError::field(path, line, SPOT_COLUMNS[4], e))?;
+        instants.check(path, &market, time, price, line)?;
         rows.push(SpotPriceRow {
             market,
             time,
@@ -223,6 +225,51 @@ fn parse_spot_csv(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileEr
         });
     }
     Ok(rows)
+}
+
+/// One price per market and instant: a file that gives a market two different prices at the
+/// same timestamp is refused, naming both lines (which one should the store keep?). An exact
+/// repeat is harmless; it is stored once and counted as already present.
+#[derive(Default)]
+struct OnePricePerInstant {
+    markets: HashMap<Market, u32>,
+    /// (market, instant) → (price, line that gave it).
+    seen: HashMap<(u32, i64), (f64, u64)>,
+}
+
+impl OnePricePerInstant {
+    fn check(
+        &mut self,
+        path: &Path,
+        market: &Market,
+        time: Timestamp,
+        price: UsdPerHour,
+        line: u64,
+    ) -> Result<(), FileError> {
+        let next = self.markets.len() as u32;
+        let id = *self.markets.entry(market.clone()).or_insert(next);
+        match self.seen.entry((id, time.0)) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((price.get(), line));
+                Ok(())
+            }
+            std::collections::hash_map::Entry::Occupied(o) => {
+                let (first, first_line) = *o.get();
+                if first == price.get() {
+                    return Ok(());
+                }
+                Err(FileError::format(
+                    path,
+                    line,
+                    format!(
+                        "{market} at {time}: price ${:.4}/h here but ${first:.4}/h on line {first_line}; \
+                         one market has one price at an instant",
+                        price.get()
+                    ),
+                ))
+            }
+        }
+    }
 }
 
 fn market_from_fields(
@@ -282,13 +329,16 @@ fn parse_spot_json(path: &Path, bytes: &[u8]) -> Result<Vec<SpotPriceRow>, FileE
             .map_err(syntax)?
             .history
     };
+    let mut instants = OnePricePerInstant::default();
     entries
         .into_iter()
         .map(|raw| {
             // Borrowed raw values point into `text`, so their offset gives the entry's line.
             let offset = raw.get().as_ptr() as usize - text.as_ptr() as usize;
             let line = line_at(bytes, offset);
-            json_row(path, line, raw)
+            let row = json_row(path, line, raw)?;
+            instants.check(path, &row.market, row.time, row.price, line)?;
+            Ok(row)
         })
         .collect()
 }
@@ -432,6 +482,40 @@ mod tests {
 
     fn parse(text: &str) -> Result<Vec<SpotPriceRow>, FileError> {
         parse_spot_bytes(Path::new("t.csv"), text.as_bytes())
+    }
+
+    #[test]
+    fn one_market_has_one_price_per_instant() {
+        let header = "timestamp,availability_zone,instance_type,product_description,spot_price\n";
+        let a = "2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,0.5\n";
+        let other_zone = "2015-03-11T10:34:42Z,us-east-1b,c3.xlarge,Linux/UNIX,0.7\n";
+        let rows = parse(&format!("{header}{a}{other_zone}{a}")).unwrap();
+        assert_eq!(
+            rows.len(),
+            3,
+            "an exact repeat is kept (the store stores it once)"
+        );
+        let err = parse(&format!(
+            "{header}{a}{other_zone}2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,0.6\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("t.csv:4: us-east-1a/c3.xlarge")
+                && err.contains("$0.6000/h here but $0.5000/h on line 2"),
+            "{err}"
+        );
+        let json = r#"{"SpotPriceHistory": [
+            {"AvailabilityZone": "us-east-1a", "InstanceType": "c3.xlarge", "ProductDescription": "Linux/UNIX", "SpotPrice": "0.5", "Timestamp": "2015-03-11T10:34:42Z"},
+            {"AvailabilityZone": "us-east-1a", "InstanceType": "c3.xlarge", "ProductDescription": "Linux/UNIX", "SpotPrice": "0.6", "Timestamp": "2015-03-11T10:34:42Z"}
+        ]}"#;
+        let err = parse_spot_bytes(Path::new("t.json"), json.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("t.json:3:") && err.contains("on line 2"),
+            "{err}"
+        );
     }
 
     #[test]

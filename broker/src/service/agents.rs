@@ -226,14 +226,19 @@ impl Broker {
             )
             .await?;
         if matches!(event, AgentEvent::InterruptionWarning { .. })
-            && self.store.mark_warned(&identity.instance_id, now).await?
+            && self
+                .store
+                .mark_warned(&identity.instance_id, now, None)
+                .await?
         {
             self.status_cache.invalidate();
             Metrics::inc(&self.metrics.warnings);
         }
         let wake = matches!(
             event,
-            AgentEvent::TrainingComplete { .. } | AgentEvent::InterruptionWarning { .. }
+            AgentEvent::TrainingComplete { .. }
+                | AgentEvent::InterruptionWarning { .. }
+                | AgentEvent::ProgramExited { .. }
         );
         if let Some(control) = self.control.get(identity.job_id) {
             control
@@ -318,7 +323,43 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             "training_complete",
             format!("{} {:.4}", metric.kind, metric.value),
         ),
+        AgentEvent::PipelineResumed {
+            segment,
+            workers,
+            pause_ms,
+        } => (
+            "pipeline_resumed",
+            format!(
+                "training again on plan {segment} (for {workers} workers), {pause_ms} ms after the drain"
+            ),
+        ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
+        AgentEvent::ProgramExited {
+            code,
+            signal,
+            after_notice,
+            completes,
+        } => (
+            "program_exited",
+            format!(
+                "{}{}{}",
+                match (code, signal) {
+                    (Some(c), _) => format!("exit code {c}"),
+                    (None, Some(s)) => format!("killed by signal {s}"),
+                    _ => "unknown status".into(),
+                },
+                if *after_notice {
+                    ", after a notice"
+                } else {
+                    ""
+                },
+                if *completes {
+                    ", completing the job"
+                } else {
+                    ""
+                },
+            ),
+        ),
     }
 }
 

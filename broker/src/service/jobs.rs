@@ -10,6 +10,17 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
+/// What `POST /v1/instances/{id}/interruption` answers: the cloud took the request; the
+/// warning follows in the job's events.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct InterruptionSent {
+    pub instance_id: String,
+    pub cloud_id: String,
+    pub job_id: i64,
+    /// Market time (RFC 3339).
+    pub sent: String,
+}
+
 /// A job as `GET /v1/jobs/{id}` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct JobView {
@@ -75,6 +86,9 @@ pub struct InstanceSummary {
     pub end_reason: Option<String>,
     /// The instance-metadata endpoint of a locally launched agent (simulated cloud, LocalStack).
     pub metadata_url: Option<String>,
+    /// Its worker's rank in the job's current layout (none while it holds no worker).
+    #[serde(default)]
+    pub worker_rank: Option<u32>,
 }
 
 /// `GET /v1/jobs/{id}/cost`.
@@ -230,10 +244,22 @@ impl Broker {
         for i in instances.iter().filter(|i| is_live(i)) {
             *by_tier.entry(i.tier.to_string()).or_insert(0) += 1;
         }
-        let stage = self
+        let (stage, ranks) = self
             .control
             .get(job.id)
-            .and_then(|c| c.read(|c| c.view().map(|v| v.stage.number())));
+            .and_then(|c| {
+                c.read(|c| {
+                    c.view().map(|v| {
+                        let ranks: BTreeMap<String, u32> = v
+                            .workers
+                            .iter()
+                            .map(|w| (w.instance_id.0.clone(), w.rank))
+                            .collect();
+                        (Some(v.stage.number()), ranks)
+                    })
+                })
+            })
+            .unwrap_or_default();
         let held = self
             .runtime(job.id)
             .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).held.clone());
@@ -271,7 +297,13 @@ impl Broker {
             deadline: ts(job.deadline),
             evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
             instances_by_tier: by_tier,
-            instances: instances.iter().map(summary).collect(),
+            instances: instances
+                .iter()
+                .map(|i| {
+                    let rank = i.cloud_id.as_ref().and_then(|c| ranks.get(c).copied());
+                    summary(i, rank)
+                })
+                .collect(),
             held,
             unavailable_markets: unavailable,
             work,
@@ -324,6 +356,44 @@ impl Broker {
         finished?;
         self.nudge.notify_one();
         self.job_view(id).await
+    }
+
+    /// Has the cloud interrupt one of a job's spot instances now, as a price spike would: the
+    /// warning reaches the scheduler and, through the instance's metadata, its agent, which
+    /// hands over before the reclaim. For trying a job's eviction handling on purpose (on the
+    /// simulated cloud; on AWS, Fault Injection Service does this).
+    pub async fn interrupt_instance(&self, id: &str) -> Result<InterruptionSent, ServiceError> {
+        let inst = self
+            .store
+            .instance(id)
+            .await?
+            .ok_or_else(|| ServiceError::NoSuchInstance(id.to_string()))?;
+        if inst.tier != Tier::Transient {
+            return Err(ServiceError::Refused(format!(
+                "instance {id} is on the reliable (on-demand) tier; only spot instances are interrupted"
+            )));
+        }
+        let cloud_id = match (&inst.cloud_id, inst.state) {
+            (Some(c), InstanceState::Running) => c.clone(),
+            (_, state) => {
+                return Err(ServiceError::Refused(format!(
+                    "instance {id} is {state}; only a running instance can be interrupted"
+                )));
+            }
+        };
+        self.cloud
+            .send_interruption(&cloud_id)
+            .await
+            .map_err(|e| ServiceError::Refused(e.to_string()))?;
+        tracing::info!(instance = id, cloud_id, "interruption sent on request");
+        // The scheduler picks the warning up from the cloud's events at once, not at its tick.
+        self.nudge.notify_one();
+        Ok(InterruptionSent {
+            instance_id: inst.id,
+            cloud_id,
+            job_id: inst.job_id.0,
+            sent: self.clock.now().to_string(),
+        })
     }
 
     pub async fn cost_report(&self, id: JobId) -> Result<CostReport, ServiceError> {
@@ -441,7 +511,7 @@ fn work_disagreement(measured: f64, estimated: f64) -> Option<String> {
     ))
 }
 
-fn summary(i: &InstanceRow) -> InstanceSummary {
+fn summary(i: &InstanceRow, worker_rank: Option<u32>) -> InstanceSummary {
     InstanceSummary {
         id: i.id.clone(),
         cloud_id: i.cloud_id.clone(),
@@ -459,5 +529,6 @@ fn summary(i: &InstanceRow) -> InstanceSummary {
         ended: ts(i.ended),
         end_reason: i.end_reason.clone(),
         metadata_url: i.metadata_addr.as_ref().map(|a| format!("http://{a}")),
+        worker_rank,
     }
 }

@@ -15,6 +15,7 @@ pub mod control;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;
+pub mod programs;
 pub mod recovery;
 pub mod scheduler;
 pub mod spec;
@@ -185,6 +186,12 @@ pub struct Broker {
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
     pub(crate) final_bills: Mutex<HashMap<String, f64>>,
+    /// What the cloud reported and the store has not recorded yet (see
+    /// `Broker::apply_cloud_events`).
+    unrecorded_cloud_events: Mutex<std::collections::VecDeque<crate::cloud::CloudEvent>>,
+    /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
+    /// checkpoint.
+    pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -204,6 +211,11 @@ pub enum ServiceError {
     NoSuchJob(JobId),
     #[error("job {0} is already over")]
     JobOver(JobId),
+    #[error("instance {0} does not exist")]
+    NoSuchInstance(String),
+    /// The request is well formed but the thing it names cannot do it now.
+    #[error("{0}")]
+    Refused(String),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{0}")]
@@ -237,12 +249,14 @@ impl Broker {
             control: ControlPlane::default(),
             settings,
             metrics: metrics::Metrics::default(),
+            programs: std::sync::OnceLock::new(),
             market_data: RwLock::new(Arc::new(data)),
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),
             agent_cache: Mutex::new(HashMap::new()),
             final_bills: Mutex::new(HashMap::new()),
             status_cache: Default::default(),
+            unrecorded_cloud_events: Mutex::new(Default::default()),
         })
     }
 
@@ -457,42 +471,27 @@ impl Broker {
 
 /// `GET /metrics`: counters kept in memory plus gauges read from the store.
 pub async fn metrics_text(broker: &Broker) -> Result<String, ServiceError> {
-    use std::fmt::Write;
-    let mut out = String::new();
     let jobs = broker.store.jobs(false).await?;
-    let _ = writeln!(
-        out,
-        "# HELP proteus_jobs Jobs by state.\n# TYPE proteus_jobs gauge"
-    );
-    for state in ["pending", "running", "succeeded", "failed", "cancelled"] {
-        let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
-        let _ = writeln!(out, "proteus_jobs{{state=\"{state}\"}} {n}");
-    }
-    let live = broker.store.live_instances().await?;
-    let mut by: std::collections::BTreeMap<(String, String), u32> = Default::default();
-    for i in &live {
+    let states = ["pending", "running", "succeeded", "failed", "cancelled"]
+        .into_iter()
+        .map(|state| {
+            let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
+            (state, n as i64)
+        })
+        .collect();
+    let mut by: std::collections::BTreeMap<(String, String), i64> = Default::default();
+    for i in broker.store.live_instances().await? {
         *by.entry((i.tier.to_string(), i.market.to_string()))
             .or_default() += 1;
     }
-    let _ = writeln!(
-        out,
-        "# HELP proteus_instances Live instances by tier and market.\n# TYPE proteus_instances gauge"
-    );
-    for ((tier, market), n) in by {
-        let _ = writeln!(
-            out,
-            "proteus_instances{{tier=\"{tier}\",market=\"{}\"}} {n}",
-            metrics::label(&market)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP proteus_spend_usd Ledger total per job.\n# TYPE proteus_spend_usd gauge"
-    );
+    let mut spend = Vec::with_capacity(jobs.len());
     for j in &jobs {
-        let spend = broker.store.spend_of_job(j.id).await?;
-        let _ = writeln!(out, "proteus_spend_usd{{job=\"{}\"}} {spend}", j.id);
+        spend.push((j.id.0, broker.store.spend_of_job(j.id).await?));
     }
-    broker.metrics.render(&mut out);
-    Ok(out)
+    let gauges = metrics::StoreGauges {
+        jobs: states,
+        instances: by.into_iter().collect(),
+        spend,
+    };
+    Ok(metrics::exposition(&gauges, &broker.metrics))
 }

@@ -66,7 +66,7 @@ impl Broker {
                 }
                 (InstanceState::Requested, _) if job_over => {
                     self.store
-                        .mark_ended(&row.id, now, "never launched", false)
+                        .mark_ended(&row.id, now, "never launched", false, None)
                         .await?;
                     report.ended += 1;
                 }

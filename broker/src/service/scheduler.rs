@@ -19,7 +19,9 @@ use crate::policy::{
     Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
     MarketView, PolicyEvent, Purchase, ViewError,
 };
-use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, WorkRecord};
+use crate::store::{
+    Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, WorkRecord,
+};
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
 use std::collections::HashSet;
@@ -64,33 +66,65 @@ impl Broker {
         Ok(())
     }
 
+    /// Applies what the provider did. The cloud reports each event once, so an event is taken
+    /// off the queue only once it is recorded: when the database is down, the rest wait, in
+    /// order, for the next tick.
     async fn apply_cloud_events(&self, now: Timestamp) -> Result<(), ServiceError> {
-        let events = match self.cloud.events().await {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read cloud events");
-                return Ok(());
-            }
-        };
-        for event in events {
-            match event {
-                CloudEvent::Warning {
-                    cloud_id,
-                    at,
-                    action_time,
-                } => self.on_warning(&cloud_id, at, action_time, now).await?,
-                CloudEvent::Ended {
-                    cloud_id,
-                    at,
-                    by_provider,
-                } => {
-                    if let Some(row) = self.store.instance_by_cloud_id(&cloud_id).await? {
-                        self.on_ended(&row, at, by_provider, now).await?;
-                    }
-                }
-            }
+        match self.cloud.events().await {
+            Ok(events) => self
+                .unrecorded_cloud_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(events),
+            Err(e) => tracing::warn!(error = %e, "cannot read cloud events"),
         }
-        Ok(())
+        // One tick at a time applies them (the scheduler loop is the only caller).
+        loop {
+            let next = self
+                .unrecorded_cloud_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .front()
+                .cloned();
+            let Some(event) = next else {
+                return Ok(());
+            };
+            if let Err(e) = self.apply_cloud_event(&event, now).await {
+                let waiting = self
+                    .unrecorded_cloud_events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .len();
+                tracing::warn!(error = %e, waiting, "cloud events held until they can be recorded");
+                return Err(e);
+            }
+            self.unrecorded_cloud_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+        }
+    }
+
+    async fn apply_cloud_event(
+        &self,
+        event: &CloudEvent,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        match event {
+            CloudEvent::Warning {
+                cloud_id,
+                at,
+                action_time,
+            } => self.on_warning(cloud_id, *at, *action_time, now).await,
+            CloudEvent::Ended {
+                cloud_id,
+                at,
+                by_provider,
+            } => match self.store.instance_by_cloud_id(cloud_id).await? {
+                Some(row) => self.on_ended(&row, *at, *by_provider, now).await,
+                None => Ok(()),
+            },
+        }
     }
 
     /// The provider announced a reclaim: record it, and tell the agent through its metadata
@@ -105,7 +139,13 @@ impl Broker {
         let Some(row) = self.store.instance_by_cloud_id(cloud_id).await? else {
             return Ok(());
         };
-        if !self.store.mark_warned(&row.id, at).await? {
+        let detail = format!("{} reclaims it at {action_time}", row.market);
+        let event = EventRecord {
+            job: Some(row.job_id),
+            kind: "interruption_warning",
+            detail: &detail,
+        };
+        if !self.store.mark_warned(&row.id, at, Some(event)).await? {
             return Ok(());
         }
         if let Some(runtime) = self.runtime(row.job_id) {
@@ -113,15 +153,6 @@ impl Broker {
             rt.pending.warned.push(InstanceId(row.id.clone()));
         }
         super::metrics::Metrics::inc(&self.metrics.warnings);
-        self.store
-            .add_event(
-                Some(row.job_id),
-                Some(&row.id),
-                at,
-                "interruption_warning",
-                &format!("{} reclaims it at {action_time}", row.market),
-            )
-            .await?;
         if let Some(launcher) = &self.launcher {
             // The agent compares the notice with its own (wall) clock.
             let wall = self
@@ -153,9 +184,21 @@ impl Broker {
             crate::failpoint::hit("evicted-before-record");
         }
         let reason = if by_provider { "evicted" } else { "terminated" };
+        let detail = if by_provider {
+            format!("{} reclaimed by the provider", row.market)
+        } else {
+            row.end_reason
+                .clone()
+                .unwrap_or_else(|| "terminated".to_string())
+        };
+        let event = EventRecord {
+            job: Some(row.job_id),
+            kind: reason,
+            detail: &detail,
+        };
         if !self
             .store
-            .mark_ended(&row.id, at, reason, by_provider)
+            .mark_ended(&row.id, at, reason, by_provider, Some(event))
             .await?
         {
             return Ok(());
@@ -188,25 +231,6 @@ impl Broker {
                 market: &row.market,
                 at,
             });
-            self.store
-                .add_event(
-                    Some(row.job_id),
-                    Some(&row.id),
-                    at,
-                    "evicted",
-                    &format!("{} reclaimed by the provider", row.market),
-                )
-                .await?;
-        } else {
-            self.store
-                .add_event(
-                    Some(row.job_id),
-                    Some(&row.id),
-                    at,
-                    "terminated",
-                    row.end_reason.as_deref().unwrap_or("terminated"),
-                )
-                .await?;
         }
         if let (Some(control), Some(cloud_id)) = (self.control.get(row.job_id), &row.cloud_id) {
             control.update(|c| c.remove(&InstanceId(cloud_id.clone()), reason, wall_ms()));
@@ -350,13 +374,12 @@ impl Broker {
                 Pacing::Measured => {
                     // Heartbeats carry clocks; the end of training may arrive before the
                     // last of them.
+                    // A command job's program reports its own progress (any units); the
+                    // built-in apps report clocks.
                     let fraction = if status.state == TrainingState::Completed {
                         1.0
-                    } else if status.progress.total_clocks > 0 {
-                        (status.progress.clock as f64 / status.progress.total_clocks as f64)
-                            .min(1.0)
                     } else {
-                        0.0
+                        status.progress.fraction()
                     };
                     let expected = work::reestimate_total(done, fraction);
                     if let Some(total) = expected {
@@ -384,6 +407,16 @@ impl Broker {
         };
         self.announce_reestimate(job.id, &runtime, now).await?;
         let training_done = status.state == TrainingState::Completed;
+        if status.state == TrainingState::Failed {
+            self.save_control(job.id).await?;
+            let reason = status
+                .end_reason
+                .clone()
+                .unwrap_or_else(|| "the program failed".into());
+            self.finish_job(job.id, JobState::Failed, &reason, now)
+                .await?;
+            return Ok(());
+        }
         self.save_control(job.id).await?;
         let metric = status
             .final_metric
@@ -399,7 +432,11 @@ impl Broker {
                 .await?;
             let reason = match status.final_metric {
                 Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
-                None => "training complete".to_string(),
+                // A command job: the coordinator says how its program completed.
+                None => status
+                    .end_reason
+                    .clone()
+                    .unwrap_or_else(|| "training complete".to_string()),
             };
             self.finish_job(job.id, JobState::Succeeded, &reason, now)
                 .await?;
@@ -410,13 +447,38 @@ impl Broker {
             let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
             (r.valid.budget_usd, r.valid.deadline)
         };
-        if let Some(budget) = budget
-            && spend >= budget
-        {
-            let reason = format!("budget exhausted: spent ${spend:.2} of ${budget:.2}");
-            self.finish_job(job.id, JobState::Failed, &reason, now)
-                .await?;
-            return Ok(());
+        if let Some(budget) = budget {
+            // Stop before the next billing period that would take spend past the budget, not
+            // after it: the scheduler may not run again until a little market time has passed.
+            let billing = runtime
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .valid
+                .billing;
+            let ahead = BUDGET_LOOKAHEAD_SECS
+                .max(2.0 * self.settings.tick.as_secs_f64() * self.clock.speed());
+            let data = self.market_data();
+            let running_on: f64 = instances
+                .iter()
+                .filter(|i| !i.state.is_final() && i.state != InstanceState::Terminating)
+                .filter_map(|i| {
+                    let launched = i.launched?;
+                    let price = price_now(&data, &i.market, i.tier, now);
+                    Some(billing.cost_of_running_on(price, launched, now, ahead))
+                })
+                .sum();
+            if spend >= budget || spend + running_on > budget {
+                let reason = if spend >= budget {
+                    format!("budget exhausted: spent ${spend:.2} of ${budget:.2}")
+                } else {
+                    format!(
+                        "budget reached: spent ${spend:.2} of ${budget:.2}; the next billing period would add ${running_on:.2}"
+                    )
+                };
+                self.finish_job(job.id, JobState::Failed, &reason, now)
+                    .await?;
+                return Ok(());
+            }
         }
         if let Some(deadline) = deadline
             && now >= deadline
@@ -799,7 +861,7 @@ impl Broker {
             None => {
                 // Never launched: nothing to terminate in the cloud.
                 self.store
-                    .mark_ended(&row.id, self.clock.now(), reason, false)
+                    .mark_ended(&row.id, self.clock.now(), reason, false, None)
                     .await?;
             }
             Some(cloud_id) => {
@@ -975,13 +1037,21 @@ fn first_period_cost(
     billing: BillingModel,
     now: Timestamp,
 ) -> f64 {
-    let price = match purchase {
-        Purchase::OnDemand => data.markets.on_demand(market).map(UsdPerHour::get),
-        Purchase::Spot { .. } => data.history.get(market).and_then(|s| s.price_at(now)),
-    }
-    .unwrap_or(0.0);
-    price * billing.billed_hours(0.0)
+    price_now(data, market, purchase.tier(), now) * billing.billed_hours(0.0)
 }
+
+/// What an hour of `market` on `tier` costs at `now`: its on-demand price, or the spot price.
+fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> f64 {
+    match tier {
+        Tier::Reliable => data.markets.on_demand(market).map(UsdPerHour::get),
+        Tier::Transient => data.history.get(market).and_then(|s| s.price_at(now)),
+    }
+    .unwrap_or(0.0)
+}
+
+/// How far ahead (market seconds, at least two ticks) a job's budget is checked against the
+/// billing periods its instances are about to start.
+const BUDGET_LOOKAHEAD_SECS: f64 = 60.0;
 
 /// The trace view minus markets the cloud refused recently.
 struct LiveView<'a> {

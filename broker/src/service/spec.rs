@@ -18,10 +18,11 @@
 use crate::billing::BillingModel;
 use crate::market::Timestamp;
 use proteus_wire::agent_api::{
-    AppConfig, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK, Parallelism, StopCondition, SyncModel,
-    TrainingConfig,
+    AppConfig, CommandConfig, CommandLauncher, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK,
+    Parallelism, StopCondition, SyncModel, TrainingConfig,
 };
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
 /// A training job as submitted.
@@ -31,8 +32,9 @@ pub struct JobSpec {
     /// A label for lists and reports. Default: `<app>-<dataset>`.
     #[serde(default)]
     pub name: Option<String>,
-    /// `mlr` (multinomial logistic regression), `mf` (matrix factorisation) or `mlp` (a
-    /// multilayer perceptron, pipeline- or data-parallel; see docs/pipeline.md).
+    /// `mlr` (multinomial logistic regression), `mf` (matrix factorisation), `mlp` (a
+    /// multilayer perceptron, pipeline- or data-parallel; see docs/pipeline.md) or `command`
+    /// (your own program, see docs/command-jobs.md and the `command` table).
     pub app: App,
     /// `mnist` or `digits` for `mlr` and `mlp`; a ratings file in the agents' data directory for `mf`
     /// (default `movietweetings-100k.csv.gz`).
@@ -53,6 +55,9 @@ pub struct JobSpec {
     /// Training hyperparameters and AgileML settings.
     #[serde(default)]
     pub training: Option<TrainingSpec>,
+    /// `app = "command"` only: the program to run.
+    #[serde(default)]
+    pub command: Option<CommandSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -61,6 +66,134 @@ pub enum App {
     Mlr,
     Mf,
     Mlp,
+    Command,
+}
+
+/// A command job's program (see docs/command-jobs.md for the contract it runs under).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// The program and its arguments, no shell: `["python3", "train.py", "--lr", "0.1"]`.
+    pub run: Vec<String>,
+    /// Run once per instance before `run` (e.g. `["pip", "install", "-r", "req.txt"]`).
+    #[serde(default)]
+    pub setup: Option<Vec<String>>,
+    /// Extra environment variables (names `PROTEUS_*` are the contract's and refused).
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+    /// The working directory: an absolute local path (local agents). Default: a fresh
+    /// directory per instance.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// `plain` (default): `run` once per working instance.
+    #[serde(default)]
+    pub launcher: Option<CommandLauncher>,
+    /// Failed runs the job survives (0–100, default 3).
+    #[serde(default)]
+    pub max_restarts: Option<u32>,
+    /// Seconds between checkpoint uploads while the program runs (1–86400, default 60).
+    #[serde(default)]
+    pub checkpoint_interval_secs: Option<u64>,
+    /// SIGKILL this many seconds before a notice's deadline (0–600, default 10).
+    #[serde(default)]
+    pub kill_margin_secs: Option<u64>,
+}
+
+impl CommandSpec {
+    fn config(&self) -> Result<CommandConfig, FieldError> {
+        let argv = |field: &str, v: &[String]| -> Result<(), FieldError> {
+            if v.first().is_none_or(|p| p.trim().is_empty()) {
+                return Err(bad(
+                    field,
+                    "must name a program, e.g. [\"python3\", \"train.py\"]",
+                ));
+            }
+            if let Some(i) = v.iter().position(|a| a.contains('\0')) {
+                return Err(bad(
+                    &format!("{field}[{i}]"),
+                    "must not contain a NUL character",
+                ));
+            }
+            Ok(())
+        };
+        argv("command.run", &self.run)?;
+        if let Some(setup) = &self.setup {
+            argv("command.setup", setup)?;
+        }
+        let env = self.env.clone().unwrap_or_default();
+        for (k, v) in &env {
+            let valid = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit())
+                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(bad(
+                    &format!("command.env.{k}"),
+                    "an environment variable name: letters, digits and `_`, not starting with a digit",
+                ));
+            }
+            if k.starts_with("PROTEUS_") {
+                return Err(bad(
+                    &format!("command.env.{k}"),
+                    "`PROTEUS_*` variables are set by the agent (see docs/command-jobs.md)",
+                ));
+            }
+            if v.contains('\0') {
+                return Err(bad(
+                    &format!("command.env.{k}"),
+                    "must not contain a NUL character",
+                ));
+            }
+        }
+        if let Some(w) = &self.workdir {
+            if w.starts_with("s3://") {
+                return Err(bad(
+                    "command.workdir",
+                    "`s3://` working directories are not supported yet; give an absolute local path",
+                ));
+            }
+            if !w.starts_with('/') || w.contains('\0') {
+                return Err(bad("command.workdir", "must be an absolute path"));
+            }
+        }
+        let launcher = self.launcher.unwrap_or_default();
+        if launcher == CommandLauncher::Torchrun {
+            return Err(bad(
+                "command.launcher",
+                "`torchrun` is not available yet; use `plain`",
+            ));
+        }
+        let max_restarts = self
+            .max_restarts
+            .unwrap_or(proteus_wire::agent_api::default_max_restarts());
+        if max_restarts > 100 {
+            return Err(bad("command.max_restarts", "must be between 0 and 100"));
+        }
+        let interval = self
+            .checkpoint_interval_secs
+            .unwrap_or(proteus_wire::agent_api::default_checkpoint_interval_secs());
+        if !(1..=86_400).contains(&interval) {
+            return Err(bad(
+                "command.checkpoint_interval_secs",
+                "must be between 1 and 86400",
+            ));
+        }
+        let margin = self
+            .kill_margin_secs
+            .unwrap_or(proteus_wire::agent_api::default_kill_margin_secs());
+        if margin > 600 {
+            return Err(bad("command.kill_margin_secs", "must be between 0 and 600"));
+        }
+        Ok(CommandConfig {
+            run: self.run.clone(),
+            setup: self.setup.clone().unwrap_or_default(),
+            env,
+            workdir: self.workdir.clone(),
+            launcher,
+            max_restarts,
+            checkpoint_interval_secs: interval,
+            kill_margin_secs: margin,
+        })
+    }
 }
 
 /// Exactly one of the two.
@@ -434,6 +567,13 @@ impl JobSpec {
         self.dataset.clone().unwrap_or_else(|| match self.app {
             App::Mlr | App::Mlp => "mnist".into(),
             App::Mf => "movietweetings".into(),
+            App::Command => self
+                .command
+                .as_ref()
+                .and_then(|c| c.run.first())
+                .and_then(|p| p.rsplit('/').next())
+                .unwrap_or("program")
+                .to_string(),
         })
     }
 
@@ -456,6 +596,33 @@ impl JobSpec {
     }
 
     fn app_config(&self) -> Result<AppConfig, FieldError> {
+        if self.app == App::Command {
+            if self.dataset.is_some() {
+                return Err(bad("dataset", "applies to built-in apps, not `command`"));
+            }
+            if self.stop.is_some() {
+                return Err(bad(
+                    "stop",
+                    "applies to built-in apps; a `command` job ends when its program completes",
+                ));
+            }
+            if self.training.is_some() {
+                return Err(bad(
+                    "training",
+                    "applies to built-in apps; a `command` job is configured in `command`",
+                ));
+            }
+            let command = self.command.as_ref().ok_or_else(|| {
+                bad(
+                    "command",
+                    "an `app = \"command\"` job needs a `command` table with `run`",
+                )
+            })?;
+            return command.config().map(AppConfig::Command);
+        }
+        if self.command.is_some() {
+            return Err(bad("command", "applies to `app = \"command\"` only"));
+        }
         let t = self.training.as_ref();
         let lr = t.and_then(|t| t.learning_rate);
         let l2 = t.and_then(|t| t.l2);
@@ -483,6 +650,10 @@ impl JobSpec {
             ));
         }
         match self.app {
+            App::Command => Err(bad(
+                "command",
+                "an `app = \"command\"` job needs a `command` table",
+            )),
             App::Mlp => {
                 let dataset = self.image_dataset()?;
                 let app = AppConfig::Mlp {
@@ -552,8 +723,13 @@ impl JobSpec {
         app: AppConfig,
         stop: StopCondition,
     ) -> Result<TrainingConfig, FieldError> {
+        let command = matches!(app, AppConfig::Command(_));
         let mut cfg = TrainingConfig::new(app);
         cfg.stop = stop;
+        if command {
+            // No model to shard: one key on one shard keeps the control plane's layout valid.
+            cfg.num_shards = 1;
+        }
         if let Some(t) = &self.training {
             if let Some(n) = t.num_shards {
                 if !(1..=64).contains(&n) {
@@ -659,6 +835,60 @@ mod tests {
     }
 
     const NOW: Timestamp = Timestamp(1_426_000_000_000);
+
+    #[test]
+    fn command_jobs_are_checked_field_by_field() {
+        let ok = spec(
+            r#"{"app":"command","policy":"x","limits":{"max_instances":1},
+                "command":{"run":["python3","t.py"],"env":{"LR":"0.1"},"max_restarts":2}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap();
+        assert_eq!(ok.name, "command-python3");
+        assert_eq!(ok.training.num_shards, 1);
+        match ok.training.app {
+            AppConfig::Command(c) => {
+                assert_eq!(c.max_restarts, 2);
+                assert_eq!(c.checkpoint_interval_secs, 60);
+            }
+            other => panic!("{other:?}"),
+        }
+        for (json, field) in [
+            (r#""command":{"run":[]}"#, "command.run"),
+            (
+                r#""command":{"run":["p"],"env":{"PROTEUS_RANK":"3"}}"#,
+                "command.env.PROTEUS_RANK",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://b/k"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"launcher":"torchrun"}"#,
+                "command.launcher",
+            ),
+            (
+                r#""command":{"run":["p"],"max_restarts":1000}"#,
+                "command.max_restarts",
+            ),
+            (r#""stop":{"epochs":1},"command":{"run":["p"]}"#, "stop"),
+            (r#""dataset":"mnist""#, "dataset"),
+        ] {
+            let text = format!(
+                r#"{{"app":"command","policy":"x","limits":{{"max_instances":1}},{json}}}"#
+            );
+            let e = spec(&text)
+                .validate(BillingModel::PerSecond, NOW)
+                .unwrap_err();
+            assert_eq!(e.field, field, "{text}: {}", e.message);
+        }
+        let e = spec(
+            r#"{"app":"mlr","policy":"x","limits":{"max_instances":1},"command":{"run":["p"]}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap_err();
+        assert_eq!(e.field, "command");
+    }
 
     #[test]
     fn a_minimal_spec_gets_defaults() {

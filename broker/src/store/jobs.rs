@@ -193,6 +193,32 @@ pub struct EventRow {
     pub detail: String,
 }
 
+/// An event recorded together with a change of an instance's state (its instance and time
+/// are the change's).
+#[derive(Debug, Clone, Copy)]
+pub struct EventRecord<'a> {
+    pub job: Option<JobId>,
+    pub kind: &'a str,
+    pub detail: &'a str,
+}
+
+/// Inserts one event through `$exec` (a pool, or `&mut *tx` for an open transaction).
+macro_rules! insert_event {
+    ($exec:expr, $job:expr, $instance:expr, $at:expr, $kind:expr, $detail:expr) => {
+        sqlx::query(
+            "INSERT INTO events (job_id, instance_id, ts_ms, kind, detail) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind($job.map(|j: JobId| j.0))
+        .bind($instance)
+        .bind($at.0)
+        .bind($kind)
+        .bind($detail)
+        .execute($exec)
+        .await
+        .context("recording an event")
+    };
+}
+
 /// One billed segment of an instance.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct LedgerLine {
@@ -585,20 +611,37 @@ impl Store {
         Ok(())
     }
 
-    pub async fn mark_warned(&self, id: &str, at: Timestamp) -> Result<bool, StoreError> {
-        let n = with_db!(self, |pool| {
-            sqlx::query(
+    /// Records a warning, and `event` with it in the same transaction: a change of state and
+    /// the event that tells of it are stored together or not at all, so a failure between them
+    /// cannot leave a warned instance whose warning nobody hears of (a retry would find it
+    /// already warned and say nothing). False when it was already warned or over.
+    pub async fn mark_warned(
+        &self,
+        id: &str,
+        at: Timestamp,
+        event: Option<EventRecord<'_>>,
+    ) -> Result<bool, StoreError> {
+        let changed = with_db!(self, |pool| {
+            let mut tx = pool.begin().await.context("recording a warning")?;
+            let n = sqlx::query(
                 "UPDATE instances SET state = 'warned', warned_ms = COALESCE(warned_ms, $2) \
                  WHERE id = $1 AND state IN ('requested', 'running')",
             )
             .bind(id)
             .bind(at.0)
-            .execute(pool)
+            .execute(&mut *tx)
             .await
             .context("recording a warning")?
-            .rows_affected()
+            .rows_affected();
+            if n > 0
+                && let Some(e) = &event
+            {
+                insert_event!(&mut *tx, e.job, Some(id), at, e.kind, e.detail)?;
+            }
+            tx.commit().await.context("recording a warning")?;
+            n > 0
         });
-        Ok(n > 0)
+        Ok(changed)
     }
 
     /// Records that the broker asked the cloud to end an instance (the call may not have
@@ -619,16 +662,22 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Records the end of an instance. The first end recorded wins (times and who ended it).
+    /// Records the end of an instance, and `event` with it in the same transaction (see
+    /// [`Store::mark_warned`]). The first end recorded wins (times and who ended it).
     pub async fn mark_ended(
         &self,
         id: &str,
         at: Timestamp,
         reason: &str,
         by_provider: bool,
+        event: Option<EventRecord<'_>>,
     ) -> Result<bool, StoreError> {
-        let n = with_db!(self, |pool| {
-            sqlx::query(
+        let changed = with_db!(self, |pool| {
+            let mut tx = pool
+                .begin()
+                .await
+                .context("recording the end of an instance")?;
+            let n = sqlx::query(
                 "UPDATE instances SET state = 'terminated', ended_ms = $2, end_reason = COALESCE(end_reason, $3), \
                      ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed')",
             )
@@ -636,12 +685,21 @@ impl Store {
             .bind(at.0)
             .bind(reason)
             .bind(i64::from(by_provider))
-            .execute(pool)
+            .execute(&mut *tx)
             .await
             .context("recording the end of an instance")?
-            .rows_affected()
+            .rows_affected();
+            if n > 0
+                && let Some(e) = &event
+            {
+                insert_event!(&mut *tx, e.job, Some(id), at, e.kind, e.detail)?;
+            }
+            tx.commit()
+                .await
+                .context("recording the end of an instance")?;
+            n > 0
         });
-        Ok(n > 0)
+        Ok(changed)
     }
 
     pub async fn upsert_agent(
@@ -697,15 +755,7 @@ impl Store {
         detail: &str,
     ) -> Result<(), StoreError> {
         with_db!(self, |pool| {
-            sqlx::query("INSERT INTO events (job_id, instance_id, ts_ms, kind, detail) VALUES ($1, $2, $3, $4, $5)")
-                .bind(job.map(|j| j.0))
-                .bind(instance_id)
-                .bind(at.0)
-                .bind(kind)
-                .bind(detail)
-                .execute(pool)
-                .await
-                .context("recording an event")?;
+            insert_event!(pool, job, instance_id, at, kind, detail)?;
         });
         Ok(())
     }

@@ -9,8 +9,8 @@ mod jobs;
 mod prices;
 
 pub use jobs::{
-    Cooldown, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob,
-    WorkRecord,
+    Cooldown, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
+    NewJob, WorkRecord,
 };
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 

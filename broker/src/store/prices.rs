@@ -150,6 +150,8 @@ impl Store {
                 let mut tx = pool.begin().await.context("starting ingestion")?;
                 let ids = upsert_markets!(tx, &markets)?;
                 let n = copy_prices_pg(&mut tx, rows, &ids).await?;
+                // The file is written, uncommitted: dying here must leave none of it.
+                crate::failpoint::hit("ingest-mid-write");
                 tx.commit().await.context("committing ingestion")?;
                 n
             }
@@ -159,6 +161,8 @@ impl Store {
                 let mut n = 0;
                 for chunk in rows.chunks(SQLITE_BATCH) {
                     n += insert_prices_batch(&mut tx, chunk, &ids).await?;
+                    // Part of the file is written, uncommitted: dying here must leave none of it.
+                    crate::failpoint::hit("ingest-mid-write");
                 }
                 tx.commit().await.context("committing ingestion")?;
                 n

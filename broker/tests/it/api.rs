@@ -465,8 +465,9 @@ async fn budget_and_deadline_end_a_job() {
     body["work"]["total_work"] = json!(500.0);
     let (_, view) = s.post("/v1/jobs", body).await;
     let deadline_job = view["id"].as_i64().unwrap();
-    for _ in 0..12 {
-        s.step(900.0).await;
+    // Ticks every 30 market seconds, as a live broker's would come, for three hours.
+    for _ in 0..360 {
+        s.step(30.0).await;
     }
     let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;
     assert_eq!(view["state"], "failed", "{view}");
@@ -474,9 +475,16 @@ async fn budget_and_deadline_end_a_job() {
         view["state_reason"].as_str().unwrap().contains("budget"),
         "{view}"
     );
+    // $0.50 buys two first hours at $0.21; the job ends before their second hours start.
+    assert_eq!(
+        view["instances"].as_array().unwrap().len(),
+        2,
+        "two launches fit the budget: {view}"
+    );
+    let spend = view["spend_usd"].as_f64().unwrap();
     assert!(
-        view["spend_usd"].as_f64().unwrap() < 0.5 + 4.0 * 0.21 + 1e-9,
-        "spend stops near the budget: {view}"
+        (spend - 0.42).abs() < 1e-9,
+        "spend stays within the budget (two instance-hours): {view}"
     );
     let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
     assert_eq!(view["state"], "failed", "{view}");
@@ -728,4 +736,71 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
             "{endpoint}: the live instance: {status}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interruption_sent_on_request_warns_a_spot_instance_and_is_refused_for_others() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..5 {
+        s.step(60.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let instances = view["instances"].as_array().unwrap();
+    let of_tier = |tier: &str| {
+        instances
+            .iter()
+            .find(|i| i["tier"] == tier && i["state"] == "running")
+            .map(|i| i["id"].as_str().unwrap().to_string())
+    };
+    let (Some(spot), Some(reliable)) = (of_tier("transient"), of_tier("reliable")) else {
+        panic!("BidBrain bought both tiers: {view}");
+    };
+    let path = |iid: &str| format!("/v1/instances/{iid}/interruption");
+
+    let (status, body) = s.post(&path("pi-nope"), json!({})).await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = s.post(&path(&reliable), json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("reliable"),
+        "{body}"
+    );
+    let (status, _) = s
+        .call(reqwest::Method::POST, &path(&spot), None, Some(json!({})))
+        .await;
+    assert_eq!(status, 401, "the user token is needed");
+
+    let (status, sent) = s.post(&path(&spot), json!({})).await;
+    assert_eq!(status, 202, "{sent}");
+    assert_eq!(sent["instance_id"], spot.as_str());
+    assert_eq!(sent["job_id"], id);
+    s.step(1.0).await;
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let warned = view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["id"] == spot.as_str())
+        .unwrap();
+    assert!(
+        warned["warned"].is_string(),
+        "the scheduler saw the warning: {warned}"
+    );
+    let (_, events) = s.get(&format!("/v1/jobs/{id}/events")).await;
+    assert!(
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["instance_id"] == spot.as_str() && e["kind"] == "interruption_warning"),
+        "{events}"
+    );
+    // Two market minutes later the cloud reclaims it; an ended instance cannot be interrupted.
+    s.step(150.0).await;
+    s.step(1.0).await;
+    let (status, body) = s.post(&path(&spot), json!({})).await;
+    assert_eq!(status, 409, "{body}");
 }

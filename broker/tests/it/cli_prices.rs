@@ -10,6 +10,7 @@ on_both_backends!(
     a_bad_row_refuses_the_whole_file_and_names_its_line,
     stats_prints_every_market_as_json,
     aws_cli_json_is_ingested,
+    an_ingest_killed_mid_write_leaves_no_row_of_the_file,
 );
 
 fn proteus(db: &TestDb, args: &[&str]) -> Output {
@@ -73,6 +74,68 @@ async fn a_missing_file_states_its_cause_once(db: TestDb) {
     assert_eq!(db.store.price_row_count().await.unwrap(), 0);
 }
 
+async fn an_ingest_killed_mid_write_leaves_no_row_of_the_file(db: TestDb) {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_csv(dir.path(), "good.csv", 100, None);
+    assert!(
+        proteus(&db, &["prices", "ingest", "--file", &good])
+            .status
+            .success()
+    );
+    // 3000 rows: on SQLite the point is reached after the first of three batches.
+    let big = dir.path().join("big.csv");
+    let mut f = std::fs::File::create(&big).unwrap();
+    writeln!(
+        f,
+        "timestamp,availability_zone,instance_type,product_description,spot_price"
+    )
+    .unwrap();
+    for i in 0..3000 {
+        writeln!(
+            f,
+            "2016-03-{:02}T{:02}:{:02}:00Z,us-east-1b,m4.large,Linux/UNIX,0.0{}",
+            1 + i / 1440,
+            i / 60 % 24,
+            i % 60,
+            i % 9 + 1
+        )
+        .unwrap();
+    }
+    drop(f);
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["prices", "ingest", "--file", &big.display().to_string()])
+        .env("PROTEUS_DATABASE_URL", &db.url)
+        .env("PROTEUS_LOG", "warn")
+        .env("PROTEUS_FAILPOINTS", "ingest-mid-write")
+        .output()
+        .expect("run proteus");
+    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("failpoint `ingest-mid-write` reached"),
+        "the point was reached: {}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.store.price_row_count().await.unwrap(),
+        100,
+        "no row of the interrupted file is stored"
+    );
+    let markets = db.store.markets(&Default::default()).await.unwrap();
+    assert!(
+        markets
+            .iter()
+            .all(|m| m.market.to_string() != "us-east-1b/m4.large"),
+        "nor its market: {markets:?}"
+    );
+    // The same file, without the failpoint, goes in whole.
+    let out = proteus(
+        &db,
+        &["prices", "ingest", "--file", &big.display().to_string()],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.store.price_row_count().await.unwrap(), 3100);
+}
+
 async fn a_bad_row_refuses_the_whole_file_and_names_its_line(db: TestDb) {
     let dir = tempfile::tempdir().unwrap();
     let good = write_csv(dir.path(), "good.csv", 100, None);
@@ -124,6 +187,25 @@ async fn a_bad_row_refuses_the_whole_file_and_names_its_line(db: TestDb) {
             "nothing from the bad file is stored"
         );
     }
+
+    // Line 301 gives 00:04:59 a price; line 501 gives the same market and instant another.
+    let twice = write_csv(
+        dir.path(),
+        "twice.csv",
+        1000,
+        Some((
+            501,
+            "2016-01-01T00:04:59Z,us-east-1a,c4.large,Linux/UNIX,0.99",
+        )),
+    );
+    let out = proteus(&db, &["prices", "ingest", "--file", &twice]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("twice.csv:501:") && err.contains("on line 301") && err.contains("$0.9900/h"),
+        "the message names both lines and the price: {err}"
+    );
+    assert_eq!(db.store.price_row_count().await.unwrap(), 100);
 
     let missing = dir.path().join("nope.csv");
     let out = proteus(

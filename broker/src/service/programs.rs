@@ -1,0 +1,150 @@
+//! Command jobs on the broker's side: where agents put and fetch checkpoints, the output tails
+//! they send, and what users read back (`GET /v1/jobs/{id}/logs`, `proteus logs JOB`).
+
+use super::{Broker, ServiceError};
+use crate::api::error::ApiError;
+use crate::checkpoint::{CheckpointError, ProgramStorage};
+use proteus_wire::JobId;
+use proteus_wire::agent_api::{CheckpointOp, CheckpointTransfer};
+use std::path::PathBuf;
+
+/// Ranks a checkpoint can belong to (a job has at most 1000 instances).
+const MAX_RANK: u32 = 1000;
+
+/// One instance's output tail.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct OutputView {
+    pub instance_id: String,
+    pub output: String,
+}
+
+fn storage_error(e: CheckpointError) -> ApiError {
+    match e {
+        CheckpointError::TooLarge(_) => {
+            let mut err = ApiError::bad_request(e.to_string());
+            err.status = axum::http::StatusCode::PAYLOAD_TOO_LARGE;
+            err
+        }
+        other => ApiError::internal(other),
+    }
+}
+
+impl Broker {
+    /// The command jobs' storage; set once when the broker starts (`--checkpoint-store`).
+    pub fn set_program_storage(&self, storage: ProgramStorage) {
+        let _ = self.programs.set(storage);
+    }
+
+    fn programs(&self) -> Result<&ProgramStorage, ApiError> {
+        self.programs.get().ok_or_else(|| {
+            let mut e = ApiError::bad_request("this broker has no checkpoint store configured");
+            e.status = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+            e
+        })
+    }
+
+    fn checked_rank(rank: u32) -> Result<u32, ApiError> {
+        if rank >= MAX_RANK {
+            return Err(ApiError::invalid(
+                "rank",
+                format!("must be below {MAX_RANK}"),
+            ));
+        }
+        Ok(rank)
+    }
+
+    /// Where the agent behind `cloud_id` puts or fetches `rank`'s checkpoint of its own job.
+    pub async fn agent_checkpoint_transfer(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        rank: u32,
+        op: CheckpointOp,
+    ) -> Result<CheckpointTransfer, ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let rank = Self::checked_rank(rank)?;
+        self.programs()?
+            .checkpoints
+            .transfer(
+                &proteus_wire::InstanceId(cloud_id.to_string()),
+                identity.job_id,
+                rank,
+                op,
+            )
+            .await
+            .map_err(storage_error)
+    }
+
+    /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically.
+    pub async fn agent_checkpoint_put<S, E>(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        rank: u32,
+        body: S,
+    ) -> Result<u64, ApiError>
+    where
+        S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+        E: std::fmt::Display,
+    {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let rank = Self::checked_rank(rank)?;
+        let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
+            ApiError::bad_request("checkpoints go to S3 here: ask /checkpoint for a URL")
+        })?;
+        dir.write(identity.job_id, rank, body)
+            .await
+            .map_err(storage_error)
+    }
+
+    /// The directory store's download: the file of `rank`'s newest checkpoint, if any.
+    pub async fn agent_checkpoint_file(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        rank: u32,
+    ) -> Result<Option<PathBuf>, ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let rank = Self::checked_rank(rank)?;
+        let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
+            ApiError::bad_request("checkpoints come from S3 here: ask /checkpoint for a URL")
+        })?;
+        let path = dir.path(identity.job_id, rank);
+        Ok(path.is_file().then_some(path))
+    }
+
+    /// An agent's newest output tail.
+    pub async fn agent_output(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+        text: &str,
+    ) -> Result<(), ApiError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        self.programs()?
+            .write_output(identity.job_id, &identity.instance_id, text)
+            .await
+            .map_err(storage_error)
+    }
+
+    /// Every instance's output tail of a job (empty for jobs that are not command jobs).
+    pub async fn job_outputs(&self, id: JobId) -> Result<Vec<OutputView>, ServiceError> {
+        if self.store.job(id).await?.is_none() {
+            return Err(ServiceError::NoSuchJob(id));
+        }
+        let Some(storage) = self.programs.get() else {
+            return Ok(Vec::new());
+        };
+        let outputs = storage
+            .outputs(id)
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        Ok(outputs
+            .into_iter()
+            .map(|(instance_id, output)| OutputView {
+                instance_id,
+                output,
+            })
+            .collect())
+    }
+}

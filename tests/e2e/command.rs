@@ -1,0 +1,446 @@
+//! Command jobs end to end: a stdlib-only Python program (`examples/command/train.py`) under
+//! the contract of docs/command-jobs.md, run by real agents on the sim cloud, evicted by a
+//! price spike (the same hand-made trace as `eviction.rs`), resumed by a replacement from its
+//! durable checkpoint — in LocalStack's S3 through presigned URLs (LocalStack checks their
+//! signatures), or in the broker's directory store — plus exit codes mapped to job states.
+
+use proteus_e2e::write_c3_trace;
+use proteus_e2e::{BrokerProcess, fresh_pg_database, localstack_url};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn program() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/command/train.py")
+        .canonicalize()
+        .expect("examples/command/train.py")
+        .display()
+        .to_string()
+}
+
+/// A command job spec: one spot instance under standard bidding (so the spike evicts the
+/// program), with `env` for the program.
+fn spec(name: &str, policy: &str, env: &[(&str, &str)], extra: &str) -> String {
+    let env: String = env
+        .iter()
+        .map(|(k, v)| format!("{k} = \"{v}\"\n"))
+        .collect();
+    format!(
+        "name = \"{name}\"\napp = \"command\"\npolicy = \"{policy}\"\n\
+         [limits]\nmax_instances = 1\nmax_reliable_instances = 1\n\
+         [work]\ntotal_work = 1.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
+         [command]\nrun = [\"python3\", \"{}\"]\ncheckpoint_interval_secs = 1\n{extra}\
+         [command.env]\n{env}",
+        program()
+    )
+}
+
+fn submit(broker: &BrokerProcess, dir: &Path, name: &str, spec: &str) -> i64 {
+    let sub = dir.join(name);
+    std::fs::create_dir_all(&sub).unwrap();
+    broker.submit_file(&sub, spec)
+}
+
+/// Every instance's output tail, by instance id.
+async fn logs(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
+    let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["instance_id"].as_str().unwrap().to_string(),
+                t["output"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The numbers after `prefix` on the lines that start with it.
+fn numbers(text: &str, prefix: &str) -> Vec<u64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse().ok())
+        })
+        .collect()
+}
+
+async fn events(broker: &BrokerProcess, id: i64) -> Vec<(String, String, String)> {
+    let v = broker.client().get(&format!("/v1/jobs/{id}/events")).await;
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["instance_id"].as_str().unwrap_or("").to_string(),
+                e["kind"].as_str().unwrap().to_string(),
+                e["detail"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The evicted run and the one that replaced it: (last step the evicted run printed, step the
+/// replacement resumed from, the replacement's output).
+fn evicted_then_resumed(tails: &[(String, String)]) -> (u64, u64, String) {
+    let story = || {
+        tails
+            .iter()
+            .map(|(i, t)| format!("==> {i}\n{t}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let evicted = tails
+        .iter()
+        .find(|(_, t)| t.contains("notice delivered (SIGTERM)"))
+        .unwrap_or_else(|| panic!("no instance got a notice:\n{}", story()));
+    let last_step = *numbers(&evicted.1, "step ")
+        .last()
+        .unwrap_or_else(|| panic!("the evicted run did no step:\n{}", story()));
+    let replacement = tails
+        .iter()
+        .find(|(i, t)| i != &evicted.0 && t.contains("restored the checkpoint of rank 0"))
+        .unwrap_or_else(|| panic!("no replacement ran the program:\n{}", story()));
+    let resumed = numbers(&replacement.1, "start rank=0 world=1 resumed_from=");
+    (last_step, resumed[0], replacement.1.clone())
+}
+
+/// A plain (unsigned) `GET` on LocalStack's S3: LocalStack lets anonymous requests read, so
+/// the test sees the bucket without signing code of its own.
+async fn s3_get(path: &str) -> (reqwest::StatusCode, Vec<u8>) {
+    let resp = reqwest::get(format!("{}{path}", localstack_url()))
+        .await
+        .expect("LocalStack S3 answers");
+    let status = resp.status();
+    (status, resp.bytes().await.expect("S3 body").to_vec())
+}
+
+/// The `step` in `state.json` of a checkpoint archive (gzipped tar), read by Python's
+/// `tarfile` — an implementation independent of the agent's packing.
+fn step_in_archive(archive: &[u8]) -> u64 {
+    use std::io::Write;
+    let mut child = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import io, json, sys, tarfile\n\
+             t = tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()))\n\
+             print(json.load(t.extractfile('state.json'))['step'])",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    child.stdin.take().unwrap().write_all(archive).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the archive is not a tar.gz with state.json"
+    );
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// Evicted mid-run by a price spike; the checkpoint goes through LocalStack's S3 (the broker
+/// presigns, the agent `PUT`s and `GET`s, LocalStack verifies the signatures); the replacement
+/// resumes exactly where the warned program saved; the job succeeds on the program's own
+/// progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(
+        dir.path(),
+        Some((super::eviction::SPIKE_AT_MIN, super::eviction::SPIKE_MIN)),
+    );
+    let db = fresh_pg_database().await;
+    let bucket = proteus_e2e::unique("ck")
+        .replace('_', "-")
+        .to_ascii_lowercase();
+    let store = format!("s3://{bucket}/e2e");
+    let endpoint = localstack_url();
+    let broker = BrokerProcess::start_sim_with_env(
+        dir.path(),
+        &db,
+        "60",
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--min-notice-secs",
+            "8",
+            "--checkpoint-store",
+            &store,
+        ],
+        &[
+            ("AWS_ENDPOINT_URL_S3", endpoint.as_str()),
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_REGION", "us-east-1"),
+        ],
+    )
+    .await;
+    let id = submit(
+        &broker,
+        dir.path(),
+        "evict",
+        &spec(
+            "evicted-resumes",
+            "standard-bidding",
+            &[
+                ("STEPS", "150"),
+                ("STEP_SECS", "0.2"),
+                ("CHECKPOINT_EVERY", "5"),
+            ],
+            "kill_margin_secs = 2\n",
+        ),
+    );
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(300),
+            "the job",
+        )
+        .await;
+    assert!(
+        job["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("program completed"),
+        "{job}"
+    );
+    let tails = logs(&broker, id).await;
+    let (last, resumed, replacement) = evicted_then_resumed(&tails);
+    // The warned program saved on SIGTERM: nothing lost at all (the contract allows up to the
+    // program's own checkpoint interval).
+    assert!(
+        resumed > 0,
+        "the replacement started from scratch:\n{replacement}"
+    );
+    assert_eq!(resumed, last, "steps lost between the runs:\n{tails:?}");
+    assert!(
+        replacement.contains("restored the checkpoint of rank 0"),
+        "{replacement}"
+    );
+    assert!(
+        replacement.lines().any(|l| l == "step 150"),
+        "{replacement}"
+    );
+    // The checkpoint is in the bucket (and not in the broker's directory): the last upload,
+    // taken when the program exited, holds its final step.
+    let key = format!("e2e/job-{id}/rank-0.tar.gz");
+    let (status, listing) = s3_get(&format!("/{bucket}?list-type=2")).await;
+    assert!(status.is_success(), "{status}");
+    let listing = String::from_utf8_lossy(&listing);
+    assert!(listing.contains(&format!("<Key>{key}</Key>")), "{listing}");
+    let (status, archive) = s3_get(&format!("/{bucket}/{key}")).await;
+    assert!(status.is_success(), "{status}");
+    assert_eq!(step_in_archive(&archive), 150);
+    assert!(
+        !broker
+            .state_dir
+            .join("checkpoints")
+            .join(format!("job-{id}"))
+            .exists(),
+        "the directory store was not used"
+    );
+    // LocalStack does check presigned signatures, so the agent's transfers above were signed
+    // right: the same object with a wrong signature is refused.
+    let now = chrono::Utc::now();
+    let forged = format!(
+        "/{bucket}/{key}?X-Amz-Algorithm=AWS4-HMAC-SHA256\
+         &X-Amz-Credential=test%2F{}%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Date={}\
+         &X-Amz-Expires=600&X-Amz-SignedHeaders=host&X-Amz-Signature={}",
+        now.format("%Y%m%d"),
+        now.format("%Y%m%dT%H%M%SZ"),
+        "0".repeat(64)
+    );
+    let (status, body) = s3_get(&forged).await;
+    assert_eq!(
+        status,
+        reqwest::StatusCode::FORBIDDEN,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let kinds: Vec<(String, String, String)> = events(&broker, id).await;
+    assert!(
+        kinds
+            .iter()
+            .any(|(_, k, d)| k == "program_exited" && d.contains("after a notice")),
+        "{kinds:?}"
+    );
+    assert!(kinds.iter().any(|(_, k, _)| k == "evicted"), "{kinds:?}");
+    // The progress the broker recorded is the program's own.
+    assert_eq!(job["progress"].as_f64(), Some(1.0), "{job}");
+}
+
+/// The directory store (the default), a program that ignores SIGTERM and is SIGKILLed at the
+/// margin yet completes from its last upload, and exit codes: a failure within
+/// `max_restarts` is retried and the job succeeds; failures beyond it fail the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(
+        dir.path(),
+        Some((super::eviction::SPIKE_AT_MIN, super::eviction::SPIKE_MIN)),
+    );
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--min-notice-secs",
+            "8",
+        ],
+    )
+    .await;
+    let stubborn = submit(
+        &broker,
+        dir.path(),
+        "stubborn",
+        &spec(
+            "ignores-sigterm",
+            "standard-bidding",
+            &[
+                ("STEPS", "150"),
+                ("STEP_SECS", "0.2"),
+                ("CHECKPOINT_EVERY", "5"),
+                ("IGNORE_SIGTERM", "1"),
+            ],
+            "kill_margin_secs = 3\n",
+        ),
+    );
+    // On demand: nothing evicts these two; they end (or fail) well before the spike.
+    let retried = submit(
+        &broker,
+        dir.path(),
+        "retried",
+        &spec(
+            "fails-once",
+            "on-demand",
+            &[
+                ("STEPS", "6"),
+                ("STEP_SECS", "0.05"),
+                ("CHECKPOINT_EVERY", "2"),
+                ("FAIL_ONCE_AT_STEP", "3"),
+            ],
+            "max_restarts = 1\n",
+        ),
+    );
+    let failing = submit(
+        &broker,
+        dir.path(),
+        "failing",
+        &spec(
+            "always-fails",
+            "on-demand",
+            &[("STEPS", "6"), ("STEP_SECS", "0.05"), ("FAIL_AT_STEP", "2")],
+            "max_restarts = 1\n",
+        ),
+    );
+
+    let api = broker.client();
+    let over = |v: &serde_json::Value| v["state"] != "running" && v["state"] != "pending";
+    let failed = api
+        .wait_for(
+            &format!("/v1/jobs/{failing}"),
+            Duration::from_secs(120),
+            "the failing job",
+            over,
+        )
+        .await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let reason = failed["state_reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("program failed 2 times") && reason.contains("exit code 3"),
+        "{failed}"
+    );
+    let exits: Vec<_> = events(&broker, failing)
+        .await
+        .into_iter()
+        .filter(|(_, k, _)| k == "program_exited")
+        .collect();
+    assert_eq!(
+        exits.len(),
+        2,
+        "one run, one restart, then failed: {exits:?}"
+    );
+
+    let retried_job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{retried}"),
+            Duration::from_secs(120),
+            "the retried job",
+        )
+        .await;
+    let exits: Vec<String> = events(&broker, retried)
+        .await
+        .into_iter()
+        .filter(|(_, k, _)| k == "program_exited")
+        .map(|(_, _, d)| d)
+        .collect();
+    assert_eq!(
+        exits,
+        ["exit code 3", "exit code 0, completing the job"],
+        "{retried_job}"
+    );
+    let out = logs(&broker, retried).await;
+    assert_eq!(out.len(), 1, "restarted on the same instance: {out:?}");
+    assert!(
+        out[0].1.contains("resumed_from=2"),
+        "the restart resumed from the local checkpoint:\n{}",
+        out[0].1
+    );
+
+    broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{stubborn}"),
+            Duration::from_secs(300),
+            "the stubborn job",
+        )
+        .await;
+    let tails = logs(&broker, stubborn).await;
+    let evicted = tails
+        .iter()
+        .find(|(_, t)| t.contains("notice delivered (SIGTERM)"))
+        .unwrap_or_else(|| panic!("no notice: {tails:?}"));
+    assert!(
+        evicted
+            .1
+            .contains("still running at the kill margin: SIGKILL"),
+        "{}",
+        evicted.1
+    );
+    assert!(evicted.1.contains("signal: Some(9)"), "{}", evicted.1);
+    let (last, resumed, replacement) = evicted_then_resumed(&tails);
+    // It never saved on the notice: the replacement starts from its last periodic
+    // checkpoint, at most one checkpoint interval (5 steps) behind.
+    assert!(resumed > 0 && resumed % 5 == 0, "{replacement}");
+    assert!(
+        last >= resumed && last - resumed < 5,
+        "lost {} steps:\n{tails:?}",
+        last - resumed
+    );
+    assert!(
+        replacement.lines().any(|l| l == "step 150"),
+        "{replacement}"
+    );
+    assert!(
+        broker
+            .state_dir
+            .join("checkpoints")
+            .join(format!("job-{stubborn}"))
+            .join("rank-0.tar.gz")
+            .is_file(),
+        "the directory store holds the checkpoint"
+    );
+}

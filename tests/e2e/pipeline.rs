@@ -1,0 +1,187 @@
+//! A PipeDream pipeline job through the broker whose stage is interrupted mid-training: real
+//! `proteus serve` on the simulated cloud, four real agents on spot instances, the interruption
+//! sent with `proteus interrupt` (what AWS Fault Injection Service does on EC2). The warning
+//! reaches the agent through its metadata endpoint, the pipeline drains, the warned stage's
+//! state moves to the survivors, and they train again on the plan for three workers. The job
+//! ends within half a point of the same job uninterrupted.
+
+use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus, write_c3_trace};
+use serde_json::Value;
+use std::time::Duration;
+
+/// The broker's market-time speed: market seconds per wall second.
+const SPEED: f64 = 60.0;
+
+/// Four workers on standard bidding (all spot, one market) so that any of them can be
+/// interrupted; wide layers behind 200 Mbit/s links so that the partitioner splits the model
+/// into stages (as in bench/pipeline); two epochs so that accuracy has mostly converged when the
+/// two runs are compared.
+fn spec(name: &str) -> String {
+    format!(
+        "name = \"{name}\"\napp = \"mlp\"\ndataset = \"mnist\"\npolicy = \"standard-bidding\"\n\
+         [stop]\nepochs = 2\n[limits]\nmax_instances = 4\n\
+         [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
+         [training]\nparallelism = \"pipeline\"\nlink_mbit_per_sec = 200.0\nmin_workers = 4\n\
+         seed = 3\n"
+    )
+}
+
+fn secs(rfc3339: &Value) -> f64 {
+    chrono::DateTime::parse_from_rfc3339(rfc3339.as_str().expect("a time"))
+        .expect("RFC 3339")
+        .timestamp() as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_pipeline_stage_moves_to_the_survivors_and_the_job_matches_an_uninterrupted_run()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        &SPEED.to_string(),
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--billing",
+            "hourly-2015",
+        ],
+    )
+    .await;
+    let api = broker.client();
+
+    // Once a quarter of the training is done, interrupt the pipeline's second worker (the first
+    // leads the pipeline and evaluates the model).
+    let id = broker.submit_file(dir.path(), &spec("pipe-interrupted"));
+    let training = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(240),
+            "the pipeline to train a quarter of the job",
+            |j| {
+                j["progress"].as_f64().unwrap_or(0.0) >= 0.25
+                    && j["instances"].as_array().is_some_and(|a| {
+                        a.iter().filter(|i| i["worker_rank"].is_u64()).count() == 4
+                    })
+            },
+        )
+        .await;
+    let victim = training["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["worker_rank"] == 1)
+        .expect("a worker of rank 1")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (code, out, err) = proteus(
+        None,
+        &["interrupt", &victim, "--output", "json"],
+        &broker.user_env(),
+    );
+    assert_eq!(code, 0, "proteus interrupt failed: {err}");
+    let sent: Value = serde_json::from_str(&out).expect("interrupt's JSON");
+    assert_eq!(sent["instance_id"], victim.as_str());
+    assert_eq!(sent["job_id"], id);
+
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(400),
+            "the interrupted pipeline job to finish",
+        )
+        .await;
+    let interrupted_acc = job["metric"]["value"].as_f64().unwrap();
+
+    let events = api.get(&format!("/v1/jobs/{id}/events")).await;
+    let events = events.as_array().unwrap();
+    let of = |iid: &str, kind: &str| {
+        events
+            .iter()
+            .find(|e| e["instance_id"] == iid && e["kind"] == kind)
+            .cloned()
+    };
+    let story: Vec<String> = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {} {} {}",
+                e["time"], e["instance_id"], e["kind"], e["detail"]
+            )
+        })
+        .collect();
+    let story = story.join("\n");
+    // The victim went the whole way: the cloud's warning, its agent's notice, the eviction.
+    let (Some(warned), Some(notice), Some(evicted)) = (
+        of(&victim, "interruption_warning"),
+        of(&victim, "agent_interruption_notice"),
+        of(&victim, "evicted"),
+    ) else {
+        panic!("{victim} was not warned, noticed and evicted:\n{story}");
+    };
+    assert!(
+        warned["id"].as_i64() < notice["id"].as_i64()
+            && notice["id"].as_i64() < evicted["id"].as_i64(),
+        "out of order:\n{story}"
+    );
+    // Every other worker trained again on the plan for three.
+    let resumed: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "pipeline_resumed")
+        .collect();
+    let survivors: std::collections::BTreeSet<&str> = resumed
+        .iter()
+        .map(|e| e["instance_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(survivors.len(), 3, "three survivors resume:\n{story}");
+    assert!(!survivors.contains(victim.as_str()), "{story}");
+    assert!(
+        resumed
+            .iter()
+            .all(|e| e["detail"].as_str().unwrap().contains("for 3 workers")),
+        "{story}"
+    );
+    // From the victim's agent seeing the notice to the last survivor training again, in wall
+    // time (the events carry market time, which runs SPEED× faster).
+    let last_resumed = resumed
+        .iter()
+        .map(|e| secs(&e["time"]))
+        .fold(f64::MIN, f64::max);
+    let wall_secs = (last_resumed - secs(&notice["time"])) / SPEED;
+    eprintln!(
+        "notice to the last survivor training again: {wall_secs:.2} s wall; pauses after the drain: {:?}",
+        resumed
+            .iter()
+            .map(|e| e["detail"].as_str().unwrap())
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        wall_secs < 10.0,
+        "survivors trained again {wall_secs:.1} s after the notice:\n{story}"
+    );
+
+    // The same job, uninterrupted, on the same broker.
+    let reference = broker.submit_file(dir.path(), &spec("pipe-reference"));
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{reference}"),
+            Duration::from_secs(400),
+            "the uninterrupted pipeline job to finish",
+        )
+        .await;
+    let reference_acc = job["metric"]["value"].as_f64().unwrap();
+    eprintln!("accuracy: interrupted {interrupted_acc:.4}, uninterrupted {reference_acc:.4}");
+    assert!(
+        reference_acc > 0.95,
+        "the uninterrupted pipeline learns: {reference_acc}"
+    );
+    assert!(
+        (interrupted_acc - reference_acc).abs() <= 0.005,
+        "interrupted {interrupted_acc:.4} vs uninterrupted {reference_acc:.4}"
+    );
+}
