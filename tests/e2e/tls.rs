@@ -190,6 +190,39 @@ async fn the_cli_and_agents_use_tls_and_a_trace_level_run_logs_no_secret() {
         "{out}"
     );
 
+    // The dashboard's session cookie, set over HTTPS, is marked Secure so a browser never sends
+    // it back over plain HTTP.
+    let login = reqwest::Client::builder()
+        .tls_certs_only(
+            reqwest::Certificate::from_pem_bundle(&std::fs::read(&p.ca).unwrap()).unwrap(),
+        )
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .post(format!("{}/login", broker.url))
+        .header(
+            reqwest::header::CONTENT_TYPE,
+            "application/x-www-form-urlencoded",
+        )
+        .body(format!("token={TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    let cookie = login
+        .headers()
+        .get(reqwest::header::SET_COOKIE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        cookie.starts_with("proteus_session="),
+        "no session cookie: {cookie:?}"
+    );
+    assert!(
+        cookie.ends_with("; Secure"),
+        "the session cookie over HTTPS is not Secure: {cookie}"
+    );
+
     // No token or secret in any log, at trace level.
     let logs = format!("{}{}", broker.log_text(), broker.agent_logs());
     assert!(logs.contains("TRACE"), "the logs are not at trace level");

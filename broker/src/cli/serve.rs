@@ -453,6 +453,8 @@ pub async fn start_with(
         pacing: options.pacing.unwrap_or(crate::service::Pacing::Measured),
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
+    // A session cookie set over HTTPS must never travel back over plain HTTP.
+    let auth = auth.with_secure_cookies(tls.is_some());
     let broker = Broker::new(store, clock, cloud, launcher, history, settings);
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     let checkpoints = match &args.checkpoint_store {
