@@ -19,6 +19,7 @@
 
 pub mod checkpoint;
 pub mod program;
+pub mod torchrun;
 
 use crate::agent::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_commands};
 use crate::control::Broker;
@@ -27,7 +28,8 @@ use crate::imds::{self, Imds, Notice};
 use program::{Ended, Launch, OutputTail, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, CommandConfig, ExitReason, ProgramProgress, RegisterResponse,
+    AgentEvent, ClusterView, Command, CommandConfig, CommandLauncher, ExitReason, ProgramProgress,
+    RegisterResponse,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,6 +47,8 @@ pub struct Paths {
     pub progress_file: PathBuf,
     pub output_log: PathBuf,
     pub workdir: PathBuf,
+    /// `launcher = "torchrun"`: the launcher script ([`torchrun::SHIM`]).
+    pub torchrun_shim: PathBuf,
 }
 
 impl Paths {
@@ -54,6 +58,7 @@ impl Paths {
             notice_file: root.join("notice.json"),
             progress_file: root.join("progress.json"),
             output_log: root.join("output.log"),
+            torchrun_shim: root.join("proteus_torchrun.py"),
             workdir: workdir.map_or_else(|| root.join("work"), PathBuf::from),
         }
     }
@@ -111,6 +116,8 @@ struct Runner {
     tail: SharedTail,
     /// (rank, world size) in the newest view; `None` when this instance does not work.
     slot: Option<(u32, u32)>,
+    /// `launcher = "torchrun"`: the rendezvous in the newest view.
+    rendezvous: Option<torchrun::Rendezvous>,
     run: Option<Run>,
     setup_done: bool,
     restored: bool,
@@ -137,6 +144,12 @@ pub async fn run(
     for dir in [&root, &paths.workdir] {
         std::fs::create_dir_all(dir).map_err(|source| AgentError::Io {
             file: dir.clone(),
+            source,
+        })?;
+    }
+    if cfg.launcher == CommandLauncher::Torchrun {
+        std::fs::write(&paths.torchrun_shim, torchrun::SHIM).map_err(|source| AgentError::Io {
+            file: paths.torchrun_shim.clone(),
             source,
         })?;
     }
@@ -180,6 +193,7 @@ pub async fn run(
         applied_epoch,
         tail: Arc::new(Mutex::new(OutputTail::default())),
         slot: None,
+        rendezvous: None,
         run: None,
         setup_done: false,
         restored: false,
@@ -268,6 +282,7 @@ impl Runner {
         self.slot = view
             .worker(&self.me)
             .map(|w| (w.rank, view.workers.len() as u32));
+        self.rendezvous = torchrun::rendezvous(&view, &self.me);
         match (self.slot, self.run.is_some()) {
             (Some(_), false) if !self.finished && self.leaving.is_none() => {
                 self.restart_at = None;
@@ -337,7 +352,17 @@ impl Runner {
         let env = self.env(rank, world);
         let setup =
             (!self.setup_done && !self.cfg.setup.is_empty()).then(|| self.cfg.setup.clone());
-        let argv = self.cfg.run.clone();
+        let argv = match (self.cfg.launcher, &self.rendezvous) {
+            (CommandLauncher::Plain, _) => self.cfg.run.clone(),
+            (CommandLauncher::Torchrun, Some(rdzv)) => torchrun::argv(
+                &self.cfg,
+                &self.paths.torchrun_shim.display().to_string(),
+                rdzv,
+                self.reg.job_id.0,
+                self.reg.training.min_workers,
+            ),
+            (CommandLauncher::Torchrun, None) => return,
+        };
         let (cwd, log, tail) = (
             self.paths.workdir.clone(),
             self.paths.output_log.clone(),
