@@ -97,6 +97,8 @@ struct Run {
     task: JoinHandle<RunEnd>,
     pgid: Arc<AtomicI32>,
     rank: u32,
+    /// `launcher = "torchrun"`: the rendezvous this run joined.
+    rendezvous: Option<torchrun::Rendezvous>,
 }
 
 struct RunEnd {
@@ -118,6 +120,9 @@ struct Runner {
     slot: Option<(u32, u32)>,
     /// `launcher = "torchrun"`: the rendezvous in the newest view.
     rendezvous: Option<torchrun::Rendezvous>,
+    /// `launcher = "torchrun"`: the rendezvous moved (its host changed) and the running
+    /// torchrun was told to stop, to start again against the new one; SIGKILL then.
+    moving: Option<Instant>,
     run: Option<Run>,
     setup_done: bool,
     restored: bool,
@@ -194,6 +199,7 @@ pub async fn run(
         tail: Arc::new(Mutex::new(OutputTail::default())),
         slot: None,
         rendezvous: None,
+        moving: None,
         run: None,
         setup_done: false,
         restored: false,
@@ -298,6 +304,23 @@ impl Runner {
                     kill_at: Instant::now() + margin,
                     exit_after: false,
                 });
+            }
+            (Some(_), true) if self.leaving.is_none() && self.moving.is_none() => {
+                let joined = self.run.as_ref().and_then(|r| r.rendezvous.clone());
+                if self.cfg.launcher == CommandLauncher::Torchrun && joined != self.rendezvous {
+                    // Another member hosts the rendezvous now (say the reliable instance
+                    // joined after spot nodes had started one of their own): move to it. This
+                    // is not a failure and not a notice; torchrun closes the old rendezvous,
+                    // whose other nodes move too.
+                    self.note(format!(
+                        "the rendezvous moved to {:?}: restarting torchrun",
+                        self.rendezvous.as_ref().map(|r| &r.endpoint)
+                    ));
+                    program::signal_group(self.pgid(), libc::SIGTERM);
+                    self.moving = Some(
+                        Instant::now() + Duration::from_secs(self.cfg.kill_margin_secs.max(1)),
+                    );
+                }
             }
             _ => {}
         }
@@ -431,6 +454,7 @@ impl Runner {
             task,
             pgid,
             rank: ck_rank,
+            rendezvous: self.rendezvous.clone(),
         });
     }
 
@@ -502,9 +526,10 @@ impl Runner {
         {
             shared.program = p;
         }
-        if let Some(l) = &self.leaving
+        let kill_at = self.leaving.as_ref().map(|l| l.kill_at).or(self.moving);
+        if let Some(kill_at) = kill_at
             && self.run.is_some()
-            && Instant::now() >= l.kill_at
+            && Instant::now() >= kill_at
             && self.pgid() > 0
         {
             self.note("still running at the kill margin: SIGKILL");
@@ -565,6 +590,11 @@ impl Runner {
         let ended = end.ended;
         self.note(format!("program ended: {ended:?}"));
         self.final_upload(rank).await;
+        if self.moving.take().is_some() && self.leaving.is_none() {
+            self.send_output().await;
+            self.restart_at = self.slot.map(|_| Instant::now());
+            return None;
+        }
         let after_notice = self.leaving.is_some();
         let progress = read_progress(&self.paths.progress_file);
         let completes = ended.success()
