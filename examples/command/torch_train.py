@@ -14,6 +14,7 @@ step at once; torchrun then restarts them in a new round without the peer.
 Knobs: STEPS=300 STEP_SECS=0.05 CHECKPOINT_EVERY=5 BATCH=64 LR=0.1 DATA=<digits csv.gz>
 """
 import csv
+import datetime
 import gzip
 import json
 import os
@@ -45,7 +46,9 @@ def on_sigterm(signum, frame):
     noticed = True
 
 
-signal.signal(signal.SIGTERM, on_sigterm)
+# While joining (a C++ call that a Python handler cannot interrupt) SIGTERM keeps its default
+# action, so a worker torchrun stops mid-join dies at once instead of after torchrun's 30 s.
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def write_progress(step):
@@ -67,7 +70,9 @@ with gzip.open(data, "rt") as f:
 xs = torch.tensor([r[1:] for r in rows]) / 16.0
 ys = torch.tensor([int(r[0]) for r in rows])
 
-dist.init_process_group("gloo")
+# A bounded timeout: a round broken by another membership change fails fast and torchrun
+# starts the next one (gloo's default is 30 minutes).
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
@@ -89,10 +94,11 @@ step = int(newest.item())
 print(
     f"start rank={rank} world={world} local={resumed} resumed_from={step} "
     f"proteus_rank={os.environ['PROTEUS_RANK']} "
-    f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+    f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} t={time.time():.3f}",
     flush=True,
 )
 
+signal.signal(signal.SIGTERM, on_sigterm)
 opt = torch.optim.SGD(model.parameters(), lr=lr)
 loss_fn = torch.nn.CrossEntropyLoss()
 while step < steps and not noticed and not os.path.exists(notice_file):
