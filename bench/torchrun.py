@@ -35,7 +35,7 @@ class Node:
                    PROTEUS_PROGRESS_FILE=os.path.join(self.dir, "progress.json"),
                    PROTEUS_RANK=str(n), PROTEUS_WORLD_SIZE="3",
                    STEPS="100000", STEP_SECS="0.05", CHECKPOINT_EVERY="5",
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         argv = ["python3", shim, "--nnodes=1:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
                 f"--rdzv-conf=is_host={int(n == 0)},last_call_timeout=2",

@@ -372,7 +372,11 @@ impl Runner {
             }
             self.restored = true;
         }
-        let env = self.env(rank, world);
+        let mut env = self.env(rank, world);
+        if self.cfg.launcher == CommandLauncher::Torchrun {
+            env.entry(torchrun::UNSHARED_STORE.0.into())
+                .or_insert_with(|| torchrun::UNSHARED_STORE.1.into());
+        }
         let setup =
             (!self.setup_done && !self.cfg.setup.is_empty()).then(|| self.cfg.setup.clone());
         let argv = match (self.cfg.launcher, &self.rendezvous) {

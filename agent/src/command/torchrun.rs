@@ -25,6 +25,14 @@ pub const LAST_CALL_SECS: u32 = 2;
 /// program itself count against the job's `max_restarts` only when torchrun gives up.
 pub const TORCHRUN_MAX_RESTARTS: u32 = 1000;
 
+/// Set for torchrun unless the job's `env` says otherwise. torch 2.4+ lets the workers'
+/// process group reuse the rendezvous store under the prefix `attempt_<restart count>`; the
+/// count is each node's own, so after nodes restarted different numbers of times (failures
+/// count, membership changes do not) the workers of one round wait forever under different
+/// prefixes (seen here: `wait timeout ... keys: //worker/attempt_2/...`). Unshared, rank 0
+/// opens a fresh store for every round.
+pub const UNSHARED_STORE: (&str, &str) = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1");
+
 /// Where this instance's torchrun meets the others.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendezvous {
