@@ -12,4 +12,5 @@ mod pg_restart;
 mod pipeline;
 mod sim;
 mod tls;
+mod torchrun;
 mod work;

@@ -477,6 +477,10 @@ pub struct CommandConfig {
     /// leaving that long to upload its checkpoint.
     #[serde(default = "default_kill_margin_secs")]
     pub kill_margin_secs: u64,
+    /// `torchrun` only: the most nodes of the elastic rendezvous (`--nnodes=1:MAX`), the job's
+    /// `limits.max_instances`.
+    #[serde(default = "default_max_nodes")]
+    pub max_nodes: u32,
 }
 
 /// How the agent starts a command job's program.
@@ -487,7 +491,8 @@ pub enum CommandLauncher {
     /// `run` as given, once per working instance.
     #[default]
     Plain,
-    /// `torchrun --nnodes=MIN:MAX --rdzv-backend=c10d ... <run>` (elastic).
+    /// `torchrun --nnodes=1:MAX --rdzv-backend=c10d ... <run>` (elastic), one worker per
+    /// instance, the rendezvous hosted by [`ClusterView::rendezvous_host`].
     Torchrun,
 }
 
@@ -499,6 +504,9 @@ pub fn default_checkpoint_interval_secs() -> u64 {
 }
 pub fn default_kill_margin_secs() -> u64 {
     10
+}
+pub fn default_max_nodes() -> u32 {
+    1
 }
 
 /// `{"done": x, "total": y}` as a command job's program writes it to `PROTEUS_PROGRESS_FILE`
@@ -1164,6 +1172,22 @@ impl ClusterView {
     }
     pub fn data_addr(&self, id: &InstanceId) -> Option<&str> {
         self.member(id).map(|m| m.data_addr.as_str())
+    }
+    /// Who hosts a `torchrun` job's rendezvous (torch's TCPStore, at its `data_addr`): the
+    /// first working member of the reliable tier, so the rendezvous outlives any spot node;
+    /// the first worker when no reliable member works. Every agent reads the same view, so all
+    /// agree; the host changes only when it leaves the layout.
+    pub fn rendezvous_host(&self) -> Option<&MemberInfo> {
+        let works = |m: &&MemberInfo| self.worker(&m.instance_id).is_some();
+        self.members
+            .iter()
+            .filter(works)
+            .find(|m| m.tier == Tier::Reliable && !m.draining)
+            .or_else(|| {
+                self.workers
+                    .first()
+                    .and_then(|w| self.member(&w.instance_id))
+            })
     }
 }
 

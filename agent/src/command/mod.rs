@@ -19,6 +19,7 @@
 
 pub mod checkpoint;
 pub mod program;
+pub mod torchrun;
 
 use crate::agent::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_commands};
 use crate::control::Broker;
@@ -27,7 +28,8 @@ use crate::imds::{self, Imds, Notice};
 use program::{Ended, Launch, OutputTail, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, CommandConfig, ExitReason, ProgramProgress, RegisterResponse,
+    AgentEvent, ClusterView, Command, CommandConfig, CommandLauncher, ExitReason, ProgramProgress,
+    RegisterResponse,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,6 +47,8 @@ pub struct Paths {
     pub progress_file: PathBuf,
     pub output_log: PathBuf,
     pub workdir: PathBuf,
+    /// `launcher = "torchrun"`: the launcher script ([`torchrun::SHIM`]).
+    pub torchrun_shim: PathBuf,
 }
 
 impl Paths {
@@ -54,6 +58,7 @@ impl Paths {
             notice_file: root.join("notice.json"),
             progress_file: root.join("progress.json"),
             output_log: root.join("output.log"),
+            torchrun_shim: root.join("proteus_torchrun.py"),
             workdir: workdir.map_or_else(|| root.join("work"), PathBuf::from),
         }
     }
@@ -92,6 +97,8 @@ struct Run {
     task: JoinHandle<RunEnd>,
     pgid: Arc<AtomicI32>,
     rank: u32,
+    /// `launcher = "torchrun"`: the rendezvous this run joined.
+    rendezvous: Option<torchrun::Rendezvous>,
 }
 
 struct RunEnd {
@@ -111,6 +118,11 @@ struct Runner {
     tail: SharedTail,
     /// (rank, world size) in the newest view; `None` when this instance does not work.
     slot: Option<(u32, u32)>,
+    /// `launcher = "torchrun"`: the rendezvous in the newest view.
+    rendezvous: Option<torchrun::Rendezvous>,
+    /// `launcher = "torchrun"`: the rendezvous moved (its host changed) and the running
+    /// torchrun was told to stop, to start again against the new one; SIGKILL then.
+    moving: Option<Instant>,
     run: Option<Run>,
     setup_done: bool,
     restored: bool,
@@ -137,6 +149,12 @@ pub async fn run(
     for dir in [&root, &paths.workdir] {
         std::fs::create_dir_all(dir).map_err(|source| AgentError::Io {
             file: dir.clone(),
+            source,
+        })?;
+    }
+    if cfg.launcher == CommandLauncher::Torchrun {
+        std::fs::write(&paths.torchrun_shim, torchrun::SHIM).map_err(|source| AgentError::Io {
+            file: paths.torchrun_shim.clone(),
             source,
         })?;
     }
@@ -180,6 +198,8 @@ pub async fn run(
         applied_epoch,
         tail: Arc::new(Mutex::new(OutputTail::default())),
         slot: None,
+        rendezvous: None,
+        moving: None,
         run: None,
         setup_done: false,
         restored: false,
@@ -268,6 +288,7 @@ impl Runner {
         self.slot = view
             .worker(&self.me)
             .map(|w| (w.rank, view.workers.len() as u32));
+        self.rendezvous = torchrun::rendezvous(&view, &self.me);
         match (self.slot, self.run.is_some()) {
             (Some(_), false) if !self.finished && self.leaving.is_none() => {
                 self.restart_at = None;
@@ -283,6 +304,23 @@ impl Runner {
                     kill_at: Instant::now() + margin,
                     exit_after: false,
                 });
+            }
+            (Some(_), true) if self.leaving.is_none() && self.moving.is_none() => {
+                let joined = self.run.as_ref().and_then(|r| r.rendezvous.clone());
+                if self.cfg.launcher == CommandLauncher::Torchrun && joined != self.rendezvous {
+                    // Another member hosts the rendezvous now (say the reliable instance
+                    // joined after spot nodes had started one of their own): move to it. This
+                    // is not a failure and not a notice; torchrun closes the old rendezvous,
+                    // whose other nodes move too.
+                    self.note(format!(
+                        "the rendezvous moved to {:?}: restarting torchrun",
+                        self.rendezvous.as_ref().map(|r| &r.endpoint)
+                    ));
+                    program::signal_group(self.pgid(), libc::SIGTERM);
+                    self.moving = Some(
+                        Instant::now() + Duration::from_secs(self.cfg.kill_margin_secs.max(1)),
+                    );
+                }
             }
             _ => {}
         }
@@ -334,10 +372,24 @@ impl Runner {
             }
             self.restored = true;
         }
-        let env = self.env(rank, world);
+        let mut env = self.env(rank, world);
+        if self.cfg.launcher == CommandLauncher::Torchrun {
+            env.entry(torchrun::UNSHARED_STORE.0.into())
+                .or_insert_with(|| torchrun::UNSHARED_STORE.1.into());
+        }
         let setup =
             (!self.setup_done && !self.cfg.setup.is_empty()).then(|| self.cfg.setup.clone());
-        let argv = self.cfg.run.clone();
+        let argv = match (self.cfg.launcher, &self.rendezvous) {
+            (CommandLauncher::Plain, _) => self.cfg.run.clone(),
+            (CommandLauncher::Torchrun, Some(rdzv)) => torchrun::argv(
+                &self.cfg,
+                &self.paths.torchrun_shim.display().to_string(),
+                rdzv,
+                self.reg.job_id.0,
+                self.reg.training.min_workers,
+            ),
+            (CommandLauncher::Torchrun, None) => return,
+        };
         let (cwd, log, tail) = (
             self.paths.workdir.clone(),
             self.paths.output_log.clone(),
@@ -406,6 +458,7 @@ impl Runner {
             task,
             pgid,
             rank: ck_rank,
+            rendezvous: self.rendezvous.clone(),
         });
     }
 
@@ -477,9 +530,10 @@ impl Runner {
         {
             shared.program = p;
         }
-        if let Some(l) = &self.leaving
+        let kill_at = self.leaving.as_ref().map(|l| l.kill_at).or(self.moving);
+        if let Some(kill_at) = kill_at
             && self.run.is_some()
-            && Instant::now() >= l.kill_at
+            && Instant::now() >= kill_at
             && self.pgid() > 0
         {
             self.note("still running at the kill margin: SIGKILL");
@@ -540,6 +594,11 @@ impl Runner {
         let ended = end.ended;
         self.note(format!("program ended: {ended:?}"));
         self.final_upload(rank).await;
+        if self.moving.take().is_some() && self.leaving.is_none() {
+            self.send_output().await;
+            self.restart_at = self.slot.map(|_| Instant::now());
+            return None;
+        }
         let after_notice = self.leaving.is_some();
         let progress = read_progress(&self.paths.progress_file);
         let completes = ended.success()

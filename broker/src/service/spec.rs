@@ -100,7 +100,8 @@ pub struct CommandSpec {
 }
 
 impl CommandSpec {
-    fn config(&self) -> Result<CommandConfig, FieldError> {
+    /// `max_instances`: the job's limit, the most nodes of a `torchrun` rendezvous.
+    fn config(&self, max_instances: u32) -> Result<CommandConfig, FieldError> {
         let argv = |field: &str, v: &[String]| -> Result<(), FieldError> {
             if v.first().is_none_or(|p| p.trim().is_empty()) {
                 return Err(bad(
@@ -156,12 +157,6 @@ impl CommandSpec {
             }
         }
         let launcher = self.launcher.unwrap_or_default();
-        if launcher == CommandLauncher::Torchrun {
-            return Err(bad(
-                "command.launcher",
-                "`torchrun` is not available yet; use `plain`",
-            ));
-        }
         let max_restarts = self
             .max_restarts
             .unwrap_or(proteus_wire::agent_api::default_max_restarts());
@@ -192,6 +187,7 @@ impl CommandSpec {
             max_restarts,
             checkpoint_interval_secs: interval,
             kill_margin_secs: margin,
+            max_nodes: max_instances,
         })
     }
 }
@@ -618,7 +614,9 @@ impl JobSpec {
                     "an `app = \"command\"` job needs a `command` table with `run`",
                 )
             })?;
-            return command.config().map(AppConfig::Command);
+            return command
+                .config(self.limits.max_instances)
+                .map(AppConfig::Command);
         }
         if self.command.is_some() {
             return Err(bad("command", "applies to `app = \"command\"` only"));
@@ -723,12 +721,16 @@ impl JobSpec {
         app: AppConfig,
         stop: StopCondition,
     ) -> Result<TrainingConfig, FieldError> {
-        let command = matches!(app, AppConfig::Command(_));
         let mut cfg = TrainingConfig::new(app);
         cfg.stop = stop;
-        if command {
+        if let AppConfig::Command(c) = &cfg.app {
             // No model to shard: one key on one shard keeps the control plane's layout valid.
             cfg.num_shards = 1;
+            if c.launcher == CommandLauncher::Torchrun {
+                // The rendezvous lives on a reliable machine that runs torchrun itself, so
+                // reliable machines always work (never AgileML's stage 3).
+                cfg.stages.stage3_ratio = f64::MAX;
+            }
         }
         if let Some(t) = &self.training {
             if let Some(n) = t.num_shards {
@@ -853,6 +855,25 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        assert_eq!(ok.training.stages.stage3_ratio, 15.0);
+        let torchrun = spec(
+            r#"{"app":"command","policy":"x","limits":{"max_instances":3},
+                "command":{"run":["python3","t.py"],"launcher":"torchrun"}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap();
+        match &torchrun.training.app {
+            AppConfig::Command(c) => {
+                assert_eq!(c.launcher, CommandLauncher::Torchrun);
+                assert_eq!(c.max_nodes, 3, "the rendezvous admits up to max_instances");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            torchrun.training.stages.stage3_ratio,
+            f64::MAX,
+            "reliable machines (the rendezvous host) always work"
+        );
         for (json, field) in [
             (r#""command":{"run":[]}"#, "command.run"),
             (
@@ -862,10 +883,6 @@ mod tests {
             (
                 r#""command":{"run":["p"],"workdir":"s3://b/k"}"#,
                 "command.workdir",
-            ),
-            (
-                r#""command":{"run":["p"],"launcher":"torchrun"}"#,
-                "command.launcher",
             ),
             (
                 r#""command":{"run":["p"],"max_restarts":1000}"#,

@@ -1,0 +1,278 @@
+//! `launcher = "torchrun"` end to end with real torch (PyPI's wheel, on CPU with gloo): a
+//! data-parallel MLP on the digits (`examples/command/torch_train.py`) on three instances of
+//! the sim cloud — the reliable one hosts the c10d rendezvous — one spot node warned mid-run
+//! with `proteus interrupt`. The warned node leaves the rendezvous, the survivors re-form
+//! without it and go on from their last checkpoint, a replacement joins the same rendezvous,
+//! and the job completes.
+//!
+//! Needs the torch virtualenv: `scripts/test` builds it (`torch/venv`) and exports
+//! `PROTEUS_TEST_TORCH_VENV` only with `PROTEUS_TEST_TORCH=1`; without it the test says why and
+//! passes without running.
+
+use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus, write_c3_trace};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const STEPS: u64 = 400;
+const CHECKPOINT_EVERY: u64 = 5;
+
+fn program() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/command/torch_train.py")
+        .canonicalize()
+        .expect("examples/command/torch_train.py")
+        .display()
+        .to_string()
+}
+
+/// The numbers after `key` (e.g. `"world="`) on lines starting with `prefix`.
+fn field(text: &str, prefix: &str, key: &str) -> Vec<u64> {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.split(key).nth(1))
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse().ok())
+        })
+        .collect()
+}
+
+/// Steps printed in a world of `world` workers.
+fn steps_in_world(text: &str, world: u64) -> Vec<u64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("step "))
+        .filter(|rest| rest.contains(&format!(" world={world} ")))
+        .filter_map(|rest| rest.split(' ').next().and_then(|n| n.parse().ok()))
+        .collect()
+}
+
+async fn tails(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
+    let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["instance_id"].as_str().unwrap().to_string(),
+                t["output"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn story(tails: &[(String, String)]) -> String {
+    tails
+        .iter()
+        .map(|(i, t)| format!("==> {i}\n{t}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torchrun_survivors_reform_after_a_warned_node_leaves_and_the_job_completes() {
+    let Ok(venv) = std::env::var("PROTEUS_TEST_TORCH_VENV") else {
+        eprintln!(
+            "SKIPPED torchrun_survivors_reform...: no torch virtualenv \
+             (run `PROTEUS_TEST_TORCH=1 scripts/test`; it installs torch, ~2.6 GB, once)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    // At 60x a two-minute notice is 2 s: give the warned node 20 real seconds, as EC2's 120 s
+    // leave a real one enough time to save and leave.
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--min-notice-secs",
+            "20",
+        ],
+    )
+    .await;
+    let path = format!(
+        "{venv}/bin:{}",
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+    );
+    let spec = format!(
+        "name = \"torchrun-digits\"\napp = \"command\"\npolicy = \"bidbrain\"\n\
+         [limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
+         [work]\ntotal_work = 1.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
+         [command]\nrun = [\"python3\", \"{}\"]\nlauncher = \"torchrun\"\n\
+         checkpoint_interval_secs = 1\nkill_margin_secs = 5\n\
+         [command.env]\nPATH = \"{path}\"\nSTEPS = \"{STEPS}\"\nSTEP_SECS = \"0.05\"\n\
+         CHECKPOINT_EVERY = \"{CHECKPOINT_EVERY}\"\nOMP_NUM_THREADS = \"1\"\n",
+        program()
+    );
+    let sub = dir.path().join("job");
+    std::fs::create_dir_all(&sub).unwrap();
+    let id = broker.submit_file(&sub, &spec);
+    let api = broker.client();
+
+    // All three train together (world 3), some way into the run.
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let job = loop {
+        let job = api.get(&format!("/v1/jobs/{id}")).await;
+        let t = tails(&broker, id).await;
+        let in_three = t
+            .iter()
+            .filter(|(_, o)| steps_in_world(o, 3).last().is_some_and(|&s| s >= 40))
+            .count();
+        if in_three == 3 {
+            break job;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the three never trained together: {job}\n{}",
+            story(&t)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let instances = job["instances"].as_array().unwrap();
+    let workers: Vec<&serde_json::Value> = instances
+        .iter()
+        .filter(|i| i["worker_rank"].is_u64())
+        .collect();
+    assert_eq!(workers.len(), 3, "{job}");
+    let host = workers
+        .iter()
+        .find(|i| i["tier"] == "reliable")
+        .unwrap_or_else(|| panic!("no reliable worker to host the rendezvous: {job}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let victim = workers
+        .iter()
+        .find(|i| i["tier"] == "transient")
+        .unwrap_or_else(|| panic!("no spot worker: {job}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let originals: Vec<String> = workers
+        .iter()
+        .map(|i| i["id"].as_str().unwrap().to_string())
+        .collect();
+
+    let interrupted_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let (code, _, err) = proteus(None, &["interrupt", &victim], &broker.user_env());
+    assert_eq!(code, 0, "proteus interrupt failed: {err}");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    let done = loop {
+        let job = api.get(&format!("/v1/jobs/{id}")).await;
+        if job["state"] != "running" && job["state"] != "pending" {
+            break job;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "the torchrun job did not finish: {job}\n{}",
+                story(&tails(&broker, id).await)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["progress"].as_f64(), Some(1.0), "{done}");
+    let t = tails(&broker, id).await;
+    let of = |iid: &str| {
+        t.iter()
+            .find(|(i, _)| i == iid)
+            .map(|(_, o)| o.clone())
+            .unwrap_or_else(|| panic!("no output of {iid}:\n{}", story(&t)))
+    };
+
+    // The warned node got the notice, saved, and left the rendezvous without closing it.
+    let warned = of(&victim);
+    assert!(warned.contains("notice delivered (SIGTERM)"), "{warned}");
+    assert!(
+        warned.contains("[proteus-torchrun] left the rendezvous"),
+        "{warned}"
+    );
+    let last_warned = *steps_in_world(&warned, 3).last().unwrap();
+
+    // Nothing ran on the warned node after its notice.
+    let after_notice = &warned[warned.find("notice delivered").unwrap()..];
+    assert!(!after_notice.contains("\nstart "), "{warned}");
+
+    // The survivors re-formed without it (in a world of 2, or of 3 when the replacement was
+    // already waiting), from no further back than one checkpoint interval, and trained on;
+    // the rendezvous was never closed and its host's torchrun never restarted.
+    for s in originals.iter().filter(|i| **i != victim) {
+        let out = of(s);
+        // The program stamps its start lines with the wall clock (one machine).
+        let reformed = out
+            .lines()
+            .position(|l| {
+                l.starts_with("start ")
+                    && l.rsplit(" t=")
+                        .next()
+                        .and_then(|t| t.parse::<f64>().ok())
+                        .is_some_and(|t| t > interrupted_at)
+            })
+            .unwrap_or_else(|| panic!("{s} never re-formed:\n{}", story(&t)));
+        let line = out.lines().nth(reformed).unwrap();
+        let from = field(line, "start ", "resumed_from=")[0];
+        assert!(
+            from + CHECKPOINT_EVERY >= last_warned && from <= last_warned + 1,
+            "{s} resumed from {from}, the warned node was at {last_warned}:\n{out}"
+        );
+        assert!(
+            out.lines()
+                .skip(reformed)
+                .any(|l| l.starts_with(&format!("step {} ", from + 1))),
+            "{s} did not train after re-forming:\n{out}"
+        );
+        assert!(
+            !out.contains("RendezvousClosedError") && !out.contains("rendezvous is closed"),
+            "{out}"
+        );
+        if *s == host {
+            assert_eq!(
+                out.matches("[proteus-agent] starting ").count(),
+                1,
+                "the rendezvous host restarted torchrun:\n{out}"
+            );
+        }
+    }
+
+    // A replacement joined the same rendezvous (world 3 again) and started from the
+    // survivors' state, not from scratch; the model learned.
+    let replacement = t
+        .iter()
+        .find(|(i, o)| !originals.contains(i) && o.contains("start rank="))
+        .unwrap_or_else(|| panic!("no replacement joined:\n{}", story(&t)));
+    let resumed = field(&replacement.1, "start ", "resumed_from=");
+    assert!(
+        resumed
+            .first()
+            .is_some_and(|&r| r + CHECKPOINT_EVERY >= last_warned),
+        "{}",
+        replacement.1
+    );
+    assert!(
+        !steps_in_world(&replacement.1, 3).is_empty(),
+        "{}",
+        replacement.1
+    );
+    let host_out = of(&host);
+    let acc: Vec<&str> = host_out
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("done step={STEPS} accuracy=")))
+        .collect();
+    let acc: f64 = acc
+        .first()
+        .unwrap_or_else(|| panic!("the host did not finish:\n{host_out}"))
+        .parse()
+        .unwrap();
+    assert!(acc > 0.8, "accuracy {acc} after {STEPS} steps");
+}
