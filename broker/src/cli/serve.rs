@@ -447,7 +447,9 @@ pub async fn start_with(
             ModelChoice::Hazard
         }),
         tick: Duration::from_millis(args.tick_ms.max(10)),
-        default_startup_minutes: args.startup_minutes.unwrap_or(5.0),
+        default_startup_minutes: args
+            .startup_minutes
+            .unwrap_or(crate::job::DEFAULT_STARTUP_MINUTES),
         cooldown_secs: args.cooldown_secs,
         min_notice: Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
         pacing: options.pacing.unwrap_or(crate::service::Pacing::Measured),

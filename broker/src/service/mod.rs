@@ -25,9 +25,9 @@ use crate::billing::BillingModel;
 use crate::clock::SharedClock;
 use crate::cloud::Cloud;
 use crate::engine::view::TraceMarkets;
-use crate::job::{JobModel, WorkModelSpec};
+use crate::job::JobModel;
 use crate::launcher::LocalLauncher;
-use crate::market::{InstanceType, Market, Region};
+use crate::market::{Market, Region};
 use crate::market_model::{HazardModel, HazardPrior, PriceDrivenModel, PriceModelConfig};
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::Policy;
@@ -35,7 +35,7 @@ use crate::prices::PriceHistory;
 use crate::store::{JobRow, Store};
 use control::ControlPlane;
 use proteus_wire::{JobId, Tier};
-use spec::{JobSpec, ValidJob, WorkSpec};
+use spec::{JobSpec, ValidJob};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -118,19 +118,6 @@ impl MarketData {
             .observe(observation);
     }
 
-    /// Instance types that have a market and an on-demand price: what a job may use by default.
-    pub fn usable_types(&self) -> Vec<InstanceType> {
-        let mut types: Vec<InstanceType> = self
-            .markets
-            .markets()
-            .iter()
-            .filter(|m| self.markets.on_demand(m).is_some())
-            .map(|m| m.instance_type.clone())
-            .collect();
-        types.sort();
-        types.dedup();
-        types
-    }
 }
 
 /// What the scheduler keeps per running job besides the store: its policy (which may hold
@@ -154,8 +141,9 @@ pub struct JobRuntime {
     pub pending: PendingEvents,
     /// Last reason acquisitions were held back (budget), shown in status.
     pub held: Option<String>,
-    /// [`Pacing::Modelled`]: units of work done so far, and up to when they are counted.
-    pub modelled_units: f64,
+    /// [`Pacing::Modelled`]: the work done so far under the policy's eviction-cost model (the
+    /// engine's, as in the simulator), and up to when it is counted.
+    pub modelled: crate::engine::progress::JobWork,
     pub modelled_at: Option<crate::market::Timestamp>,
 }
 
@@ -358,6 +346,8 @@ impl Broker {
             .map_err(|e| ServiceError::invalid("policy", e.to_string()))?;
         let data = self.market_data();
         let model = self.work_model(&valid, &data)?;
+        let modelled =
+            crate::engine::progress::JobWork::new(policy.eviction_cost(&model), self.clock.now());
         Ok(JobRuntime {
             valid,
             submitted_work: model.total_work,
@@ -367,73 +357,15 @@ impl Broker {
             next_decision: None,
             pending: PendingEvents::default(),
             held: None,
-            modelled_units: 0.0,
+            modelled,
             modelled_at: None,
         })
     }
 
     fn work_model(&self, valid: &ValidJob, data: &MarketData) -> Result<JobModel, ServiceError> {
-        let usable = data.usable_types();
-        let work: &WorkSpec = &valid.work;
-        let types: Vec<String> = match &work.instance_types {
-            Some(t) => t.clone(),
-            None => usable.iter().map(|t| t.to_string()).collect(),
-        };
-        if types.is_empty() {
-            return Err(ServiceError::invalid(
-                "work.instance_types",
-                "the broker has no market with an on-demand price: ingest prices first",
-            ));
-        }
-        for (i, t) in types.iter().enumerate() {
-            if !usable.iter().any(|u| u.as_str() == t) {
-                return Err(ServiceError::invalid(
-                    &format!("work.instance_types[{i}]"),
-                    format!(
-                        "`{t}` has no spot market with an on-demand price here (available: {})",
-                        usable
-                            .iter()
-                            .map(|u| u.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                ));
-            }
-        }
-        let reference = match &work.reference_type {
-            Some(r) => r.clone(),
-            None => types
-                .iter()
-                .find(|t| {
-                    InstanceType::parse(t)
-                        .ok()
-                        .and_then(|t| crate::prices::catalog::lookup(&t))
-                        .is_some_and(|k| k.vcpus == 4)
-                })
-                .unwrap_or(&types[0])
-                .clone(),
-        };
-        let total_work = work.total_work.unwrap_or(match valid.training.stop {
-            proteus_wire::agent_api::StopCondition::Epochs { epochs } => f64::from(epochs),
-            proteus_wire::agent_api::StopCondition::Clocks { clocks } => {
-                (clocks as f64 / 100.0).max(0.01)
-            }
-        });
-        let spec = WorkModelSpec {
-            name: Some(valid.name.clone()),
-            total_work,
-            reference_type: reference,
-            instance_types: types,
-            throughput: Default::default(),
-            max_instances: valid.max_instances,
-            max_reliable_instances: Some(valid.max_reliable_instances),
-            max_capacity: valid.max_capacity,
-            startup_minutes: work
-                .startup_minutes
-                .unwrap_or(self.settings.default_startup_minutes),
-            eviction_cost: Default::default(),
-            stages: valid.training.stages,
-        };
+        let spec = valid
+            .work_model_spec(&data.markets.usable_types(), self.settings.default_startup_minutes)
+            .map_err(|e| ServiceError::invalid(&e.field, e.message))?;
         spec.resolve(
             "job spec `work`",
             data.history.on_demand(),
