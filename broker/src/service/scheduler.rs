@@ -256,7 +256,11 @@ impl Broker {
             .collect();
         let mut ready = Vec::new();
         for row in instances.iter_mut() {
-            if row.ready.is_some() || row.state != InstanceState::Running {
+            // A warned instance still starts up (as in the simulator, which tells the policy
+            // it is ready); it works for nothing, its working span having ended at the warning.
+            if row.ready.is_some()
+                || !matches!(row.state, InstanceState::Running | InstanceState::Warned)
+            {
                 continue;
             }
             let Some(launched) = row.launched else {
@@ -747,7 +751,10 @@ impl Broker {
                 times.extend(
                     instances
                         .iter()
-                        .filter(|i| i.state == InstanceState::Running && i.ready.is_none())
+                        .filter(|i| {
+                            matches!(i.state, InstanceState::Running | InstanceState::Warned)
+                                && i.ready.is_none()
+                        })
                         .filter_map(|i| i.launched.map(|l| l.plus_secs(startup))),
                 );
                 let spans: Vec<WorkingSpan> = instances
