@@ -354,9 +354,7 @@ fn job_spec(args: &DemoArgs) -> Result<JobSpec> {
         spec.work.get_or_insert_with(WorkSpec::default).total_work = Some(work);
     }
     if let Some(seed) = args.seed {
-        spec.training
-            .get_or_insert_with(TrainingSpec::default)
-            .seed = Some(seed);
+        spec.training.get_or_insert_with(TrainingSpec::default).seed = Some(seed);
     }
     Ok(spec)
 }

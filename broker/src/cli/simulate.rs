@@ -4,13 +4,13 @@ use crate::billing::BillingModel;
 use crate::data;
 use crate::engine::view::FutureReads;
 use crate::job::{JobModel, WorkModelSpec};
-use crate::service::spec::JobSpec;
 use crate::market::{Region, Timestamp};
 use crate::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
 use crate::output::{OutputFormat, Table, emit, pct, usd};
 use crate::policy::{PolicyKind, resolve_policy_path};
+use crate::service::spec::JobSpec;
 use crate::sim::inputs::{check_policy, load_history};
 use crate::sim::sweep::{
     PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
@@ -331,7 +331,8 @@ fn load_job(
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {file}"))?;
     if !is_job_spec(&text) {
-        let model = WorkModelSpec::parse(&file, &text)?.resolve(&file, history.on_demand(), region)?;
+        let model =
+            WorkModelSpec::parse(&file, &text)?.resolve(&file, history.on_demand(), region)?;
         return Ok((model, billing));
     }
     let spec = JobSpec::parse_file(&file, &text).map_err(anyhow::Error::msg)?;

@@ -117,7 +117,6 @@ impl MarketData {
             .unwrap_or_else(|e| e.into_inner())
             .observe(observation);
     }
-
 }
 
 /// What the scheduler keeps per running job besides the store: its policy (which may hold
@@ -364,7 +363,10 @@ impl Broker {
 
     fn work_model(&self, valid: &ValidJob, data: &MarketData) -> Result<JobModel, ServiceError> {
         let spec = valid
-            .work_model_spec(&data.markets.usable_types(), self.settings.default_startup_minutes)
+            .work_model_spec(
+                &data.markets.usable_types(),
+                self.settings.default_startup_minutes,
+            )
             .map_err(|e| ServiceError::invalid(&e.field, e.message))?;
         spec.resolve(
             "job spec `work`",

@@ -736,7 +736,10 @@ impl Broker {
     /// wants to be woken, a stall or milestone of a job's work ends, a job's work completes.
     /// A driver that steps market time itself (the demo) ticks at each, so that the live
     /// broker decides at the instants the simulator does.
-    pub async fn next_event_after(&self, now: Timestamp) -> Result<Option<Timestamp>, ServiceError> {
+    pub async fn next_event_after(
+        &self,
+        now: Timestamp,
+    ) -> Result<Option<Timestamp>, ServiceError> {
         let mut times: Vec<Timestamp> = self.cloud.next_event_after(now).into_iter().collect();
         for job in self.store.jobs(true).await? {
             let Some(runtime) = self.runtime(job.id) else {
@@ -1213,7 +1216,8 @@ fn advance_modelled_work(
     if membership_changed {
         rt.modelled.rebalance(now);
     }
-    let live = |i: &&InstanceRow| matches!(i.state, InstanceState::Requested | InstanceState::Running);
+    let live =
+        |i: &&InstanceRow| matches!(i.state, InstanceState::Requested | InstanceState::Running);
     let any_ready = instances.iter().filter(live).any(|i| i.ready.is_some());
     let any_starting = instances.iter().filter(live).any(|i| i.ready.is_none());
     rt.modelled.milestones(now, any_ready, any_starting);

@@ -747,16 +747,16 @@ impl<'a> Engine<'a> {
             overheads: self.overheads,
             cost_by_type: BTreeMap::new(),
             hours_by_type: BTreeMap::new(),
-            decisions_digest: crate::engine::digest::decisions_digest(self.ended.iter().map(
-                |e| crate::engine::digest::Launched {
+            decisions_digest: crate::engine::digest::decisions_digest(self.ended.iter().map(|e| {
+                crate::engine::digest::Launched {
                     at: e.launch,
                     market: &e.market,
                     tier: e.purchase.tier(),
                     bid: e.purchase.bid().map(|b| b.get()),
                     ended: Some(e.end),
                     ended_by_provider: e.by == EndedBy::Provider,
-                },
-            )),
+                }
+            })),
             decisions: std::mem::take(&mut self.decisions),
             instances: Vec::new(),
         };
