@@ -45,7 +45,7 @@ pub fn run(args: Args) -> Result<bool> {
 /// `(count, sum)` of the decision histogram, from the broker's metrics text.
 fn decisions(broker: &proteus_broker::service::Broker) -> Result<(u64, f64)> {
     let mut text = String::new();
-    broker.metrics.render(&mut text);
+    broker.metrics().render(&mut text);
     let value = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
@@ -114,7 +114,7 @@ async fn measure(args: &Args) -> Result<bool> {
     let mut tick = Samples::default();
     let (mut count, mut sum) = decisions(&broker)?;
     let started = Instant::now();
-    let market_start = broker.clock.now();
+    let market_start = broker.clock().now();
     while decision.count() < args.ticks as u64
         && started.elapsed() < Duration::from_secs_f64(args.max_secs)
     {
@@ -128,17 +128,17 @@ async fn measure(args: &Args) -> Result<bool> {
         match c - count {
             1 => decision.record(Duration::from_secs_f64((s - sum).max(0.0))),
             0 => {
-                let state = broker.store.job(job).await?.map(|j| j.state.to_string());
+                let state = broker.store().job(job).await?.map(|j| j.state.to_string());
                 bail!("a tick made no decision (job state {state:?})");
             }
             n => eprintln!("a tick made {n} decisions; not counted"),
         }
         (count, sum) = (c, s);
     }
-    let market_end = broker.clock.now();
-    let instances = broker.store.instances_of_job(job).await?;
+    let market_end = broker.clock().now();
+    let instances = broker.store().instances_of_job(job).await?;
     let evicted = instances.iter().filter(|i| i.ended_by_provider).count();
-    broker.store.close().await;
+    broker.store().close().await;
 
     let d = decision.summary();
     let t = tick.summary();

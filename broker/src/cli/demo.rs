@@ -207,7 +207,7 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
 
     let job: JobView = client.get(&format!("/v1/jobs/{}", job.id)).await?;
     let cost: CostReport = client.get(&format!("/v1/jobs/{}/cost", job.id)).await?;
-    let instances = broker.store.instances_of_job(id).await?;
+    let instances = broker.store().instances_of_job(id).await?;
     let chart_path = out.join("proteus-demo.svg");
     let title = format!(
         "Proteus demo: job {} ({}), policy {}",
@@ -227,8 +227,8 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         )?;
         std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
     }
-    let digest = decisions_digest(&broker.store, id).await?;
-    if let Some(launcher) = &broker.launcher {
+    let digest = decisions_digest(&broker.store(), id).await?;
+    if let Some(launcher) = &broker.launcher() {
         launcher.stop_all(Duration::from_secs(2)).await;
     }
 
@@ -416,12 +416,12 @@ async fn wait_for_handovers(
     job: proteus_wire::JobId,
     bar: &ProgressBar,
 ) {
-    let Some(launcher) = &broker.launcher else {
+    let Some(launcher) = &broker.launcher() else {
         return;
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let warned = match broker.store.instances_of_job(job).await {
+        let warned = match broker.store().instances_of_job(job).await {
             Ok(rows) => rows
                 .into_iter()
                 .filter(|i| {
@@ -443,7 +443,7 @@ async fn wait_for_handovers(
 async fn settle(broker: &crate::service::Broker, job: proteus_wire::JobId) {
     for _ in 0..20 {
         let live = broker
-            .store
+            .store()
             .instances_of_job(job)
             .await
             .map(|rows| rows.iter().filter(|i| !i.state.is_final()).count())
@@ -472,7 +472,7 @@ async fn keep_pace_with_training(
         let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
         (rt.modelled.done() / rt.model.total_work).min(1.0)
     };
-    let Some(control) = broker.control.get(job) else {
+    let Some(control) = broker.control().get(job) else {
         return false;
     };
     let deadline = Instant::now() + Duration::from_secs(if fraction >= 1.0 { 120 } else { 15 });

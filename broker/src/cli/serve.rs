@@ -238,7 +238,7 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
     eprintln!(
         "proteus broker listening on {scheme}://{} ({} cloud)",
         server.addr,
-        server.broker.cloud.kind()
+        server.broker.cloud().kind()
     );
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -155,21 +155,21 @@ pub struct PendingEvents {
 
 /// A running broker.
 pub struct Broker {
-    pub store: Store,
-    pub clock: SharedClock,
-    pub cloud: Arc<dyn Cloud>,
-    pub launcher: Option<Arc<LocalLauncher>>,
-    pub control: ControlPlane,
-    pub settings: Settings,
-    pub metrics: metrics::Metrics,
+    store: Store,
+    clock: SharedClock,
+    cloud: Arc<dyn Cloud>,
+    launcher: Option<Arc<LocalLauncher>>,
+    control: ControlPlane,
+    settings: Settings,
+    metrics: metrics::Metrics,
     market_data: RwLock<Arc<MarketData>>,
     runtimes: Mutex<HashMap<JobId, Arc<Mutex<JobRuntime>>>>,
     /// Rings when something should be looked at before the next tick (a submit, a cancel).
-    pub nudge: Notify,
+    nudge: Notify,
     /// Agent tokens by cloud id, so heartbeats need no database read.
     pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
     /// Job statuses as last read from the store; see [`status_cache`].
-    pub status_cache: status_cache::StatusCache,
+    status_cache: status_cache::StatusCache,
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
     pub(crate) final_bills: Mutex<HashMap<String, f64>>,
@@ -179,6 +179,41 @@ pub struct Broker {
     /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
     /// checkpoint.
     pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
+}
+
+impl Broker {
+    /// The broker's database.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+    /// Market time.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+    pub fn cloud(&self) -> &Arc<dyn Cloud> {
+        &self.cloud
+    }
+    /// Starts agents on this machine for locally launched instances (the simulated cloud).
+    pub fn launcher(&self) -> Option<&Arc<LocalLauncher>> {
+        self.launcher.as_ref()
+    }
+    /// The jobs' coordinators.
+    pub fn control(&self) -> &ControlPlane {
+        &self.control
+    }
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    pub fn metrics(&self) -> &metrics::Metrics {
+        &self.metrics
+    }
+    /// Rings when something should be looked at before the next tick (a submit, a cancel).
+    pub fn nudge(&self) -> &Notify {
+        &self.nudge
+    }
+    pub fn status_cache(&self) -> &status_cache::StatusCache {
+        &self.status_cache
+    }
 }
 
 impl std::fmt::Debug for Broker {
@@ -203,6 +238,26 @@ pub enum ServiceError {
     /// The request is well formed but the thing it names cannot do it now.
     #[error("{0}")]
     Refused(String),
+    /// A malformed request the caller can fix.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No credentials, or ones nobody issued.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Credentials of someone else, or of something that has ended.
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// More than the broker accepts (a checkpoint over its size limit).
+    #[error("{0}")]
+    TooLarge(String),
+    /// The broker is not set up for this (no checkpoint store).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The job's coordinator refused an agent's call.
+    #[error(transparent)]
+    Coordinator(#[from] proteus_wire::coordinator::CoordinatorError),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{0}")]
@@ -210,7 +265,7 @@ pub enum ServiceError {
 }
 
 impl ServiceError {
-    fn invalid(field: &str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(field: &str, message: impl Into<String>) -> Self {
         ServiceError::Invalid {
             field: field.to_string(),
             message: message.into(),
