@@ -121,7 +121,7 @@ fn report(args: &Args, hb: &Samples, s: &Summary, registration: &Summary, job: O
 async fn setup(
     args: &Args,
     user_token: &str,
-) -> Result<(proteus_broker::cli::serve::Server, Vec<Agent>)> {
+) -> Result<(proteus_broker::startup::Application, Vec<Agent>)> {
     let server = inproc::build(
         &args.database_url,
         &[

@@ -9,7 +9,6 @@
 //! [`Pacing::Modelled`]) so that the same seed gives the same decisions and the same cost.
 
 use super::GlobalArgs;
-use super::serve::{ServeArgs, StartOptions, start_with};
 use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
@@ -17,6 +16,7 @@ use crate::output::{OutputFormat, pct, usd};
 use crate::service::Pacing;
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::{App, JobSpec, StopSpec, TrainingSpec, WorkSpec};
+use crate::startup::{ServeArgs, StartOptions, start_with};
 use crate::store::Store;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};

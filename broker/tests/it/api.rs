@@ -2,10 +2,10 @@
 //! processes here; `tests/e2e` runs those). The market clock is stepped by the test.
 
 use crate::support::TestDb;
-use proteus_broker::cli::serve::{ServeArgs, StartOptions, start_with};
 use proteus_broker::clock::{Clock, ManualClock};
 use proteus_broker::market::Timestamp;
 use proteus_broker::service::{Broker, Pacing};
+use proteus_broker::startup::{ServeArgs, StartOptions, start_with};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
