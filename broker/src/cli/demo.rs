@@ -359,12 +359,9 @@ fn job_spec(args: &DemoArgs) -> Result<JobSpec> {
     Ok(spec)
 }
 
-/// examples/jobs/demo.toml of the repository (beside its data directory).
+/// The repository's examples/jobs/demo.toml.
 fn default_job_file() -> PathBuf {
-    let data = crate::data::data_dir();
-    data.parent()
-        .unwrap_or(&data)
-        .join("examples")
+    crate::data::project_dir("examples", None, "jobs/demo.toml")
         .join("jobs")
         .join("demo.toml")
 }
