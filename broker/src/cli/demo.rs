@@ -227,7 +227,7 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         )?;
         std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
     }
-    let digest = decisions_digest(&broker.store(), id).await?;
+    let digest = decisions_digest(broker.store(), id).await?;
     if let Some(launcher) = &broker.launcher() {
         launcher.stop_all(Duration::from_secs(2)).await;
     }
