@@ -10,24 +10,27 @@ pub const TRACE_2015_NAME: &str = "aws-us-east-1-2015-03-to-06.csv.gz";
 pub const ON_DEMAND_2015: &[u8] = include_bytes!("../../data/spot/on-demand-us-east-1-2015.csv");
 pub const ON_DEMAND_2015_NAME: &str = "on-demand-us-east-1-2015.csv";
 
-/// The project's `data/` directory: `$PROTEUS_DATA_DIR`, else a `data/` beside or above the
-/// running binary (an installed tree), else the one in the source tree this binary was built from.
+/// The project's `data/` directory: `$PROTEUS_DATA_DIR`, else see [`project_dir`].
 pub fn data_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PROTEUS_DATA_DIR") {
+    project_dir("data", Some("PROTEUS_DATA_DIR"), "SOURCES.md")
+}
+
+/// The one lookup of a directory of the project's tree (`data/`, `policies/`, `examples/`):
+/// `$env` if set, else a `name/` holding `marker` beside or above the running binary (an
+/// installed tree), else the one in the source tree this binary was built from.
+pub fn project_dir(name: &str, env: Option<&str>, marker: &str) -> PathBuf {
+    if let Some(dir) = env.and_then(std::env::var_os) {
         return PathBuf::from(dir);
     }
-    let has_data = |d: &Path| d.join("SOURCES.md").is_file();
     if let Ok(exe) = std::env::current_exe() {
         for ancestor in exe.ancestors().skip(1).take(4) {
-            let candidate = ancestor.join("data");
-            if has_data(&candidate) {
+            let candidate = ancestor.join(name);
+            if candidate.join(marker).is_file() {
                 return candidate;
             }
         }
     }
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("data")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name)
 }
 
 /// Where this user's Proteus state lives by default (`~/.local/share/proteus` on Linux): the

@@ -75,8 +75,11 @@ pub struct WorkModelSpec {
     pub stages: StageThresholds,
 }
 
+/// From launch to useful work, minutes, for jobs that do not say.
+pub const DEFAULT_STARTUP_MINUTES: f64 = 5.0;
+
 fn default_startup_minutes() -> f64 {
-    5.0
+    DEFAULT_STARTUP_MINUTES
 }
 
 /// The eviction-cost model in file form; see [`EvictionCost`].

@@ -31,4 +31,5 @@ pub mod policy;
 pub mod prices;
 pub mod service;
 pub mod sim;
+pub mod startup;
 pub mod store;

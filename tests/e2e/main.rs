@@ -8,6 +8,7 @@ mod demo;
 mod eviction;
 mod flexrr;
 mod localstack;
+mod parity;
 mod pg_restart;
 mod pipeline;
 mod sim;

@@ -74,7 +74,7 @@ pub fn run(args: Args) -> Result<bool> {
     let _ = stop_tx.send(());
     let _ = broker_rt.block_on(serving);
     let job_state = broker_rt.block_on(async {
-        let jobs = broker.store.jobs(false).await.ok()?;
+        let jobs = broker.store().jobs(false).await.ok()?;
         Some(jobs.first()?.state.to_string())
     });
     drop(broker);
@@ -121,7 +121,7 @@ fn report(args: &Args, hb: &Samples, s: &Summary, registration: &Summary, job: O
 async fn setup(
     args: &Args,
     user_token: &str,
-) -> Result<(proteus_broker::cli::serve::Server, Vec<Agent>)> {
+) -> Result<(proteus_broker::startup::Application, Vec<Agent>)> {
     let server = inproc::build(
         &args.database_url,
         &[
@@ -156,7 +156,7 @@ async fn setup(
         .find(|m| data.markets.on_demand(m).is_some())
         .cloned()
         .context("a market with an on-demand price")?;
-    let now = broker.clock.now();
+    let now = broker.clock().now();
     let mut agents = Vec::with_capacity(args.agents);
     for i in 0..args.agents {
         let token = new_token("pa_");
@@ -168,9 +168,9 @@ async fn setup(
             hash_token(&token),
             now,
         );
-        broker.store.insert_instance(&row).await?;
+        broker.store().insert_instance(&row).await?;
         let launched = broker
-            .cloud
+            .cloud()
             .launch(&LaunchSpec {
                 instance_id: row.id.clone(),
                 job_id: job,
@@ -182,7 +182,7 @@ async fn setup(
             .await
             .map_err(|e| anyhow!("launching in the simulated cloud: {e}"))?;
         broker
-            .store
+            .store()
             .mark_launched(
                 &row.id,
                 &launched.cloud_id,

@@ -1,10 +1,10 @@
-//! A broker built in this process with the library (`cli::serve::start`, simulated cloud, no
+//! A broker built in this process with the library (`startup::start`, simulated cloud, no
 //! local agents), on a tokio runtime of its own, so that the load generator's threads and the
 //! broker's are separate as they would be in two processes.
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use proteus_broker::cli::serve::{ServeArgs, Server, start};
+use proteus_broker::startup::{Application, ServeArgs, start};
 use proteus_broker::store::Store;
 
 #[derive(Parser)]
@@ -30,7 +30,7 @@ pub fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime> {
 }
 
 /// Opens the store (migrating it) and builds a broker on 127.0.0.1:0 with `flags`.
-pub async fn build(database_url: &str, flags: &[&str]) -> Result<Server> {
+pub async fn build(database_url: &str, flags: &[&str]) -> Result<Application> {
     let store = Store::open(database_url)
         .await
         .with_context(|| format!("opening {database_url}"))?;

@@ -191,13 +191,13 @@ pub(super) async fn job_chart(
     let id = job_id(&id)?;
     let job = s
         .broker
-        .store
+        .store()
         .job(id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("job {id} does not exist")))?;
-    let instances = s.broker.store.instances_of_job(id).await?;
+    let instances = s.broker.store().instances_of_job(id).await?;
     let from = job.started.unwrap_or(job.created);
-    let to = job.finished.unwrap_or_else(|| s.broker.clock.now());
+    let to = job.finished.unwrap_or_else(|| s.broker.clock().now());
     let title = format!("job {} ({}), policy {}", job.id, job.name, job.policy);
     let data = s.broker.market_data();
     let bytes = tokio::task::spawn_blocking(move || {
@@ -255,7 +255,7 @@ pub(super) async fn markets_chart(
             .transpose()
             .map_err(|e| ApiError::invalid(field, e.to_string()))
     };
-    let to = time("to", &q.to)?.unwrap_or_else(|| s.broker.clock.now());
+    let to = time("to", &q.to)?.unwrap_or_else(|| s.broker.clock().now());
     let from = match (time("from", &q.from)?, q.hours) {
         (Some(from), _) => from,
         (None, Some(h)) if !(h > 0.0 && h <= 24.0 * 3660.0) => {

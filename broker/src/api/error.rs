@@ -30,6 +30,10 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An answer with this status and machine-readable code.
+    pub fn with_status(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(status, code, message)
+    }
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,

@@ -103,6 +103,22 @@ impl From<ServiceError> for ApiError {
                 ApiError::not_found(format!("instance {id} does not exist"))
             }
             ServiceError::Refused(message) => ApiError::conflict(message),
+            ServiceError::BadRequest(message) => ApiError::bad_request(message),
+            ServiceError::Unauthenticated(message) => ApiError::unauthorized(message),
+            ServiceError::Forbidden(message) => ApiError::forbidden(message),
+            ServiceError::NotFound(message) => ApiError::not_found(message),
+            ServiceError::TooLarge(message) => {
+                ApiError::with_status(StatusCode::PAYLOAD_TOO_LARGE, "bad_request", message)
+            }
+            ServiceError::Unavailable(message) => {
+                ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "bad_request", message)
+            }
+            // The agent API's own mapping, shared with every other user of the coordinator.
+            ServiceError::Coordinator(e) => ApiError::with_status(
+                StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST),
+                e.code(),
+                e.to_string(),
+            ),
             other => ApiError::internal(other),
         }
     }
@@ -135,7 +151,7 @@ async fn authorize(state: &AppState, headers: &HeaderMap, access: Access) -> Res
             if let Some(t) = bearer(headers)
                 && state
                     .broker
-                    .store
+                    .store()
                     .instance_by_token_hash(&auth::hash_token(t))
                     .await?
                     .is_some()
@@ -156,10 +172,10 @@ struct Health {
 
 #[utoipa::path(get, path = "/healthz", responses((status = 200, body = Health)))]
 async fn healthz(State(s): State<AppState>) -> Response {
-    let db_ok = s.broker.store.price_row_count().await.is_ok();
+    let db_ok = s.broker.store().price_row_count().await.is_ok();
     let body = Health {
         status: if db_ok { "ok" } else { "degraded" },
-        cloud: s.broker.cloud.kind(),
+        cloud: s.broker.cloud().kind(),
         database: if db_ok { "ok" } else { "unreachable" },
     };
     let status = if db_ok {
@@ -270,10 +286,10 @@ async fn job_events(
 ) -> Result<Json<Vec<EventView>>, ApiError> {
     user(&s, &headers).await?;
     let id = job_id(&id)?;
-    if s.broker.store.job(id).await?.is_none() {
+    if s.broker.store().job(id).await?.is_none() {
         return Err(ApiError::not_found(format!("job {id} does not exist")));
     }
-    let events = s.broker.store.events_of_job(id).await?;
+    let events = s.broker.store().events_of_job(id).await?;
     Ok(Json(
         events
             .into_iter()
@@ -309,9 +325,9 @@ async fn list_markets(
     headers: HeaderMap,
 ) -> Result<Json<Vec<MarketView>>, ApiError> {
     user(&s, &headers).await?;
-    let rows = s.broker.store.markets(&MarketFilter::default()).await?;
+    let rows = s.broker.store().markets(&MarketFilter::default()).await?;
     let data = s.broker.market_data();
-    let now = s.broker.clock.now();
+    let now = s.broker.clock().now();
     Ok(Json(
         rows.into_iter()
             .map(|r| MarketView {
@@ -371,7 +387,7 @@ async fn list_prices(
         zone: Some(market.zone.clone()),
         instance_type: Some(market.instance_type.clone()),
     };
-    let history = s.broker.store.load_history(&filter, from, to).await?;
+    let history = s.broker.store().load_history(&filter, from, to).await?;
     let points = history
         .get(&market)
         .map(|series| {
@@ -545,7 +561,7 @@ async fn download_guard(s: &AppState, headers: &HeaderMap) -> Result<(), ApiErro
     })?;
     match s
         .broker
-        .store
+        .store()
         .instance_by_token_hash(&auth::hash_token(token))
         .await?
     {

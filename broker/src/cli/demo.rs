@@ -9,20 +9,19 @@
 //! [`Pacing::Modelled`]) so that the same seed gives the same decisions and the same cost.
 
 use super::GlobalArgs;
-use super::serve::{ServeArgs, StartOptions, start_with};
 use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
 use crate::output::{OutputFormat, pct, usd};
 use crate::service::Pacing;
 use crate::service::jobs::{CostReport, JobView};
-use crate::service::spec::{App, JobSpec, Limits, StopSpec, TrainingSpec, WorkSpec};
+use crate::service::spec::{App, JobSpec, StopSpec, TrainingSpec, WorkSpec};
+use crate::startup::{ServeArgs, StartOptions, start_with};
 use crate::store::Store;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -42,13 +41,19 @@ pub enum DemoApp {
     proteus demo --policy standard-bidding --seed 7\n  \
     proteus demo --app mf --start 2015-06-01T00:00:00Z --speed 4000\n  \
     proteus demo --output json > demo.json\n  \
+    proteus demo --job examples/jobs/demo.toml --policy on-demand --start 2015-05-03T00:00:00Z\n  \
     proteus demo --keep-serving   # then open the printed dashboard URL")]
 pub struct DemoArgs {
-    /// The policy that buys capacity: bidbrain, on-demand, standard-bidding.
-    #[arg(long, default_value = "bidbrain")]
-    pub policy: String,
-    #[arg(long, value_enum, default_value_t = DemoApp::Mlr)]
-    pub app: DemoApp,
+    /// The job (a job spec, as `proteus submit` and `proteus simulate --job` take it).
+    /// Default: the repository's examples/jobs/demo.toml. The flags below override its fields.
+    #[arg(long, value_name = "FILE")]
+    pub job: Option<PathBuf>,
+    /// The policy that buys capacity: bidbrain, on-demand, standard-bidding. Default: the job's.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Default: the job's.
+    #[arg(long, value_enum)]
+    pub app: Option<DemoApp>,
     /// Market time in the 2015 trace where the job starts.
     #[arg(long, default_value = "2015-05-01T00:00:00Z")]
     pub start: String,
@@ -59,17 +64,19 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 60.0)]
     pub step_secs: f64,
     /// Seeds the training (initialisation and data order): same seed, same run.
-    #[arg(long, default_value_t = 7)]
-    pub seed: u64,
+    /// Default: the job's.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Work of the job, in c3.xlarge-hours: what the policy plans with and the cost is for.
-    #[arg(long, default_value_t = 24.0)]
-    pub work: f64,
-    #[arg(long, default_value_t = 8)]
-    pub max_instances: u32,
-    /// Passes over the training data. The default keeps the agents training through the
-    /// first price spikes after the default start, so that evicted agents hand over for real.
-    #[arg(long, default_value_t = 6)]
-    pub epochs: u32,
+    /// Default: the job's.
+    #[arg(long)]
+    pub work: Option<f64>,
+    /// Default: the job's.
+    #[arg(long)]
+    pub max_instances: Option<u32>,
+    /// Passes over the training data. Default: the job's.
+    #[arg(long)]
+    pub epochs: Option<u32>,
     /// Where the chart and the demo's database go. Default: ./proteus-demo (or a temporary
     /// directory if the current one is not writable).
     #[arg(long)]
@@ -104,10 +111,11 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         bail!("--speed and --step-secs must be positive");
     }
     let quiet = args.output == OutputFormat::Json;
+    let spec = job_spec(&args)?;
     if !quiet {
         eprintln!(
             "proteus demo: database {db_note}; market opens at {start}; policy {}",
-            args.policy
+            spec.policy
         );
     }
 
@@ -138,7 +146,7 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     };
     let client = super::client::Client::new(&remote)?;
     let job: JobView = client
-        .post("/v1/jobs", &job_spec(&args))
+        .post("/v1/jobs", &spec)
         .await
         .context("submitting the demo job")?;
     if !quiet {
@@ -152,9 +160,12 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
     let bar = progress_bar(quiet);
     let step = Duration::from_secs_f64(args.step_secs / args.speed);
     let id = proteus_wire::JobId(job.id);
+    // Market time moves in steps of at most `--step-secs`, and onto every instant at which
+    // something happens (the broker says when), so that the broker decides at the instants
+    // the simulator does: same job, start and policy, same decisions as `proteus simulate`.
+    let mut waited_at_completion = false;
     let market_end = loop {
         let tick_started = Instant::now();
-        clock.advance_secs(args.step_secs);
         broker.tick().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         let view = broker
             .job_view(id)
@@ -167,10 +178,23 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
             break end;
         }
         wait_for_handovers(&broker, id, &bar).await;
-        keep_pace_with_training(&broker, id, &bar).await;
+        if keep_pace_with_training(&broker, id, &bar).await && !waited_at_completion {
+            // The modelled work is done and the agents have now finished too: the job ends
+            // at this instant, as in the simulator.
+            waited_at_completion = true;
+            continue;
+        }
         if let Some(rest) = step.checked_sub(tick_started.elapsed()) {
             tokio::time::sleep(rest).await;
         }
+        let now = clock.now();
+        let next = broker
+            .next_event_after(now)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .unwrap_or(now.plus_secs(args.step_secs))
+            .min(now.plus_secs(args.step_secs));
+        clock.set(next);
         if clock.now().secs_since(start) > 14.0 * 86_400.0 {
             broker
                 .cancel(id)
@@ -183,7 +207,7 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
 
     let job: JobView = client.get(&format!("/v1/jobs/{}", job.id)).await?;
     let cost: CostReport = client.get(&format!("/v1/jobs/{}/cost", job.id)).await?;
-    let instances = broker.store.instances_of_job(id).await?;
+    let instances = broker.store().instances_of_job(id).await?;
     let chart_path = out.join("proteus-demo.svg");
     let title = format!(
         "Proteus demo: job {} ({}), policy {}",
@@ -203,8 +227,8 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
         )?;
         std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
     }
-    let digest = decisions_digest(&broker.store, id).await?;
-    if let Some(launcher) = &broker.launcher {
+    let digest = decisions_digest(broker.store(), id).await?;
+    if let Some(launcher) = &broker.launcher() {
         launcher.stop_all(Duration::from_secs(2)).await;
     }
 
@@ -296,52 +320,50 @@ fn serve_args(out: &std::path::Path, token: &str, args: &DemoArgs) -> ServeArgs 
     }
 }
 
-fn job_spec(args: &DemoArgs) -> JobSpec {
-    let (app, dataset) = match args.app {
-        DemoApp::Mlr => (App::Mlr, "mnist"),
-        DemoApp::Mf => (App::Mf, "movietweetings-100k.csv.gz"),
-    };
-    JobSpec {
-        name: Some(format!(
+/// The demo's job: the `--job` file (default examples/jobs/demo.toml) with the flags' overrides.
+fn job_spec(args: &DemoArgs) -> Result<JobSpec> {
+    let path = args.job.clone().unwrap_or_else(default_job_file);
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {file}"))?;
+    let mut spec = JobSpec::parse_file(&file, &text).map_err(anyhow::Error::msg)?;
+    if let Some(policy) = &args.policy {
+        spec.policy = policy.clone();
+    }
+    if let Some(app) = args.app {
+        let (app, dataset) = match app {
+            DemoApp::Mlr => (App::Mlr, "mnist"),
+            DemoApp::Mf => (App::Mf, "movietweetings-100k.csv.gz"),
+        };
+        spec.app = app;
+        spec.dataset = Some(dataset.into());
+        spec.name = Some(format!(
             "demo-{}",
             dataset.split('-').next().unwrap_or(dataset)
-        )),
-        app,
-        dataset: Some(dataset.into()),
-        stop: Some(StopSpec {
-            epochs: Some(args.epochs),
-            clocks: None,
-        }),
-        policy: args.policy.clone(),
-        limits: Limits {
-            max_instances: args.max_instances,
-            max_reliable_instances: Some(1),
-            max_capacity: None,
-            budget_usd: None,
-            deadline: None,
-            deadline_hours: None,
-        },
-        billing: None,
-        command: None,
-        work: Some(WorkSpec {
-            total_work: Some(args.work),
-            reference_type: None,
-            instance_types: None,
-            startup_minutes: None,
-        }),
-        training: Some(TrainingSpec {
-            learning_rate: None,
-            l2: None,
-            rank: None,
-            num_shards: Some(2),
-            backup_sync_interval_ms: Some(500),
-            clocks_per_epoch: None,
-            stage2_ratio: None,
-            stage3_ratio: None,
-            seed: Some(args.seed),
-            ..Default::default()
-        }),
+        ));
     }
+    if let Some(epochs) = args.epochs {
+        spec.stop = Some(StopSpec {
+            epochs: Some(epochs),
+            clocks: None,
+        });
+    }
+    if let Some(n) = args.max_instances {
+        spec.limits.max_instances = n;
+    }
+    if let Some(work) = args.work {
+        spec.work.get_or_insert_with(WorkSpec::default).total_work = Some(work);
+    }
+    if let Some(seed) = args.seed {
+        spec.training.get_or_insert_with(TrainingSpec::default).seed = Some(seed);
+    }
+    Ok(spec)
+}
+
+/// The repository's examples/jobs/demo.toml.
+fn default_job_file() -> PathBuf {
+    crate::data::project_dir("examples", None, "jobs/demo.toml")
+        .join("jobs")
+        .join("demo.toml")
 }
 
 fn progress_bar(hidden: bool) -> ProgressBar {
@@ -391,12 +413,12 @@ async fn wait_for_handovers(
     job: proteus_wire::JobId,
     bar: &ProgressBar,
 ) {
-    let Some(launcher) = &broker.launcher else {
+    let Some(launcher) = &broker.launcher() else {
         return;
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let warned = match broker.store.instances_of_job(job).await {
+        let warned = match broker.store().instances_of_job(job).await {
             Ok(rows) => rows
                 .into_iter()
                 .filter(|i| {
@@ -418,7 +440,7 @@ async fn wait_for_handovers(
 async fn settle(broker: &crate::service::Broker, job: proteus_wire::JobId) {
     for _ in 0..20 {
         let live = broker
-            .store
+            .store()
             .instances_of_job(job)
             .await
             .map(|rows| rows.iter().filter(|i| !i.state.is_final()).count())
@@ -434,20 +456,21 @@ async fn settle(broker: &crate::service::Broker, job: proteus_wire::JobId) {
 
 /// Waits (bounded) until the agents' training has caught up with the work the market clock has
 /// credited, so that market time does not race ahead of real training.
+/// Returns whether the modelled work is complete and the training has finished.
 async fn keep_pace_with_training(
     broker: &crate::service::Broker,
     job: proteus_wire::JobId,
     bar: &ProgressBar,
-) {
+) -> bool {
     let Some(runtime) = broker.runtime(job) else {
-        return;
+        return false;
     };
     let fraction = {
         let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-        (rt.modelled_units / rt.model.total_work).min(1.0)
+        (rt.modelled.done() / rt.model.total_work).min(1.0)
     };
-    let Some(control) = broker.control.get(job) else {
-        return;
+    let Some(control) = broker.control().get(job) else {
+        return false;
     };
     let deadline = Instant::now() + Duration::from_secs(if fraction >= 1.0 { 120 } else { 15 });
     loop {
@@ -457,36 +480,29 @@ async fn keep_pace_with_training(
         let caught_up = status.progress.clock >= wanted;
         let done = status.state == proteus_wire::coordinator::JobState::Completed;
         if caught_up || done || Instant::now() > deadline || status.members.is_empty() {
-            return;
+            return fraction >= 1.0 && done;
         }
         bar.tick();
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
-/// Launches, releases and evictions with their market times and markets — not instance ids,
-/// which are random — hashed.
+/// Launches, releases and evictions with their market times and markets, hashed by the
+/// engine's one digest ([`crate::engine::digest`]), which `proteus simulate` prints too.
 async fn decisions_digest(store: &Store, job: proteus_wire::JobId) -> Result<String> {
-    let mut lines = Vec::new();
-    for i in store.instances_of_job(job).await? {
-        lines.push(format!(
-            "{} {} {:?} {:?} {:?} {} {:?}\n",
-            i.requested.0,
-            i.market,
-            i.tier,
-            i.bid.map(|b| b.get()),
-            i.ended.map(|t| t.0),
-            i.ended_by_provider,
-            i.end_reason
-        ));
-    }
-    // Instances launched at the same instant come back in id order, and ids are random.
-    lines.sort();
-    let mut hasher = Sha256::new();
-    for line in &lines {
-        hasher.update(line.as_bytes());
-    }
-    Ok(hex::encode(&hasher.finalize()[..8]))
+    let rows = store.instances_of_job(job).await?;
+    Ok(crate::engine::digest::decisions_digest(
+        rows.iter()
+            .filter(|i| i.launched.is_some())
+            .map(|i| crate::engine::digest::Launched {
+                at: i.requested,
+                market: &i.market,
+                tier: i.tier,
+                bid: i.bid.map(|b| b.get()),
+                ended: i.ended,
+                ended_by_provider: i.ended_by_provider,
+            }),
+    ))
 }
 
 fn summary(r: &DemoResult) -> String {

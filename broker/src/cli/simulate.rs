@@ -3,13 +3,14 @@
 use crate::billing::BillingModel;
 use crate::data;
 use crate::engine::view::FutureReads;
-use crate::job::WorkModelSpec;
+use crate::job::{JobModel, WorkModelSpec};
 use crate::market::{Region, Timestamp};
 use crate::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
 use crate::output::{OutputFormat, Table, emit, pct, usd};
 use crate::policy::{PolicyKind, resolve_policy_path};
+use crate::service::spec::JobSpec;
 use crate::sim::inputs::{check_policy, load_history};
 use crate::sim::sweep::{
     PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
@@ -141,7 +142,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         bail!("{}: no price rows", trace.display());
     }
     let job_file = args.job.display().to_string();
-    let job = WorkModelSpec::load(&args.job)?.resolve(&job_file, history.on_demand(), &region)?;
+    let (job, billing) = load_job(&args.job, &history, &region, args.billing)?;
     for (t, _) in job.rates() {
         if !history.markets().any(|m| &m.instance_type == t) {
             eprintln!(
@@ -180,7 +181,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         check_policy(e, &history, &job, &trace_name)?;
     }
 
-    let kind = match (args.market_model, args.billing) {
+    let kind = match (args.market_model, billing) {
         (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => {
             ModelChoice::Price
         }
@@ -218,7 +219,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         }
     };
     let od_hours = job.total_work / job.full_speed() + job.startup_secs / 3600.0;
-    let scenario = Scenario::new(history.clone(), job, args.billing, world, model)?;
+    let scenario = Scenario::new(history.clone(), job, billing, world, model)?;
     let (first, last) = scenario.span();
 
     let starts: Vec<Timestamp> = match &args.start {
@@ -300,7 +301,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
             .map(Timestamp::to_string)
             .unwrap_or_default(),
         trace.display(),
-        args.billing,
+        billing,
         if kind == ModelChoice::Price {
             "price-driven"
         } else {
@@ -314,6 +315,45 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         print!("{}", breakdown_table(&summaries).render());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The job to simulate, and its billing: a work model file (`examples/jobs/reference-2015.toml`),
+/// or a job spec as `proteus submit` and `proteus demo --job` take it
+/// (`examples/jobs/demo.toml`), whose work model is the one the broker would run it with
+/// ([`ValidJob::work_model_spec`](crate::service::spec::ValidJob::work_model_spec)) and whose
+/// `billing`, if set, overrides `--billing`.
+fn load_job(
+    path: &std::path::Path,
+    history: &Arc<crate::prices::PriceHistory>,
+    region: &Region,
+    billing: BillingModel,
+) -> Result<(JobModel, BillingModel)> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {file}"))?;
+    if !is_job_spec(&text) {
+        let model =
+            WorkModelSpec::parse(&file, &text)?.resolve(&file, history.on_demand(), region)?;
+        return Ok((model, billing));
+    }
+    let spec = JobSpec::parse_file(&file, &text).map_err(anyhow::Error::msg)?;
+    let valid = spec
+        .validate(billing, Timestamp(0))
+        .map_err(|e| anyhow::anyhow!("{file}: {}: {}", e.field, e.message))?;
+    let usable = crate::engine::view::TraceMarkets::new(history.clone()).usable_types();
+    let model = valid
+        .work_model_spec(&usable, crate::job::DEFAULT_STARTUP_MINUTES)
+        .map_err(|e| anyhow::anyhow!("{file}: {}: {}", e.field, e.message))?
+        .resolve(&file, history.on_demand(), region)?;
+    Ok((model, valid.billing))
+}
+
+/// A job spec names its application (`app`); a work model file has none.
+fn is_job_spec(text: &str) -> bool {
+    if text.trim_start().starts_with('{') {
+        serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v.get("app").is_some())
+    } else {
+        toml::from_str::<toml::Table>(text).is_ok_and(|t| t.contains_key("app"))
+    }
 }
 
 fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> {

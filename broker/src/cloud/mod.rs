@@ -139,6 +139,14 @@ pub trait Cloud: Send + Sync + fmt::Debug {
     /// reach only the instance itself (EC2) report terminations here and warnings via the agent.
     async fn events(&self) -> Result<Vec<CloudEvent>, CloudError>;
 
+    /// The next market time after `now` at which this cloud reports something of its own
+    /// accord (a warning, a reclaim), when it knows in advance (the simulated cloud does), so
+    /// that a driver stepping market time itself can land on it.
+    fn next_event_after(&self, now: Timestamp) -> Option<Timestamp> {
+        let _ = now;
+        None
+    }
+
     /// Interrupts a spot instance now, as the provider would when the price crossed its bid:
     /// the two-minute warning, then the reclaim. This is what AWS Fault Injection Service's
     /// `aws:ec2:send-spot-instance-interruptions` action does, and it exists for the same

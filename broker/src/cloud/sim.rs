@@ -192,6 +192,23 @@ impl Cloud for SimCloud {
         Ok(events)
     }
 
+    fn next_event_after(&self, now: Timestamp) -> Option<Timestamp> {
+        let state = self.lock();
+        state
+            .instances
+            .values()
+            .filter(|i| i.ended.is_none())
+            .filter_map(|i| {
+                let warn_at = i.warn_at?;
+                Some(match i.warned_wall {
+                    None => warn_at,
+                    Some(_) => warn_at.plus_secs(crate::engine::NOTICE_SECS),
+                })
+            })
+            .filter(|&t| t > now)
+            .min()
+    }
+
     async fn send_interruption(&self, cloud_id: &str) -> Result<(), CloudError> {
         let now = self.clock.now();
         let refuse = |message: String| CloudError::Call {

@@ -7,7 +7,9 @@
 
 use crate::market::Timestamp;
 
+pub mod digest;
 pub mod limits;
+pub mod progress;
 pub mod view;
 pub mod work;
 

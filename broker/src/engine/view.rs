@@ -52,6 +52,20 @@ impl TraceMarkets {
         self.on_demand.get(market).copied()
     }
 
+    /// Instance types that have a market and an on-demand price: what a job may use by
+    /// default.
+    pub fn usable_types(&self) -> Vec<crate::market::InstanceType> {
+        let mut types: Vec<crate::market::InstanceType> = self
+            .markets()
+            .iter()
+            .filter(|m| self.on_demand(m).is_some())
+            .map(|m| m.instance_type.clone())
+            .collect();
+        types.sort();
+        types.dedup();
+        types
+    }
+
     pub fn markets(&self) -> &[Market] {
         &self.markets
     }

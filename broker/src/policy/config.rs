@@ -120,21 +120,7 @@ pub fn load_policy_file(path: &Path) -> Result<Box<dyn Policy>, PolicyLoadError>
 /// The repository's `policies/` directory: `$PROTEUS_POLICIES_DIR`, else a `policies/` beside
 /// or above the running binary (an installed tree), else the one in the source tree.
 pub fn policies_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PROTEUS_POLICIES_DIR") {
-        return PathBuf::from(dir);
-    }
-    let has_policies = |d: &Path| d.join("bidbrain.toml").is_file();
-    if let Ok(exe) = std::env::current_exe() {
-        for ancestor in exe.ancestors().skip(1).take(4) {
-            let candidate = ancestor.join("policies");
-            if has_policies(&candidate) {
-                return candidate;
-            }
-        }
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("policies")
+    crate::data::project_dir("policies", Some("PROTEUS_POLICIES_DIR"), "bidbrain.toml")
 }
 
 /// A policy argument as a path: an existing file, anything that looks like a path (has a `/`

@@ -6,11 +6,9 @@
 //! with another instance's token or the token of an instance that has ended.
 
 use super::control::wall_ms;
-use super::{Broker, metrics::Metrics};
+use super::{Broker, ServiceError, metrics::Metrics};
 use crate::api::auth::{hash_token, hashes_match};
-use crate::api::error::ApiError;
 use crate::store::InstanceRow;
-use axum::http::StatusCode;
 use proteus_wire::agent_api::{
     AgentEvent, CommandEnvelope, Heartbeat, RegisterRequest, RegisterResponse,
 };
@@ -39,25 +37,15 @@ impl From<&InstanceRow> for AgentIdentity {
     }
 }
 
-fn coordinator_error(e: CoordinatorError) -> ApiError {
-    let mut err = match e {
-        CoordinatorError::UnknownInstance(_) => ApiError::not_found(e.to_string()),
-        CoordinatorError::JobOver(_) => ApiError::conflict(e.to_string()),
-        _ => ApiError::bad_request(e.to_string()),
-    };
-    err.body.code = e.code();
-    err
-}
-
 impl Broker {
     /// Checks an agent's token against the instance it claims to be.
     pub async fn authenticate_agent(
         &self,
         token: Option<&str>,
         cloud_id: &str,
-    ) -> Result<AgentIdentity, ApiError> {
+    ) -> Result<AgentIdentity, ServiceError> {
         let token = token.ok_or_else(|| {
-            ApiError::unauthorized("missing `Authorization: Bearer <instance token>`")
+            ServiceError::Unauthenticated("missing `Authorization: Bearer <instance token>`".into())
         })?;
         let hash = hash_token(token);
         let cached = self
@@ -79,7 +67,7 @@ impl Broker {
                     && r.state.is_final()
                     && hashes_match(&hash, &r.token_hash)
                 {
-                    return Err(ApiError::forbidden(format!(
+                    return Err(ServiceError::Forbidden(format!(
                         "instance {cloud_id} has ended; its token is no longer valid"
                     )));
                 }
@@ -100,10 +88,12 @@ impl Broker {
         }
         // Wrong token for this instance: is it somebody else's?
         match self.store.instance_by_token_hash(&hash).await? {
-            Some(_) => Err(ApiError::forbidden(format!(
+            Some(_) => Err(ServiceError::Forbidden(format!(
                 "this token does not belong to instance {cloud_id}"
             ))),
-            None => Err(ApiError::unauthorized("invalid instance token")),
+            None => Err(ServiceError::Unauthenticated(
+                "invalid instance token".into(),
+            )),
         }
     }
 
@@ -111,7 +101,7 @@ impl Broker {
         &self,
         token: Option<&str>,
         req: RegisterRequest,
-    ) -> Result<RegisterResponse, ApiError> {
+    ) -> Result<RegisterResponse, ServiceError> {
         let identity = self.authenticate_agent(token, &req.instance_id.0).await?;
         if req.data_addr.is_empty()
             || req.data_addr.len() > 256
@@ -120,7 +110,7 @@ impl Broker {
                 .chars()
                 .any(|c| c.is_control() || c.is_whitespace())
         {
-            return Err(ApiError::invalid(
+            return Err(ServiceError::invalid(
                 "data_addr",
                 "the `host:port` on which the agent's peers reach it",
             ));
@@ -129,9 +119,9 @@ impl Broker {
             .store
             .instance(&identity.instance_id)
             .await?
-            .ok_or_else(|| ApiError::not_found("unknown instance"))?;
+            .ok_or_else(|| ServiceError::NotFound("unknown instance".into()))?;
         if row.state.is_final() {
-            return Err(ApiError::conflict(format!(
+            return Err(ServiceError::Refused(format!(
                 "instance {} has ended",
                 req.instance_id
             )));
@@ -140,25 +130,20 @@ impl Broker {
             .store
             .job(identity.job_id)
             .await?
-            .ok_or_else(|| ApiError::not_found("unknown job"))?;
+            .ok_or_else(|| ServiceError::NotFound("unknown job".into()))?;
         if job.state.is_over() {
-            let mut e = ApiError::conflict(format!("job {} is over", job.id));
-            e.body.code = "job_over";
-            return Err(e);
+            return Err(CoordinatorError::JobOver(job.id).into());
         }
-        self.ensure_runtime(&job).map_err(ApiError::internal)?;
+        self.ensure_runtime(&job)
+            .map_err(|e| ServiceError::Internal(e.to_string()))?;
         let control = self
             .control
             .get(job.id)
-            .ok_or_else(|| ApiError::conflict(format!("job {} is over", job.id)))?;
+            .ok_or(CoordinatorError::JobOver(job.id))?;
         let data_addr = req.data_addr.clone();
         let vcpus = req.vcpus;
-        let response = control
-            .update(|c| c.register(req.clone(), identity.tier, wall_ms()))
-            .map_err(coordinator_error)?;
-        self.save_control(job.id)
-            .await
-            .map_err(ApiError::internal)?;
+        let response = control.update(|c| c.register(req.clone(), identity.tier, wall_ms()))?;
+        self.save_control(job.id).await?;
         let now = self.clock.now();
         self.store
             .upsert_agent(&identity.instance_id, job.id, &data_addr, vcpus, now)
@@ -180,12 +165,11 @@ impl Broker {
         token: Option<&str>,
         cloud_id: &str,
         hb: Heartbeat,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let control = self.control_of(identity.job_id)?;
         control
-            .update_quietly(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))
-            .map_err(coordinator_error)?;
+            .update_quietly(|c| c.heartbeat(&InstanceId(cloud_id.to_string()), hb, wall_ms()))?;
         Ok(())
     }
 
@@ -195,7 +179,7 @@ impl Broker {
         cloud_id: &str,
         after: u64,
         wait_ms: u64,
-    ) -> Result<Vec<CommandEnvelope>, ApiError> {
+    ) -> Result<Vec<CommandEnvelope>, ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let control = self.control_of(identity.job_id)?;
         let wait =
@@ -203,7 +187,7 @@ impl Broker {
         control
             .wait_commands(&InstanceId(cloud_id.to_string()), after, wait)
             .await
-            .map_err(coordinator_error)
+            .map_err(ServiceError::from)
     }
 
     pub async fn agent_event(
@@ -211,7 +195,7 @@ impl Broker {
         token: Option<&str>,
         cloud_id: &str,
         event: AgentEvent,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         check_event_text(&event)?;
         let now = self.clock.now();
@@ -241,13 +225,9 @@ impl Broker {
                 | AgentEvent::ProgramExited { .. }
         );
         if let Some(control) = self.control.get(identity.job_id) {
-            control
-                .update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))
-                .map_err(coordinator_error)?;
+            control.update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))?;
         }
-        self.save_control(identity.job_id)
-            .await
-            .map_err(ApiError::internal)?;
+        self.save_control(identity.job_id).await?;
         if wake {
             self.nudge.notify_one();
         }
@@ -257,13 +237,10 @@ impl Broker {
     fn control_of(
         &self,
         job: JobId,
-    ) -> Result<std::sync::Arc<super::control::JobControl>, ApiError> {
-        self.control.get(job).ok_or_else(|| {
-            let mut e = ApiError::conflict(format!("job {job} is not running"));
-            e.body.code = "job_over";
-            e.status = StatusCode::CONFLICT;
-            e
-        })
+    ) -> Result<std::sync::Arc<super::control::JobControl>, ServiceError> {
+        self.control
+            .get(job)
+            .ok_or(ServiceError::Coordinator(CoordinatorError::JobOver(job)))
     }
 }
 
@@ -274,7 +251,7 @@ fn plausible_cloud_id(id: &str) -> bool {
 
 /// The texts of an event go into the event log as they are: no control characters (a NUL
 /// cannot even be stored in Postgres).
-fn check_event_text(event: &AgentEvent) -> Result<(), ApiError> {
+fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
     let texts: Vec<(&str, &str)> = match event {
         AgentEvent::InterruptionWarning {
             action,
@@ -290,7 +267,7 @@ fn check_event_text(event: &AgentEvent) -> Result<(), ApiError> {
         .into_iter()
         .find(|(_, text)| text.len() > 256 || text.chars().any(char::is_control))
     {
-        Some((field, _)) => Err(ApiError::invalid(
+        Some((field, _)) => Err(ServiceError::invalid(
             field,
             "at most 256 characters, none of them a control character",
         )),
@@ -383,22 +360,19 @@ mod tests {
             action_time: "2026-01-01T00:00:00Z".into(),
         };
         assert!(check_event_text(&warning("terminate")).is_ok());
+        // An invalid field: the API answers 422 naming it.
+        let field_of = |e: ServiceError| match e {
+            ServiceError::Invalid { field, .. } => field,
+            other => panic!("not an invalid field: {other:?}"),
+        };
         let err = check_event_text(&warning("term\u{0}inate")).unwrap_err();
-        assert_eq!(err.status, 422);
-        assert_eq!(err.body.field.as_deref(), Some("action"));
+        assert_eq!(field_of(err), "action");
         let handover = AgentEvent::HandoverComplete {
             shard: 0,
             to: InstanceId("i-1\u{0}".into()),
             seq: 1,
         };
-        assert_eq!(
-            check_event_text(&handover)
-                .unwrap_err()
-                .body
-                .field
-                .as_deref(),
-            Some("to")
-        );
+        assert_eq!(field_of(check_event_text(&handover).unwrap_err()), "to");
         assert!(check_event_text(&AgentEvent::Ready { model_len: 1 }).is_ok());
     }
 }

@@ -25,9 +25,9 @@ use crate::billing::BillingModel;
 use crate::clock::SharedClock;
 use crate::cloud::Cloud;
 use crate::engine::view::TraceMarkets;
-use crate::job::{JobModel, WorkModelSpec};
+use crate::job::JobModel;
 use crate::launcher::LocalLauncher;
-use crate::market::{InstanceType, Market, Region};
+use crate::market::{Market, Region};
 use crate::market_model::{HazardModel, HazardPrior, PriceDrivenModel, PriceModelConfig};
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::Policy;
@@ -35,7 +35,7 @@ use crate::prices::PriceHistory;
 use crate::store::{JobRow, Store};
 use control::ControlPlane;
 use proteus_wire::{JobId, Tier};
-use spec::{JobSpec, ValidJob, WorkSpec};
+use spec::{JobSpec, ValidJob};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -117,20 +117,6 @@ impl MarketData {
             .unwrap_or_else(|e| e.into_inner())
             .observe(observation);
     }
-
-    /// Instance types that have a market and an on-demand price: what a job may use by default.
-    pub fn usable_types(&self) -> Vec<InstanceType> {
-        let mut types: Vec<InstanceType> = self
-            .markets
-            .markets()
-            .iter()
-            .filter(|m| self.markets.on_demand(m).is_some())
-            .map(|m| m.instance_type.clone())
-            .collect();
-        types.sort();
-        types.dedup();
-        types
-    }
 }
 
 /// What the scheduler keeps per running job besides the store: its policy (which may hold
@@ -154,8 +140,9 @@ pub struct JobRuntime {
     pub pending: PendingEvents,
     /// Last reason acquisitions were held back (budget), shown in status.
     pub held: Option<String>,
-    /// [`Pacing::Modelled`]: units of work done so far, and up to when they are counted.
-    pub modelled_units: f64,
+    /// [`Pacing::Modelled`]: the work done so far under the policy's eviction-cost model (the
+    /// engine's, as in the simulator), and up to when it is counted.
+    pub modelled: crate::engine::progress::JobWork,
     pub modelled_at: Option<crate::market::Timestamp>,
 }
 
@@ -168,21 +155,21 @@ pub struct PendingEvents {
 
 /// A running broker.
 pub struct Broker {
-    pub store: Store,
-    pub clock: SharedClock,
-    pub cloud: Arc<dyn Cloud>,
-    pub launcher: Option<Arc<LocalLauncher>>,
-    pub control: ControlPlane,
-    pub settings: Settings,
-    pub metrics: metrics::Metrics,
+    store: Store,
+    clock: SharedClock,
+    cloud: Arc<dyn Cloud>,
+    launcher: Option<Arc<LocalLauncher>>,
+    control: ControlPlane,
+    settings: Settings,
+    metrics: metrics::Metrics,
     market_data: RwLock<Arc<MarketData>>,
     runtimes: Mutex<HashMap<JobId, Arc<Mutex<JobRuntime>>>>,
     /// Rings when something should be looked at before the next tick (a submit, a cancel).
-    pub nudge: Notify,
+    nudge: Notify,
     /// Agent tokens by cloud id, so heartbeats need no database read.
     pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
     /// Job statuses as last read from the store; see [`status_cache`].
-    pub status_cache: status_cache::StatusCache,
+    status_cache: status_cache::StatusCache,
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
     pub(crate) final_bills: Mutex<HashMap<String, f64>>,
@@ -192,6 +179,41 @@ pub struct Broker {
     /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
     /// checkpoint.
     pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
+}
+
+impl Broker {
+    /// The broker's database.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+    /// Market time.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+    pub fn cloud(&self) -> &Arc<dyn Cloud> {
+        &self.cloud
+    }
+    /// Starts agents on this machine for locally launched instances (the simulated cloud).
+    pub fn launcher(&self) -> Option<&Arc<LocalLauncher>> {
+        self.launcher.as_ref()
+    }
+    /// The jobs' coordinators.
+    pub fn control(&self) -> &ControlPlane {
+        &self.control
+    }
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    pub fn metrics(&self) -> &metrics::Metrics {
+        &self.metrics
+    }
+    /// Rings when something should be looked at before the next tick (a submit, a cancel).
+    pub fn nudge(&self) -> &Notify {
+        &self.nudge
+    }
+    pub fn status_cache(&self) -> &status_cache::StatusCache {
+        &self.status_cache
+    }
 }
 
 impl std::fmt::Debug for Broker {
@@ -216,6 +238,26 @@ pub enum ServiceError {
     /// The request is well formed but the thing it names cannot do it now.
     #[error("{0}")]
     Refused(String),
+    /// A malformed request the caller can fix.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No credentials, or ones nobody issued.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Credentials of someone else, or of something that has ended.
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// More than the broker accepts (a checkpoint over its size limit).
+    #[error("{0}")]
+    TooLarge(String),
+    /// The broker is not set up for this (no checkpoint store).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The job's coordinator refused an agent's call.
+    #[error(transparent)]
+    Coordinator(#[from] proteus_wire::coordinator::CoordinatorError),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{0}")]
@@ -223,7 +265,7 @@ pub enum ServiceError {
 }
 
 impl ServiceError {
-    fn invalid(field: &str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(field: &str, message: impl Into<String>) -> Self {
         ServiceError::Invalid {
             field: field.to_string(),
             message: message.into(),
@@ -358,6 +400,8 @@ impl Broker {
             .map_err(|e| ServiceError::invalid("policy", e.to_string()))?;
         let data = self.market_data();
         let model = self.work_model(&valid, &data)?;
+        let modelled =
+            crate::engine::progress::JobWork::new(policy.eviction_cost(&model), self.clock.now());
         Ok(JobRuntime {
             valid,
             submitted_work: model.total_work,
@@ -367,73 +411,18 @@ impl Broker {
             next_decision: None,
             pending: PendingEvents::default(),
             held: None,
-            modelled_units: 0.0,
+            modelled,
             modelled_at: None,
         })
     }
 
     fn work_model(&self, valid: &ValidJob, data: &MarketData) -> Result<JobModel, ServiceError> {
-        let usable = data.usable_types();
-        let work: &WorkSpec = &valid.work;
-        let types: Vec<String> = match &work.instance_types {
-            Some(t) => t.clone(),
-            None => usable.iter().map(|t| t.to_string()).collect(),
-        };
-        if types.is_empty() {
-            return Err(ServiceError::invalid(
-                "work.instance_types",
-                "the broker has no market with an on-demand price: ingest prices first",
-            ));
-        }
-        for (i, t) in types.iter().enumerate() {
-            if !usable.iter().any(|u| u.as_str() == t) {
-                return Err(ServiceError::invalid(
-                    &format!("work.instance_types[{i}]"),
-                    format!(
-                        "`{t}` has no spot market with an on-demand price here (available: {})",
-                        usable
-                            .iter()
-                            .map(|u| u.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                ));
-            }
-        }
-        let reference = match &work.reference_type {
-            Some(r) => r.clone(),
-            None => types
-                .iter()
-                .find(|t| {
-                    InstanceType::parse(t)
-                        .ok()
-                        .and_then(|t| crate::prices::catalog::lookup(&t))
-                        .is_some_and(|k| k.vcpus == 4)
-                })
-                .unwrap_or(&types[0])
-                .clone(),
-        };
-        let total_work = work.total_work.unwrap_or(match valid.training.stop {
-            proteus_wire::agent_api::StopCondition::Epochs { epochs } => f64::from(epochs),
-            proteus_wire::agent_api::StopCondition::Clocks { clocks } => {
-                (clocks as f64 / 100.0).max(0.01)
-            }
-        });
-        let spec = WorkModelSpec {
-            name: Some(valid.name.clone()),
-            total_work,
-            reference_type: reference,
-            instance_types: types,
-            throughput: Default::default(),
-            max_instances: valid.max_instances,
-            max_reliable_instances: Some(valid.max_reliable_instances),
-            max_capacity: valid.max_capacity,
-            startup_minutes: work
-                .startup_minutes
-                .unwrap_or(self.settings.default_startup_minutes),
-            eviction_cost: Default::default(),
-            stages: valid.training.stages,
-        };
+        let spec = valid
+            .work_model_spec(
+                &data.markets.usable_types(),
+                self.settings.default_startup_minutes,
+            )
+            .map_err(|e| ServiceError::invalid(&e.field, e.message))?;
         spec.resolve(
             "job spec `work`",
             data.history.on_demand(),

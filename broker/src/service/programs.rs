@@ -2,7 +2,6 @@
 //! they send, and what users read back (`GET /v1/jobs/{id}/logs`, `proteus logs JOB`).
 
 use super::{Broker, ServiceError};
-use crate::api::error::ApiError;
 use crate::checkpoint::{CheckpointError, ProgramStorage};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{CheckpointOp, CheckpointTransfer};
@@ -18,14 +17,10 @@ pub struct OutputView {
     pub output: String,
 }
 
-fn storage_error(e: CheckpointError) -> ApiError {
+fn storage_error(e: CheckpointError) -> ServiceError {
     match e {
-        CheckpointError::TooLarge(_) => {
-            let mut err = ApiError::bad_request(e.to_string());
-            err.status = axum::http::StatusCode::PAYLOAD_TOO_LARGE;
-            err
-        }
-        other => ApiError::internal(other),
+        CheckpointError::TooLarge(_) => ServiceError::TooLarge(e.to_string()),
+        other => ServiceError::Internal(other.to_string()),
     }
 }
 
@@ -35,17 +30,15 @@ impl Broker {
         let _ = self.programs.set(storage);
     }
 
-    fn programs(&self) -> Result<&ProgramStorage, ApiError> {
+    fn programs(&self) -> Result<&ProgramStorage, ServiceError> {
         self.programs.get().ok_or_else(|| {
-            let mut e = ApiError::bad_request("this broker has no checkpoint store configured");
-            e.status = axum::http::StatusCode::SERVICE_UNAVAILABLE;
-            e
+            ServiceError::Unavailable("this broker has no checkpoint store configured".into())
         })
     }
 
-    fn checked_rank(rank: u32) -> Result<u32, ApiError> {
+    fn checked_rank(rank: u32) -> Result<u32, ServiceError> {
         if rank >= MAX_RANK {
-            return Err(ApiError::invalid(
+            return Err(ServiceError::invalid(
                 "rank",
                 format!("must be below {MAX_RANK}"),
             ));
@@ -60,7 +53,7 @@ impl Broker {
         cloud_id: &str,
         rank: u32,
         op: CheckpointOp,
-    ) -> Result<CheckpointTransfer, ApiError> {
+    ) -> Result<CheckpointTransfer, ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let rank = Self::checked_rank(rank)?;
         self.programs()?
@@ -82,7 +75,7 @@ impl Broker {
         cloud_id: &str,
         rank: u32,
         body: S,
-    ) -> Result<u64, ApiError>
+    ) -> Result<u64, ServiceError>
     where
         S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
         E: std::fmt::Display,
@@ -90,7 +83,7 @@ impl Broker {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let rank = Self::checked_rank(rank)?;
         let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
-            ApiError::bad_request("checkpoints go to S3 here: ask /checkpoint for a URL")
+            ServiceError::BadRequest("checkpoints go to S3 here: ask /checkpoint for a URL".into())
         })?;
         dir.write(identity.job_id, rank, body)
             .await
@@ -103,11 +96,13 @@ impl Broker {
         token: Option<&str>,
         cloud_id: &str,
         rank: u32,
-    ) -> Result<Option<PathBuf>, ApiError> {
+    ) -> Result<Option<PathBuf>, ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let rank = Self::checked_rank(rank)?;
         let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
-            ApiError::bad_request("checkpoints come from S3 here: ask /checkpoint for a URL")
+            ServiceError::BadRequest(
+                "checkpoints come from S3 here: ask /checkpoint for a URL".into(),
+            )
         })?;
         let path = dir.path(identity.job_id, rank);
         Ok(path.is_file().then_some(path))
@@ -119,7 +114,7 @@ impl Broker {
         token: Option<&str>,
         cloud_id: &str,
         text: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         self.programs()?
             .write_output(identity.job_id, &identity.instance_id, text)

@@ -210,17 +210,6 @@ impl Broker {
                 hours: at.secs_since(launched).max(0.0) / 3600.0,
             });
         }
-        if by_provider
-            && self.settings.pacing == Pacing::Modelled
-            && let Some(runtime) = self.runtime(row.job_id)
-        {
-            // The work the evicted instance did since the job's last safe point is lost.
-            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            let loss_secs = rt.policy.eviction_cost(&rt.model).expected_loss_secs();
-            let rate = rt.model.rate(&row.market.instance_type).unwrap_or(0.0);
-            let alive = row.launched.map_or(0.0, |l| at.secs_since(l).max(0.0));
-            rt.modelled_units = (rt.modelled_units - rate * loss_secs.min(alive) / 3600.0).max(0.0);
-        }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
             if let Some(runtime) = self.runtime(row.job_id) {
@@ -267,7 +256,11 @@ impl Broker {
             .collect();
         let mut ready = Vec::new();
         for row in instances.iter_mut() {
-            if row.ready.is_some() || row.state != InstanceState::Running {
+            // A warned instance still starts up (as in the simulator, which tells the policy
+            // it is ready); it works for nothing, its working span having ended at the warning.
+            if row.ready.is_some()
+                || !matches!(row.state, InstanceState::Running | InstanceState::Warned)
+            {
                 continue;
             }
             let Some(launched) = row.launched else {
@@ -394,9 +387,14 @@ impl Broker {
                     )
                 }
                 Pacing::Modelled => {
-                    advance_modelled_work(&mut rt, &instances, now);
+                    advance_modelled_work(&mut rt, &instances, &ready, now);
+                    let total = rt.model.total_work;
                     (
-                        (rt.modelled_units / rt.model.total_work).min(1.0),
+                        if rt.modelled.is_complete(total) {
+                            1.0
+                        } else {
+                            (rt.modelled.done() / total).min(1.0)
+                        },
                         WorkRecord {
                             done_units: done,
                             expected_units: None,
@@ -497,6 +495,11 @@ impl Broker {
                 .set_job_state(job.id, JobState::Running, None, now)
                 .await?;
         }
+        if self.settings.pacing == Pacing::Modelled && fraction >= 1.0 {
+            // The modelled work is done (the simulator's job ends here): nothing more is bought
+            // or released while the agents finish their training.
+            return Ok(());
+        }
         let progress = JobProgress {
             done_work: 0.0,
             total_work: 0.0,
@@ -506,7 +509,7 @@ impl Broker {
         // ready), and is consulted on its own when its wake-up time has come.
         // The pending events are dropped only once every consultation went through: a tick
         // that fails (the store is down) hears of them again next time.
-        let (events, due) = {
+        let events = {
             let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
             let pending = rt.pending.clone();
             let events: Vec<PolicyEvent> = [
@@ -522,7 +525,7 @@ impl Broker {
                 PolicyEvent::LaunchFailed { .. } => true,
             })
             .collect();
-            (events, rt.next_decision.is_none_or(|t| now >= t))
+            events
         };
         let consult = Consult {
             job,
@@ -535,6 +538,12 @@ impl Broker {
         for event in events {
             self.consult(&consult, Some(event)).await?;
         }
+        // As in the simulator, an answer to an event already set the next wake-up.
+        let due = runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .next_decision
+            .is_none_or(|t| now >= t);
         if due {
             self.consult(&consult, None).await?;
         }
@@ -649,11 +658,20 @@ impl Broker {
         spend: f64,
         now: Timestamp,
     ) -> Result<Vec<(Market, String)>, ServiceError> {
+        let mut released_any = false;
         for id in &decision.release {
             if let Some(row) = instances.iter().find(|i| i.id == id.0) {
+                released_any |= row.state == InstanceState::Running;
                 self.terminate_instance(row, "released by the policy")
                     .await?;
             }
+        }
+        if released_any {
+            runtime
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .modelled
+                .released(now);
         }
         let (limits, budget, billing, model) = {
             let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
@@ -711,6 +729,46 @@ impl Broker {
         }
         runtime.lock().unwrap_or_else(|e| e.into_inner()).held = held;
         Ok(refused)
+    }
+
+    /// The next market time after `now` at which something happens that the control loop acts
+    /// on: the cloud warns or reclaims, an instance becomes ready (modelled pacing), a policy
+    /// wants to be woken, a stall or milestone of a job's work ends, a job's work completes.
+    /// A driver that steps market time itself (the demo) ticks at each, so that the live
+    /// broker decides at the instants the simulator does.
+    pub async fn next_event_after(
+        &self,
+        now: Timestamp,
+    ) -> Result<Option<Timestamp>, ServiceError> {
+        let mut times: Vec<Timestamp> = self.cloud.next_event_after(now).into_iter().collect();
+        for job in self.store.jobs(true).await? {
+            let Some(runtime) = self.runtime(job.id) else {
+                continue;
+            };
+            let instances = self.store.instances_of_job(job.id).await?;
+            let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            times.extend(rt.next_decision);
+            times.extend(rt.modelled.next_change(now));
+            if self.settings.pacing == Pacing::Modelled {
+                let startup = rt.model.startup_secs;
+                times.extend(
+                    instances
+                        .iter()
+                        .filter(|i| {
+                            matches!(i.state, InstanceState::Running | InstanceState::Warned)
+                                && i.ready.is_none()
+                        })
+                        .filter_map(|i| i.launched.map(|l| l.plus_secs(startup))),
+                );
+                let spans: Vec<WorkingSpan> = instances
+                    .iter()
+                    .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
+                    .collect();
+                let working = rt.modelled.working_rate(&spans, &rt.model.stages, now);
+                times.extend(rt.modelled.completion(now, working, rt.model.total_work));
+            }
+        }
+        Ok(times.into_iter().filter(|&t| t > now).min())
     }
 
     /// Launches one instance: the intent is stored before the cloud is called, and the cloud
@@ -1119,14 +1177,48 @@ impl MarketView for LiveView<'_> {
     }
 }
 
-/// [`Pacing::Modelled`]: adds the work the job's ready, unwarned instances did since the last
-/// count, by the engine's one definition ([`work::work_between`], AgileML's stage rule included).
-fn advance_modelled_work(rt: &mut JobRuntime, instances: &[InstanceRow], now: Timestamp) {
+/// [`Pacing::Modelled`]: counts the work since the last count and applies this instant's
+/// warnings and readiness to the job's [`JobWork`](crate::engine::progress::JobWork), in the
+/// simulator's order. Between two counts the footprint is as the last count left it (the demo
+/// steps market time onto every change, see [`Broker::next_event_after`]), so the rate at the
+/// last count holds all the way.
+fn advance_modelled_work(
+    rt: &mut JobRuntime,
+    instances: &[InstanceRow],
+    ready: &[InstanceId],
+    now: Timestamp,
+) {
     let since = rt.modelled_at.unwrap_or(now);
     rt.modelled_at = Some(now);
     let spans: Vec<WorkingSpan> = instances
         .iter()
         .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
         .collect();
-    rt.modelled_units += work::work_between(&spans, Some(&rt.model.stages), since, now);
+    let working = rt.modelled.working_rate(&spans, &rt.model.stages, since);
+    let total = rt.model.total_work;
+    // Done when the completion foreseen at the last count has come, as in the simulator.
+    let completion = rt.modelled.completion(since, working, total);
+    rt.modelled.accrue(since, now, working, working);
+    if completion.is_some_and(|c| now >= c) || rt.modelled.is_complete(total) {
+        rt.modelled.complete(total);
+        return;
+    }
+    let mut membership_changed = !ready.is_empty();
+    for id in &rt.pending.warned {
+        if let Some(row) = instances.iter().find(|i| i.id == id.0) {
+            let rate = rt.model.rate(&row.market.instance_type).unwrap_or(0.0);
+            membership_changed |= rt.modelled.warned(now, row.ready, rate);
+        }
+    }
+    if !rt.pending.warned.is_empty() {
+        rt.modelled.after_warnings();
+    }
+    if membership_changed {
+        rt.modelled.rebalance(now);
+    }
+    let live =
+        |i: &&InstanceRow| matches!(i.state, InstanceState::Requested | InstanceState::Running);
+    let any_ready = instances.iter().filter(live).any(|i| i.ready.is_some());
+    let any_starting = instances.iter().filter(live).any(|i| i.ready.is_none());
+    rt.modelled.milestones(now, any_ready, any_starting);
 }

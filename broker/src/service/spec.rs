@@ -16,7 +16,8 @@
 //! Unknown fields are refused, so a typo is an error rather than a silently ignored setting.
 
 use crate::billing::BillingModel;
-use crate::market::Timestamp;
+use crate::job::WorkModelSpec;
+use crate::market::{InstanceType, Timestamp};
 use proteus_wire::agent_api::{
     AppConfig, CommandConfig, CommandLauncher, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK,
     Parallelism, StopCondition, SyncModel, TrainingConfig,
@@ -232,7 +233,7 @@ pub struct Limits {
 /// The policy's work model. Work is counted in instance-hours of `reference_type`; throughput
 /// of other types is proportional to vCPUs. Progress is measured by the agents; this estimate
 /// only sizes the footprint the policy buys.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkSpec {
     /// Units of work for the whole job. Default: 1 per epoch (or per 100 clocks).
@@ -381,6 +382,74 @@ pub struct ValidJob {
     pub budget_usd: Option<f64>,
     pub deadline: Option<Timestamp>,
     pub work: WorkSpec,
+}
+
+impl ValidJob {
+    /// The job's work model in file form, as the simulator reads it too (so that a job file
+    /// simulates as it runs): `usable` instance types are the default ones (those with a spot
+    /// market and an on-demand price), `default_startup_minutes` the default start-up.
+    pub fn work_model_spec(
+        &self,
+        usable: &[InstanceType],
+        default_startup_minutes: f64,
+    ) -> Result<WorkModelSpec, FieldError> {
+        let work: &WorkSpec = &self.work;
+        let types: Vec<String> = match &work.instance_types {
+            Some(t) => t.clone(),
+            None => usable.iter().map(|t| t.to_string()).collect(),
+        };
+        if types.is_empty() {
+            return Err(bad(
+                "work.instance_types",
+                "the broker has no market with an on-demand price: ingest prices first",
+            ));
+        }
+        for (i, t) in types.iter().enumerate() {
+            if !usable.iter().any(|u| u.as_str() == t) {
+                return Err(bad(
+                    &format!("work.instance_types[{i}]"),
+                    format!(
+                        "`{t}` has no spot market with an on-demand price here (available: {})",
+                        usable
+                            .iter()
+                            .map(|u| u.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
+        let reference = match &work.reference_type {
+            Some(r) => r.clone(),
+            None => types
+                .iter()
+                .find(|t| {
+                    InstanceType::parse(t)
+                        .ok()
+                        .and_then(|t| crate::prices::catalog::lookup(&t))
+                        .is_some_and(|k| k.vcpus == 4)
+                })
+                .unwrap_or(&types[0])
+                .clone(),
+        };
+        let total_work = work.total_work.unwrap_or(match self.training.stop {
+            StopCondition::Epochs { epochs } => f64::from(epochs),
+            StopCondition::Clocks { clocks } => (clocks as f64 / 100.0).max(0.01),
+        });
+        Ok(WorkModelSpec {
+            name: Some(self.name.clone()),
+            total_work,
+            reference_type: reference,
+            instance_types: types,
+            throughput: Default::default(),
+            max_instances: self.max_instances,
+            max_reliable_instances: Some(self.max_reliable_instances),
+            max_capacity: self.max_capacity,
+            startup_minutes: work.startup_minutes.unwrap_or(default_startup_minutes),
+            eviction_cost: Default::default(),
+            stages: self.training.stages,
+        })
+    }
 }
 
 /// A field that is not acceptable, by its dotted path.

@@ -22,9 +22,10 @@ pub mod world;
 
 use crate::billing::{BillingError, BillingModel, EndedBy, PriceSource};
 use crate::engine::limits::{Held, Limits};
+use crate::engine::progress::JobWork;
 use crate::engine::view::{FutureReads, TraceMarkets, TraceView};
-use crate::engine::work::{self, WorkingSpan};
-use crate::job::{EvictionCost, JobModel};
+use crate::engine::work::WorkingSpan;
+use crate::job::JobModel;
 use crate::market::{Market, Timestamp};
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::{
@@ -199,6 +200,9 @@ pub struct RunResult {
     pub cost_by_type: BTreeMap<String, f64>,
     /// Instance-hours per type.
     pub hours_by_type: BTreeMap<String, f64>,
+    /// [`crate::engine::digest`] of the run's launches and how they ended: the live broker
+    /// prints the same for the same decisions.
+    pub decisions_digest: String,
     /// Every decision with its time (only with [`RunOptions::record_decisions`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub decisions: Vec<(Timestamp, Decision)>,
@@ -287,21 +291,13 @@ struct Engine<'a> {
     model: Box<dyn MarketModel>,
     hazard: Option<HazardWorld>,
     rng: ChaCha8Rng,
-    cost_model: EvictionCost,
     start: Timestamp,
     now: Timestamp,
     views: Vec<InstanceView>,
     sims: Vec<SimInstance>,
     next_id: u64,
-    progress: f64,
-    /// Checkpoint/restart state.
-    committed: f64,
-    down: bool,
-    restart_at: Option<Timestamp>,
-    next_checkpoint: Option<Timestamp>,
-    checkpoint_done: Option<Timestamp>,
-    /// No work before this (rebalancing, checkpoint writing, restart).
-    stall_until: Timestamp,
+    /// Work done, lost, stalls: the engine's one model of it.
+    work: JobWork,
     next_decision: Timestamp,
     ended: Vec<Ended>,
     evictions: u32,
@@ -309,7 +305,6 @@ struct Engine<'a> {
     launches: u32,
     failed_launches: u32,
     decisions_made: u32,
-    lost_work: f64,
     overheads: Overheads,
     decisions: Vec<(Timestamp, Decision)>,
 }
@@ -333,19 +328,12 @@ impl<'a> Engine<'a> {
             model: sc.model.boxed_clone(),
             hazard,
             rng: ChaCha8Rng::seed_from_u64(options.seed ^ 0x5eed),
-            cost_model,
             start,
             now: start,
             views: Vec::new(),
             sims: Vec::new(),
             next_id: 0,
-            progress: 0.0,
-            committed: 0.0,
-            down: false,
-            restart_at: None,
-            next_checkpoint: None,
-            checkpoint_done: None,
-            stall_until: start,
+            work: JobWork::new(cost_model, start),
             next_decision: start,
             ended: Vec::new(),
             evictions: 0,
@@ -353,7 +341,6 @@ impl<'a> Engine<'a> {
             launches: 0,
             failed_launches: 0,
             decisions_made: 0,
-            lost_work: 0.0,
             overheads: Overheads::default(),
             decisions: Vec::new(),
         }
@@ -373,14 +360,14 @@ impl<'a> Engine<'a> {
                 return Err(SimError::TraceTooShort {
                     start: self.start,
                     trace_end: self.sc.end,
-                    done: self.progress,
+                    done: self.work.done(),
                     total,
                 });
             }
             self.advance(t);
             self.now = t;
-            if completion.is_some_and(|c| t >= c) || self.progress >= total - 1e-9 {
-                self.progress = self.progress.max(total);
+            if completion.is_some_and(|c| t >= c) || self.work.is_complete(total) {
+                self.work.complete(total);
                 break t;
             }
             let (evicted, warned, ready) = self.process_events();
@@ -407,8 +394,7 @@ impl<'a> Engine<'a> {
     }
 
     /// (working rate, rate of every ready instance that is not warned). The working rate is
-    /// the engine's ([`work::rate_at`]): under AgileML, stage 3 leaves reliable machines only
-    /// backups to hold.
+    /// the engine's ([`JobWork::working_rate`]).
     fn rates(&self) -> (f64, f64) {
         let spans: Vec<WorkingSpan> = self
             .views
@@ -422,14 +408,12 @@ impl<'a> Engine<'a> {
                 until: None,
             })
             .collect();
-        let stages =
-            matches!(self.cost_model, EvictionCost::AgileMl { .. }).then_some(&self.sc.job.stages);
         let ready = spans.iter().map(|s| s.units_per_hour).sum();
-        if self.down {
-            (0.0, ready)
-        } else {
-            (work::rate_at(&spans, stages, self.now), ready)
-        }
+        (
+            self.work
+                .working_rate(&spans, &self.sc.job.stages, self.now),
+            ready,
+        )
     }
 
     /// The next time anything happens, and when the job would complete at the current rate.
@@ -448,21 +432,12 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        for x in [self.restart_at, self.next_checkpoint, self.checkpoint_done]
-            .into_iter()
-            .flatten()
-        {
+        if let Some(x) = self.work.next_change(self.now) {
             t = t.min(x);
         }
-        if self.stall_until > self.now {
-            t = t.min(self.stall_until);
-        }
-        let rate = self.working_rate();
-        let completion = (rate > 0.0).then(|| {
-            let from = self.now.max(self.stall_until);
-            let ms = (self.sc.job.total_work - self.progress).max(0.0) / rate * 3_600_000.0;
-            Timestamp(from.0 + ms.ceil() as i64)
-        });
+        let completion =
+            self.work
+                .completion(self.now, self.working_rate(), self.sc.job.total_work);
         if let Some(c) = completion {
             t = t.min(c);
         }
@@ -471,21 +446,10 @@ impl<'a> Engine<'a> {
 
     /// Accrues work from `now` to `t` (the rate is constant in between by construction).
     fn advance(&mut self, t: Timestamp) {
-        if t <= self.now {
-            return;
-        }
         let (working, ready) = self.rates();
-        let from = self.now.max(self.stall_until).min(t);
-        let hours = |a: Timestamp, b: Timestamp| (b.0 - a.0) as f64 / 3_600_000.0;
-        self.progress += working * hours(from, t);
-        // Where ready capacity did no work: stalls (and the whole time while down), and reliable
-        // instances holding only backups.
-        if self.down {
-            self.overheads.stalled += ready * hours(self.now, t);
-        } else {
-            self.overheads.stalled += working * hours(self.now, from);
-            self.overheads.idle += (ready - working) * hours(self.now, t);
-        }
+        let idle = self.work.accrue(self.now, t, working, ready);
+        self.overheads.stalled += idle.stalled;
+        self.overheads.idle += idle.backups_only;
     }
 
     fn index_of(&self, id: &InstanceId) -> Option<usize> {
@@ -524,26 +488,12 @@ impl<'a> Engine<'a> {
                 market: &market,
                 at: now,
             });
-            if let EvictionCost::AgileMl {
-                sync_interval_secs, ..
-            } = self.cost_model
-            {
-                let s = &self.sims[i];
-                if s.ready {
-                    let since_ready = (now.0 - s.ready_at.0) as f64 / 1000.0;
-                    let unsynced = since_ready % sync_interval_secs;
-                    let lost = (s.rate * unsynced / 3600.0).min(self.progress);
-                    self.progress -= lost;
-                    self.lost_work += lost;
-                }
-                membership_changed = true;
-            }
+            let s = &self.sims[i];
+            membership_changed |= self.work.warned(now, s.ready.then_some(s.ready_at), s.rate);
         }
         if !warned.is_empty() {
             self.eviction_events += 1;
-            if matches!(self.cost_model, EvictionCost::Checkpoint { .. }) {
-                self.go_down(true);
-            }
+            self.work.after_warnings();
         }
         // Instances becoming ready.
         for i in 0..self.views.len() {
@@ -558,44 +508,8 @@ impl<'a> Engine<'a> {
             }
         }
         if membership_changed {
-            self.rebalance();
+            self.work.rebalance(now);
         }
-        self.checkpoint_milestones();
-        (evicted, warned, ready)
-    }
-
-    /// AgileML pauses every worker while partitions are re-split.
-    fn rebalance(&mut self) {
-        if let EvictionCost::AgileMl { rebalance_secs, .. } = self.cost_model {
-            let until = Timestamp(self.now.0 + (rebalance_secs * 1000.0) as i64);
-            self.stall_until = self.stall_until.max(until);
-        }
-    }
-
-    /// Checkpoint/restart: the job stops; with `lose`, it falls back to the last checkpoint.
-    fn go_down(&mut self, lose: bool) {
-        if lose {
-            let lost = (self.progress - self.committed).max(0.0);
-            self.lost_work += lost;
-            self.progress = self.committed;
-        }
-        self.down = true;
-        self.restart_at = None;
-        self.next_checkpoint = None;
-        self.checkpoint_done = None;
-    }
-
-    fn checkpoint_milestones(&mut self) {
-        let EvictionCost::Checkpoint {
-            interval_secs,
-            checkpoint_secs,
-            restart_secs,
-        } = self.cost_model
-        else {
-            return;
-        };
-        let now = self.now;
-        let after = |secs: f64| Timestamp(now.0 + (secs * 1000.0) as i64);
         let any_ready = self
             .sims
             .iter()
@@ -604,32 +518,8 @@ impl<'a> Engine<'a> {
             .sims
             .iter()
             .any(|s| !s.ready && s.terminate_at.is_none());
-        if self.down {
-            match self.restart_at {
-                Some(r) if r <= now => {
-                    self.down = false;
-                    self.restart_at = None;
-                    self.next_checkpoint = Some(after(interval_secs));
-                }
-                Some(_) => {}
-                None if any_ready && !any_starting => self.restart_at = Some(after(restart_secs)),
-                None => {}
-            }
-            return;
-        }
-        if self.checkpoint_done.is_some_and(|d| d <= now) {
-            self.committed = self.progress;
-            self.checkpoint_done = None;
-            self.next_checkpoint = Some(after(interval_secs));
-        }
-        if self.next_checkpoint.is_some_and(|c| c <= now) {
-            self.next_checkpoint = None;
-            self.checkpoint_done = Some(after(checkpoint_secs));
-            self.stall_until = self.stall_until.max(after(checkpoint_secs));
-        }
-        if self.next_checkpoint.is_none() && self.checkpoint_done.is_none() && any_ready {
-            self.next_checkpoint = Some(after(interval_secs));
-        }
+        self.work.milestones(now, any_ready, any_starting);
+        (evicted, warned, ready)
     }
 
     fn end_instance(&mut self, i: usize, by: EndedBy) {
@@ -684,7 +574,7 @@ impl<'a> Engine<'a> {
             market: &view,
             job: &self.sc.job,
             progress: JobProgress {
-                done_work: self.progress,
+                done_work: self.work.done(),
                 total_work: self.sc.job.total_work,
                 started_at: self.start,
             },
@@ -732,16 +622,7 @@ impl<'a> Engine<'a> {
             }
         }
         if released_any {
-            match self.cost_model {
-                EvictionCost::AgileMl { .. } => self.rebalance(),
-                // A coordinated shrink: no work lost, but the job restarts on the new set.
-                EvictionCost::Checkpoint { .. } => {
-                    if !self.down {
-                        self.committed = self.progress;
-                    }
-                    self.go_down(false);
-                }
-            }
+            self.work.released(now);
         }
         let mut failures = Vec::new();
         let limits = Limits::of(&self.sc.job, self.policy.kind());
@@ -859,13 +740,23 @@ impl<'a> Engine<'a> {
             instance_hours_transient: 0.0,
             free_instance_hours: 0.0,
             free_value_usd: 0.0,
-            lost_work: self.lost_work,
+            lost_work: self.work.lost(),
             capacity_units: 0.0,
             paid_capacity_units: 0.0,
             free_capacity_units: 0.0,
             overheads: self.overheads,
             cost_by_type: BTreeMap::new(),
             hours_by_type: BTreeMap::new(),
+            decisions_digest: crate::engine::digest::decisions_digest(self.ended.iter().map(|e| {
+                crate::engine::digest::Launched {
+                    at: e.launch,
+                    market: &e.market,
+                    tier: e.purchase.tier(),
+                    bid: e.purchase.bid().map(|b| b.get()),
+                    ended: Some(e.end),
+                    ended_by_provider: e.by == EndedBy::Provider,
+                }
+            })),
             decisions: std::mem::take(&mut self.decisions),
             instances: Vec::new(),
         };

@@ -189,6 +189,10 @@ pub struct PolicySummary {
     /// median over starts. Policies compared at equal speed hold equal capacity; see
     /// `max_capacity` in the job's work model.
     pub median_capacity_units_per_hour: f64,
+    /// With one start: that run's [`crate::engine::digest`], which `proteus demo` prints for
+    /// the same job, start and policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decisions_digest: Option<String>,
     /// Where the money goes (medians). Cost per unit of work = price per paid unit-hour ×
     /// paid share of the capacity used ÷ useful fraction. The price paid per unit-hour of
     /// capacity (cheaper markets, cheaper hours)…
@@ -231,6 +235,7 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
             };
             PolicySummary {
                 policy: runs[0].policy.clone(),
+                decisions_digest: (runs.len() == 1).then(|| runs[0].decisions_digest.clone()),
                 kind: runs[0].kind,
                 runs: runs.len(),
                 median_cost_usd: percentile(&costs, 50.0),

@@ -554,7 +554,7 @@ impl Store {
         let n = with_db!(self, |pool| {
             sqlx::query(
                 "UPDATE instances SET ready_ms = $2 \
-                 WHERE id = $1 AND ready_ms IS NULL AND state = 'running'",
+                 WHERE id = $1 AND ready_ms IS NULL AND state IN ('running', 'warned')",
             )
             .bind(id)
             .bind(at.0)

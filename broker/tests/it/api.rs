@@ -2,10 +2,10 @@
 //! processes here; `tests/e2e` runs those). The market clock is stepped by the test.
 
 use crate::support::TestDb;
-use proteus_broker::cli::serve::{ServeArgs, StartOptions, start_with};
 use proteus_broker::clock::{Clock, ManualClock};
 use proteus_broker::market::Timestamp;
 use proteus_broker::service::{Broker, Pacing};
+use proteus_broker::startup::{ServeArgs, StartOptions, start_with};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -202,7 +202,7 @@ async fn bad_requests_are_4xx_naming_the_field() {
     let (status, answer) = s.get("/v1/prices?market=nowhere").await;
     assert_eq!((status, answer["field"].as_str()), (422, Some("market")));
     assert_eq!(
-        s.broker.store.jobs(false).await.unwrap().len(),
+        s.broker.store().jobs(false).await.unwrap().len(),
         0,
         "nothing was stored"
     );
@@ -247,10 +247,10 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             launch_error: None,
             metadata_addr: None,
         };
-        s.broker.store.insert_instance(&row).await.unwrap();
+        s.broker.store().insert_instance(&row).await.unwrap();
         let cloud_id = format!("i-test{}", id.0);
         s.broker
-            .store
+            .store()
             .mark_launched(&row.id, &cloud_id, s.clock.now())
             .await
             .unwrap();
@@ -353,7 +353,7 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
         + view["instances_by_tier"]["transient"].as_u64().unwrap();
     assert!((2..=4).contains(&live), "{view}");
     assert!(view["instances_by_tier"]["reliable"].as_u64().unwrap() <= 1);
-    let described = s.broker.cloud.describe().await.unwrap();
+    let described = s.broker.cloud().describe().await.unwrap();
     assert_eq!(
         described.iter().filter(|c| !c.state.is_gone()).count() as u64,
         live,
@@ -369,14 +369,14 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
     let (status, _) = s.delete(&format!("/v1/jobs/{id}")).await;
     assert_eq!(status, 409, "cancelling twice is a conflict");
     s.step(1.0).await;
-    let described = s.broker.cloud.describe().await.unwrap();
+    let described = s.broker.cloud().describe().await.unwrap();
     assert!(
         described.iter().all(|c| c.state.is_gone()),
         "every instance terminated: {described:?}"
     );
     let rows = s
         .broker
-        .store
+        .store()
         .instances_of_job(proteus_wire::JobId(id))
         .await
         .unwrap();
@@ -494,7 +494,7 @@ async fn budget_and_deadline_end_a_job() {
     );
     assert!(
         s.broker
-            .cloud
+            .cloud()
             .describe()
             .await
             .unwrap()
@@ -695,10 +695,10 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
             proteus_broker::api::auth::hash_token(&token),
             s.clock.now(),
         );
-        s.broker.store.insert_instance(&row).await.unwrap();
+        s.broker.store().insert_instance(&row).await.unwrap();
         let cloud_id = format!("i-same{k}");
         s.broker
-            .store
+            .store()
             .mark_launched(&row.id, &cloud_id, s.clock.now())
             .await
             .unwrap();
@@ -723,7 +723,7 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
     }
 
     // The instance ends (as the scheduler records it): its token dies with it, everywhere.
-    let row = s.broker.store.instance(a_row).await.unwrap().unwrap();
+    let row = s.broker.store().instance(a_row).await.unwrap().unwrap();
     let now = s.clock.now();
     s.broker.on_ended(&row, now, false, now).await.unwrap();
     for (endpoint, status) in agent_endpoints(&s, a_cloud, a_token).await {

@@ -1,0 +1,580 @@
+//! Building the broker from its configuration: clock, cloud, launcher, prices, recovery and
+//! the API router, bound to a listener — what `proteus serve`, `proteus demo`, the benchmarks'
+//! in-process brokers and the tests all start (the model: zero-to-production's `startup.rs`,
+//! mini-redis's `server::run`). The configuration is [`ServeArgs`], which `proteus serve`
+//! reads from its flags and the others build with [`ServeArgs::sim_defaults`].
+
+use crate::api::auth::{UserAuth, hash_token, new_token};
+use crate::api::tls::{self, ReloadingCert, TlsFiles};
+use crate::api::{AppState, router};
+use crate::billing::BillingModel;
+use crate::checkpoint::{CheckpointStore, ProgramStorage};
+use crate::clock::{ScaledClock, SharedClock, WallClock};
+use crate::cloud::Cloud;
+use crate::cloud::faults::FaultyCloud;
+use crate::cloud::sim::SimCloud;
+use crate::data;
+use crate::launcher::{LauncherConfig, LocalLauncher};
+use crate::market::{Region, Timestamp};
+use crate::prices::{PriceHistory, files};
+use crate::service::{Broker, ModelChoice, Settings};
+use crate::store::{MarketFilter, Store};
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CloudKind {
+    /// A spot market replaying a trace on an accelerated clock.
+    Sim,
+    /// Amazon EC2 (or LocalStack through AWS_ENDPOINT_URL).
+    Ec2,
+}
+
+#[derive(Debug, Clone, Args)]
+#[command(after_help = "Examples:\n  \
+    proteus serve                                     # simulated cloud on the 2015 trace, 60x speed\n  \
+    proteus serve --cloud sim --speed 600 --start 2015-04-10T00:00:00Z\n  \
+    PROTEUS_DATABASE_URL=postgres://… proteus serve --cloud ec2 --region us-east-1 --ami ami-0abc… \\\n      \
+      --subnet subnet-… --security-group sg-… --instance-profile proteus-agent\n  \
+    proteus serve --cloud ec2 --dry-run               # check the account's permissions and exit")]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "PROTEUS_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// The URL agents use to reach this broker. Default: http://<listen>, or https://<listen>
+    /// with --tls-cert.
+    #[arg(long, env = "PROTEUS_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Serve HTTPS with this PEM certificate chain (leaf first). Reloaded on SIGHUP and when
+    /// the file changes. Without it the API is plain HTTP: for loopback and the demo only.
+    #[arg(long, env = "PROTEUS_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "PROTEUS_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// A PEM CA certificate that agents should trust for this broker (a private CA): passed to
+    /// local agents as --ca-file and written onto VMs by the user data. Default: agents use the
+    /// system roots.
+    #[arg(long, env = "PROTEUS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Seconds between checks of the certificate files for a replacement; 0: reload on SIGHUP
+    /// only.
+    #[arg(long, env = "PROTEUS_TLS_RELOAD_POLL_SECS", default_value_t = 2)]
+    pub tls_reload_poll_secs: u64,
+    #[arg(long, env = "PROTEUS_CLOUD", value_enum, default_value_t = CloudKind::Sim)]
+    pub cloud: CloudKind,
+    #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
+    pub region: String,
+    /// The user API token. Default: generated on first start, printed once, its hash stored.
+    #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// sim: spot trace (CSV/JSON, .gz ok). Default: the 2015 us-east-1 trace built into proteus.
+    #[arg(long, env = "PROTEUS_TRACE")]
+    pub trace: Option<PathBuf>,
+    /// sim: on-demand price table. Default: the 2015 table built into proteus.
+    #[arg(long, env = "PROTEUS_ON_DEMAND")]
+    pub on_demand: Option<PathBuf>,
+    /// sim: market seconds per wall second.
+    #[arg(long, env = "PROTEUS_SPEED", default_value_t = 60.0)]
+    pub speed: f64,
+    /// sim: the market time the clock starts at. Default: eight days into the trace (so the
+    /// market model has a week of history to learn from).
+    #[arg(long, env = "PROTEUS_SIM_START")]
+    pub start: Option<String>,
+    /// Billing for jobs that do not choose. Default: hourly-2015 on sim, per-second on ec2.
+    #[arg(long, env = "PROTEUS_BILLING")]
+    pub billing: Option<BillingModel>,
+    /// Market model. Default: price on sim, hazard on ec2.
+    #[arg(long, env = "PROTEUS_MARKET_MODEL", value_enum)]
+    pub market_model: Option<ModelChoice>,
+    /// Control-loop period, milliseconds of wall time.
+    #[arg(long, env = "PROTEUS_TICK_MS", default_value_t = 1000)]
+    pub tick_ms: u64,
+    /// Start a local `proteus-agent` process per instance (where instances do not boot: sim,
+    /// LocalStack). Default: on for sim, on for ec2 when AWS_ENDPOINT_URL is set.
+    #[arg(long, env = "PROTEUS_LOCAL_AGENTS")]
+    pub local_agents: Option<bool>,
+    /// The agent binary for local agents. Default: `proteus-agent` next to this binary.
+    #[arg(long, env = "PROTEUS_AGENT_BIN")]
+    pub agent_bin: Option<PathBuf>,
+    /// The agent binary served at /v1/downloads/proteus-agent to VMs booting with the user-data
+    /// script (build it for the VMs' platform). Default: `proteus-agent` next to this binary.
+    #[arg(long, env = "PROTEUS_AGENT_DOWNLOAD")]
+    pub agent_download: Option<PathBuf>,
+    /// Data sets for local agents, also served at /v1/downloads/data/. Default: the project's
+    /// data/ml.
+    #[arg(long, env = "PROTEUS_AGENT_DATA_DIR")]
+    pub agent_data_dir: Option<PathBuf>,
+    /// Log filter of local agents (tracing `EnvFilter` syntax).
+    #[arg(
+        long,
+        env = "PROTEUS_LOCAL_AGENT_LOG",
+        default_value = "warn,proteus_agent=info"
+    )]
+    pub agent_log: String,
+    /// PID files and agent logs of local agents. Default: <user data dir>/proteus/state.
+    #[arg(long, env = "PROTEUS_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Where command jobs' checkpoints go: `s3://bucket/prefix` (presigned URLs; credentials
+    /// and endpoint from the AWS environment), or a directory. Default:
+    /// `<state dir>/checkpoints`, served to agents by the broker itself.
+    #[arg(long, env = "PROTEUS_CHECKPOINT_STORE")]
+    pub checkpoint_store: Option<String>,
+    /// Minutes from launch to useful work assumed by policies when a job does not say.
+    #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
+    pub startup_minutes: Option<f64>,
+    /// Market seconds a market that refused a launch is skipped.
+    #[arg(long, env = "PROTEUS_COOLDOWN_SECS", default_value_t = 600.0)]
+    pub cooldown_secs: f64,
+    /// Wall seconds an agent gets at least between an interruption notice and its end.
+    #[arg(long, env = "PROTEUS_MIN_NOTICE_SECS", default_value_t = 6.0)]
+    pub min_notice_secs: f64,
+    /// Fail chosen launches as EC2 would, e.g. `us-east-1a/c3.xlarge=insufficient-capacity:2`.
+    #[arg(long, env = "PROTEUS_INJECT_LAUNCH_FAULTS", hide = true)]
+    pub inject_launch_faults: Option<String>,
+    #[command(flatten)]
+    pub ec2: Ec2Args,
+}
+
+/// EC2 launch settings.
+#[derive(Debug, Clone, Args)]
+pub struct Ec2Args {
+    /// AMI for agent instances.
+    #[arg(long, env = "PROTEUS_AMI", default_value = "ami-00000000000000000")]
+    pub ami: String,
+    #[arg(long, env = "PROTEUS_SUBNET")]
+    pub subnet: Option<String>,
+    #[arg(long, env = "PROTEUS_SECURITY_GROUP")]
+    pub security_group: Vec<String>,
+    /// Instance profile (name) giving agents their role.
+    #[arg(long, env = "PROTEUS_INSTANCE_PROFILE")]
+    pub instance_profile: Option<String>,
+    #[arg(long, env = "PROTEUS_KEY_NAME")]
+    pub key_name: Option<String>,
+    /// Use RequestSpotInstances instead of RunInstances market options for spot.
+    #[arg(long, env = "PROTEUS_SPOT_REQUESTS")]
+    pub spot_requests: bool,
+    /// Check the account's permissions with DryRun calls, print what is missing, and exit.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Name of this broker's deployment: the value of the `proteus:managed` tag it puts on
+    /// instances and the only instances it lists, adopts or terminates as leaks.
+    #[arg(long, env = "PROTEUS_DEPLOYMENT", default_value = "default")]
+    pub deployment: String,
+}
+
+impl ServeArgs {
+    /// The defaults of `proteus serve` (simulated cloud on the built-in trace), for callers
+    /// that build a broker in-process: the demo and the tests.
+    pub fn sim_defaults() -> ServeArgs {
+        ServeArgs {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise_url: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            tls_reload_poll_secs: 2,
+            cloud: CloudKind::Sim,
+            region: "us-east-1".into(),
+            token: None,
+            trace: None,
+            on_demand: None,
+            speed: 60.0,
+            start: None,
+            billing: None,
+            market_model: None,
+            tick_ms: 1000,
+            local_agents: None,
+            agent_bin: None,
+            agent_download: None,
+            agent_data_dir: None,
+            agent_log: "warn,proteus_agent=info".into(),
+            state_dir: None,
+            checkpoint_store: None,
+            startup_minutes: None,
+            cooldown_secs: 600.0,
+            min_notice_secs: 6.0,
+            inject_launch_faults: None,
+            ec2: Ec2Args {
+                ami: "ami-00000000000000000".into(),
+                subnet: None,
+                security_group: Vec::new(),
+                instance_profile: None,
+                key_name: None,
+                spot_requests: false,
+                dry_run: false,
+                deployment: "default".into(),
+            },
+        }
+    }
+}
+/// A started broker: API listener bound, state recovered, scheduler not yet running.
+pub struct Application {
+    pub broker: Arc<Broker>,
+    pub addr: SocketAddr,
+    pub token: Option<String>,
+    /// The certificate in service when the API is HTTPS.
+    pub tls: Option<Arc<ReloadingCert>>,
+    /// How often its files are checked for a replacement (`None`: on SIGHUP only).
+    tls_poll: Option<Duration>,
+    app: axum::Router,
+    listener: tokio::net::TcpListener,
+}
+
+impl Application {
+    /// Serves the API only; the caller drives the scheduler with [`Broker::tick`].
+    pub fn serve_api(self) -> (Arc<Broker>, tokio::task::JoinHandle<()>) {
+        let broker = self.broker.clone();
+        let task = tokio::spawn(self.serve(std::future::pending()));
+        (broker, task)
+    }
+
+    /// The API over HTTPS (with the certificate watched for replacement) or plain HTTP, until
+    /// `stop` resolves.
+    async fn serve(self, stop: impl std::future::Future<Output = ()> + Send + 'static) {
+        match self.tls {
+            Some(cert) => {
+                let config = match cert.server_config() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS configuration failed");
+                        return;
+                    }
+                };
+                let watcher = tokio::spawn(tls::watch(cert, self.tls_poll));
+                tls::serve(self.listener, self.app, config, stop).await;
+                watcher.abort();
+            }
+            None => {
+                if let Err(e) = axum::serve(self.listener, self.app)
+                    .with_graceful_shutdown(stop)
+                    .await
+                {
+                    tracing::error!(error = %e, "API server failed");
+                }
+            }
+        }
+    }
+
+    /// Serves the API and runs the scheduler until `shutdown` resolves.
+    pub async fn run_until(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let broker = self.broker.clone();
+        let mut rx2 = rx.clone();
+        let scheduler = tokio::spawn(broker.run_scheduler(async move {
+            let _ = rx2.wait_for(|stop| *stop).await;
+        }));
+        let mut rx3 = rx.clone();
+        let server = tokio::spawn(self.serve(async move {
+            let _ = rx3.wait_for(|stop| *stop).await;
+        }));
+        shutdown.await;
+        let _ = tx.send(true);
+        let _ = scheduler.await;
+        // Long polls may hold connections for a while; do not wait for them forever.
+        let _ = tokio::time::timeout(Duration::from_secs(3), server).await;
+    }
+}
+
+/// Builds the broker from flags: clock, cloud, launcher, prices, recovery, API router.
+pub async fn start(
+    store: Store,
+    args: ServeArgs,
+    listener: tokio::net::TcpListener,
+) -> Result<Application> {
+    start_with(store, args, listener, StartOptions::default()).await
+}
+
+/// What `proteus demo` changes about a broker: a clock it steps itself, and progress from the
+/// work model so that a replay is deterministic.
+#[derive(Default)]
+pub struct StartOptions {
+    pub clock: Option<SharedClock>,
+    pub pacing: Option<crate::service::Pacing>,
+}
+
+pub async fn start_with(
+    store: Store,
+    args: ServeArgs,
+    listener: tokio::net::TcpListener,
+    options: StartOptions,
+) -> Result<Application> {
+    let addr = listener.local_addr().context("listener address")?;
+    // Certificate problems stop the start, before anything is recovered or launched.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            ReloadingCert::load(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            })
+            .context("--tls-cert/--tls-key")?,
+        ),
+        (None, None) => None,
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
+    if let Some(ca) = &args.tls_ca {
+        crate::api::tls::read_ca_pem(ca).context("--tls-ca")?;
+    }
+    let region = Region::parse(&args.region).context("--region")?;
+    let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
+        CloudKind::Sim => {
+            let history = Arc::new(load_sim_trace(&store, &args, &region).await?);
+            let (first, last) = history.span().context("the trace has no prices")?;
+            let start = match &args.start {
+                Some(s) => Timestamp::parse(s).context("--start")?,
+                None => first.plus_secs(8.0 * 86_400.0).min(last),
+            };
+            if start < first || start >= last {
+                bail!("--start {start} is outside the trace ({first} to {last})");
+            }
+            if !(args.speed.is_finite() && args.speed > 0.0) {
+                bail!("--speed must be a positive number");
+            }
+            let clock: SharedClock = match options.clock.clone() {
+                Some(c) => c,
+                None => Arc::new(ScaledClock::new(start, args.speed)),
+            };
+            (history, clock)
+        }
+        CloudKind::Ec2 => {
+            let filter = MarketFilter {
+                region: Some(region.clone()),
+                ..Default::default()
+            };
+            let history = store.load_history(&filter, None, None).await?;
+            if history.is_empty() {
+                tracing::warn!(
+                    "no stored price history for {region}: run `proteus prices ingest --from-ec2` first"
+                );
+            }
+            (Arc::new(history), Arc::new(WallClock))
+        }
+    };
+    let cloud: Arc<dyn Cloud> = match args.cloud {
+        CloudKind::Sim => Arc::new(SimCloud::new(
+            history.clone(),
+            clock.clone(),
+            Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+        )),
+        CloudKind::Ec2 => ec2_cloud(&args, &region, addr).await?,
+    };
+    let cloud: Arc<dyn Cloud> = match &args.inject_launch_faults {
+        Some(rules) => Arc::new(FaultyCloud::new(
+            cloud,
+            FaultyCloud::parse_rules(rules).map_err(anyhow::Error::msg)?,
+        )),
+        None => cloud,
+    };
+    let advertise = advertise_url(&args, addr);
+    let local_agents = args
+        .local_agents
+        .unwrap_or(args.cloud == CloudKind::Sim || std::env::var_os("AWS_ENDPOINT_URL").is_some());
+    let launcher = if local_agents {
+        let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+        let (agent_bin, agent_prefix) = match &args.agent_bin {
+            Some(bin) => (bin.clone(), Vec::new()),
+            None => LauncherConfig::default_agent_command(),
+        };
+        let config = LauncherConfig {
+            agent_bin,
+            agent_prefix,
+            broker_url: advertise.clone(),
+            data_dir: args
+                .agent_data_dir
+                .clone()
+                .unwrap_or_else(|| data::data_dir().join("ml")),
+            state_dir,
+            imds_poll_ms: 500,
+            exit_margin_secs: 1,
+            agent_log: args.agent_log.clone(),
+            ca_file: args.tls_ca.clone(),
+        };
+        Some(Arc::new(LocalLauncher::new(config)?))
+    } else {
+        None
+    };
+    let sim = args.cloud == CloudKind::Sim;
+    let settings = Settings {
+        region,
+        default_billing: args.billing.unwrap_or(if sim {
+            BillingModel::Hourly2015
+        } else {
+            BillingModel::PerSecond
+        }),
+        model: args.market_model.unwrap_or(if sim {
+            ModelChoice::Price
+        } else {
+            ModelChoice::Hazard
+        }),
+        tick: Duration::from_millis(args.tick_ms.max(10)),
+        default_startup_minutes: args
+            .startup_minutes
+            .unwrap_or(crate::job::DEFAULT_STARTUP_MINUTES),
+        cooldown_secs: args.cooldown_secs,
+        min_notice: Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+        pacing: options.pacing.unwrap_or(crate::service::Pacing::Measured),
+    };
+    let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
+    // A session cookie set over HTTPS must never travel back over plain HTTP.
+    let auth = auth.with_secure_cookies(tls.is_some());
+    let broker = Broker::new(store, clock, cloud, launcher, history, settings);
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    let checkpoints = match &args.checkpoint_store {
+        Some(spec) => spec.clone(),
+        None => state_dir.join("checkpoints").display().to_string(),
+    };
+    let checkpoints = CheckpointStore::open(&checkpoints)
+        .await
+        .with_context(|| format!("--checkpoint-store {checkpoints}"))?;
+    tracing::info!(store = %checkpoints.describe(), "command-job checkpoints");
+    broker.set_program_storage(
+        ProgramStorage::new(checkpoints, state_dir.join("outputs"))
+            .context("command-job output directory")?,
+    );
+    broker
+        .recover()
+        .await
+        .context("recovering state after start")?;
+    let downloads = crate::api::Downloads {
+        agent_binary: args.agent_download.clone().or_else(|| {
+            let exe = std::env::current_exe().ok()?;
+            exe.parent()
+                .map(|d| d.join("proteus-agent"))
+                .filter(|p| p.is_file())
+        }),
+        data_dir: Some(
+            args.agent_data_dir
+                .clone()
+                .unwrap_or_else(|| data::data_dir().join("ml")),
+        ),
+    };
+    let app = router(AppState {
+        broker: broker.clone(),
+        auth,
+        downloads,
+    })
+    .layer(tower_http::trace::TraceLayer::new_for_http());
+    Ok(Application {
+        broker,
+        addr,
+        token,
+        tls,
+        tls_poll: (args.tls_reload_poll_secs > 0)
+            .then(|| Duration::from_secs(args.tls_reload_poll_secs)),
+        app,
+        listener,
+    })
+}
+
+/// What agents call: the flag's URL, or this listener's with the scheme it serves.
+fn advertise_url(args: &ServeArgs, addr: SocketAddr) -> String {
+    args.advertise_url.clone().unwrap_or_else(|| {
+        let scheme = if args.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{addr}")
+    })
+}
+
+/// The user token: the flag's, or the stored hash, or a new one (printed once).
+async fn user_auth(
+    store: &Store,
+    flag: Option<&str>,
+    now: Timestamp,
+) -> Result<(UserAuth, Option<String>)> {
+    if let Some(token) = flag {
+        return Ok((UserAuth::from_token(token), None));
+    }
+    if let Some(hash) = store.api_token_hash("user").await? {
+        return Ok((UserAuth::from_hash(hash), None));
+    }
+    let token = new_token("pt_");
+    let hash = store
+        .init_api_token_hash("user", &hash_token(&token), now)
+        .await?;
+    if hash == hash_token(&token) {
+        eprintln!(
+            "generated the API token (shown once; the broker keeps only its hash):\n  export PROTEUS_TOKEN={token}"
+        );
+        Ok((UserAuth::from_hash(hash), Some(token)))
+    } else {
+        Ok((UserAuth::from_hash(hash), None))
+    }
+}
+
+pub fn default_state_dir() -> PathBuf {
+    crate::data::user_dir().join("state")
+}
+
+/// The sim trace: the file given, or the one built in. It is also ingested into the store so
+/// that the markets and prices endpoints show what the simulated cloud sells.
+async fn load_sim_trace(store: &Store, args: &ServeArgs, region: &Region) -> Result<PriceHistory> {
+    let rows = match &args.trace {
+        Some(path) => files::read_spot_file(path)?,
+        None => {
+            let raw = files::decompress_if_gzipped(data::TRACE_2015.to_vec())
+                .context("built-in trace")?;
+            files::parse_spot_bytes(Path::new(data::TRACE_2015_NAME), &raw)?
+        }
+    };
+    let offers = match &args.on_demand {
+        Some(path) => files::read_on_demand_file(path, region)?,
+        None => files::parse_on_demand_bytes(
+            Path::new(data::ON_DEMAND_2015_NAME),
+            data::ON_DEMAND_2015,
+            region,
+        )?,
+    };
+    store
+        .ingest_on_demand(&offers)
+        .await
+        .context("storing on-demand prices")?;
+    store
+        .ingest_spot_prices(&rows)
+        .await
+        .context("storing the trace")?;
+    Ok(crate::sim::inputs::history_from_rows(rows, offers))
+}
+
+#[cfg(feature = "ec2")]
+pub(crate) fn ec2_config(
+    args: &ServeArgs,
+    region: &Region,
+    addr: SocketAddr,
+) -> crate::cloud::ec2::Ec2Config {
+    crate::cloud::ec2::Ec2Config {
+        region: region.clone(),
+        ami: args.ec2.ami.clone(),
+        subnet: args.ec2.subnet.clone(),
+        security_groups: args.ec2.security_group.clone(),
+        instance_profile: args.ec2.instance_profile.clone(),
+        key_name: args.ec2.key_name.clone(),
+        spot_requests: args.ec2.spot_requests,
+        broker_url: advertise_url(args, addr),
+        // Checked readable at start.
+        ca_pem: args
+            .tls_ca
+            .as_deref()
+            .and_then(|p| crate::api::tls::read_ca_pem(p).ok()),
+        deployment: args.ec2.deployment.clone(),
+    }
+}
+
+#[cfg(feature = "ec2")]
+async fn ec2_cloud(args: &ServeArgs, region: &Region, addr: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    Ok(Arc::new(
+        crate::cloud::ec2::Ec2Cloud::new(ec2_config(args, region, addr)).await,
+    ))
+}
+
+/// `serve --cloud ec2 --dry-run`: every EC2 action the broker uses, checked with `DryRun`.
+#[cfg(not(feature = "ec2"))]
+async fn ec2_cloud(_: &ServeArgs, _: &Region, _: SocketAddr) -> Result<Arc<dyn Cloud>> {
+    bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
+}
