@@ -335,6 +335,7 @@ async fn list_markets(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct PricesQuery {
     /// `zone/type`, e.g. `us-east-1a/c3.xlarge`.
     market: String,
@@ -350,13 +351,17 @@ struct PricePoint {
 }
 
 #[utoipa::path(get, path = "/v1/prices", params(PricesQuery),
-    responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody)), security(("bearer" = [])))]
+    responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the market or a time does not parse")), security(("bearer" = [])))]
 async fn list_prices(
     State(s): State<AppState>,
     headers: HeaderMap,
-    ApiQuery(q): ApiQuery<PricesQuery>,
+    query: Result<ApiQuery<PricesQuery>, ApiError>,
 ) -> Result<Json<Vec<PricePoint>>, ApiError> {
+    // Who asks comes first: a request without credentials is told so, not what is wrong with
+    // its query string (the query is only parsed here, after the check).
     user(&s, &headers).await?;
+    let ApiQuery(q) = query?;
     let market =
         Market::parse(&q.market).map_err(|e| ApiError::invalid("market", e.to_string()))?;
     let time = |field: &str, v: &Option<String>| {
@@ -450,7 +455,7 @@ async fn agent_event(
 }
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint", params(("instance_id" = String, Path), ("rank" = u32, Query),
-    ("op" = String, Query, description = "`upload` or `download`")),
+    ("op" = inline(proteus_wire::agent_api::CheckpointOp), Query, description = "`upload` or `download`")),
     responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody)),
     security(("agent" = [])))]
 async fn agent_checkpoint(
@@ -473,7 +478,8 @@ fn rank_of(raw: &str) -> Result<u32, ApiError> {
 
 #[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
     request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
-    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody)),
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number")),
     security(("agent" = [])))]
 async fn agent_checkpoint_put(
     State(s): State<AppState>,
@@ -491,7 +497,8 @@ async fn agent_checkpoint_put(
 }
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
-    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody)),
+    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number")),
     security(("agent" = [])))]
 async fn agent_checkpoint_get(
     State(s): State<AppState>,
