@@ -411,7 +411,8 @@ async fn agent_register(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Heartbeat, params(("instance_id" = String, Path)),
-    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_heartbeat(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -426,7 +427,8 @@ async fn agent_heartbeat(
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/commands", params(("instance_id" = String, Path), ("after" = Option<u64>, Query),
     ("wait_ms" = Option<u64>, Query)),
-    responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_commands(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -441,7 +443,8 @@ async fn agent_commands(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = AgentEvent, params(("instance_id" = String, Path)),
-    responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 204), (status = 401, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_event(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -456,7 +459,8 @@ async fn agent_event(
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint", params(("instance_id" = String, Path), ("rank" = u32, Query),
     ("op" = inline(proteus_wire::agent_api::CheckpointOp), Query, description = "`upload` or `download`")),
-    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody)),
+    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is out of range")),
     security(("agent" = [])))]
 async fn agent_checkpoint(
     State(s): State<AppState>,
