@@ -483,7 +483,7 @@ fn rank_of(raw: &str) -> Result<u32, ApiError> {
 #[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
     request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
     responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody),
-        (status = 422, body = error::ErrorBody, description = "the rank is not a number")),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number, or the body is empty")),
     security(("agent" = [])))]
 async fn agent_checkpoint_put(
     State(s): State<AppState>,
@@ -492,6 +492,24 @@ async fn agent_checkpoint_put(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let rank = rank_of(&rank)?;
+    // A checkpoint is a gzipped tar, never empty: a request that declares no body at all (no
+    // length, or length 0, and not chunked) would store an archive no restore can open.
+    let declared = |name: axum::http::HeaderName| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let chunked = declared(axum::http::header::TRANSFER_ENCODING)
+        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+    let length =
+        declared(axum::http::header::CONTENT_LENGTH).and_then(|v| v.trim().parse::<u64>().ok());
+    if !chunked && length.unwrap_or(0) == 0 {
+        return Err(ApiError::invalid(
+            "body",
+            "empty: a checkpoint is a gzipped tar of the checkpoint directory".to_string(),
+        ));
+    }
     let bytes = s
         .broker
         .agent_checkpoint_put(agent_token(&headers), &id, rank, body.into_data_stream())
@@ -523,7 +541,7 @@ async fn agent_checkpoint_get(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/output", params(("instance_id" = String, Path)),
-    request_body(content = String, description = "the newest tail of the program's output", content_type = "text/plain"),
+    request_body(content = Option<String>, description = "the newest tail of the program's output (empty when it printed nothing)", content_type = "text/plain"),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_output(
     State(s): State<AppState>,
