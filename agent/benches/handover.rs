@@ -1,29 +1,50 @@
-//! Time from an interruption warning to a 100 MB shard serving on another machine.
+//! Time from an interruption warning to a 100 MB shard serving on another machine, while the
+//! job trains.
 //!
-//! Two real agent processes: a transient one serving the only shard (100 MB, synthetic app, no
-//! workers) and a reliable one holding its backup. The transient one's IMDS mock announces an
-//! interruption; we time until the reliable one answers a pull for the shard.
+//! Two real agent processes, both workers of a synthetic job (a dense 100 MB model whose workers
+//! pull it and push an update every clock): a transient one serving the only shard and a
+//! reliable one holding its backup. Once training is under way, the transient one's IMDS mock
+//! announces an interruption; we time until the reliable one answers a pull for the shard.
+//!
+//! Measured at the agent's default metadata polling interval (no `--imds-poll-ms`, as a
+//! deployed agent runs; the target applies to this), then at a 200 ms interval, reported
+//! separately. A run in which the coordinator never hears of the warning, training was not
+//! running when it came, or the shard is never served elsewhere fails the benchmark (non-zero
+//! exit); a missed target exits 1.
 
 mod common;
 
 use proteus_agent::testing::TestCoordinator;
 use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
 use proteus_wire::Tier;
-use proteus_wire::agent_api::{AppConfig, TrainingConfig};
+use proteus_wire::agent_api::{AppConfig, StopCondition, TrainingConfig};
 use proteus_wire::coordinator::MemberState;
 use std::time::{Duration, Instant};
 
 const MODEL_LEN: u64 = 25_000_000; // 100 MB of f32
 const RUNS: usize = 5;
 const TARGET_SECS: f64 = 2.0;
-const IMDS_POLL_MS: u64 = 200;
+/// The faster interval, reported separately.
+const FAST_POLL_MS: u64 = 200;
+/// Clocks of training seen before the warning is posted.
+const CLOCKS_BEFORE: u64 = 2;
 
-async fn one_run() -> (f64, f64) {
+struct Run {
+    /// Warning posted -> the backup serves the shard.
+    total: f64,
+    /// The coordinator hears of the warning -> the backup serves.
+    after_told: f64,
+    /// Training clock when the warning was posted, and when the shard was served.
+    clocks: (u64, u64),
+}
+
+async fn one_run(poll_ms: Option<u64>) -> Result<Run, String> {
     let mut cfg = TrainingConfig::new(AppConfig::Synthetic {
         model_len: MODEL_LEN,
     });
     cfg.num_shards = 1;
-    cfg.min_workers = 1000; // shards only: no training traffic
+    cfg.min_workers = 2;
+    cfg.stop = StopCondition::Clocks { clocks: 1_000_000 };
     cfg.backup_sync_interval_ms = 1000;
     let coord = TestCoordinator::start(
         cfg,
@@ -33,11 +54,11 @@ async fn one_run() -> (f64, f64) {
         ],
     )
     .await
-    .expect("coordinator");
-    let _r = common::spawn_agent(&coord.url(), "r", IMDS_POLL_MS).await;
-    let t = common::spawn_agent(&coord.url(), "t", IMDS_POLL_MS).await;
+    .map_err(|e| format!("coordinator: {e:?}"))?;
+    let _r = common::spawn_agent_polling(&coord.url(), "r", poll_ms).await;
+    let t = common::spawn_agent_polling(&coord.url(), "t", poll_ms).await;
     let ready = coord
-        .wait_for(Duration::from_secs(60), |s| {
+        .wait_for(Duration::from_secs(120), |s| {
             let role = |id: &str| {
                 s.members
                     .iter()
@@ -46,38 +67,41 @@ async fn one_run() -> (f64, f64) {
             };
             role("t").is_some_and(|p| p.active_shards == [0])
                 && role("r").is_some_and(|p| p.backup_shards == [0])
+                && s.progress.clock >= CLOCKS_BEFORE
         })
         .await;
-    assert!(
-        ready.is_some(),
-        "layout never settled: {:#?}",
-        coord.status()
-    );
+    if ready.is_none() {
+        return Err(format!(
+            "layout never settled with training under way: {:#?}",
+            coord.status()
+        ));
+    }
     let r_addr = coord
         .status()
         .members
         .iter()
         .find(|m| m.instance_id.0 == "r")
         .map(|m| m.data_addr.clone())
-        .expect("r");
+        .ok_or("r is not a member")?;
 
+    let clock_at_warning = coord.status().progress.clock;
     let start = Instant::now();
     t.1.announce_interruption(120);
     // The bench reads the agents' shards as one of the job's peers, with the job's secret.
     let secret = coord
         .with(|c| c.data_secret().cloned())
-        .expect("the job has a data-plane secret");
+        .ok_or("the job has no data-plane secret")?;
     let client = Peers::new("bench".into(), DataPlane::new(secret, MAX_FRAME));
-    let mut warned_at = None;
+    let mut told_at = None;
     loop {
-        if warned_at.is_none() {
+        if told_at.is_none() {
             let st = coord.status();
             let leaving = st
                 .members
                 .iter()
                 .any(|m| m.instance_id.0 == "t" && m.state == MemberState::Leaving);
             if leaving || !st.departed.is_empty() {
-                warned_at = Some(start.elapsed().as_secs_f64());
+                told_at = Some(start.elapsed().as_secs_f64());
             }
         }
         let req = Request::Pull {
@@ -88,17 +112,49 @@ async fn one_run() -> (f64, f64) {
         if let Ok(Response::Params { values, .. }) =
             client.call(&r_addr, &req, Duration::from_secs(30)).await
         {
-            assert_eq!(values.len() as u64, MODEL_LEN);
+            if values.len() as u64 != MODEL_LEN {
+                return Err(format!("the backup served {} values", values.len()));
+            }
             let total = start.elapsed().as_secs_f64();
-            let w = warned_at.unwrap_or(total);
-            return (total, total - w);
+            let Some(told) = told_at else {
+                return Err(format!(
+                    "the shard moved after {total:.3} s but the coordinator never saw t leave: {:#?}",
+                    coord.status()
+                ));
+            };
+            return Ok(Run {
+                total,
+                after_told: total - told,
+                clocks: (clock_at_warning, coord.status().progress.clock),
+            });
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err(format!(
+                "shard never served elsewhere within 60 s (warning seen: {}): {:#?}",
+                told_at.is_some(),
+                coord.status()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "shard never served elsewhere"
-        );
     }
+}
+
+/// RUNS runs at one polling interval; the medians (total, after the coordinator was told).
+async fn series(poll_ms: Option<u64>, label: &str) -> Result<(f64, f64), String> {
+    let (mut totals, mut after) = (Vec::new(), Vec::new());
+    for i in 0..RUNS {
+        let run = one_run(poll_ms)
+            .await
+            .map_err(|e| format!("{label}, run {i}: {e}"))?;
+        println!(
+            "{label}, run {i}: warning posted -> serving elsewhere {:.3} s (coordinator told -> serving {:.3} s; \
+             training at clock {} when warned, {} when served)",
+            run.total, run.after_told, run.clocks.0, run.clocks.1
+        );
+        totals.push(run.total);
+        after.push(run.after_told);
+    }
+    Ok((common::median(&mut totals), common::median(&mut after)))
 }
 
 fn main() {
@@ -106,22 +162,33 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(async {
-        let (mut totals, mut after) = (Vec::new(), Vec::new());
-        for i in 0..RUNS {
-            let (total, from_broker) = one_run().await;
-            println!("run {i}: warning posted -> serving elsewhere {total:.3} s (broker told -> serving {from_broker:.3} s)");
-            totals.push(total);
-            after.push(from_broker);
-        }
-        let med = common::median(&mut totals);
-        let med_after = common::median(&mut after);
+    let code = rt.block_on(async {
+        let default = series(None, "default IMDS polling").await;
+        let fast = series(Some(FAST_POLL_MS), &format!("IMDS polled every {FAST_POLL_MS} ms")).await;
+        let (med, med_after) = match default {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("benchmark failed: {e}");
+                return 2;
+            }
+        };
         println!(
-            "Hand-over of a 100 MB shard: median {med:.3} s from the IMDS notice to serving on the backup machine \
-             (IMDS polled every {IMDS_POLL_MS} ms; {med_after:.3} s from the broker learning of it) \
-             (target < {TARGET_SECS:.1} s: ratio {:.2} of target; load average {})",
+            "Hand-over of a 100 MB shard while training: median {med:.3} s from the IMDS notice to serving on the backup \
+             machine at the agent's default IMDS polling interval ({med_after:.3} s from the coordinator learning of it) \
+             (target < {TARGET_SECS:.1} s: ratio {:.2} of target; {RUNS} runs; load average {})",
             med / TARGET_SECS,
             common::load_average()
         );
+        match fast {
+            Ok((f, f_after)) => println!(
+                "  with IMDS polled every {FAST_POLL_MS} ms: median {f:.3} s ({f_after:.3} s from the coordinator learning of it)"
+            ),
+            Err(e) => {
+                eprintln!("benchmark failed: {e}");
+                return 2;
+            }
+        }
+        if med < TARGET_SECS { 0 } else { 1 }
     });
+    std::process::exit(code);
 }

@@ -1,9 +1,10 @@
 //! PS pull/push throughput on loopback with 4 MB dense updates.
 //!
 //! One agent-side PS node serving one 4 MB shard; `CLIENTS` workers, each its own process-like
-//! peer with its own TCP connection (opened, with its hello, in every round), alternate a 4 MB
-//! push and a 4 MB pull. Reports the median aggregate payload rate over several rounds against
-//! the 1 GB/s target.
+//! peer with its own TCP connection (opened, with its hello, in every round), run BSP clocks: a
+//! 4 MB push of its partition, then a 4 MB pull once every client pushed that clock. Only pushes
+//! the shard applied and pulls of complete clocks count (anything else fails the run). Reports
+//! the median aggregate payload rate over several rounds against the 1 GB/s target.
 //!
 //! The cost of the authenticated hello, in the same run: every round is run twice, against a
 //! node whose connections prove the job's secret and against one whose connections skip the
@@ -14,7 +15,7 @@ mod common;
 
 use proteus_agent::apps::App;
 use proteus_agent::ps::{PsNode, ShardState};
-use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
+use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, PushOutcome, Request, Response};
 use proteus_wire::InstanceId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +28,10 @@ const TARGET_GBPS: f64 = 1.0;
 
 const CONNECTS: usize = 300;
 
+/// One worker's rounds, as a BSP worker runs them: push its partition's update for a clock, then
+/// pull the shard once that clock is complete (every client pushed it). The pull waits on the
+/// others, so no client runs ahead and every push is one the shard applies; only applied pushes
+/// and complete pulls are counted, and any other answer fails the run.
 async fn client(addr: String, partition: u32, round: u64, plane: DataPlane) -> u64 {
     let peers = Peers::new(format!("client-{partition}"), plane);
     let delta = vec![0.001f32; FLOATS];
@@ -40,17 +45,20 @@ async fn client(addr: String, partition: u32, round: u64, plane: DataPlane) -> u
             delta: delta.clone(),
         };
         match peers.call(&addr, &push, Duration::from_secs(30)).await {
-            Ok(Response::Pushed(_)) => bytes += (FLOATS * 4) as u64,
-            other => panic!("push failed: {other:?}"),
+            Ok(Response::Pushed(PushOutcome::Applied)) => bytes += (FLOATS * 4) as u64,
+            other => panic!("client {partition}: push of clock {clock} not applied: {other:?}"),
         }
         let pull = Request::Pull {
             shard: 0,
-            need: None,
-            wait_ms: 0,
+            need: Some(clock),
+            wait_ms: 30_000,
         };
-        match peers.call(&addr, &pull, Duration::from_secs(30)).await {
-            Ok(Response::Params { values, .. }) => bytes += (values.len() * 4) as u64,
-            other => panic!("pull failed: {other:?}"),
+        match peers.call(&addr, &pull, Duration::from_secs(40)).await {
+            Ok(Response::Params { values, done, .. }) if done.is_some_and(|d| d >= clock) => {
+                assert_eq!(values.len(), FLOATS, "a pull returns the whole shard");
+                bytes += (values.len() * 4) as u64
+            }
+            other => panic!("client {partition}: pull of complete clock {clock} failed: {other:?}"),
         }
     }
     bytes

@@ -1,6 +1,9 @@
 # Sourced by scripts/test and bench/*: starts and stops a throwaway PostgreSQL on loopback.
 #   pg_start WORK_DIR   -> sets PG_URL (admin URL), PG_PID, PG_BIN
 #   pg_stop
+# Tests run the server without durability (fsync, synchronous commit and full-page writes off):
+# a crash of a throwaway cluster loses nothing anyone needs. Benchmarks set PG_DURABLE=1 to get
+# PostgreSQL's defaults for those three, so that their figures are what a real server would do.
 # Installs the 'postgresql' package with apt-get when no server binaries are found (as root).
 
 _pg_log() { printf '[postgres] %s\n' "$*" >&2; }
@@ -46,8 +49,13 @@ pg_start() {
     _pg_log "starting $PG_BIN/postgres on 127.0.0.1:$port"
     "${as_pg[@]}" "$PG_BIN/initdb" -D "$work/pg/data" -U postgres --auth=trust -E UTF8 --locale=C \
         >"$work/pg/initdb.log" 2>&1 || { cat "$work/pg/initdb.log" >&2; return 1; }
+    local durability=(-c fsync=off -c synchronous_commit=off -c full_page_writes=off)
+    if [[ "${PG_DURABLE:-0}" == 1 ]]; then
+        durability=(-c fsync=on -c synchronous_commit=on -c full_page_writes=on)
+    fi
+    _pg_log "durability: ${durability[*]}"
     "${as_pg[@]}" "$PG_BIN/postgres" -D "$work/pg/data" -h 127.0.0.1 -p "$port" -k "$work/pg" \
-        -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300 \
+        "${durability[@]}" -c max_connections=300 \
         >"$work/pg/postgres.log" 2>&1 &
     PG_PID=$!
     # Stopped by pg_stop; bash need not report its end as a killed job.

@@ -17,15 +17,21 @@ impl Drop for Proc {
 }
 
 pub async fn spawn_agent(broker: &str, name: &str, imds_poll_ms: u64) -> Proc {
+    spawn_agent_polling(broker, name, Some(imds_poll_ms)).await
+}
+
+/// An agent polling its metadata every `imds_poll_ms`, or at the agent's default when `None`
+/// (no `--imds-poll-ms` is passed, so the figure is what a deployed agent does).
+pub async fn spawn_agent_polling(broker: &str, name: &str, imds_poll_ms: Option<u64>) -> Proc {
     let imds = ImdsMock::start(name).await.expect("imds mock");
+    let poll: Vec<String> = imds_poll_ms
+        .map(|ms| vec!["--imds-poll-ms".to_string(), ms.to_string()])
+        .unwrap_or_default();
     let child = Command::new(env!("CARGO_BIN_EXE_proteus-agent"))
         .args(["--broker", broker, "--token", &format!("tok-{name}")])
-        .args([
-            "--imds-endpoint",
-            &imds.url(),
-            "--imds-poll-ms",
-            &imds_poll_ms.to_string(),
-        ])
+        .args(["--imds-endpoint", &imds.url()])
+        .args(&poll)
+        .env_remove("PROTEUS_AGENT_IMDS_POLL_MS")
         .args([
             "--data-dir",
             DATA_DIR,

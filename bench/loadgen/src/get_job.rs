@@ -3,6 +3,11 @@
 //! Submits a job, waits until it has instances (so the view has something to show), then runs
 //! `rounds` closed-loop rounds (throughput) and `rounds` fixed-rate rounds at `--rate`
 //! (latency at the target rate), and prints the medians over rounds.
+//!
+//! With `--jobs FIRST-LAST` it submits nothing and reads those (already stored) jobs instead,
+//! spread so that consecutive requests name far-apart jobs: with more jobs than the broker's
+//! status cache holds, or than it can read again within the cache's life, nearly every read
+//! misses the cache and goes to the database.
 
 use crate::load::{client_trusting, closed_loop, fixed_rate};
 use crate::stats::{Samples, median};
@@ -43,64 +48,73 @@ pub struct Args {
     pub target_rps: f64,
     #[arg(long, default_value_t = 20.0)]
     pub target_p99_ms: f64,
+    /// Read these stored jobs (`FIRST-LAST`, inclusive) instead of submitting one.
+    #[arg(long, value_parser = parse_range)]
+    pub jobs: Option<(i64, i64)>,
+}
+
+fn parse_range(text: &str) -> Result<(i64, i64), String> {
+    let (a, b) = text
+        .split_once('-')
+        .ok_or_else(|| format!("`{text}` is not FIRST-LAST"))?;
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<i64>()
+            .map_err(|e| format!("`{v}` in `{text}`: {e}"))
+    };
+    let (a, b) = (parse(a)?, parse(b)?);
+    if b < a {
+        return Err(format!("`{text}`: LAST is below FIRST"));
+    }
+    Ok((a, b))
 }
 
 pub async fn run(args: Args) -> Result<bool> {
     let client = || client_trusting(args.ca_file.as_deref());
     let http = client()?;
     let auth = format!("Bearer {}", args.token);
-    let spec = serde_json::json!({
-        "name": "bench-get-job",
-        "app": "mlr",
-        "dataset": "digits",
-        "policy": "bidbrain",
-        "limits": {"max_instances": args.max_instances, "max_reliable_instances": 1},
-    });
-    let resp = http
-        .post(format!("{}/v1/jobs", args.url))
-        .header("authorization", &auth)
-        .json(&spec)
-        .send()
-        .await
-        .context("submitting the job")?;
-    let status = resp.status();
-    let body: serde_json::Value = resp.json().await.context("the submit answer")?;
-    if status.as_u16() != 201 {
-        bail!("submit answered {status}: {body}");
-    }
-    let id = body["id"].as_i64().context("the job id")?;
-    let url = format!("{}/v1/jobs/{id}", args.url);
-
-    // Wait for the scheduler to buy something, so the view lists instances.
-    let mut view = serde_json::Value::Null;
-    for _ in 0..100 {
-        view = http
-            .get(&url)
-            .header("authorization", &auth)
-            .send()
-            .await?
-            .json()
-            .await?;
-        if view["instances"].as_array().is_some_and(|a| !a.is_empty()) {
-            break;
+    let (first, count, what) = match args.jobs {
+        Some((first, last)) => {
+            let count = (last - first + 1) as u64;
+            let url = format!("{}/v1/jobs/{first}", args.url);
+            let view = get_view(&http, &url, &auth).await?;
+            eprintln!(
+                "jobs {first}-{last}: {count} stored jobs; job {first}: state {}, {} instances",
+                view["state"],
+                view["instances"].as_array().map_or(0, Vec::len)
+            );
+            (first, count, format!("{count} jobs, read in spread order"))
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let body_len = serde_json::to_vec(&view)?.len();
-    eprintln!(
-        "job {id}: state {}, {} instances, view of {body_len} bytes",
-        view["state"],
-        view["instances"].as_array().map_or(0, Vec::len)
-    );
+        None => (submit(&http, &args, &auth).await?, 1, "one job".to_string()),
+    };
+    // Request k of the run reads job first + (k * STRIDE mod count): STRIDE is odd and large,
+    // so over `count` requests every job is read once and neighbours in time are far apart.
+    const STRIDE: u64 = 7_919 * 2_654_435_761;
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stride = if count > 1 && gcd(STRIDE % count, count) == 1 {
+        STRIDE % count
+    } else {
+        (1..count).rev().find(|s| gcd(*s, count) == 1).unwrap_or(1)
+    };
+    let job_url = {
+        let base = args.url.clone();
+        move |k: u64| {
+            format!(
+                "{base}/v1/jobs/{}",
+                first + ((k % count) * stride % count) as i64
+            )
+        }
+    };
 
     let clients: Vec<reqwest::Client> = (0..args.connections.max(args.senders))
         .map(|_| client())
         .collect::<Result<_>>()?;
     let request = {
-        let (clients, url, auth) = (clients.clone(), url.clone(), auth.clone());
+        let (clients, auth, next) = (clients.clone(), auth.clone(), next.clone());
         move |worker: usize, _seq: u64| {
             let http = clients[worker % clients.len()].clone();
-            let (url, auth) = (url.clone(), auth.clone());
+            let url = job_url(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let auth = auth.clone();
             async move {
                 let resp = http
                     .get(&url)
@@ -169,7 +183,7 @@ pub async fn run(args: Args) -> Result<bool> {
     let rps = median(&rates);
     let p99 = median(&p99s);
     println!(
-        "GET /v1/jobs/{{id}} on Postgres, throughput ({} connections, {} x {:.0} s): median {rps:.0} req/s \
+        "GET /v1/jobs/{{id}} on Postgres over {what}, throughput ({} connections, {} x {:.0} s): median {rps:.0} req/s \
          (p50 {:.2} ms, p99 {:.2} ms) — target >= {:.0} req/s: ratio {:.2}x",
         args.connections,
         args.rounds,
@@ -180,7 +194,7 @@ pub async fn run(args: Args) -> Result<bool> {
         rps / args.target_rps
     );
     println!(
-        "GET /v1/jobs/{{id}} on Postgres, latency at {:.0} req/s offered ({} x {:.0} s, {:.0} req/s achieved): \
+        "GET /v1/jobs/{{id}} on Postgres over {what}, latency at {:.0} req/s offered ({} x {:.0} s, {:.0} req/s achieved): \
          median p50 {:.2} ms, median p99 {p99:.2} ms — target p99 < {:.0} ms: {:.2} of budget",
         args.rate,
         args.rounds,
@@ -192,4 +206,67 @@ pub async fn run(args: Args) -> Result<bool> {
     );
     println!("requests: {} answered, {} errors", all.count(), all.errors);
     Ok(rps >= args.target_rps && p99 < args.target_p99_ms && all.errors == 0)
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+async fn get_view(http: &reqwest::Client, url: &str, auth: &str) -> Result<serde_json::Value> {
+    let resp = http
+        .get(url)
+        .header("authorization", auth)
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = resp.status();
+    let view: serde_json::Value = resp
+        .json()
+        .await
+        .with_context(|| format!("GET {url}: the body"))?;
+    if status.as_u16() != 200 {
+        bail!("GET {url} answered {status}: {view}");
+    }
+    Ok(view)
+}
+
+/// Submits the job to read and waits until the scheduler bought it instances, so the view
+/// lists some; its id.
+async fn submit(http: &reqwest::Client, args: &Args, auth: &str) -> Result<i64> {
+    let spec = serde_json::json!({
+        "name": "bench-get-job",
+        "app": "mlr",
+        "dataset": "digits",
+        "policy": "bidbrain",
+        "limits": {"max_instances": args.max_instances, "max_reliable_instances": 1},
+    });
+    let resp = http
+        .post(format!("{}/v1/jobs", args.url))
+        .header("authorization", auth)
+        .json(&spec)
+        .send()
+        .await
+        .context("submitting the job")?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.context("the submit answer")?;
+    if status.as_u16() != 201 {
+        bail!("submit answered {status}: {body}");
+    }
+    let id = body["id"].as_i64().context("the job id")?;
+    let url = format!("{}/v1/jobs/{id}", args.url);
+    let mut view = serde_json::Value::Null;
+    for _ in 0..100 {
+        view = get_view(http, &url, auth).await?;
+        if view["instances"].as_array().is_some_and(|a| !a.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body_len = serde_json::to_vec(&view)?.len();
+    eprintln!(
+        "job {id}: state {}, {} instances, view of {body_len} bytes",
+        view["state"],
+        view["instances"].as_array().map_or(0, Vec::len)
+    );
+    Ok(id)
 }

@@ -151,6 +151,7 @@ fn escape(s: &str) -> String {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(super) struct ChartQuery {
     /// `svg` (default) or `png`.
     format: Option<String>,
@@ -179,14 +180,17 @@ fn chart_response(format: Format, bytes: Vec<u8>) -> Response {
 /// from its start to its end (or now), as the demo draws it.
 #[utoipa::path(get, path = "/v1/jobs/{id}/chart", params(("id" = i64, Path), ChartQuery),
     responses((status = 200, description = "the chart (image/svg+xml or image/png)"), (status = 401, body = super::error::ErrorBody),
-        (status = 404, body = super::error::ErrorBody)), security(("bearer" = [])))]
+        (status = 404, body = super::error::ErrorBody),
+        (status = 422, body = super::error::ErrorBody, description = "the format is not svg or png")), security(("bearer" = [])))]
 pub(super) async fn job_chart(
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    ApiQuery(q): ApiQuery<ChartQuery>,
+    query: Result<ApiQuery<ChartQuery>, ApiError>,
 ) -> Result<Response, ApiError> {
+    // Credentials before the query string, as for `GET /v1/prices`.
     user(&s, &headers).await?;
+    let ApiQuery(q) = query?;
     let format = chart_format(q.format.as_deref())?;
     let id = job_id(&id)?;
     let job = s
@@ -210,6 +214,7 @@ pub(super) async fn job_chart(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(super) struct MarketsChartQuery {
     /// Markets as `zone/type`, comma-separated, e.g. `us-east-1a/c3.xlarge,us-east-1b/c3.xlarge`.
     market: String,
@@ -230,9 +235,11 @@ pub(super) struct MarketsChartQuery {
 pub(super) async fn markets_chart(
     State(s): State<AppState>,
     headers: HeaderMap,
-    ApiQuery(q): ApiQuery<MarketsChartQuery>,
+    query: Result<ApiQuery<MarketsChartQuery>, ApiError>,
 ) -> Result<Response, ApiError> {
+    // Credentials before the query string, as for `GET /v1/prices`.
     user(&s, &headers).await?;
+    let ApiQuery(q) = query?;
     let format = chart_format(q.format.as_deref())?;
     let markets = q
         .market

@@ -351,6 +351,7 @@ async fn list_markets(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct PricesQuery {
     /// `zone/type`, e.g. `us-east-1a/c3.xlarge`.
     market: String,
@@ -366,13 +367,17 @@ struct PricePoint {
 }
 
 #[utoipa::path(get, path = "/v1/prices", params(PricesQuery),
-    responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody)), security(("bearer" = [])))]
+    responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the market or a time does not parse")), security(("bearer" = [])))]
 async fn list_prices(
     State(s): State<AppState>,
     headers: HeaderMap,
-    ApiQuery(q): ApiQuery<PricesQuery>,
+    query: Result<ApiQuery<PricesQuery>, ApiError>,
 ) -> Result<Json<Vec<PricePoint>>, ApiError> {
+    // Who asks comes first: a request without credentials is told so, not what is wrong with
+    // its query string (the query is only parsed here, after the check).
     user(&s, &headers).await?;
+    let ApiQuery(q) = query?;
     let market =
         Market::parse(&q.market).map_err(|e| ApiError::invalid("market", e.to_string()))?;
     let time = |field: &str, v: &Option<String>| {
@@ -422,7 +427,8 @@ async fn agent_register(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Heartbeat, params(("instance_id" = String, Path)),
-    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_heartbeat(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -437,7 +443,8 @@ async fn agent_heartbeat(
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/commands", params(("instance_id" = String, Path), ("after" = Option<u64>, Query),
     ("wait_ms" = Option<u64>, Query)),
-    responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_commands(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -452,7 +459,8 @@ async fn agent_commands(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = AgentEvent, params(("instance_id" = String, Path)),
-    responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
+    responses((status = 204), (status = 401, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
 async fn agent_event(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -466,8 +474,9 @@ async fn agent_event(
 }
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint", params(("instance_id" = String, Path), ("rank" = u32, Query),
-    ("op" = String, Query, description = "`upload` or `download`")),
-    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody)),
+    ("op" = inline(proteus_wire::agent_api::CheckpointOp), Query, description = "`upload` or `download`")),
+    responses((status = 200, body = CheckpointTransfer), (status = 401, body = error::ErrorBody), (status = 503, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is out of range")),
     security(("agent" = [])))]
 async fn agent_checkpoint(
     State(s): State<AppState>,
@@ -489,7 +498,8 @@ fn rank_of(raw: &str) -> Result<u32, ApiError> {
 
 #[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
     request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
-    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody)),
+    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number, or the body is empty")),
     security(("agent" = [])))]
 async fn agent_checkpoint_put(
     State(s): State<AppState>,
@@ -498,6 +508,24 @@ async fn agent_checkpoint_put(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let rank = rank_of(&rank)?;
+    // A checkpoint is a gzipped tar, never empty: a request that declares no body at all (no
+    // length, or length 0, and not chunked) would store an archive no restore can open.
+    let declared = |name: axum::http::HeaderName| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let chunked = declared(axum::http::header::TRANSFER_ENCODING)
+        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+    let length =
+        declared(axum::http::header::CONTENT_LENGTH).and_then(|v| v.trim().parse::<u64>().ok());
+    if !chunked && length.unwrap_or(0) == 0 {
+        return Err(ApiError::invalid(
+            "body",
+            "empty: a checkpoint is a gzipped tar of the checkpoint directory".to_string(),
+        ));
+    }
     let bytes = s
         .broker
         .agent_checkpoint_put(agent_token(&headers), &id, rank, body.into_data_stream())
@@ -507,7 +535,8 @@ async fn agent_checkpoint_put(
 }
 
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
-    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody)),
+    responses((status = 200, description = "the rank's newest checkpoint archive"), (status = 404, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number")),
     security(("agent" = [])))]
 async fn agent_checkpoint_get(
     State(s): State<AppState>,
@@ -528,7 +557,7 @@ async fn agent_checkpoint_get(
 }
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/output", params(("instance_id" = String, Path)),
-    request_body(content = String, description = "the newest tail of the program's output", content_type = "text/plain"),
+    request_body(content = Option<String>, description = "the newest tail of the program's output (empty when it printed nothing)", content_type = "text/plain"),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_output(
     State(s): State<AppState>,

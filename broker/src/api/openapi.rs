@@ -34,7 +34,7 @@ use utoipa::{Modify, OpenApi};
         super::download_data,
     ),
     components(schemas(super::error::ErrorBody, crate::service::spec::JobSpec)),
-    modifiers(&Security)
+    modifiers(&Security, &FrameworkAnswers)
 )]
 pub struct ApiDoc;
 
@@ -47,6 +47,68 @@ impl Modify for Security {
             || SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build());
         components.add_security_scheme("bearer", bearer());
         components.add_security_scheme("agent", bearer());
+    }
+}
+
+/// Documents the answers every operation of a kind gives before its handler runs, so that each
+/// handler's annotation lists only what it decides itself and none can forget these:
+/// - an operation that needs a token answers 401 without a valid one;
+/// - an operation with a JSON body answers 415 without `content-type: application/json`, 400
+///   when the body is not JSON, and 422 when it is JSON of the wrong shape ([`super::error::ApiJson`]);
+/// - an operation with query parameters answers 400 when the query string does not parse into
+///   them ([`super::error::ApiQuery`]).
+struct FrameworkAnswers;
+
+impl Modify for FrameworkAnswers {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::path::ParameterIn;
+        use utoipa::openapi::{Content, Ref, ResponseBuilder};
+        let error = |text: &str| {
+            ResponseBuilder::new()
+                .description(text)
+                .content(
+                    "application/json",
+                    Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                )
+                .build()
+        };
+        for item in openapi.paths.paths.values_mut() {
+            let operations = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in operations.into_iter().flatten() {
+                let mut add = |status: &str, text: &str| {
+                    op.responses
+                        .responses
+                        .entry(status.to_string())
+                        .or_insert_with(|| error(text).into());
+                };
+                let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+                let json_body = op
+                    .request_body
+                    .as_ref()
+                    .is_some_and(|b| b.content.contains_key("application/json"));
+                let query = op.parameters.as_ref().is_some_and(|ps| {
+                    ps.iter()
+                        .any(|p| matches!(p.parameter_in, ParameterIn::Query))
+                });
+                if secured {
+                    add("401", "missing or invalid credentials");
+                }
+                if json_body {
+                    add("400", "the body is not JSON");
+                    add("415", "the body is not declared `application/json`");
+                    add("422", "the JSON body does not have the expected shape");
+                }
+                if query {
+                    add("400", "the query string does not parse");
+                }
+            }
+        }
     }
 }
 

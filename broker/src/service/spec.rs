@@ -209,10 +209,12 @@ pub struct StopSpec {
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     /// Most instances at once, reliable ones included (1–1000).
+    #[schema(minimum = 1, maximum = 1000)]
     pub max_instances: u32,
     /// Most on-demand (reliable) instances; at least 1, for the backup parameter servers.
     /// Default: an eighth of `max_instances`, at least 1.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1000)]
     pub max_reliable_instances: Option<u32>,
     /// Most capacity at once, in work units per hour (instance-hours of the reference type per
     /// hour) summed over the instances held.

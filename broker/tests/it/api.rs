@@ -804,3 +804,83 @@ async fn an_interruption_sent_on_request_warns_a_spot_instance_and_is_refused_fo
     let (status, body) = s.post(&path(&spot), json!({})).await;
     assert_eq!(status, 409, "{body}");
 }
+
+/// The document says what the API does before a handler decides anything (bench/fuzz-api checks
+/// the same with schemathesis): every operation needing a token documents 401, every JSON body
+/// 400/415/422, every query string 400; query parameters are declared in the query, required
+/// when they are; the job spec carries its bounds. And a request without credentials is told
+/// so first, whatever its query string.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_is_truthful_about_refusals() {
+    let s = TestServer::start(|_| {}).await;
+    let (_, doc) = s
+        .call(reqwest::Method::GET, "/v1/openapi.json", None, None)
+        .await;
+    let mut secured = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let responses = op["responses"].as_object().unwrap();
+            let has = |code: &str| responses.contains_key(code);
+            if op["security"].as_array().is_some_and(|s| !s.is_empty()) {
+                secured += 1;
+                assert!(has("401"), "{method} {path} does not document 401");
+            }
+            if op["requestBody"]["content"]["application/json"].is_object() {
+                for code in ["400", "415", "422"] {
+                    assert!(has(code), "{method} {path} does not document {code}");
+                }
+            }
+            for p in op["parameters"].as_array().into_iter().flatten() {
+                if p["in"] == "query" {
+                    assert!(has("400"), "{method} {path} does not document 400");
+                }
+                if p["in"] == "path" {
+                    let name = p["name"].as_str().unwrap();
+                    assert!(
+                        path.contains(&format!("{{{name}}}")),
+                        "{method} {path}: `{name}` is declared a path parameter"
+                    );
+                }
+            }
+        }
+    }
+    assert!(secured >= 15, "only {secured} operations need a token");
+    let param = |path: &str, name: &str| {
+        doc["paths"][path]["get"]["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{path} has no parameter {name}"))
+    };
+    let market = param("/v1/prices", "market");
+    assert_eq!(
+        (&market["in"], &market["required"]),
+        (&json!("query"), &json!(true))
+    );
+    let from = param("/v1/prices", "from");
+    assert_eq!(from["in"], "query");
+    assert_ne!(from["required"], json!(true), "`from` is optional");
+    assert_eq!(param("/v1/markets/chart", "market")["required"], true);
+    let limits = &doc["components"]["schemas"]["Limits"]["properties"]["max_instances"];
+    assert_eq!(
+        (&limits["minimum"], &limits["maximum"]),
+        (&json!(1), &json!(1000)),
+        "{limits}"
+    );
+
+    for path in [
+        "/v1/prices",
+        "/v1/prices?market=",
+        "/v1/prices?market=us-east-1a/c3.xlarge&from=yesterday",
+        "/v1/markets/chart?hours=lots",
+        "/v1/jobs/1/chart?format=gif",
+    ] {
+        let (status, body) = s.call(reqwest::Method::GET, path, None, None).await;
+        assert_eq!(status, 401, "{path} without credentials: {body}");
+    }
+    // With credentials, the query string is what is wrong.
+    let (status, body) = s.get("/v1/prices").await;
+    assert_eq!(status, 400, "{body}");
+}

@@ -10,4 +10,5 @@ mod cli_prices;
 mod ec2_prices;
 mod sim_cli;
 mod sim_policies;
+mod store_jobs;
 mod store_prices;
