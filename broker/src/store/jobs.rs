@@ -548,8 +548,9 @@ impl Store {
         Ok(())
     }
 
-    /// Records when an instance started working for its job (the first time only, and only
-    /// while it is running).
+    /// Records when an instance started working for its job: the first time only, while it is
+    /// running or warned (an instance warned while starting still becomes ready, as in the
+    /// simulator), never after it ended.
     pub async fn mark_ready(&self, id: &str, at: Timestamp) -> Result<bool, StoreError> {
         let n = with_db!(self, |pool| {
             sqlx::query(

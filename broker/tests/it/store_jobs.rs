@@ -24,7 +24,7 @@ on_both_backends!(
     insert_instance_and_instance_round_trip_and_refuse_duplicates,
     instances_of_job_and_live_instances_filter_and_order,
     mark_launched_runs_a_requested_instance_and_keeps_the_first_launch,
-    mark_ready_only_once_and_only_while_running,
+    mark_ready_only_once_and_only_while_it_runs,
     tokens_metadata_and_cloud_ids_find_the_right_instance,
     mark_launch_failed_only_from_requested,
     mark_warned_records_its_event_once_and_atomically,
@@ -478,7 +478,7 @@ async fn mark_launched_runs_a_requested_instance_and_keeps_the_first_launch(db: 
     assert_eq!(get_instance(s, "i-c").await.state, InstanceState::Requested);
 }
 
-async fn mark_ready_only_once_and_only_while_running(db: TestDb) {
+async fn mark_ready_only_once_and_only_while_it_runs(db: TestDb) {
     let s = &db.store;
     let job = job_of(s, "ready").await;
     intent(s, "i-req", job, 0).await;
@@ -493,10 +493,18 @@ async fn mark_ready_only_once_and_only_while_running(db: TestDb) {
     assert!(!s.mark_ready("i-run", t(9)).await.unwrap(), "second time");
     assert_eq!(get_instance(s, "i-run").await.ready, Some(t(5)));
 
+    // Warned while still starting: it still becomes ready (the simulator's rule, so the policy
+    // hears of it in both drivers), once.
     running(s, "i-warned", job, 0).await;
     s.mark_warned("i-warned", t(2), None).await.unwrap();
-    assert!(!s.mark_ready("i-warned", t(3)).await.unwrap());
-    assert_eq!(get_instance(s, "i-warned").await.ready, None);
+    assert!(s.mark_ready("i-warned", t(3)).await.unwrap());
+    assert!(!s.mark_ready("i-warned", t(4)).await.unwrap(), "second time");
+    assert_eq!(get_instance(s, "i-warned").await.ready, Some(t(3)));
+    // Ended before it was ready: never.
+    running(s, "i-ended", job, 0).await;
+    s.mark_ended("i-ended", t(2), "terminated", false, None).await.unwrap();
+    assert!(!s.mark_ready("i-ended", t(3)).await.unwrap());
+    assert_eq!(get_instance(s, "i-ended").await.ready, None);
     assert!(!s.mark_ready("i-none", t(3)).await.unwrap());
 }
 
