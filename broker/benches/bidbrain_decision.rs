@@ -65,7 +65,7 @@ fn decision(c: &mut Criterion) {
             purchase: Purchase::Spot {
                 bid: UsdPerHour::new(price * 1.05).expect("bid"),
             },
-            launched_at: Timestamp(now.0 - (k as i64 % 7 + 1) * 11 * 60_000),
+            launched_at: Timestamp::from_millis(now.millis() - (k as i64 % 7 + 1) * 11 * 60_000),
             state: InstanceState::Running,
         });
     }
@@ -73,7 +73,7 @@ fn decision(c: &mut Criterion) {
         id: InstanceId("i-backup".into()),
         market: spot_markets[0].clone(),
         purchase: Purchase::OnDemand,
-        launched_at: Timestamp(now.0 - 3 * 3_600_000),
+        launched_at: Timestamp::from_millis(now.millis() - 3 * 3_600_000),
         state: InstanceState::Running,
     });
     let ctx = DecisionContext {
@@ -82,7 +82,7 @@ fn decision(c: &mut Criterion) {
         progress: JobProgress {
             done_work: 300.0,
             total_work: job.total_work,
-            started_at: Timestamp(now.0 - 5 * 3_600_000),
+            started_at: Timestamp::from_millis(now.millis() - 5 * 3_600_000),
         },
         footprint: &footprint,
         billing: BillingModel::Hourly2015,

@@ -89,10 +89,12 @@ impl BillingModel {
     pub fn period_end(self, launch: Timestamp, now: Timestamp) -> Timestamp {
         match self {
             BillingModel::Hourly2015 => {
-                let elapsed = (now.0 - launch.0).max(0);
-                Timestamp(launch.0 + (elapsed / HOUR_MS + 1) * HOUR_MS)
+                let elapsed = (now.millis() - launch.millis()).max(0);
+                Timestamp::from_millis(launch.millis() + (elapsed / HOUR_MS + 1) * HOUR_MS)
             }
-            BillingModel::PerSecond => Timestamp(now.0.max(launch.0 + PER_SECOND_MINIMUM_MS)),
+            BillingModel::PerSecond => {
+                Timestamp::from_millis(now.millis().max(launch.millis() + PER_SECOND_MINIMUM_MS))
+            }
         }
     }
 
@@ -101,8 +103,8 @@ impl BillingModel {
     pub fn period_start(self, launch: Timestamp, now: Timestamp) -> Timestamp {
         match self {
             BillingModel::Hourly2015 => {
-                let elapsed = (now.0 - launch.0).max(0);
-                Timestamp(launch.0 + (elapsed / HOUR_MS) * HOUR_MS)
+                let elapsed = (now.millis() - launch.millis()).max(0);
+                Timestamp::from_millis(launch.millis() + (elapsed / HOUR_MS) * HOUR_MS)
             }
             BillingModel::PerSecond => now,
         }
@@ -226,10 +228,10 @@ fn bill_hourly(
     ended_by: EndedBy,
     price: PriceSource<'_>,
 ) -> Result<Vec<LineItem>, BillingError> {
-    let mut items = Vec::with_capacity(((end.0 - launch.0) / HOUR_MS + 1) as usize);
+    let mut items = Vec::with_capacity(((end.millis() - launch.millis()) / HOUR_MS + 1) as usize);
     let mut start = launch;
     while start < end {
-        let full_end = Timestamp(start.0 + HOUR_MS);
+        let full_end = Timestamp::from_millis(start.millis() + HOUR_MS);
         let seg_end = full_end.min(end);
         let partial = seg_end < full_end;
         let free = partial && ended_by == EndedBy::Provider;
@@ -256,7 +258,7 @@ fn bill_per_second(
     // Segment boundaries: launch, every price change strictly inside (launch, end), end.
     let mut cuts = vec![launch];
     if let PriceSource::Spot(series) = price {
-        let (times, _) = series.window(Timestamp(launch.0 + 1), end);
+        let (times, _) = series.window(Timestamp::from_millis(launch.millis() + 1), end);
         cuts.extend_from_slice(times);
     }
     cuts.push(end);
@@ -269,10 +271,15 @@ fn bill_per_second(
     } else {
         for w in cuts.windows(2) {
             let p = price.at(w[0])?;
-            items.push(segment(w[0], w[1], p, (w[1].0 - w[0].0) as f64 / 1000.0));
+            items.push(segment(
+                w[0],
+                w[1],
+                p,
+                (w[1].millis() - w[0].millis()) as f64 / 1000.0,
+            ));
         }
     }
-    let used_ms = end.0 - launch.0;
+    let used_ms = end.millis() - launch.millis();
     if used_ms < PER_SECOND_MINIMUM_MS {
         // The top-up to the minimum is charged at the last segment's price.
         if let Some(last) = items.last_mut() {
@@ -311,18 +318,18 @@ mod tests {
         PriceSeries::new(
             Market::parse("us-east-1a/c3.xlarge").unwrap(),
             vec![
-                (Timestamp(0), usd(0.10)),
-                (Timestamp(30 * M), usd(0.30)),
-                (Timestamp(70 * M), usd(0.20)),
-                (Timestamp(2 * H), usd(0.50)),
+                (Timestamp::from_millis(0), usd(0.10)),
+                (Timestamp::from_millis(30 * M), usd(0.30)),
+                (Timestamp::from_millis(70 * M), usd(0.20)),
+                (Timestamp::from_millis(2 * H), usd(0.50)),
             ],
         )
     }
 
     #[test]
     fn running_on_costs_an_hour_only_across_an_hour_boundary() {
-        let launch = Timestamp(0);
-        let at = |secs: i64| Timestamp(secs * 1000);
+        let launch = Timestamp::from_millis(0);
+        let at = |secs: i64| Timestamp::from_millis(secs * 1000);
         let h = BillingModel::Hourly2015;
         assert_eq!(h.cost_of_running_on(0.21, launch, at(600), 60.0), 0.0);
         assert!((h.cost_of_running_on(0.21, launch, at(3570), 60.0) - 0.21).abs() < 1e-12);
@@ -337,10 +344,10 @@ mod tests {
     fn billed_hours_is_what_billing_charges_a_user_ended_instance() {
         for model in BillingModel::ALL {
             for secs in [1.0, 59.0, 60.0, 61.5, 3599.0, 3600.0, 3601.0, 9000.0] {
-                let end = Timestamp((secs * 1000.0) as i64);
+                let end = Timestamp::from_millis((secs * 1000.0) as i64);
                 let items = model
                     .bill(
-                        Timestamp(0),
+                        Timestamp::from_millis(0),
                         end,
                         EndedBy::User,
                         PriceSource::Fixed(usd(0.5)),
@@ -369,8 +376,8 @@ mod tests {
         // Launched at 0:00, user ends at 2:15: hours start at 0:00 (0.10), 1:00 (0.30), 2:00 (0.50).
         let items = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(2 * H + 15 * M),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H + 15 * M),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
@@ -379,7 +386,7 @@ mod tests {
             amounts(&items),
             vec![(0.10, false), (0.30, false), (0.50, false)]
         );
-        assert_eq!(items[2].end, Timestamp(2 * H + 15 * M));
+        assert_eq!(items[2].end, Timestamp::from_millis(2 * H + 15 * M));
         assert!((total_usd(&items) - 0.90).abs() < 1e-12);
     }
 
@@ -388,8 +395,8 @@ mod tests {
         let s = series();
         let evicted = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(2 * H + 15 * M),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H + 15 * M),
                 EndedBy::Provider,
                 PriceSource::Spot(&s),
             )
@@ -403,8 +410,8 @@ mod tests {
         // Evicted inside the first hour: the whole life is free.
         let early = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(59 * M + 59_000),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(59 * M + 59_000),
                 EndedBy::Provider,
                 PriceSource::Spot(&s),
             )
@@ -417,8 +424,8 @@ mod tests {
         let s = series();
         let items = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(2 * H),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H),
                 EndedBy::Provider,
                 PriceSource::Spot(&s),
             )
@@ -427,8 +434,8 @@ mod tests {
         // One millisecond into the third hour: that started hour is free when evicted...
         let items = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(2 * H + 1),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H + 1),
                 EndedBy::Provider,
                 PriceSource::Spot(&s),
             )
@@ -440,8 +447,8 @@ mod tests {
         // ...and charged in full, at 2:00's price, when the user ends it.
         let items = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(2 * H + 1),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H + 1),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
@@ -458,26 +465,33 @@ mod tests {
         // Launched at 0:20: hours start at 0:20 (0.10), 1:20 (0.20); ended by user at 1:30.
         let items = BillingModel::Hourly2015
             .bill(
-                Timestamp(20 * M),
-                Timestamp(90 * M),
+                Timestamp::from_millis(20 * M),
+                Timestamp::from_millis(90 * M),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
             .unwrap();
         assert_eq!(amounts(&items), vec![(0.10, false), (0.20, false)]);
-        assert_eq!(items[1].start, Timestamp(80 * M));
+        assert_eq!(items[1].start, Timestamp::from_millis(80 * M));
         assert_eq!(
-            BillingModel::Hourly2015.period_end(Timestamp(20 * M), Timestamp(90 * M)),
-            Timestamp(140 * M)
+            BillingModel::Hourly2015.period_end(
+                Timestamp::from_millis(20 * M),
+                Timestamp::from_millis(90 * M)
+            ),
+            Timestamp::from_millis(140 * M)
         );
         assert_eq!(
-            BillingModel::Hourly2015.period_start(Timestamp(20 * M), Timestamp(90 * M)),
-            Timestamp(80 * M)
+            BillingModel::Hourly2015.period_start(
+                Timestamp::from_millis(20 * M),
+                Timestamp::from_millis(90 * M)
+            ),
+            Timestamp::from_millis(80 * M)
         );
         // Exactly at a boundary, the new hour has started.
         assert_eq!(
-            BillingModel::Hourly2015.period_end(Timestamp(0), Timestamp(H)),
-            Timestamp(2 * H)
+            BillingModel::Hourly2015
+                .period_end(Timestamp::from_millis(0), Timestamp::from_millis(H)),
+            Timestamp::from_millis(2 * H)
         );
     }
 
@@ -487,8 +501,8 @@ mod tests {
         assert!(
             BillingModel::Hourly2015
                 .bill(
-                    Timestamp(5),
-                    Timestamp(5),
+                    Timestamp::from_millis(5),
+                    Timestamp::from_millis(5),
                     EndedBy::User,
                     PriceSource::Spot(&s)
                 )
@@ -497,8 +511,8 @@ mod tests {
         );
         let od = BillingModel::Hourly2015
             .bill(
-                Timestamp(0),
-                Timestamp(3 * H - 1),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(3 * H - 1),
                 EndedBy::User,
                 PriceSource::Fixed(usd(0.21)),
             )
@@ -513,8 +527,8 @@ mod tests {
         // 0:20 → 1:20: 10 min at 0.10, 40 min at 0.30, 10 min at 0.20.
         let items = BillingModel::PerSecond
             .bill(
-                Timestamp(20 * M),
-                Timestamp(80 * M),
+                Timestamp::from_millis(20 * M),
+                Timestamp::from_millis(80 * M),
                 EndedBy::Provider,
                 PriceSource::Spot(&s),
             )
@@ -534,8 +548,8 @@ mod tests {
         let s = series();
         let items = BillingModel::PerSecond
             .bill(
-                Timestamp(0),
-                Timestamp(10_000),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(10_000),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
@@ -546,8 +560,8 @@ mod tests {
         // A minimum straddling a price change: 20 s at 0.10, then 10 s at 0.30 topped up by 30 s.
         let items = BillingModel::PerSecond
             .bill(
-                Timestamp(30 * M - 20_000),
-                Timestamp(30 * M + 10_000),
+                Timestamp::from_millis(30 * M - 20_000),
+                Timestamp::from_millis(30 * M + 10_000),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
@@ -556,8 +570,8 @@ mod tests {
         assert_eq!(secs, vec![20.0, 40.0]);
         let zero = BillingModel::PerSecond
             .bill(
-                Timestamp(0),
-                Timestamp(0),
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(0),
                 EndedBy::User,
                 PriceSource::Fixed(usd(0.36)),
             )
@@ -570,8 +584,8 @@ mod tests {
         let s = series();
         let err = BillingModel::Hourly2015
             .bill(
-                Timestamp(-H),
-                Timestamp(0),
+                Timestamp::from_millis(-H),
+                Timestamp::from_millis(0),
                 EndedBy::User,
                 PriceSource::Spot(&s),
             )
@@ -584,8 +598,8 @@ mod tests {
         assert!(
             BillingModel::PerSecond
                 .bill(
-                    Timestamp(10),
-                    Timestamp(0),
+                    Timestamp::from_millis(10),
+                    Timestamp::from_millis(0),
                     EndedBy::User,
                     PriceSource::Spot(&s)
                 )

@@ -643,7 +643,10 @@ mod tests {
         let p = |v| UsdPerHour::new(v).unwrap();
         let series = PriceSeries::new(
             m.clone(),
-            vec![(Timestamp(0), p(0.05)), (Timestamp(1_800_000), p(0.3))],
+            vec![
+                (Timestamp::from_millis(0), p(0.05)),
+                (Timestamp::from_millis(1_800_000), p(0.3)),
+            ],
         );
         let history = PriceHistory::new(vec![series], OnDemandCatalog::default());
         let inst = InstanceRow {
@@ -655,11 +658,11 @@ mod tests {
             bid: Some(p(0.06)),
             state: InstanceState::Terminated,
             token_hash: String::new(),
-            requested: Timestamp(0),
-            launched: Some(Timestamp(0)),
+            requested: Timestamp::from_millis(0),
+            launched: Some(Timestamp::from_millis(0)),
             ready: None,
             warned: None,
-            ended: Some(Timestamp(1_920_000)),
+            ended: Some(Timestamp::from_millis(1_920_000)),
             end_reason: Some("evicted".into()),
             ended_by_provider: true,
             launch_error: None,
@@ -676,8 +679,8 @@ mod tests {
             "t <1>",
             &history,
             &[inst],
-            Timestamp(0),
-            Timestamp(3_600_000),
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
         )
         .unwrap();
         let svg = String::from_utf8(svg).unwrap();
@@ -695,14 +698,20 @@ mod tests {
 
     #[test]
     fn job_chart_steps_follow_the_price_changes() {
-        let axis = TimeAxis::new(Timestamp(0), Timestamp(3_600_000));
+        let axis = TimeAxis::new(Timestamp::from_millis(0), Timestamp::from_millis(3_600_000));
         let points = steps(Some(0.05), [(0.5, 0.3)].into_iter(), axis.hours());
         assert_eq!(
             points,
             vec![(0.0, 0.05), (0.5, 0.05), (0.5, 0.3), (1.0, 0.3)]
         );
         let (history, inst) = one_evicted_instance();
-        let data = JobChartData::new("t", &history, &[inst], Timestamp(0), Timestamp(3_600_000));
+        let data = JobChartData::new(
+            "t",
+            &history,
+            &[inst],
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
+        );
         assert_eq!(data.markets[0].points, points);
         assert_eq!(data.bids.len(), 1);
         assert!(data.bids[0].evicted && (data.bids[0].to - 1_920.0 / 3_600.0).abs() < 1e-9);
@@ -718,8 +727,8 @@ mod tests {
             "png",
             &history,
             std::slice::from_ref(&inst),
-            Timestamp(0),
-            Timestamp(3_600_000),
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
         )
         .unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
@@ -737,8 +746,8 @@ mod tests {
             "prices",
             &history,
             std::slice::from_ref(&inst.market),
-            Timestamp(0),
-            Timestamp(3_600_000),
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
         )
         .unwrap();
         assert_eq!(&price[..4], b"\x89PNG");

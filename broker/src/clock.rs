@@ -103,11 +103,11 @@ mod tests {
 
     #[test]
     fn scaled_clock_runs_faster() {
-        let c = ScaledClock::new(Timestamp(0), 3600.0);
+        let c = ScaledClock::new(Timestamp::from_millis(0), 3600.0);
         std::thread::sleep(Duration::from_millis(20));
         let t = c.now();
         assert!(
-            t.0 >= 72_000,
+            t.millis() >= 72_000,
             "20 ms wall at 3600x is at least 72 s market, got {t:?}"
         );
         assert_eq!(c.wall_for(3600.0), Duration::from_secs(1));

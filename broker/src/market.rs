@@ -3,9 +3,10 @@
 //! Every value here is validated once, at the edge (a file, a flag, a request), so the rest of
 //! the broker never has to wonder whether a zone is empty or a price is negative.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::time::Duration;
 use thiserror::Error;
 
 /// Why a value was refused. The caller adds where it came from (file and line, flag, field).
@@ -30,22 +31,26 @@ pub enum InvalidValue {
 /// A point in time, in milliseconds since the Unix epoch (UTC).
 ///
 /// Milliseconds as a plain integer because that is what both Postgres and SQLite store without
-/// a driver-specific type, and what the simulator compares millions of times per sweep.
+/// a driver-specific type, and what the simulator compares millions of times per sweep. The
+/// integer is private: code moves a timestamp by a [`Duration`] (`t + d`, `t - d`) and measures
+/// between two with `a - b` (a signed [`TimeDelta`]) or [`Timestamp::secs_since`], so a count
+/// of seconds is never mistaken for one of milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Timestamp(pub i64);
+pub struct Timestamp(i64);
 
 impl Timestamp {
     pub const MIN: Timestamp = Timestamp(i64::MIN);
     pub const MAX: Timestamp = Timestamp(i64::MAX);
 
-    pub fn from_millis(ms: i64) -> Self {
+    pub const fn from_millis(ms: i64) -> Self {
         Timestamp(ms)
     }
-    pub fn from_secs(s: i64) -> Self {
+    pub const fn from_secs(s: i64) -> Self {
         Timestamp(s * 1000)
     }
-    pub fn millis(self) -> i64 {
+    /// Milliseconds since the epoch: for storage and wire formats.
+    pub const fn millis(self) -> i64 {
         self.0
     }
     pub fn secs_f64(self) -> f64 {
@@ -75,6 +80,32 @@ impl Timestamp {
     /// Seconds from `earlier` to `self` (negative if `earlier` is later).
     pub fn secs_since(self, earlier: Timestamp) -> f64 {
         (self.0 - earlier.0) as f64 / 1000.0
+    }
+}
+
+/// `t + d`: `d` later (saturating at [`Timestamp::MAX`]).
+impl std::ops::Add<Duration> for Timestamp {
+    type Output = Timestamp;
+    fn add(self, d: Duration) -> Timestamp {
+        let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Timestamp(self.0.saturating_add(ms))
+    }
+}
+
+/// `t - d`: `d` earlier (saturating at [`Timestamp::MIN`]).
+impl std::ops::Sub<Duration> for Timestamp {
+    type Output = Timestamp;
+    fn sub(self, d: Duration) -> Timestamp {
+        let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Timestamp(self.0.saturating_sub(ms))
+    }
+}
+
+/// `a - b`: how long after `b` `a` is (negative if before), to the millisecond.
+impl std::ops::Sub for Timestamp {
+    type Output = TimeDelta;
+    fn sub(self, earlier: Timestamp) -> TimeDelta {
+        TimeDelta::milliseconds(self.0.saturating_sub(earlier.0))
     }
 }
 
@@ -324,6 +355,26 @@ impl std::str::FromStr for Market {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_move_by_durations_and_measure_between_them() {
+        let t = Timestamp::from_secs(1_000);
+        assert_eq!((t + Duration::from_millis(1_500)).millis(), 1_001_500);
+        assert_eq!((t - Duration::from_secs(2)).millis(), 998_000);
+        assert_eq!(t + Duration::from_secs(90) - t, TimeDelta::seconds(90));
+        assert_eq!(t - (t + Duration::from_secs(1)), TimeDelta::seconds(-1));
+        assert_eq!(
+            Timestamp::MAX + Duration::from_secs(1),
+            Timestamp::MAX,
+            "saturates"
+        );
+        assert_eq!(
+            Timestamp::MIN - Duration::from_secs(1),
+            Timestamp::MIN,
+            "saturates"
+        );
+        assert_eq!((t + Duration::from_secs(30)).secs_since(t), 30.0);
+    }
 
     #[test]
     fn timestamps_parse_rfc3339_and_dates() {

@@ -163,7 +163,7 @@ pub async fn compute_stats(
     let end = match to {
         Some(t) => t,
         None => match store.latest_price_time().await? {
-            Some(t) => Timestamp(t.0 + 1),
+            Some(t) => t + std::time::Duration::from_millis(1),
             None => return Ok(Vec::new()),
         },
     };
@@ -338,7 +338,7 @@ async fn ingest_from_ec2(
                 })
                 .map(|(_, t)| *t)
                 .min()
-                .unwrap_or_else(|| Timestamp(Timestamp::now().0 - 90 * 86_400_000))
+                .unwrap_or_else(|| Timestamp::now() - std::time::Duration::from_secs(90 * 86_400))
         }
     };
     let client = ec2::client(region).await;

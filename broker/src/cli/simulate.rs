@@ -229,8 +229,8 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
                 bail!("--starts must be at least 1");
             }
             let reserve = args.reserve_hours.unwrap_or((3.0 * od_hours).max(48.0));
-            let mut lo = Timestamp(first.0 + lookback_secs as i64 * 1000);
-            let mut hi = Timestamp(last.0 - (reserve * 3_600_000.0) as i64);
+            let mut lo = Timestamp::from_millis(first.millis() + lookback_secs as i64 * 1000);
+            let mut hi = Timestamp::from_millis(last.millis() - (reserve * 3_600_000.0) as i64);
             if let Some(from) = &args.starts_from {
                 lo = lo.max(Timestamp::parse(from).context("--starts-from")?);
             }
@@ -337,7 +337,7 @@ fn load_job(
     }
     let spec = JobSpec::parse_file(&file, &text).map_err(anyhow::Error::msg)?;
     let valid = spec
-        .validate(billing, Timestamp(0))
+        .validate(billing, Timestamp::from_millis(0))
         .map_err(|e| anyhow::anyhow!("{file}: {}: {}", e.field, e.message))?;
     let usable = crate::engine::view::TraceMarkets::new(history.clone()).usable_types();
     let model = valid

@@ -403,7 +403,7 @@ impl fmt::Display for DryRunReport {
 }
 
 fn to_timestamp(t: &aws_sdk_ec2::primitives::DateTime) -> Option<Timestamp> {
-    t.to_millis().ok().map(Timestamp)
+    t.to_millis().ok().map(Timestamp::from_millis)
 }
 
 fn call_error<E: ProvideErrorMetadata + std::error::Error + 'static>(

@@ -265,9 +265,9 @@ mod tests {
         let series = PriceSeries::new(
             m,
             vec![
-                (Timestamp(0), p(0.05)),
-                (Timestamp(3_600_000), p(0.5)),
-                (Timestamp(7_200_000), p(0.05)),
+                (Timestamp::from_millis(0), p(0.05)),
+                (Timestamp::from_millis(3_600_000), p(0.5)),
+                (Timestamp::from_millis(7_200_000), p(0.05)),
             ],
         );
         let trace = PriceHistory::new(vec![series], OnDemandCatalog::default());
@@ -287,7 +287,7 @@ mod tests {
 
     #[tokio::test]
     async fn spot_is_warned_then_reclaimed_when_the_price_crosses_the_bid() {
-        let clock = ManualClock::new(Timestamp(60_000));
+        let clock = ManualClock::new(Timestamp::from_millis(60_000));
         let cloud = cloud(&clock);
         let spot = cloud
             .launch(&spec("a", Tier::Transient, Some(0.1)))
@@ -307,23 +307,23 @@ mod tests {
         );
         assert!(cloud.events().await.unwrap().is_empty());
 
-        clock.set(Timestamp(3_600_000));
+        clock.set(Timestamp::from_millis(3_600_000));
         let ev = cloud.events().await.unwrap();
         assert_eq!(
             ev,
             vec![CloudEvent::Warning {
                 cloud_id: spot.cloud_id.clone(),
-                at: Timestamp(3_600_000),
-                action_time: Timestamp(3_720_000)
+                at: Timestamp::from_millis(3_600_000),
+                action_time: Timestamp::from_millis(3_720_000)
             }]
         );
-        clock.set(Timestamp(3_720_000));
+        clock.set(Timestamp::from_millis(3_720_000));
         let ev = cloud.events().await.unwrap();
         assert_eq!(
             ev,
             vec![CloudEvent::Ended {
                 cloud_id: spot.cloud_id.clone(),
-                at: Timestamp(3_720_000),
+                at: Timestamp::from_millis(3_720_000),
                 by_provider: true
             }]
         );
@@ -338,7 +338,7 @@ mod tests {
             ev,
             vec![CloudEvent::Ended {
                 cloud_id: od.cloud_id.clone(),
-                at: Timestamp(3_720_000),
+                at: Timestamp::from_millis(3_720_000),
                 by_provider: false
             }]
         );
@@ -346,12 +346,15 @@ mod tests {
 
     #[tokio::test]
     async fn the_reclaim_waits_for_the_minimum_wall_notice() {
-        let clock = ManualClock::new(Timestamp(60_000));
+        let clock = ManualClock::new(Timestamp::from_millis(60_000));
         let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
         let p = |v| UsdPerHour::new(v).unwrap();
         let series = PriceSeries::new(
             m,
-            vec![(Timestamp(0), p(0.05)), (Timestamp(3_600_000), p(0.5))],
+            vec![
+                (Timestamp::from_millis(0), p(0.05)),
+                (Timestamp::from_millis(3_600_000), p(0.5)),
+            ],
         );
         let trace = PriceHistory::new(vec![series], OnDemandCatalog::default());
         let cloud = SimCloud::new(
@@ -363,7 +366,7 @@ mod tests {
             .launch(&spec("a", Tier::Transient, Some(0.1)))
             .await
             .unwrap();
-        clock.set(Timestamp(7_200_000));
+        clock.set(Timestamp::from_millis(7_200_000));
         let ev = cloud.events().await.unwrap();
         assert_eq!(ev.len(), 1, "only the warning: {ev:?}");
         assert!(
@@ -376,7 +379,7 @@ mod tests {
             ev,
             vec![CloudEvent::Ended {
                 cloud_id: spot.cloud_id,
-                at: Timestamp(3_720_000),
+                at: Timestamp::from_millis(3_720_000),
                 by_provider: true
             }]
         );
@@ -384,7 +387,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_sent_interruption_warns_a_spot_instance_now_and_never_an_on_demand_one() {
-        let clock = ManualClock::new(Timestamp(60_000));
+        let clock = ManualClock::new(Timestamp::from_millis(60_000));
         let cloud = cloud(&clock);
         let spot = cloud
             .launch(&spec("a", Tier::Transient, Some(0.1)))
@@ -394,24 +397,24 @@ mod tests {
             .launch(&spec("b", Tier::Reliable, None))
             .await
             .unwrap();
-        clock.set(Timestamp(600_000));
+        clock.set(Timestamp::from_millis(600_000));
         assert!(cloud.events().await.unwrap().is_empty(), "calm prices");
         cloud.send_interruption(&spot.cloud_id).await.unwrap();
         assert_eq!(
             cloud.events().await.unwrap(),
             vec![CloudEvent::Warning {
                 cloud_id: spot.cloud_id.clone(),
-                at: Timestamp(600_000),
-                action_time: Timestamp(720_000)
+                at: Timestamp::from_millis(600_000),
+                action_time: Timestamp::from_millis(720_000)
             }],
             "warned at once, reclaimed two minutes later"
         );
-        clock.set(Timestamp(720_000));
+        clock.set(Timestamp::from_millis(720_000));
         assert_eq!(
             cloud.events().await.unwrap(),
             vec![CloudEvent::Ended {
                 cloud_id: spot.cloud_id.clone(),
-                at: Timestamp(720_000),
+                at: Timestamp::from_millis(720_000),
                 by_provider: true
             }]
         );
@@ -424,7 +427,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_bid_below_the_price_is_refused() {
-        let clock = ManualClock::new(Timestamp(3_700_000));
+        let clock = ManualClock::new(Timestamp::from_millis(3_700_000));
         let cloud = cloud(&clock);
         let err = cloud
             .launch(&spec("a", Tier::Transient, Some(0.1)))

@@ -30,11 +30,11 @@ pub fn decisions_digest<'a>(instances: impl IntoIterator<Item = Launched<'a>>) -
         .map(|i| {
             format!(
                 "{} {} {:?} {:?} {:?} {}\n",
-                i.at.0,
+                i.at.millis(),
                 i.market,
                 i.tier,
                 i.bid,
-                i.ended.map(|t| t.0),
+                i.ended.map(|t| t.millis()),
                 i.ended_by_provider
             )
         })
@@ -55,15 +55,15 @@ mod tests {
     fn order_does_not_matter_and_every_field_does() {
         let m: Market = "us-east-1a/c3.xlarge".parse().expect("market");
         let a = Launched {
-            at: Timestamp(1000),
+            at: Timestamp::from_millis(1000),
             market: &m,
             tier: Tier::Transient,
             bid: Some(0.1),
-            ended: Some(Timestamp(5000)),
+            ended: Some(Timestamp::from_millis(5000)),
             ended_by_provider: true,
         };
         let b = Launched {
-            at: Timestamp(2000),
+            at: Timestamp::from_millis(2000),
             tier: Tier::Reliable,
             bid: None,
             ..a.clone()
@@ -77,7 +77,7 @@ mod tests {
         };
         assert_ne!(d, decisions_digest([c, b.clone()]));
         let e = Launched {
-            ended: Some(Timestamp(5001)),
+            ended: Some(Timestamp::from_millis(5001)),
             ..a
         };
         assert_ne!(d, decisions_digest([e, b]));

@@ -110,7 +110,7 @@ impl JobWork {
             return Idle::default();
         }
         let from = now.max(self.stall_until).min(t);
-        let hours = |a: Timestamp, b: Timestamp| (b.0 - a.0) as f64 / 3_600_000.0;
+        let hours = |a: Timestamp, b: Timestamp| (b.millis() - a.millis()) as f64 / 3_600_000.0;
         self.done += working * hours(from, t);
         if self.down {
             Idle {
@@ -141,7 +141,7 @@ impl JobWork {
             return false;
         };
         if let Some(ready_at) = ready_at {
-            let since_ready = (now.0 - ready_at.0) as f64 / 1000.0;
+            let since_ready = (now.millis() - ready_at.millis()) as f64 / 1000.0;
             let unsynced = since_ready % sync_interval_secs;
             let lost = (units_per_hour * unsynced / 3600.0).min(self.done);
             self.done -= lost;
@@ -161,7 +161,7 @@ impl JobWork {
     /// AgileML pauses every worker while partitions are re-split.
     pub fn rebalance(&mut self, now: Timestamp) {
         if let EvictionCost::AgileMl { rebalance_secs, .. } = self.cost {
-            let until = Timestamp(now.0 + (rebalance_secs * 1000.0) as i64);
+            let until = Timestamp::from_millis(now.millis() + (rebalance_secs * 1000.0) as i64);
             self.stall_until = self.stall_until.max(until);
         }
     }
@@ -204,7 +204,7 @@ impl JobWork {
         else {
             return;
         };
-        let after = |secs: f64| Timestamp(now.0 + (secs * 1000.0) as i64);
+        let after = |secs: f64| Timestamp::from_millis(now.millis() + (secs * 1000.0) as i64);
         if self.down {
             match self.restart_at {
                 Some(r) if r <= now => {
@@ -251,7 +251,9 @@ impl JobWork {
         (working > 0.0).then(|| {
             let from = now.max(self.stall_until);
             let ms = (total - self.done).max(0.0) / working * 3_600_000.0;
-            Timestamp(from.0 + (ms - COMPLETION_SLACK_MS).ceil().max(0.0) as i64)
+            Timestamp::from_millis(
+                from.millis() + (ms - COMPLETION_SLACK_MS).ceil().max(0.0) as i64,
+            )
         })
     }
 }

@@ -211,11 +211,11 @@ pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) 
     let (mut integral, mut t) = (0.0, start);
     while i < times.len() && times[i] <= to {
         let until = times.get(i + 1).copied().unwrap_or(to).min(to);
-        integral += prices[i] * (until.0 - t.0) as f64;
+        integral += prices[i] * (until.millis() - t.millis()) as f64;
         t = until;
         i += 1;
     }
-    let span = (to.0 - start.0) as f64;
+    let span = (to.millis() - start.millis()) as f64;
     if span <= 0.0 {
         series.price_at(to)
     } else {
@@ -233,22 +233,25 @@ mod tests {
         let s = PriceSeries::new(
             m,
             vec![
-                (Timestamp(10), UsdPerHour::new(1.0).unwrap()),
-                (Timestamp(20), UsdPerHour::new(3.0).unwrap()),
+                (Timestamp::from_millis(10), UsdPerHour::new(1.0).unwrap()),
+                (Timestamp::from_millis(20), UsdPerHour::new(3.0).unwrap()),
             ],
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp(10), Timestamp(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30)),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp(0), Timestamp(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30)),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp(15), Timestamp(20)),
+            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20)),
             Some(1.0)
         );
-        assert_eq!(time_weighted_mean(&s, Timestamp(0), Timestamp(5)), None);
+        assert_eq!(
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5)),
+            None
+        );
     }
 }

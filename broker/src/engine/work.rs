@@ -113,7 +113,7 @@ mod tests {
     use super::*;
 
     fn t(secs: i64) -> Timestamp {
-        Timestamp(secs * 1000)
+        Timestamp::from_millis(secs * 1000)
     }
 
     fn span(tier: Tier, rate: f64, from: i64, until: Option<i64>) -> WorkingSpan {

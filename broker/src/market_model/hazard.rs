@@ -144,7 +144,9 @@ mod tests {
             weight_instance_hours: 100.0,
         });
         assert!((model.rate_per_hour(&m) - 0.01).abs() < 1e-15);
-        let e = model.eviction(&m, 0.0, 3600.0, Timestamp(0)).unwrap();
+        let e = model
+            .eviction(&m, 0.0, 3600.0, Timestamp::from_millis(0))
+            .unwrap();
         assert!((e.probability - (1.0 - (-0.01f64).exp())).abs() < 1e-12);
         // 100 more hours with 9 interruptions: (1 + 9) / (100 + 100) = 0.05 per hour.
         model.observe(Observation::Ran {
@@ -154,7 +156,7 @@ mod tests {
         for _ in 0..9 {
             model.observe(Observation::Interrupted {
                 market: &m,
-                at: Timestamp(0),
+                at: Timestamp::from_millis(0),
             });
         }
         assert!((model.rate_per_hour(&m) - 0.05).abs() < 1e-12);
@@ -162,13 +164,17 @@ mod tests {
             (model.rate_per_hour(&other) - 0.01).abs() < 1e-15,
             "pools learn separately"
         );
-        let later = model.eviction(&m, 0.0, 3600.0, Timestamp(0)).unwrap();
+        let later = model
+            .eviction(&m, 0.0, 3600.0, Timestamp::from_millis(0))
+            .unwrap();
         assert!(later.probability > e.probability);
         assert!(later.expected_secs < 3600.0 && later.expected_secs > 3000.0);
         // A bid does not change anything in this market.
         assert_eq!(
             later,
-            model.eviction(&m, 5.0, 3600.0, Timestamp(0)).unwrap()
+            model
+                .eviction(&m, 5.0, 3600.0, Timestamp::from_millis(0))
+                .unwrap()
         );
     }
 }

@@ -92,7 +92,7 @@ impl MarketState {
     fn from_changes(times: &[Timestamp], prices: &[f64], t: Timestamp) -> Option<MarketState> {
         let i = times.partition_point(|&x| x <= t).checked_sub(1)?;
         let prev = i.checked_sub(1)?;
-        let age = t.0 - times[i].0;
+        let age = t.millis() - times[i].millis();
         Some(MarketState {
             rose: prices[i] > prices[prev],
             age_bucket: AGE_BUCKETS_MS.partition_point(|&b| b <= age),
@@ -245,7 +245,9 @@ impl PriceDrivenModel {
         let until = self
             .history
             .span()
-            .map_or(Timestamp(0), |(_, last)| Timestamp(last.0 + lookback_ms));
+            .map_or(Timestamp::from_millis(0), |(_, last)| {
+                Timestamp::from_millis(last.millis() + lookback_ms)
+            });
         Ok(build_index(series, on_demand, &self.config, until))
     }
 
@@ -262,7 +264,7 @@ impl PriceDrivenModel {
         let idx = self.index(market)?;
         let h_ms = (horizon_secs * 1000.0).round() as i64;
         let lookback_ms = (self.config.lookback_secs * 1000.0) as i64;
-        let (from, to) = (now.0 - lookback_ms, now.0 - h_ms);
+        let (from, to) = (now.millis() - lookback_ms, now.millis() - h_ms);
         let needed = self.config.min_samples.max(1);
         let state = if self.config.match_state {
             MarketState::from_changes(&idx.times, &idx.prices, now)
@@ -360,7 +362,7 @@ impl PriceDrivenModel {
         let series = self.series(market)?;
         let (mut evicted, mut survived_ms) = (0u64, 0i64);
         for &s in &w.samples.times[w.lo..w.hi] {
-            match replay_once(series, Timestamp(s), delta_usd, w.h_ms) {
+            match replay_once(series, Timestamp::from_millis(s), delta_usd, w.h_ms) {
                 None => {}
                 Some(Some(after)) => {
                     evicted += 1;
@@ -428,8 +430,12 @@ pub fn replay_once(
     let p0 = series.price_at(start)?;
     Some(
         series
-            .first_above(start, p0 + delta_usd, Timestamp(start.0 + horizon_ms))
-            .map(|t| t.0 - start.0),
+            .first_above(
+                start,
+                p0 + delta_usd,
+                Timestamp::from_millis(start.millis() + horizon_ms),
+            )
+            .map(|t| t.millis() - start.millis()),
     )
 }
 
@@ -439,16 +445,16 @@ pub fn state_start_times(series: &PriceSeries, until: Timestamp) -> Vec<(Timesta
     let (times, prices) = (series.times(), series.prices());
     let mut out = Vec::with_capacity(times.len() * 3);
     for i in 1..times.len() {
-        let next = times.get(i + 1).map_or(until.0, |t| t.0);
+        let next = times.get(i + 1).map_or(until.millis(), |t| t.millis());
         let rose = prices[i] > prices[i - 1];
         let mut push = |age: i64, bucket: usize| {
-            if times[i].0 + age < next {
+            if times[i].millis() + age < next {
                 let class = MarketState {
                     rose,
                     age_bucket: bucket,
                 }
                 .class();
-                out.push((Timestamp(times[i].0 + age), class));
+                out.push((Timestamp::from_millis(times[i].millis() + age), class));
             }
         };
         for (b, &age) in AGE_REPRESENTATIVES_MS.iter().enumerate() {
@@ -481,10 +487,10 @@ fn outcomes(
     let p0 = prices[i];
     let mut max = p0;
     let mut j = i + 1;
-    while j < times.len() && times[j].0 <= s + h_ms {
+    while j < times.len() && times[j].millis() <= s + h_ms {
         if prices[j] > max {
             max = prices[j];
-            breaks.push((max - p0, times[j].0 - s));
+            breaks.push((max - p0, times[j].millis() - s));
         }
         j += 1;
     }
@@ -524,10 +530,10 @@ fn build_index(
     };
     let (mut breaks, mut out) = (Vec::with_capacity(64), Vec::with_capacity(grid_usd.len()));
     // The unconditional grid: multiples of the step from the first change to `until`.
-    let mut s = ceil_div(first.0, step_ms) * step_ms;
+    let mut s = ceil_div(first.millis(), step_ms) * step_ms;
     let mut i = 0usize; // the change in force at s
-    while s <= until.0 {
-        while i + 1 < times.len() && times[i + 1].0 <= s {
+    while s <= until.millis() {
+        while i + 1 < times.len() && times[i + 1].millis() <= s {
             i += 1;
         }
         outcomes(series, i, s, h_ms, &grid_usd, &mut breaks, &mut out);
@@ -540,8 +546,16 @@ fn build_index(
             while i + 1 < times.len() && times[i + 1] <= t {
                 i += 1;
             }
-            outcomes(series, i, t.0, h_ms, &grid_usd, &mut breaks, &mut out);
-            index.classes[class].push(t.0, &out);
+            outcomes(
+                series,
+                i,
+                t.millis(),
+                h_ms,
+                &grid_usd,
+                &mut breaks,
+                &mut out,
+            );
+            index.classes[class].push(t.millis(), &out);
         }
     }
     index
@@ -562,7 +576,7 @@ mod tests {
             market.clone(),
             points
                 .iter()
-                .map(|&(m, p)| (Timestamp(m * M), UsdPerHour::new(p).unwrap()))
+                .map(|&(m, p)| (Timestamp::from_millis(m * M), UsdPerHour::new(p).unwrap()))
                 .collect(),
         );
         let od = OnDemandCatalog::new([InstanceOffer {
@@ -650,7 +664,7 @@ mod tests {
         for now in [70, 125, 200, 299, 360, 480, 600] {
             for delta in [0.0, 0.05, 0.1, 0.3, 1.0] {
                 let e = model
-                    .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                    .eviction(&market, delta, 3600.0, Timestamp::from_millis(now * M))
                     .unwrap();
                 let (p, secs, n) = brute(&points, now, delta, 360, 60);
                 assert_eq!(e.samples, n, "now={now} delta={delta}");
@@ -673,7 +687,7 @@ mod tests {
         let points = trace();
         let (h, market) = history(&points);
         let model = PriceDrivenModel::new(h, small_config());
-        let now = Timestamp(600 * M);
+        let now = Timestamp::from_millis(600 * M);
         let e = model.eviction(&market, 0.02, 1800.0, now).unwrap();
         let (p, secs, n) = brute(&points, 600, 0.02, 360, 30);
         assert_eq!(e.samples, n);
@@ -703,10 +717,10 @@ mod tests {
         let model2 = PriceDrivenModel::new(h2, small_config());
         for delta in [0.0, 0.01, 0.05, 0.2, 2.0] {
             let a = model
-                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .eviction(&market, delta, 3600.0, Timestamp::from_millis(now * M))
                 .unwrap();
             let b = model2
-                .eviction(&market, delta, 3600.0, Timestamp(now * M))
+                .eviction(&market, delta, 3600.0, Timestamp::from_millis(now * M))
                 .unwrap();
             assert_eq!(a, b, "delta {delta}");
         }
@@ -725,7 +739,7 @@ mod tests {
         let series = h.get(&market).unwrap();
         let mut checked = 0;
         for now_min in [200, 265, 300, 333, 404, 480, 523, 560] {
-            let now = Timestamp(now_min * M);
+            let now = Timestamp::from_millis(now_min * M);
             let state = MarketState::at(series, now).unwrap();
             // Brute force: every change with a predecessor, at each age, if the state is the same
             // as now's and the price still holds; then the window rule.
@@ -739,8 +753,8 @@ mod tests {
                     if s >= next {
                         continue;
                     }
-                    let st = MarketState::at(series, Timestamp(s)).unwrap();
-                    if st == state && s >= now.0 - 360 * M && s + 60 * M <= now.0 {
+                    let st = MarketState::at(series, Timestamp::from_millis(s)).unwrap();
+                    if st == state && s >= now.millis() - 360 * M && s + 60 * M <= now.millis() {
                         starts.push(s);
                     }
                 }
@@ -752,7 +766,7 @@ mod tests {
             for delta in [0.0, 0.05, 0.3] {
                 let (mut ev, mut secs) = (0.0, 0.0);
                 for &s in &starts {
-                    match replay_once(series, Timestamp(s), delta, 60 * M).unwrap() {
+                    match replay_once(series, Timestamp::from_millis(s), delta, 60 * M).unwrap() {
                         Some(ms) => {
                             ev += 1.0;
                             secs += (ms / 1000) as f64;
@@ -788,26 +802,26 @@ mod tests {
         let (h, market) = history(&trace());
         let s = h.get(&market).unwrap();
         assert_eq!(
-            MarketState::at(s, Timestamp(5 * M)),
+            MarketState::at(s, Timestamp::from_millis(5 * M)),
             None,
             "one change: no direction yet"
         );
         assert_eq!(
-            MarketState::at(s, Timestamp(18 * M)),
+            MarketState::at(s, Timestamp::from_millis(18 * M)),
             Some(MarketState {
                 rose: true,
                 age_bucket: 0
             })
         );
         assert_eq!(
-            MarketState::at(s, Timestamp(41 * M + 4 * 60_000)),
+            MarketState::at(s, Timestamp::from_millis(41 * M + 4 * 60_000)),
             Some(MarketState {
                 rose: false,
                 age_bucket: 1
             })
         );
         assert_eq!(
-            MarketState::at(s, Timestamp(100 * M)),
+            MarketState::at(s, Timestamp::from_millis(100 * M)),
             Some(MarketState {
                 rose: false,
                 age_bucket: 3
@@ -826,7 +840,7 @@ mod tests {
             },
         );
         let err = model
-            .eviction(&market, 0.0, 3600.0, Timestamp(90 * M))
+            .eviction(&market, 0.0, 3600.0, Timestamp::from_millis(90 * M))
             .unwrap_err();
         assert!(
             matches!(err, ModelError::NotEnoughHistory { samples: 4, .. }),
@@ -834,7 +848,7 @@ mod tests {
         );
         let other = Market::parse("us-east-1b/c3.xlarge").unwrap();
         assert!(matches!(
-            model.eviction(&other, 0.0, 3600.0, Timestamp(600 * M)),
+            model.eviction(&other, 0.0, 3600.0, Timestamp::from_millis(600 * M)),
             Err(ModelError::UnknownMarket(_))
         ));
     }

@@ -675,7 +675,8 @@ impl Policy for BidBrain {
         let now = ctx.now();
         let job = ctx.job;
         let remaining = ctx.progress.remaining();
-        let tick = Timestamp(now.0 + (self.config.tick_minutes * 60_000.0) as i64);
+        let tick =
+            Timestamp::from_millis(now.millis() + (self.config.tick_minutes * 60_000.0) as i64);
         let mut decision = Decision {
             wake_at: Some(tick),
             ..Decision::default()
@@ -749,10 +750,10 @@ impl Policy for BidBrain {
                 && match ctx.billing {
                     BillingModel::Hourly2015 => {
                         let end = ctx.billing.period_end(inst.launched_at, now);
-                        let mut wake = Timestamp(end.0 - window_ms);
+                        let mut wake = Timestamp::from_millis(end.millis() - window_ms);
                         let inside = wake <= now;
                         if inside {
-                            wake = Timestamp(wake.0 + crate::billing::HOUR_MS);
+                            wake = Timestamp::from_millis(wake.millis() + crate::billing::HOUR_MS);
                         }
                         next_wake = next_wake.min(wake);
                         inside
@@ -845,7 +846,7 @@ impl Policy for BidBrain {
                 kept.push((inst, econ));
             }
         }
-        decision.wake_at = Some(next_wake.max(Timestamp(now.0 + 1_000)));
+        decision.wake_at = Some(next_wake.max(now + std::time::Duration::from_secs(1)));
 
         // Acquisitions.
         let mut slots = (job.max_instances as usize).saturating_sub(kept.len());

@@ -7,7 +7,7 @@ use super::{
     cheapest_on_demand,
 };
 use crate::job::{EvictionCost, JobModel};
-use crate::market::{InstanceType, Timestamp};
+use crate::market::InstanceType;
 use serde::{Deserialize, Serialize};
 
 /// The keys of a `kind = "on-demand"` policy file.
@@ -69,7 +69,7 @@ impl Policy for OnDemandPolicy {
     fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError> {
         let now = ctx.now();
         let mut decision = Decision {
-            wake_at: Some(Timestamp(now.0 + 3_600_000)),
+            wake_at: Some(now + std::time::Duration::from_secs(3600)),
             ..Decision::default()
         };
         if ctx.progress.remaining() <= 0.0 {

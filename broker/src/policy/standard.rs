@@ -165,7 +165,9 @@ impl StandardBidding {
     ) -> Result<Option<(Market, UsdPerHour)>, PolicyError> {
         let view = ctx.market;
         let now = ctx.now();
-        let since = Timestamp(now.0 - (self.config.lookback_hours * 3_600_000.0) as i64);
+        let since = Timestamp::from_millis(
+            now.millis() - (self.config.lookback_hours * 3_600_000.0) as i64,
+        );
         let mut best: Option<(f64, f64, &Market, f64)> = None;
         for m in view.markets() {
             if !self.allowed(m, ctx.job) {
@@ -223,7 +225,8 @@ impl Policy for StandardBidding {
 
     fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError> {
         let now = ctx.now();
-        let tick = Timestamp(now.0 + (self.config.tick_minutes * 60_000.0) as i64);
+        let tick =
+            Timestamp::from_millis(now.millis() + (self.config.tick_minutes * 60_000.0) as i64);
         let mut decision = Decision {
             wake_at: Some(tick),
             ..Decision::default()

@@ -94,7 +94,7 @@ pub async fn fetch(
         .iter()
         .map(|t| SdkInstanceType::from(t.as_str()))
         .collect();
-    let start = aws_sdk_ec2::primitives::DateTime::from_millis(req.since.0);
+    let start = aws_sdk_ec2::primitives::DateTime::from_millis(req.since.millis());
     let mut pages = client
         .describe_spot_price_history()
         .set_instance_types((!types.is_empty()).then_some(types))
@@ -146,7 +146,7 @@ fn convert(item: &aws_sdk_ec2::types::SpotPrice) -> Result<SpotPriceRow, (&'stat
     let millis = ts.to_millis().map_err(|e| ("Timestamp", e.to_string()))?;
     Ok(SpotPriceRow {
         market: Market::new(zone, itype, product),
-        time: Timestamp(millis),
+        time: Timestamp::from_millis(millis),
         price,
     })
 }

@@ -248,7 +248,7 @@ impl OnePricePerInstant {
     ) -> Result<(), FileError> {
         let next = self.markets.len() as u32;
         let id = *self.markets.entry(market.clone()).or_insert(next);
-        match self.seen.entry((id, time.0)) {
+        match self.seen.entry((id, time.millis())) {
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert((price.get(), line));
                 Ok(())

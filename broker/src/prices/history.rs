@@ -185,7 +185,7 @@ mod tests {
             Market::parse("us-east-1a/c3.xlarge").unwrap(),
             points
                 .iter()
-                .map(|&(t, p)| (Timestamp(t), UsdPerHour::new(p).unwrap()))
+                .map(|&(t, p)| (Timestamp::from_millis(t), UsdPerHour::new(p).unwrap()))
                 .collect(),
         )
     }
@@ -194,28 +194,31 @@ mod tests {
     fn price_holds_until_the_next_change() {
         let s = series(&[(30, 3.0), (10, 1.0), (20, 2.0), (20, 9.0)]);
         assert_eq!(s.len(), 3, "duplicate timestamp kept once");
-        assert_eq!(s.price_at(Timestamp(5)), None);
-        assert_eq!(s.price_at(Timestamp(10)), Some(1.0));
-        assert_eq!(s.price_at(Timestamp(19)), Some(1.0));
-        assert_eq!(s.price_at(Timestamp(20)), Some(2.0));
-        assert_eq!(s.price_at(Timestamp(1000)), Some(3.0));
+        assert_eq!(s.price_at(Timestamp::from_millis(5)), None);
+        assert_eq!(s.price_at(Timestamp::from_millis(10)), Some(1.0));
+        assert_eq!(s.price_at(Timestamp::from_millis(19)), Some(1.0));
+        assert_eq!(s.price_at(Timestamp::from_millis(20)), Some(2.0));
+        assert_eq!(s.price_at(Timestamp::from_millis(1000)), Some(3.0));
     }
 
     #[test]
     fn first_above_looks_strictly_after_and_up_to_until() {
         let s = series(&[(10, 1.0), (20, 5.0), (30, 1.0), (40, 6.0)]);
         assert_eq!(
-            s.first_above(Timestamp(10), 2.0, Timestamp(100)),
-            Some(Timestamp(20))
+            s.first_above(Timestamp::from_millis(10), 2.0, Timestamp::from_millis(100)),
+            Some(Timestamp::from_millis(20))
         );
         assert_eq!(
-            s.first_above(Timestamp(20), 2.0, Timestamp(100)),
-            Some(Timestamp(40))
+            s.first_above(Timestamp::from_millis(20), 2.0, Timestamp::from_millis(100)),
+            Some(Timestamp::from_millis(40))
         );
-        assert_eq!(s.first_above(Timestamp(20), 2.0, Timestamp(39)), None);
         assert_eq!(
-            s.first_above(Timestamp(0), 5.0, Timestamp(100)),
-            Some(Timestamp(40))
+            s.first_above(Timestamp::from_millis(20), 2.0, Timestamp::from_millis(39)),
+            None
+        );
+        assert_eq!(
+            s.first_above(Timestamp::from_millis(0), 5.0, Timestamp::from_millis(100)),
+            Some(Timestamp::from_millis(40))
         );
     }
 }

@@ -66,14 +66,14 @@ pub fn market_stats(
         (values[values.len() / 2 - 1] + values[values.len() / 2]) / 2.0
     };
 
-    let total_ms = (to.0 - start.0) as f64;
+    let total_ms = (to.millis() - start.millis()) as f64;
     let mut integral = 0.0;
     let mut above_ms = 0.0;
     let mut spells = 0;
     let mut was_above = false;
     for (i, &(t, p)) in steps.iter().enumerate() {
         let until = steps.get(i + 1).map_or(to, |s| s.0);
-        let held = (until.0 - t.0) as f64;
+        let held = (until.millis() - t.millis()) as f64;
         integral += p * held;
         let above = on_demand.is_some_and(|od| p > od);
         if above {
@@ -126,7 +126,12 @@ mod tests {
             Market::parse("us-east-1a/c3.xlarge").unwrap(),
             points
                 .iter()
-                .map(|&(t, p)| (Timestamp(t * 1000), UsdPerHour::new(p).unwrap()))
+                .map(|&(t, p)| {
+                    (
+                        Timestamp::from_millis(t * 1000),
+                        UsdPerHour::new(p).unwrap(),
+                    )
+                })
                 .collect(),
         )
     }
@@ -135,7 +140,13 @@ mod tests {
     fn hand_computed_window() {
         // price 1 for 10 s, 3 for 20 s, 1 for 10 s, 5 for 10 s, window [0 s, 50 s)
         let s = series(&[(0, 1.0), (10, 3.0), (30, 1.0), (40, 5.0)]);
-        let st = market_stats(&s, Timestamp(0), Timestamp(50_000), Some(2.0)).unwrap();
+        let st = market_stats(
+            &s,
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(50_000),
+            Some(2.0),
+        )
+        .unwrap();
         assert_eq!(st.changes, 4);
         assert!((st.time_weighted_mean_usd - (10.0 + 60.0 + 10.0 + 50.0) / 50.0).abs() < 1e-12);
         assert!((st.fraction_above_on_demand.unwrap() - 30.0 / 50.0).abs() < 1e-12);
@@ -146,10 +157,24 @@ mod tests {
     #[test]
     fn carried_in_price_counts_from_the_window_start() {
         let s = series(&[(0, 4.0), (100, 2.0)]);
-        let st = market_stats(&s, Timestamp(50_000), Timestamp(150_000), None).unwrap();
+        let st = market_stats(
+            &s,
+            Timestamp::from_millis(50_000),
+            Timestamp::from_millis(150_000),
+            None,
+        )
+        .unwrap();
         assert_eq!(st.changes, 1);
         assert!((st.time_weighted_mean_usd - 3.0).abs() < 1e-12);
         assert_eq!(st.fraction_above_on_demand, None);
-        assert!(market_stats(&s, Timestamp(-10_000), Timestamp(-1), None).is_none());
+        assert!(
+            market_stats(
+                &s,
+                Timestamp::from_millis(-10_000),
+                Timestamp::from_millis(-1),
+                None
+            )
+            .is_none()
+        );
     }
 }

@@ -907,7 +907,7 @@ mod tests {
         serde_json::from_str(json).unwrap()
     }
 
-    const NOW: Timestamp = Timestamp(1_426_000_000_000);
+    const NOW: Timestamp = Timestamp::from_millis(1_426_000_000_000);
 
     #[test]
     fn command_jobs_are_checked_field_by_field() {

@@ -177,7 +177,7 @@ mod tests {
                 progress: 0.0,
                 metric: None,
                 control_state: None,
-                created: Timestamp(0),
+                created: Timestamp::from_millis(0),
                 started: None,
                 finished: None,
                 work: Default::default(),
@@ -234,12 +234,12 @@ mod tests {
             billing: "per-second".into(),
             budget_usd: None,
             deadline: None,
-            created: Timestamp(0),
+            created: Timestamp::from_millis(0),
         };
         let asked = store.create_job(&new_job("asked")).await.unwrap();
         let unasked = store.create_job(&new_job("unasked")).await.unwrap();
         let cache = StatusCache::default();
-        let read = |id| JobRecord::read(&store, id, Timestamp(0));
+        let read = |id| JobRecord::read(&store, id, Timestamp::from_millis(0));
         cache.put(
             asked,
             Instant::now(),
@@ -253,10 +253,10 @@ mod tests {
         );
         // The scheduler writes, then refreshes.
         store
-            .set_job_state(asked, JobState::Running, None, Timestamp(1))
+            .set_job_state(asked, JobState::Running, None, Timestamp::from_millis(1))
             .await
             .unwrap();
-        cache.refresh(&store, Timestamp(1)).await;
+        cache.refresh(&store, Timestamp::from_millis(1)).await;
         assert_eq!(cache.get(asked).unwrap().job.state, JobState::Running);
         assert!(cache.get(unasked).is_none());
     }

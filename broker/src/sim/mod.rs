@@ -478,7 +478,8 @@ impl<'a> Engine<'a> {
             if s.terminate_at.is_some() || s.warn_at.is_none_or(|w| w > now) {
                 continue;
             }
-            let terminate_at = Timestamp(now.0 + (self.sc.warning_secs * 1000.0) as i64);
+            let terminate_at =
+                Timestamp::from_millis(now.millis() + (self.sc.warning_secs * 1000.0) as i64);
             self.sims[i].terminate_at = Some(terminate_at);
             self.views[i].state = InstanceState::Warned { terminate_at };
             warned.push(self.views[i].id.clone());
@@ -529,7 +530,8 @@ impl<'a> Engine<'a> {
         self.overheads.startup += s.rate * (hours.min(self.sc.job.startup_secs / 3600.0));
         if let Some(end) = s.terminate_at {
             let warned_at =
-                Timestamp(end.0 - (self.sc.warning_secs * 1000.0) as i64).max(s.ready_at);
+                Timestamp::from_millis(end.millis() - (self.sc.warning_secs * 1000.0) as i64)
+                    .max(s.ready_at);
             self.overheads.warned += s.rate * (self.now.secs_since(warned_at) / 3600.0).max(0.0);
         }
         self.model.observe(Observation::Ran {
@@ -686,7 +688,9 @@ impl<'a> Engine<'a> {
                     (a, b) => a.or(b),
                 };
                 self.next_id += 1;
-                let ready_at = Timestamp(now.0 + (self.sc.job.startup_secs * 1000.0) as i64);
+                let ready_at = Timestamp::from_millis(
+                    now.millis() + (self.sc.job.startup_secs * 1000.0) as i64,
+                );
                 self.views.push(InstanceView {
                     id: InstanceId(format!("sim-{}", self.next_id)),
                     market: acq.market.clone(),

@@ -62,9 +62,13 @@ pub fn start_times(first: Timestamp, last: Timestamp, n: usize, seed: u64) -> Ve
         return Vec::new();
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let width = (last.0 - first.0) as f64 / n as f64;
+    let width = (last.millis() - first.millis()) as f64 / n as f64;
     (0..n)
-        .map(|k| Timestamp(first.0 + (width * (k as f64 + rng.random::<f64>())) as i64))
+        .map(|k| {
+            Timestamp::from_millis(
+                first.millis() + (width * (k as f64 + rng.random::<f64>())) as i64,
+            )
+        })
         .collect()
 }
 
@@ -301,12 +305,33 @@ mod tests {
 
     #[test]
     fn start_times_are_stratified_and_repeatable() {
-        let s = start_times(Timestamp(0), Timestamp(1000), 10, 7);
-        assert_eq!(s, start_times(Timestamp(0), Timestamp(1000), 10, 7));
-        assert_ne!(s, start_times(Timestamp(0), Timestamp(1000), 10, 8));
+        let s = start_times(
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(1000),
+            10,
+            7,
+        );
+        assert_eq!(
+            s,
+            start_times(
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(1000),
+                10,
+                7
+            )
+        );
+        assert_ne!(
+            s,
+            start_times(
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(1000),
+                10,
+                8
+            )
+        );
         for (k, t) in s.iter().enumerate() {
             assert!(
-                t.0 >= k as i64 * 100 && t.0 < (k as i64 + 1) * 100,
+                t.millis() >= k as i64 * 100 && t.millis() < (k as i64 + 1) * 100,
                 "{k}: {t:?}"
             );
         }

@@ -184,8 +184,9 @@ impl HazardWorld {
                 }
                 let u: f64 = pool.rng.random::<f64>();
                 let gap = -(1.0 - u).ln() / pool.rate_per_ms;
-                pool.events
-                    .push(Timestamp(last.0 + gap.ceil().max(1.0) as i64));
+                pool.events.push(Timestamp::from_millis(
+                    last.millis() + gap.ceil().max(1.0) as i64,
+                ));
             }
             let t = pool.events[i];
             if t > until {
@@ -237,14 +238,14 @@ mod tests {
             m,
             [(10, 1.0), (20, 5.0), (30, 1.0), (40, 6.0)]
                 .iter()
-                .map(|&(t, p)| (Timestamp(t), UsdPerHour::new(p).unwrap()))
+                .map(|&(t, p)| (Timestamp::from_millis(t), UsdPerHour::new(p).unwrap()))
                 .collect(),
         );
         let t = MaxTree::new(s.prices());
         for (after, limit) in [(10, 2.0), (20, 2.0), (0, 5.0), (40, 0.0)] {
             assert_eq!(
-                first_above(&s, &t, Timestamp(after), limit),
-                s.first_above(Timestamp(after), limit, Timestamp::MAX)
+                first_above(&s, &t, Timestamp::from_millis(after), limit),
+                s.first_above(Timestamp::from_millis(after), limit, Timestamp::MAX)
             );
         }
     }
@@ -259,15 +260,15 @@ mod tests {
         let m = Market::parse("us-east-1a/c5.xlarge").unwrap();
         let rate = truth.pool_rate_per_hour(&m, 1);
         assert!((rate - 10.0 * 2f64.ln() / 730.0).abs() < 1e-12);
-        let mut a = HazardWorld::new(truth.clone(), 7, Timestamp(0));
-        let mut b = HazardWorld::new(truth, 7, Timestamp(0));
+        let mut a = HazardWorld::new(truth.clone(), 7, Timestamp::from_millis(0));
+        let mut b = HazardWorld::new(truth, 7, Timestamp::from_millis(0));
         let mut r = ChaCha8Rng::seed_from_u64(0);
-        let until = Timestamp(1_000 * 3_600_000);
+        let until = Timestamp::from_millis(1_000 * 3_600_000);
         let xs: Vec<_> = (0..50)
-            .map(|k| a.interruption(&m, Timestamp(k * 3_600_000), until, &mut r))
+            .map(|k| a.interruption(&m, Timestamp::from_millis(k * 3_600_000), until, &mut r))
             .collect();
         let ys: Vec<_> = (0..50)
-            .map(|k| b.interruption(&m, Timestamp(k * 3_600_000), until, &mut r))
+            .map(|k| b.interruption(&m, Timestamp::from_millis(k * 3_600_000), until, &mut r))
             .collect();
         assert_eq!(xs, ys);
         let events = a.pools[&m].events.len() as f64;

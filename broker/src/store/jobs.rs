@@ -210,7 +210,7 @@ macro_rules! insert_event {
         )
         .bind($job.map(|j: JobId| j.0))
         .bind($instance)
-        .bind($at.0)
+        .bind($at.millis())
         .bind($kind)
         .bind($detail)
         .execute($exec)
@@ -276,13 +276,13 @@ fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
         state: t.state.parse()?,
         state_reason: t.state_reason,
         budget_usd: t.budget_usd,
-        deadline: t.deadline_ms.map(Timestamp),
+        deadline: t.deadline_ms.map(Timestamp::from_millis),
         progress: t.progress,
         metric: t.metric,
         control_state: t.control_state,
-        created: Timestamp(t.created_ms),
-        started: t.started_ms.map(Timestamp),
-        finished: t.finished_ms.map(Timestamp),
+        created: Timestamp::from_millis(t.created_ms),
+        started: t.started_ms.map(Timestamp::from_millis),
+        finished: t.finished_ms.map(Timestamp::from_millis),
         work: WorkRecord {
             done_units: t.work_done_units,
             expected_units: t.expected_work_units,
@@ -334,11 +334,11 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         job_id: JobId(r.job_id),
         cloud_id: r.cloud_id,
         token_hash: r.token_hash,
-        requested: Timestamp(r.requested_ms),
-        launched: r.launched_ms.map(Timestamp),
-        ready: r.ready_ms.map(Timestamp),
-        warned: r.warned_ms.map(Timestamp),
-        ended: r.ended_ms.map(Timestamp),
+        requested: Timestamp::from_millis(r.requested_ms),
+        launched: r.launched_ms.map(Timestamp::from_millis),
+        ready: r.ready_ms.map(Timestamp::from_millis),
+        warned: r.warned_ms.map(Timestamp::from_millis),
+        ended: r.ended_ms.map(Timestamp::from_millis),
         end_reason: r.end_reason,
         ended_by_provider: r.ended_by_provider != 0,
         launch_error: r.launch_error,
@@ -358,8 +358,8 @@ impl Store {
             .bind(&job.policy)
             .bind(&job.billing)
             .bind(job.budget_usd)
-            .bind(job.deadline.map(|t| t.0))
-            .bind(job.created.0)
+            .bind(job.deadline.map(|t| t.millis()))
+            .bind(job.created.millis())
             .fetch_one(pool)
             .await
             .context("creating a job")?
@@ -415,7 +415,7 @@ impl Store {
             .bind(id.0)
             .bind(state.as_str())
             .bind(reason)
-            .bind(now.0)
+            .bind(now.millis())
             .execute(pool)
             .await
             .context("changing a job's state")?
@@ -478,8 +478,8 @@ impl Store {
             .bind(i.bid.map(UsdPerHour::get))
             .bind(i.state.as_str())
             .bind(&i.token_hash)
-            .bind(i.requested.0)
-            .bind(i.launched.map(|t| t.0))
+            .bind(i.requested.millis())
+            .bind(i.launched.map(|t| t.millis()))
             .execute(pool)
             .await
             .context("recording an instance")?;
@@ -540,7 +540,7 @@ impl Store {
             )
             .bind(id)
             .bind(cloud_id)
-            .bind(at.0)
+            .bind(at.millis())
             .execute(pool)
             .await
             .context("recording a launch")?;
@@ -558,7 +558,7 @@ impl Store {
                  WHERE id = $1 AND ready_ms IS NULL AND state IN ('running', 'warned')",
             )
             .bind(id)
-            .bind(at.0)
+            .bind(at.millis())
             .execute(pool)
             .await
             .context("recording that an instance is ready")?
@@ -604,7 +604,7 @@ impl Store {
             )
             .bind(id)
             .bind(error)
-            .bind(at.0)
+            .bind(at.millis())
             .execute(pool)
             .await
             .context("recording a failed launch")?;
@@ -629,7 +629,7 @@ impl Store {
                  WHERE id = $1 AND state IN ('requested', 'running')",
             )
             .bind(id)
-            .bind(at.0)
+            .bind(at.millis())
             .execute(&mut *tx)
             .await
             .context("recording a warning")?
@@ -683,7 +683,7 @@ impl Store {
                      ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed')",
             )
             .bind(id)
-            .bind(at.0)
+            .bind(at.millis())
             .bind(reason)
             .bind(i64::from(by_provider))
             .execute(&mut *tx)
@@ -721,7 +721,7 @@ impl Store {
             .bind(job.0)
             .bind(data_addr)
             .bind(i64::from(vcpus))
-            .bind(at.0)
+            .bind(at.millis())
             .execute(pool)
             .await
             .context("registering an agent")?;
@@ -738,7 +738,7 @@ impl Store {
         with_db!(self, |pool| {
             sqlx::query("UPDATE agents SET last_heartbeat_ms = $2, samples_per_sec = $3 WHERE instance_id = $1")
                 .bind(instance_id)
-                .bind(at.0)
+                .bind(at.millis())
                 .bind(samples_per_sec)
                 .execute(pool)
                 .await
@@ -777,7 +777,7 @@ impl Store {
                 id,
                 job_id: job_id.map(JobId),
                 instance_id,
-                time: Timestamp(ts),
+                time: Timestamp::from_millis(ts),
                 kind,
                 detail,
             })
@@ -806,8 +806,8 @@ impl Store {
                 )
                 .bind(job.0)
                 .bind(instance_id)
-                .bind(l.start.0)
-                .bind(l.end.0)
+                .bind(l.start.millis())
+                .bind(l.end.millis())
                 .bind(l.usd_per_hour)
                 .bind(l.amount_usd)
                 .bind(i64::from(l.free))
@@ -835,8 +835,8 @@ impl Store {
             .into_iter()
             .map(|(instance_id, s, e, rate, amount, free)| LedgerLine {
                 instance_id,
-                start: Timestamp(s),
-                end: Timestamp(e),
+                start: Timestamp::from_millis(s),
+                end: Timestamp::from_millis(e),
                 usd_per_hour: rate,
                 amount_usd: amount,
                 free: free != 0,
@@ -864,7 +864,7 @@ impl Store {
             )
             .bind(c.zone.as_str())
             .bind(c.instance_type.as_str())
-            .bind(c.until.0)
+            .bind(c.until.millis())
             .bind(&c.reason)
             .execute(pool)
             .await
@@ -878,7 +878,7 @@ impl Store {
             sqlx::query_as(
                 "SELECT availability_zone, instance_type, until_ms, reason FROM market_cooldowns WHERE until_ms > $1",
             )
-            .bind(now.0)
+            .bind(now.millis())
             .fetch_all(pool)
             .await
             .context("reading market cool-downs")?
@@ -891,7 +891,7 @@ impl Store {
                 Ok(Cooldown {
                     zone: Zone::parse(&z).map_err(bad)?,
                     instance_type: InstanceType::parse(&t).map_err(bad)?,
-                    until: Timestamp(until),
+                    until: Timestamp::from_millis(until),
                     reason,
                 })
             })
@@ -923,7 +923,7 @@ impl Store {
             )
             .bind(name)
             .bind(hash)
-            .bind(now.0)
+            .bind(now.millis())
             .execute(pool)
             .await
             .context("storing the API token")?;

@@ -258,8 +258,8 @@ impl Store {
                     region: Region::parse(&region)
                         .map_err(|e| StoreError::Invalid(format!("stored region: {e}")))?,
                     price_rows: n,
-                    first: first.map(Timestamp),
-                    last: last.map(Timestamp),
+                    first: first.map(Timestamp::from_millis),
+                    last: last.map(Timestamp::from_millis),
                 })
             })
             .collect()
@@ -316,7 +316,7 @@ impl Store {
         });
         rows.into_iter()
             .filter_map(|(z, t, p, ts)| ts.map(|ts| (z, t, p, ts)))
-            .map(|(z, t, p, ts)| Ok((market_from_columns(&z, &t, &p)?, Timestamp(ts))))
+            .map(|(z, t, p, ts)| Ok((market_from_columns(&z, &t, &p)?, Timestamp::from_millis(ts))))
             .collect()
     }
 
@@ -332,7 +332,7 @@ impl Store {
                 .await
                 .context("reading the latest price time")?
         });
-        Ok(ts.map(Timestamp))
+        Ok(ts.map(Timestamp::from_millis))
     }
 
     /// Every stored on-demand offer.
@@ -371,8 +371,8 @@ impl Store {
         to: Option<Timestamp>,
     ) -> Result<PriceHistory, StoreError> {
         let markets = self.market_ids(filter).await?;
-        let from_ms = from.map_or(i64::MIN, |t| t.0);
-        let to_ms = to.map_or(i64::MAX, |t| t.0);
+        let from_ms = from.map_or(i64::MIN, |t| t.millis());
+        let to_ms = to.map_or(i64::MAX, |t| t.millis());
         let mut rows: Vec<(i64, i64, f64)> = match &self.db {
             // One row per market with its changes as arrays: a tenth of the rows to decode. No
             // ORDER BY inside the aggregates: both see the group's rows in the same order (so
@@ -422,7 +422,10 @@ impl Store {
             if markets.contains_key(&id) {
                 let price = UsdPerHour::new(price)
                     .map_err(|e| StoreError::Invalid(format!("stored price: {e}")))?;
-                points.entry(id).or_default().push((Timestamp(ts), price));
+                points
+                    .entry(id)
+                    .or_default()
+                    .push((Timestamp::from_millis(ts), price));
             }
         }
         let series = points
@@ -445,7 +448,7 @@ async fn copy_prices_pg(
 ) -> Result<u64, StoreError> {
     let mut keyed: Vec<(i64, i64, f64)> = rows
         .iter()
-        .map(|r| (ids[&r.market], r.time.0, r.price.get()))
+        .map(|r| (ids[&r.market], r.time.millis(), r.price.get()))
         .collect();
     keyed.sort_by_key(|&(m, t, _)| (m, t));
     keyed.dedup_by_key(|&mut (m, t, _)| (m, t));
@@ -555,7 +558,7 @@ async fn insert_prices_batch(
     for row in rows {
         query = query
             .bind(ids[&row.market])
-            .bind(row.time.0)
+            .bind(row.time.millis())
             .bind(row.price.get());
     }
     let done = query.execute(&mut **tx).await.context("inserting prices")?;

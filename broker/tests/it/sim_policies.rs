@@ -45,7 +45,7 @@ fn synthetic(markets: &[(&str, f64, f64)], days: i64, seed: u64) -> PriceHistory
             let spike = rng.random::<f64>() < 0.01;
             let price = if spike { od * 1.5 } else { p };
             points.push((
-                Timestamp(t),
+                Timestamp::from_millis(t),
                 UsdPerHour::new((price * 1e4).round() / 1e4).unwrap(),
             ));
             let step = if rng.random::<bool>() { 1.0 } else { -1.0 };
@@ -130,7 +130,7 @@ fn on_demand_cost_is_instance_hours_times_price_exactly() {
         let r = run(
             &sc,
             policy.as_mut(),
-            Timestamp(T0 + 5 * 24 * H),
+            Timestamp::from_millis(T0 + 5 * 24 * H),
             &RunOptions::default(),
         )
         .unwrap();
@@ -168,14 +168,17 @@ fn standard_bidding_loses_work_since_its_checkpoint_and_restarts() {
     let mut points: Vec<(Timestamp, UsdPerHour)> = (0..24 * 12 * 10)
         .map(|k| {
             (
-                Timestamp(T0 + k * 5 * 60_000),
+                Timestamp::from_millis(T0 + k * 5 * 60_000),
                 UsdPerHour::new(0.05).unwrap(),
             )
         })
         .collect();
     let spike = T0 + 9 * 24 * H + 3 * H + 3 * 60_000;
-    points.push((Timestamp(spike), UsdPerHour::new(0.5).unwrap()));
-    points.push((Timestamp(spike + 60_000), UsdPerHour::new(0.05).unwrap()));
+    points.push((Timestamp::from_millis(spike), UsdPerHour::new(0.5).unwrap()));
+    points.push((
+        Timestamp::from_millis(spike + 60_000),
+        UsdPerHour::new(0.05).unwrap(),
+    ));
     let history = Arc::new(PriceHistory::new(
         [PriceSeries::new(market.clone(), points)],
         OnDemandCatalog::new([InstanceOffer {
@@ -201,7 +204,7 @@ fn standard_bidding_loses_work_since_its_checkpoint_and_restarts() {
     let policy_text = "kind = \"standard-bidding\"\nrank_by = \"current-price\"\n\
         [checkpoint]\ninterval_minutes = 60\ncheckpoint_minutes = 2\nrestart_minutes = 3\n";
     let mut policy = parse_policy("sb.toml", policy_text).unwrap();
-    let start = Timestamp(T0 + 9 * 24 * H);
+    let start = Timestamp::from_millis(T0 + 9 * 24 * H);
     let r = run(&sc, policy.as_mut(), start, &RunOptions::default()).unwrap();
     assert_eq!(r.evictions, 4, "the spike takes all four");
     assert_eq!(r.eviction_events, 1);
@@ -238,8 +241,8 @@ fn same_seed_same_result_and_threads_do_not_matter() {
     ];
     let (first, last) = sc.span();
     let starts = start_times(
-        Timestamp(first.0 + 2 * 24 * H),
-        Timestamp(last.0 - 3 * 24 * H),
+        Timestamp::from_millis(first.millis() + 2 * 24 * H),
+        Timestamp::from_millis(last.millis() - 3 * 24 * H),
         6,
         9,
     );
@@ -298,8 +301,8 @@ fn policies_never_read_the_future_on_the_2015_trace() {
     ];
     let (first, last) = sc.span();
     let starts = start_times(
-        Timestamp(first.0 + 7 * 24 * H),
-        Timestamp(last.0 - 2 * 24 * H),
+        Timestamp::from_millis(first.millis() + 7 * 24 * H),
+        Timestamp::from_millis(last.millis() - 2 * 24 * H),
         4,
         3,
     );
@@ -330,7 +333,7 @@ fn altered_after(history: &PriceHistory, cut: Timestamp, seed: u64) -> PriceHist
                 (t, UsdPerHour::new(p).unwrap())
             })
             .chain(std::iter::once((
-                Timestamp(cut.0 + 1),
+                Timestamp::from_millis(cut.millis() + 1),
                 UsdPerHour::new(0.0001).unwrap(),
             )))
             .collect();
@@ -344,7 +347,7 @@ fn decisions_do_not_change_when_the_future_changes() {
     let history =
         Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
     let start = Timestamp::parse("2015-05-10T06:00:00Z").unwrap();
-    let cut = Timestamp(start.0 + 4 * H + 17 * 60_000);
+    let cut = Timestamp::from_millis(start.millis() + 4 * H + 17 * 60_000);
     let altered = Arc::new(altered_after(&history, cut, 11));
     for name in ["bidbrain", "standard-bidding", "on-demand"] {
         let decisions = |h: &Arc<PriceHistory>| {
@@ -398,7 +401,7 @@ fn a_decision_is_a_function_of_the_past() {
             progress: JobProgress {
                 done_work: 100.0,
                 total_work: 400.0,
-                started_at: Timestamp(now.0 - 2 * H),
+                started_at: Timestamp::from_millis(now.millis() - 2 * H),
             },
             footprint: &[],
             billing: BillingModel::Hourly2015,
@@ -429,7 +432,13 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         future_reads: FutureReads::Panic,
         record_decisions: true,
     };
-    let r = run(&sc, policy.as_mut(), Timestamp(T0 + 4 * 24 * H), &options).unwrap();
+    let r = run(
+        &sc,
+        policy.as_mut(),
+        Timestamp::from_millis(T0 + 4 * 24 * H),
+        &options,
+    )
+    .unwrap();
     let mut total = 0.0;
     for inst in &r.instances {
         let market = Market::parse(&inst.market).unwrap();
@@ -447,7 +456,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
             assert!(
                 items
                     .last()
-                    .is_some_and(|i| i.free || i.end.0 - i.start.0 == H)
+                    .is_some_and(|i| i.free || i.end.millis() - i.start.millis() == H)
             );
         }
         total += cost;
@@ -487,7 +496,7 @@ proptest! {
         let billing = if per_second { BillingModel::PerSecond } else { BillingModel::Hourly2015 };
         let sc = Scenario::new(history.clone(), job, billing, World::Price, price_model(&history, 2.0)).unwrap();
         let mut p = shipped(["bidbrain", "standard-bidding", "on-demand"][policy]);
-        let start = Timestamp(T0 + 3 * 24 * H + (seed as i64 % 24) * H);
+        let start = Timestamp::from_millis(T0 + 3 * 24 * H + (seed as i64 % 24) * H);
         let options = RunOptions { seed, future_reads: FutureReads::Panic, record_decisions: true };
         let r = run(&sc, p.as_mut(), start, &options).unwrap();
         prop_assert!(r.cost_usd >= 0.0);
@@ -519,7 +528,9 @@ fn peak_held(r: &RunResult, job: &JobModel) -> f64 {
             r.instances
                 .iter()
                 .filter(|i| i.launch <= t && t < i.end)
-                .filter(|i| !(i.ended_by == EndedBy::Provider && i.end.0 - notice_ms <= t.0))
+                .filter(|i| {
+                    !(i.ended_by == EndedBy::Provider && i.end.millis() - notice_ms <= t.millis())
+                })
                 .map(|i| rate(&i.market))
                 .sum::<f64>()
         })
@@ -539,7 +550,7 @@ fn max_capacity_holds_every_policy_to_the_same_speed() {
         record_decisions: true,
         ..RunOptions::default()
     };
-    let start = Timestamp(T0 + 8 * 24 * H);
+    let start = Timestamp::from_millis(T0 + 8 * 24 * H);
     for name in ["bidbrain", "standard-bidding", "on-demand"] {
         let mut peaks = Vec::new();
         for cap in ["", "max_capacity = 6.0\n"] {

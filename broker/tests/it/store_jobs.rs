@@ -41,7 +41,7 @@ on_both_backends!(
 const T0: i64 = 1_700_000_000_000;
 
 fn t(secs: i64) -> Timestamp {
-    Timestamp(T0 + secs * 1000)
+    Timestamp::from_millis(T0 + secs * 1000)
 }
 
 fn new_job(name: &str, created: Timestamp) -> NewJob {
@@ -51,7 +51,7 @@ fn new_job(name: &str, created: Timestamp) -> NewJob {
         policy: "bidbrain".to_string(),
         billing: "per-second".to_string(),
         budget_usd: Some(12.5),
-        deadline: Some(Timestamp(created.0 + 86_400_000)),
+        deadline: Some(Timestamp::from_millis(created.millis() + 86_400_000)),
         created,
     }
 }
@@ -135,7 +135,10 @@ async fn create_job_and_job_round_trip_every_field(db: TestDb) {
     assert_eq!(ja.state, JobState::Pending);
     assert_eq!(ja.state_reason, None);
     assert_eq!(ja.budget_usd, Some(12.5));
-    assert_eq!(ja.deadline, Some(Timestamp(t(5).0 + 86_400_000)));
+    assert_eq!(
+        ja.deadline,
+        Some(Timestamp::from_millis(t(5).millis() + 86_400_000))
+    );
     assert_eq!(ja.progress, 0.0);
     assert_eq!(ja.metric, None);
     assert_eq!(ja.control_state, None);
@@ -788,8 +791,8 @@ async fn agents_register_reregister_and_heartbeat(db: TestDb) {
             job.0,
             "127.0.0.1:7001".into(),
             4,
-            t(10).0,
-            Some(t(10).0),
+            t(10).millis(),
+            Some(t(10).millis()),
             None
         ))
     );
@@ -801,8 +804,8 @@ async fn agents_register_reregister_and_heartbeat(db: TestDb) {
             job.0,
             "127.0.0.1:7001".into(),
             4,
-            t(10).0,
-            Some(t(20).0),
+            t(10).millis(),
+            Some(t(20).millis()),
             Some(1234.5)
         ))
     );
@@ -813,8 +816,8 @@ async fn agents_register_reregister_and_heartbeat(db: TestDb) {
             job.0,
             "127.0.0.1:7002".into(),
             8,
-            t(11).0,
-            Some(t(11).0),
+            t(11).millis(),
+            Some(t(11).millis()),
             None
         ))
     );
@@ -830,8 +833,8 @@ async fn agents_register_reregister_and_heartbeat(db: TestDb) {
             job.0,
             "127.0.0.1:7101".into(),
             2,
-            t(30).0,
-            Some(t(20).0),
+            t(30).millis(),
+            Some(t(20).millis()),
             Some(1234.5)
         ))
     );

@@ -87,7 +87,15 @@ async fn stats_match_an_independent_time_weighted_mean(db: TestDb) {
         .load_history(&MarketFilter::default(), None, None)
         .await
         .unwrap();
-    let end = Timestamp(db.store.latest_price_time().await.unwrap().unwrap().0 + 1);
+    let end = Timestamp::from_millis(
+        db.store
+            .latest_price_time()
+            .await
+            .unwrap()
+            .unwrap()
+            .millis()
+            + 1,
+    );
     for (zone, itype) in [("us-east-1a", "c3.xlarge"), ("us-east-1e", "r3.large")] {
         let market = Market::parse(&format!("{zone}/{itype}")).unwrap();
         let series = history.get(&market).expect("market loaded");
@@ -147,7 +155,7 @@ async fn on_demand_prices_are_upserted(db: TestDb) {
 fn row(market: &str, t: i64, p: f64) -> SpotPriceRow {
     SpotPriceRow {
         market: Market::parse(market).unwrap(),
-        time: Timestamp(t),
+        time: Timestamp::from_millis(t),
         price: UsdPerHour::new(p).unwrap(),
     }
 }
@@ -164,7 +172,11 @@ async fn history_windows_carry_the_price_in_force(db: TestDb) {
     let all = MarketFilter::default();
     let h = db
         .store
-        .load_history(&all, Some(Timestamp(2500)), Some(Timestamp(3000)))
+        .load_history(
+            &all,
+            Some(Timestamp::from_millis(2500)),
+            Some(Timestamp::from_millis(3000)),
+        )
         .await
         .unwrap();
     let a = h
@@ -172,17 +184,17 @@ async fn history_windows_carry_the_price_in_force(db: TestDb) {
         .unwrap();
     assert_eq!(
         a.times(),
-        &[Timestamp(2000)],
+        &[Timestamp::from_millis(2000)],
         "only the change in force at 2500; 3000 is past the end"
     );
     let b = h
         .get(&Market::parse("us-east-1b/c3.xlarge").unwrap())
         .unwrap();
-    assert_eq!(b.price_at(Timestamp(2500)), Some(7.0));
+    assert_eq!(b.price_at(Timestamp::from_millis(2500)), Some(7.0));
     let m = h
         .get(&Market::parse("us-east-1b/m3.medium").unwrap())
         .unwrap();
-    assert_eq!(m.times(), &[Timestamp(2500)]);
+    assert_eq!(m.times(), &[Timestamp::from_millis(2500)]);
 
     let only_m3 = MarketFilter {
         instance_type: Some(InstanceType::parse("m3.medium").unwrap()),
@@ -208,11 +220,11 @@ async fn newest_times_are_per_market(db: TestDb) {
     assert_eq!(newest.len(), 2);
     assert_eq!(
         newest[&Market::parse("us-east-1a/c3.xlarge").unwrap()],
-        Timestamp(4000)
+        Timestamp::from_millis(4000)
     );
     assert_eq!(
         newest[&Market::parse("us-east-1b/c3.xlarge").unwrap()],
-        Timestamp(3000)
+        Timestamp::from_millis(3000)
     );
     assert!(
         db.store
