@@ -195,6 +195,16 @@ impl Broker {
             .ok_or_else(|| AgentError::Broker("empty checkpoint answer".into()))
     }
 
+    /// Where to fetch the job's `s3://` working directory (a presigned `GET`).
+    pub async fn workdir_transfer(&self, id: &InstanceId) -> Result<CheckpointTransfer> {
+        let req = self
+            .http
+            .get(format!("{}{}", self.base, paths::workdir(id)));
+        self.send::<CheckpointTransfer>(req, Duration::from_secs(15))
+            .await?
+            .ok_or_else(|| AgentError::Broker("empty working-directory answer".into()))
+    }
+
     /// A transfer's URL: absolute (presigned), or a path on the broker (its own store).
     fn transfer_url(&self, t: &CheckpointTransfer) -> String {
         if t.url.starts_with('/') {

@@ -45,14 +45,13 @@ pub enum CheckpointStore {
 impl CheckpointStore {
     /// `s3://bucket/prefix` or a directory path.
     pub async fn open(spec: &str) -> Result<CheckpointStore, CheckpointError> {
-        if let Some(rest) = spec.strip_prefix("s3://") {
+        if spec.starts_with("s3://") {
             #[cfg(feature = "ec2")]
             {
-                return Ok(CheckpointStore::S3(s3::S3Store::open(spec, rest).await?));
+                return Ok(CheckpointStore::S3(s3::S3Store::open(spec).await?));
             }
             #[cfg(not(feature = "ec2"))]
             {
-                let _ = rest;
                 return Err(CheckpointError::Config(
                     spec.into(),
                     "this broker was built without the `ec2` feature, which S3 needs".into(),
@@ -104,6 +103,37 @@ impl CheckpointStore {
         }
     }
 
+    /// Where an agent fetches a command job's `s3://bucket/key` working directory: a presigned
+    /// `GET`, signed with the same credentials as the checkpoints. Only an S3 store has them.
+    pub async fn workdir_transfer(&self, url: &str) -> Result<CheckpointTransfer, CheckpointError> {
+        let (bucket, key) =
+            parse_s3_url(url).map_err(|e| CheckpointError::Config(url.into(), e))?;
+        match self {
+            CheckpointStore::Dir(_) => {
+                let _ = (bucket, key);
+                Err(CheckpointError::Config(
+                    url.into(),
+                    "an s3:// working directory needs a broker started with \
+                     `--checkpoint-store s3://…`, whose credentials sign the download"
+                        .into(),
+                ))
+            }
+            #[cfg(feature = "ec2")]
+            CheckpointStore::S3(s) => Ok(CheckpointTransfer {
+                url: s
+                    .presign_get_in(bucket, key, PRESIGN_SECS, std::time::SystemTime::now())
+                    .await?,
+                bearer: false,
+                expires_in_secs: PRESIGN_SECS,
+            }),
+        }
+    }
+
+    /// Whether this store can sign S3 downloads (see [`CheckpointStore::workdir_transfer`]).
+    pub fn is_s3(&self) -> bool {
+        !matches!(self, CheckpointStore::Dir(_))
+    }
+
     /// The directory store, when that is what this is (the agent API serves its files).
     pub fn dir(&self) -> Option<&DirStore> {
         match self {
@@ -121,6 +151,25 @@ impl CheckpointStore {
             CheckpointStore::S3(s) => s.describe(),
         }
     }
+}
+
+/// `s3://bucket/key` split into bucket and key (`key` may be empty: a bucket or a prefix).
+/// The error says what is wrong, for a message naming the field it came from.
+pub fn parse_s3_url(url: &str) -> Result<(&str, &str), String> {
+    let rest = url
+        .strip_prefix("s3://")
+        .ok_or_else(|| format!("`{url}` is not an s3:// URL"))?;
+    let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+    let valid = (3..=63).contains(&bucket.len())
+        && bucket
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+    if !valid {
+        return Err(format!(
+            "`{bucket}` is not an S3 bucket name (3–63 of a-z, 0-9, `-`, `.`)"
+        ));
+    }
+    Ok((bucket, key))
 }
 
 /// The object key (or relative file) of a rank's newest checkpoint.
@@ -333,19 +382,10 @@ pub mod s3 {
     }
 
     impl S3Store {
-        /// `spec` is the whole `s3://…` text (for errors), `rest` what follows `s3://`.
-        pub async fn open(spec: &str, rest: &str) -> Result<S3Store, CheckpointError> {
-            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            let valid = (3..=63).contains(&bucket.len())
-                && bucket
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
-            if !valid {
-                return Err(CheckpointError::Config(
-                    spec.into(),
-                    format!("`{bucket}` is not an S3 bucket name (3–63 of a-z, 0-9, `-`, `.`)"),
-                ));
-            }
+        /// `spec` is the whole `s3://bucket/prefix` text.
+        pub async fn open(spec: &str) -> Result<S3Store, CheckpointError> {
+            let (bucket, prefix) =
+                super::parse_s3_url(spec).map_err(|e| CheckpointError::Config(spec.into(), e))?;
             let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
                 .load()
                 .await;
@@ -384,16 +424,36 @@ pub mod s3 {
             } else {
                 format!("{}/{key}", self.prefix)
             };
+            self.url_in(&self.bucket, &key)
+        }
+
+        /// The URL and `Host` of `key` in `bucket` (path style at a custom endpoint such as
+        /// LocalStack's, virtual-hosted style on AWS).
+        fn url_in(&self, bucket: &str, key: &str) -> (String, String) {
             match &self.endpoint {
                 Some(e) => {
                     let host = e.split_once("://").map_or(e.as_str(), |(_, h)| h);
-                    (format!("{e}/{}/{key}", self.bucket), host.to_string())
+                    (format!("{e}/{bucket}/{key}"), host.to_string())
                 }
                 None => {
-                    let host = format!("{}.s3.{}.amazonaws.com", self.bucket, self.region);
+                    let host = format!("{bucket}.s3.{}.amazonaws.com", self.region);
                     (format!("https://{host}/{key}"), host)
                 }
             }
+        }
+
+        /// A URL that lets its holder `GET` the object `key` of any `bucket` these
+        /// credentials can read (a command job's `s3://` working directory).
+        pub async fn presign_get_in(
+            &self,
+            bucket: &str,
+            key: &str,
+            expires_secs: u64,
+            now: SystemTime,
+        ) -> Result<String, CheckpointError> {
+            let (url, host) = self.url_in(bucket, key);
+            self.presign_url("GET", &url, &host, expires_secs, now)
+                .await
         }
 
         async fn identity(

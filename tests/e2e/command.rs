@@ -184,6 +184,30 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
         ],
     )
     .await;
+    // The program itself comes from S3 too: `workdir = "s3://…"` is a gzipped tar of its
+    // directory, which every instance fetches (presigned by the broker) before it starts, so
+    // `run` names it relative to that directory.
+    let workdir_key = "programs/train.tar.gz";
+    let program_dir = dir.path().join("program");
+    std::fs::create_dir_all(&program_dir).unwrap();
+    std::fs::copy(program(), program_dir.join("train.py")).unwrap();
+    let archive = dir.path().join("train.tar.gz");
+    let tar = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&program_dir)
+        .arg("-czf")
+        .arg(&archive)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(tar.success());
+    let put = reqwest::Client::new()
+        .put(format!("{endpoint}/{bucket}/{workdir_key}"))
+        .body(std::fs::read(&archive).unwrap())
+        .send()
+        .await
+        .expect("LocalStack S3 answers");
+    assert!(put.status().is_success(), "{:?}", put.status());
     let id = submit(
         &broker,
         dir.path(),
@@ -196,8 +220,9 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
                 ("STEP_SECS", "0.2"),
                 ("CHECKPOINT_EVERY", "5"),
             ],
-            "kill_margin_secs = 2\n",
-        ),
+            &format!("kill_margin_secs = 2\nworkdir = \"s3://{bucket}/{workdir_key}\"\n"),
+        )
+        .replace(&program(), "train.py"),
     );
     let job = broker
         .wait_succeeded(
@@ -215,6 +240,12 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
     );
     let tails = logs(&broker, id).await;
     let (last, resumed, replacement) = evicted_then_resumed(&tails);
+    // Both the evicted instance and its replacement ran `train.py` from the fetched directory.
+    let fetched = broker
+        .agent_logs()
+        .matches("fetched the working directory")
+        .count();
+    assert!(fetched >= 2, "{fetched} instances fetched the working directory");
     // The warned program saved on SIGTERM: nothing lost at all (the contract allows up to the
     // program's own checkpoint interval).
     assert!(
@@ -303,6 +334,29 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         ],
     )
     .await;
+    // This broker keeps checkpoints in a directory: it has no credentials to presign an
+    // `s3://` working directory, so such a job is refused at submission, saying why.
+    let job = dir.path().join("s3-workdir.toml");
+    std::fs::write(
+        &job,
+        spec(
+            "s3-workdir",
+            "on-demand",
+            &[],
+            "workdir = \"s3://some-bucket/prog.tar.gz\"\n",
+        ),
+    )
+    .unwrap();
+    let (code, _, err) = proteus_e2e::proteus(
+        None,
+        &["submit", job.to_str().unwrap()],
+        &broker.user_env(),
+    );
+    assert_ne!(code, 0, "an unsignable s3:// workdir was accepted");
+    assert!(
+        err.contains("command.workdir") && err.contains("--checkpoint-store"),
+        "{err}"
+    );
     let stubborn = submit(
         &broker,
         dir.path(),

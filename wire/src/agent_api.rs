@@ -11,6 +11,7 @@
 //! | `POST` | `/v1/agents/{instance_id}/events` | [`AgentEvent`] | `204` |
 //! | `GET`  | `/v1/agents/{instance_id}/checkpoint?rank=<r>&op=upload\|download` | — | [`CheckpointTransfer`] |
 //! | `PUT`/`GET` | `/v1/agents/{instance_id}/checkpoint-data/{rank}` | archive | `204` / archive (broker's directory store) |
+//! | `GET`  | `/v1/agents/{instance_id}/workdir` | — | [`CheckpointTransfer`] (a command job's `s3://` working directory, to `GET`) |
 //! | `POST` | `/v1/agents/{instance_id}/output` | text (the tail of the program's output) | `204` |
 //!
 //! Every request carries `Authorization: Bearer <per-instance token>`. Errors are JSON
@@ -61,6 +62,13 @@ pub mod paths {
     pub const CHECKPOINT_DATA_ROUTE: &str = "/v1/agents/{instance_id}/checkpoint-data/{rank}";
     /// The axum route pattern for [`output`].
     pub const OUTPUT_ROUTE: &str = "/v1/agents/{instance_id}/output";
+    /// The axum route pattern for [`workdir`].
+    pub const WORKDIR_ROUTE: &str = "/v1/agents/{instance_id}/workdir";
+
+    /// `GET`: where to fetch the job's `s3://` working directory (a gzipped tar).
+    pub fn workdir(id: &InstanceId) -> String {
+        format!("/v1/agents/{id}/workdir")
+    }
 
     /// `GET` with query [`super::CheckpointQuery`]: where to put or fetch a rank's checkpoint.
     pub fn checkpoint(id: &InstanceId) -> String {

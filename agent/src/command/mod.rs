@@ -59,9 +59,27 @@ impl Paths {
             progress_file: root.join("progress.json"),
             output_log: root.join("output.log"),
             torchrun_shim: root.join("proteus_torchrun.py"),
-            workdir: workdir.map_or_else(|| root.join("work"), PathBuf::from),
+            // An `s3://` working directory is fetched into the instance's own `work`.
+            workdir: workdir
+                .filter(|w| !w.starts_with("s3://"))
+                .map_or_else(|| root.join("work"), PathBuf::from),
         }
     }
+}
+
+/// Fetches the job's `s3://` working directory (a gzipped tar) into `dir`, before `setup`:
+/// through a URL the broker presigns, so the agent needs neither credentials nor an AWS SDK.
+async fn fetch_workdir(broker: &Broker, me: &InstanceId, dir: &Path) -> Result<()> {
+    let source = broker.workdir_transfer(me).await?;
+    let archive = broker.get_archive(&source).await?.ok_or_else(|| {
+        AgentError::Config("the job's s3:// working directory does not exist (S3 answered 404)".into())
+    })?;
+    let (bytes, d) = (archive.len(), dir.to_path_buf());
+    tokio::task::spawn_blocking(move || checkpoint::unpack(&archive, &d))
+        .await
+        .map_err(|e| AgentError::Config(format!("unpacking the working directory crashed: {e}")))??;
+    tracing::info!(bytes, dir = %dir.display(), "fetched the working directory");
+    Ok(())
 }
 
 /// Reads `{"done": x, "total": y}`; `None` while the file is absent or half-written.
@@ -151,6 +169,9 @@ pub async fn run(
             file: dir.clone(),
             source,
         })?;
+    }
+    if cfg.workdir.as_deref().is_some_and(|w| w.starts_with("s3://")) {
+        fetch_workdir(&broker, &me, &paths.workdir).await?;
     }
     if cfg.launcher == CommandLauncher::Torchrun {
         std::fs::write(&paths.torchrun_shim, torchrun::SHIM).map_err(|source| AgentError::Io {

@@ -75,6 +75,7 @@ pub fn router(state: AppState) -> Router {
         .route(paths::EVENTS_ROUTE, post(agent_event))
         .route(paths::CHECKPOINT_ROUTE, get(agent_checkpoint))
         .route(paths::OUTPUT_ROUTE, post(agent_output))
+        .route(paths::WORKDIR_ROUTE, get(agent_workdir))
         .route("/v1/jobs/{id}/logs", get(job_logs))
         .merge(dashboard::routes())
         .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
@@ -487,6 +488,24 @@ async fn agent_checkpoint(
     Ok(Json(
         s.broker
             .agent_checkpoint_transfer(agent_token(&headers), &id, q.rank, q.op)
+            .await?,
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/agents/{instance_id}/workdir", params(("instance_id" = String, Path)),
+    responses((status = 200, body = CheckpointTransfer, description = "a presigned `GET` of the job's `s3://` working directory"),
+        (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
+        (status = 404, body = error::ErrorBody, description = "the job has no `s3://` working directory, or the instance is not known"),
+        (status = 503, body = error::ErrorBody, description = "this broker has no S3 checkpoint store to sign with")),
+    security(("agent" = [])))]
+async fn agent_workdir(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<CheckpointTransfer>, ApiError> {
+    Ok(Json(
+        s.broker
+            .agent_workdir_transfer(agent_token(&headers), &id)
             .await?,
     ))
 }

@@ -26,6 +26,7 @@ use utoipa::{Modify, OpenApi};
         super::agent_commands,
         super::agent_event,
         super::agent_checkpoint,
+        super::agent_workdir,
         super::agent_checkpoint_put,
         super::agent_checkpoint_get,
         super::agent_output,

@@ -162,6 +162,7 @@ impl Broker {
                 field: e.field,
                 message: e.message,
             })?;
+        self.check_workdir_signable(&valid.training.app)?;
         // Resolve now, so that an unknown policy or instance type is the submitter's error.
         let runtime = self.build_runtime(valid.clone())?;
         let spec_json =

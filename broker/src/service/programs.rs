@@ -68,6 +68,62 @@ impl Broker {
             .map_err(storage_error)
     }
 
+    /// Where the agent behind `cloud_id` fetches its command job's `s3://` working directory
+    /// (a presigned `GET`; see [`crate::checkpoint::CheckpointStore::workdir_transfer`]).
+    pub async fn agent_workdir_transfer(
+        &self,
+        token: Option<&str>,
+        cloud_id: &str,
+    ) -> Result<CheckpointTransfer, ServiceError> {
+        let identity = self.authenticate_agent(token, cloud_id).await?;
+        let job = self
+            .store
+            .job(identity.job_id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound("unknown job".into()))?;
+        let runtime = self.ensure_runtime(&job)?;
+        let workdir = match &runtime.lock().unwrap_or_else(|e| e.into_inner()).valid.training.app {
+            proteus_wire::agent_api::AppConfig::Command(c) => c.workdir.clone(),
+            _ => None,
+        };
+        let url = workdir
+            .filter(|w| w.starts_with("s3://"))
+            .ok_or_else(|| {
+                ServiceError::NotFound(format!("job {} has no s3:// working directory", job.id))
+            })?;
+        self.programs()?
+            .checkpoints
+            .workdir_transfer(&url)
+            .await
+            .map_err(|e| match e {
+                // A broker restarted without S3 since the job was accepted.
+                CheckpointError::Config(..) => ServiceError::Unavailable(e.to_string()),
+                other => storage_error(other),
+            })
+    }
+
+    /// Refuses a command job whose `s3://` working directory this broker cannot sign for
+    /// (its checkpoint store is a directory), at submission rather than on every instance.
+    pub(crate) fn check_workdir_signable(
+        &self,
+        app: &proteus_wire::agent_api::AppConfig,
+    ) -> Result<(), ServiceError> {
+        let proteus_wire::agent_api::AppConfig::Command(c) = app else {
+            return Ok(());
+        };
+        if !c.workdir.as_deref().is_some_and(|w| w.starts_with("s3://")) {
+            return Ok(());
+        }
+        if self.programs.get().is_some_and(|p| p.checkpoints.is_s3()) {
+            return Ok(());
+        }
+        Err(ServiceError::invalid(
+            "command.workdir",
+            "an s3:// working directory needs a broker started with `--checkpoint-store \
+             s3://…` (its credentials sign the agents' download); give an absolute local path",
+        ))
+    }
+
     /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically.
     pub async fn agent_checkpoint_put<S, E>(
         &self,

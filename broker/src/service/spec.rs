@@ -148,13 +148,20 @@ impl CommandSpec {
         }
         if let Some(w) = &self.workdir {
             if w.starts_with("s3://") {
+                let (_, key) =
+                    crate::checkpoint::parse_s3_url(w).map_err(|e| bad("command.workdir", e))?;
+                if !(key.ends_with(".tar.gz") || key.ends_with(".tgz")) {
+                    return Err(bad(
+                        "command.workdir",
+                        "an s3:// working directory is one gzipped tar object: \
+                         `s3://bucket/path/name.tar.gz` (or `.tgz`)",
+                    ));
+                }
+            } else if !w.starts_with('/') || w.contains('\0') {
                 return Err(bad(
                     "command.workdir",
-                    "`s3://` working directories are not supported yet; give an absolute local path",
+                    "must be an absolute path or an `s3://bucket/name.tar.gz` URL",
                 ));
-            }
-            if !w.starts_with('/') || w.contains('\0') {
-                return Err(bad("command.workdir", "must be an absolute path"));
             }
         }
         let launcher = self.launcher.unwrap_or_default();
@@ -945,6 +952,18 @@ mod tests {
             f64::MAX,
             "reliable machines (the rendezvous host) always work"
         );
+        let fetched = spec(
+            r#"{"app":"command","policy":"x",
+                "command":{"run":["python3","t.py"],"workdir":"s3://my-bucket/prog/t.tar.gz"}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap();
+        match &fetched.training.app {
+            AppConfig::Command(c) => {
+                assert_eq!(c.workdir.as_deref(), Some("s3://my-bucket/prog/t.tar.gz"));
+            }
+            other => panic!("{other:?}"),
+        }
         for (json, field) in [
             (r#""command":{"run":[]}"#, "command.run"),
             (
@@ -953,6 +972,14 @@ mod tests {
             ),
             (
                 r#""command":{"run":["p"],"workdir":"s3://b/k"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://my-bucket/prog/"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"relative/dir"}"#,
                 "command.workdir",
             ),
             (
