@@ -245,7 +245,10 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
         .agent_logs()
         .matches("fetched the working directory")
         .count();
-    assert!(fetched >= 2, "{fetched} instances fetched the working directory");
+    assert!(
+        fetched >= 2,
+        "{fetched} instances fetched the working directory"
+    );
     // The warned program saved on SIGTERM: nothing lost at all (the contract allows up to the
     // program's own checkpoint interval).
     assert!(
@@ -347,11 +350,8 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         ),
     )
     .unwrap();
-    let (code, _, err) = proteus_e2e::proteus(
-        None,
-        &["submit", job.to_str().unwrap()],
-        &broker.user_env(),
-    );
+    let (code, _, err) =
+        proteus_e2e::proteus(None, &["submit", job.to_str().unwrap()], &broker.user_env());
     assert_ne!(code, 0, "an unsignable s3:// workdir was accepted");
     assert!(
         err.contains("command.workdir") && err.contains("--checkpoint-store"),

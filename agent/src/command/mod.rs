@@ -72,12 +72,16 @@ impl Paths {
 async fn fetch_workdir(broker: &Broker, me: &InstanceId, dir: &Path) -> Result<()> {
     let source = broker.workdir_transfer(me).await?;
     let archive = broker.get_archive(&source).await?.ok_or_else(|| {
-        AgentError::Config("the job's s3:// working directory does not exist (S3 answered 404)".into())
+        AgentError::Config(
+            "the job's s3:// working directory does not exist (S3 answered 404)".into(),
+        )
     })?;
     let (bytes, d) = (archive.len(), dir.to_path_buf());
     tokio::task::spawn_blocking(move || checkpoint::unpack(&archive, &d))
         .await
-        .map_err(|e| AgentError::Config(format!("unpacking the working directory crashed: {e}")))??;
+        .map_err(|e| {
+            AgentError::Config(format!("unpacking the working directory crashed: {e}"))
+        })??;
     tracing::info!(bytes, dir = %dir.display(), "fetched the working directory");
     Ok(())
 }
@@ -170,7 +174,11 @@ pub async fn run(
             source,
         })?;
     }
-    if cfg.workdir.as_deref().is_some_and(|w| w.starts_with("s3://")) {
+    if cfg
+        .workdir
+        .as_deref()
+        .is_some_and(|w| w.starts_with("s3://"))
+    {
         fetch_workdir(&broker, &me, &paths.workdir).await?;
     }
     if cfg.launcher == CommandLauncher::Torchrun {

@@ -82,15 +82,19 @@ impl Broker {
             .await?
             .ok_or_else(|| ServiceError::NotFound("unknown job".into()))?;
         let runtime = self.ensure_runtime(&job)?;
-        let workdir = match &runtime.lock().unwrap_or_else(|e| e.into_inner()).valid.training.app {
+        let workdir = match &runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .valid
+            .training
+            .app
+        {
             proteus_wire::agent_api::AppConfig::Command(c) => c.workdir.clone(),
             _ => None,
         };
-        let url = workdir
-            .filter(|w| w.starts_with("s3://"))
-            .ok_or_else(|| {
-                ServiceError::NotFound(format!("job {} has no s3:// working directory", job.id))
-            })?;
+        let url = workdir.filter(|w| w.starts_with("s3://")).ok_or_else(|| {
+            ServiceError::NotFound(format!("job {} has no s3:// working directory", job.id))
+        })?;
         self.programs()?
             .checkpoints
             .workdir_transfer(&url)

@@ -953,7 +953,7 @@ mod tests {
             "reliable machines (the rendezvous host) always work"
         );
         let fetched = spec(
-            r#"{"app":"command","policy":"x",
+            r#"{"app":"command","policy":"x","limits":{"max_instances":1},
                 "command":{"run":["python3","t.py"],"workdir":"s3://my-bucket/prog/t.tar.gz"}}"#,
         )
         .validate(BillingModel::PerSecond, NOW)

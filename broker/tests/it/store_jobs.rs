@@ -501,11 +501,16 @@ async fn mark_ready_only_once_and_only_while_it_runs(db: TestDb) {
     running(s, "i-warned", job, 0).await;
     s.mark_warned("i-warned", t(2), None).await.unwrap();
     assert!(s.mark_ready("i-warned", t(3)).await.unwrap());
-    assert!(!s.mark_ready("i-warned", t(4)).await.unwrap(), "second time");
+    assert!(
+        !s.mark_ready("i-warned", t(4)).await.unwrap(),
+        "second time"
+    );
     assert_eq!(get_instance(s, "i-warned").await.ready, Some(t(3)));
     // Ended before it was ready: never.
     running(s, "i-ended", job, 0).await;
-    s.mark_ended("i-ended", t(2), "terminated", false, None).await.unwrap();
+    s.mark_ended("i-ended", t(2), "terminated", false, None)
+        .await
+        .unwrap();
     assert!(!s.mark_ready("i-ended", t(3)).await.unwrap());
     assert_eq!(get_instance(s, "i-ended").await.ready, None);
     assert!(!s.mark_ready("i-none", t(3)).await.unwrap());
