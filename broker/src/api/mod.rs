@@ -416,7 +416,8 @@ fn agent_token(headers: &HeaderMap) -> Option<&str> {
 }
 
 #[utoipa::path(post, path = "/v1/agents/register", request_body = RegisterRequest,
-    responses((status = 200, body = RegisterResponse), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody)),
+    responses((status = 200, body = RegisterResponse), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
+        (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")),
     security(("agent" = [])))]
 async fn agent_register(
     State(s): State<AppState>,
@@ -429,7 +430,8 @@ async fn agent_register(
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/heartbeat", request_body = Heartbeat, params(("instance_id" = String, Path)),
     responses((status = 204), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
-        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
+        (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_heartbeat(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -445,7 +447,8 @@ async fn agent_heartbeat(
 #[utoipa::path(get, path = "/v1/agents/{instance_id}/commands", params(("instance_id" = String, Path), ("after" = Option<u64>, Query),
     ("wait_ms" = Option<u64>, Query)),
     responses((status = 200, body = Vec<CommandEnvelope>), (status = 401, body = error::ErrorBody),
-        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
+        (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_commands(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -461,7 +464,8 @@ async fn agent_commands(
 
 #[utoipa::path(post, path = "/v1/agents/{instance_id}/events", request_body = AgentEvent, params(("instance_id" = String, Path)),
     responses((status = 204), (status = 401, body = error::ErrorBody),
-        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job")), security(("agent" = [])))]
+        (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
+        (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_event(
     State(s): State<AppState>,
     headers: HeaderMap,
