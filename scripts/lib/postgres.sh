@@ -6,6 +6,8 @@
 # PostgreSQL's defaults for those three, so that their figures are what a real server would do.
 # Installs the 'postgresql' package with apt-get when no server binaries are found (as root).
 
+. "$(dirname "${BASH_SOURCE[0]}")/process.sh"
+
 _pg_log() { printf '[postgres] %s\n' "$*" >&2; }
 
 free_port() {
@@ -76,16 +78,12 @@ pg_start() {
 # is runuser's, which does not pass SIGINT on, and killing it would orphan the server.
 pg_stop() {
     [[ -n "${PG_PID:-}" ]] || return 0
-    local server="$PG_PID" _
+    local server="$PG_PID"
     if [[ -r "${PG_DATA:-}/postmaster.pid" ]]; then
         server="$(head -n 1 "$PG_DATA/postmaster.pid")"
     fi
-    if kill -0 "$server" 2>/dev/null; then
-        kill -INT "$server" 2>/dev/null || true
-        for _ in $(seq 1 50); do kill -0 "$server" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$server" 2>/dev/null || true
-    fi
-    kill -9 "$PG_PID" 2>/dev/null || true
+    stop_process "$server"
+    stop_process "$PG_PID" 0
     PG_PID=""
 }
 
