@@ -109,4 +109,57 @@ mod tests {
             "never more than asked"
         );
     }
+
+    #[test]
+    fn a_type_without_a_rate_is_not_held_to_the_capacity() {
+        // It adds no capacity, so even a footprint at (or past) the cap has room for it; only
+        // the instance count bounds it.
+        let mut held = Held::default();
+        held.add(Tier::Transient, 6.0);
+        for cap in [6.0, 5.0] {
+            let l = limits(None, Some(cap));
+            assert_eq!(l.room(&held, Tier::Transient, 0.0, 3), 3, "cap {cap}");
+            assert_eq!(l.room(&held, Tier::Transient, 1.0, 3), 0, "cap {cap}");
+        }
+    }
+
+    #[test]
+    fn only_mixed_policies_cap_the_reliable_tier() {
+        use crate::market::{InstanceType, Region, UsdPerHour};
+        use crate::prices::{InstanceOffer, OnDemandCatalog};
+        let region = Region::parse("us-east-1").unwrap();
+        let od = OnDemandCatalog::new([InstanceOffer {
+            region: region.clone(),
+            instance_type: InstanceType::parse("c3.xlarge").unwrap(),
+            vcpus: None,
+            memory_gib: None,
+            on_demand: UsdPerHour::new(0.21).unwrap(),
+        }]);
+        let spec = r#"
+            total_work = 10.0
+            reference_type = "c3.xlarge"
+            instance_types = ["c3.xlarge"]
+            max_instances = 6
+            max_reliable_instances = 2
+            max_capacity = 5.0
+        "#;
+        let job = crate::job::WorkModelSpec::parse("j.toml", spec)
+            .unwrap()
+            .resolve("j.toml", &od, &region)
+            .unwrap();
+        for kind in [PolicyKind::BidBrain, PolicyKind::StandardBidding] {
+            let l = Limits::of(&job, kind);
+            assert_eq!(
+                (l.max_instances, l.max_reliable, l.max_capacity),
+                (6, Some(2), Some(5.0)),
+                "{kind:?}"
+            );
+        }
+        let l = Limits::of(&job, PolicyKind::OnDemand);
+        assert_eq!(
+            (l.max_instances, l.max_reliable, l.max_capacity),
+            (6, None, Some(5.0)),
+            "the on-demand baseline's whole footprint is reliable"
+        );
+    }
 }

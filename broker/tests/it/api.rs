@@ -344,7 +344,18 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
     let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
     assert_eq!(status, 201, "{view}");
     let id = view["id"].as_i64().unwrap();
-    for _ in 0..5 {
+    // Before any work, the baselines have nothing to do either: no simulation, no cost.
+    let (status, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    assert_eq!(status, 200, "{cost}");
+    for c in cost["counterfactuals"].as_array().unwrap() {
+        assert_eq!(
+            (c["cost_usd"].as_f64(), c["note"].as_str()),
+            (Some(0.0), Some("no work done yet")),
+            "{cost}"
+        );
+    }
+    // Eight minutes: past the instances' five minutes of start-up, so they do some work.
+    for _ in 0..8 {
         s.step(60.0).await;
     }
     let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
@@ -407,7 +418,14 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
         later["total_usd"], cost["total_usd"],
         "the ledger is closed"
     );
-    assert_eq!(cost["counterfactuals"].as_array().unwrap().len(), 2);
+    // The job worked, so each baseline is simulated doing that work: a cost, and no note.
+    assert!(cost["work_units"].as_f64().unwrap() > 0.0, "{cost}");
+    let counterfactuals = cost["counterfactuals"].as_array().unwrap();
+    assert_eq!(counterfactuals.len(), 2, "{cost}");
+    for c in counterfactuals {
+        assert!(c["cost_usd"].as_f64().unwrap() > 0.0, "{cost}");
+        assert!(c.get("note").is_none(), "{cost}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
