@@ -327,6 +327,28 @@ mod tests {
     }
 
     #[test]
+    fn models_are_named_as_in_files_and_only_hourly_frees_an_eviction() {
+        for (model, name, free) in [
+            (BillingModel::Hourly2015, "hourly-2015", true),
+            (BillingModel::PerSecond, "per-second", false),
+        ] {
+            assert_eq!((model.as_str(), model.to_string()), (name, name.into()));
+            assert_eq!(name.parse::<BillingModel>(), Ok(model));
+            assert_eq!(
+                serde_json::to_string(&model).unwrap(),
+                format!("\"{name}\"")
+            );
+            assert_eq!(model.provider_end_is_free(), free, "{name}");
+        }
+        assert!(
+            "hourly"
+                .parse::<BillingModel>()
+                .unwrap_err()
+                .contains("hourly-2015, per-second")
+        );
+    }
+
+    #[test]
     fn running_on_costs_an_hour_only_across_an_hour_boundary() {
         let launch = Timestamp::from_millis(0);
         let at = |secs: i64| Timestamp::from_millis(secs * 1000);
@@ -493,6 +515,29 @@ mod tests {
                 .period_end(Timestamp::from_millis(0), Timestamp::from_millis(H)),
             Timestamp::from_millis(2 * H)
         );
+        // Ten minutes into the first hour of an instance launched at :50.
+        let (launch, now) = (
+            Timestamp::from_millis(50 * M),
+            Timestamp::from_millis(60 * M),
+        );
+        assert_eq!(
+            BillingModel::Hourly2015.period_end(launch, now),
+            Timestamp::from_millis(110 * M)
+        );
+        assert_eq!(BillingModel::Hourly2015.period_start(launch, now), launch);
+        // Per second: the period is the instant, but never ends inside the first minute.
+        for (now_s, end_s) in [(3_030, 3_060), (3_090, 3_090)] {
+            let now = Timestamp::from_millis(now_s * 1000);
+            assert_eq!(
+                BillingModel::PerSecond.period_end(Timestamp::from_millis(3_000_000), now),
+                Timestamp::from_millis(end_s * 1000),
+                "{now_s}"
+            );
+            assert_eq!(
+                BillingModel::PerSecond.period_start(Timestamp::from_millis(3_000_000), now),
+                now
+            );
+        }
     }
 
     #[test]

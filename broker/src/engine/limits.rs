@@ -111,6 +111,22 @@ mod tests {
     }
 
     #[test]
+    fn held_counts_every_instance_and_the_reliable_ones_apart() {
+        let mut held = Held::default();
+        held.add(Tier::Transient, 1.5);
+        held.add(Tier::Transient, 1.5);
+        held.add(Tier::Reliable, 0.5);
+        assert_eq!(
+            held,
+            Held {
+                instances: 3,
+                reliable: 1,
+                capacity: 3.5
+            }
+        );
+    }
+
+    #[test]
     fn a_type_without_a_rate_is_not_held_to_the_capacity() {
         // It adds no capacity, so even a footprint at (or past) the cap has room for it; only
         // the instance count bounds it.
