@@ -246,6 +246,79 @@ mod tests {
         assert!(!hashes_match("ab", "abc"));
     }
 
+    fn with(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (name, value) in pairs {
+            h.append(*name, value.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn bearer_takes_the_scheme_in_any_case_and_nothing_else() {
+        let auth = |v: &str| bearer(&with(&[("authorization", v)])).map(str::to_string);
+        assert_eq!(auth("Bearer pt_a"), Some("pt_a".into()));
+        assert_eq!(auth("bearer  pt_a "), Some("pt_a".into()));
+        assert_eq!(auth("Basic pt_a"), None);
+        assert_eq!(auth("Bearer   "), None);
+        assert_eq!(auth("Bearerpt_a"), None);
+        assert_eq!(bearer(&HeaderMap::new()), None);
+        assert!(hashes_match(&hash_token("a"), &hash_token("a")));
+        assert!(!hashes_match(&hash_token("a"), &hash_token("b")));
+    }
+
+    #[test]
+    fn sessions_are_separate_and_the_oldest_goes_past_the_limit() {
+        let auth = UserAuth::from_token("pt_right");
+        let cookie = |s: &NewSession| with(&[("cookie", &format!("{SESSION_COOKIE}={}", s.id))]);
+        let first = auth
+            .login(" pt_right ")
+            .expect("the token, trimmed, opens a session");
+        let second = auth.login("pt_right").unwrap();
+        assert_ne!(first.id, second.id);
+        assert_eq!(auth.session_csrf(&cookie(&first)), Some(first.csrf.clone()));
+        assert_eq!(
+            auth.session_csrf(&cookie(&second)),
+            Some(second.csrf.clone())
+        );
+        assert_eq!(auth.session_csrf(&HeaderMap::new()), None);
+        // One session's CSRF token does not open another's writes.
+        let mut h = cookie(&first);
+        h.insert(CSRF_HEADER, second.csrf.parse().unwrap());
+        assert_eq!(auth.check_user(&h, Access::Write).unwrap_err().status, 403);
+        // Logging one out leaves the other.
+        auth.logout(&cookie(&first));
+        assert!(auth.check_user(&cookie(&first), Access::Read).is_err());
+        assert!(auth.check_user(&cookie(&second), Access::Read).is_ok());
+        // An empty cookie of the same name is skipped, not taken for the session.
+        let h = with(&[
+            ("cookie", &format!("{SESSION_COOKIE}=")),
+            ("cookie", &format!("{SESSION_COOKIE}={}", second.id)),
+        ]);
+        assert!(auth.check_user(&h, Access::Read).is_ok());
+
+        let later: Vec<NewSession> = (0..MAX_SESSIONS)
+            .map(|_| auth.login("pt_right").unwrap())
+            .collect();
+        assert_eq!(auth.sessions.lock().unwrap().len(), MAX_SESSIONS);
+        assert!(
+            auth.check_user(&cookie(&second), Access::Read).is_err(),
+            "the oldest session made room"
+        );
+        for s in [&later[0], &later[MAX_SESSIONS - 1]] {
+            assert!(auth.check_user(&cookie(s), Access::Read).is_ok());
+        }
+        let cleared = auth.cookie(None);
+        assert!(
+            cleared.starts_with(&format!("{SESSION_COOKIE}=;")) && cleared.contains("Max-Age=0"),
+            "{cleared}"
+        );
+        assert!(
+            auth.cookie(Some("ps_x"))
+                .contains(&format!("Max-Age={}", SESSION_LIFETIME.as_secs()))
+        );
+    }
+
     #[test]
     fn sessions_open_with_the_token_and_writes_need_the_csrf_header() {
         let auth = UserAuth::from_token("pt_right");
