@@ -350,7 +350,110 @@ mod tests {
         assert!(plausible_cloud_id("sim-0000002a"));
         assert!(!plausible_cloud_id(""));
         assert!(!plausible_cloud_id("i-0\u{0}1"));
-        assert!(!plausible_cloud_id(&"i".repeat(300)));
+        assert!(plausible_cloud_id(&"i".repeat(256)));
+        assert!(!plausible_cloud_id(&"i".repeat(257)));
+    }
+
+    #[test]
+    fn events_are_logged_under_their_kind_with_what_they_say() {
+        use proteus_wire::agent_api::{ExitReason, Metric, MetricKind};
+        let cases = [
+            (
+                AgentEvent::InterruptionWarning {
+                    action: "terminate".into(),
+                    action_time: "2015-05-01T00:02:00Z".into(),
+                },
+                "agent_interruption_notice",
+                "terminate at 2015-05-01T00:02:00Z",
+            ),
+            (
+                AgentEvent::RebalanceRecommendation { notice_time: None },
+                "rebalance_recommendation",
+                "now",
+            ),
+            (
+                AgentEvent::RebalanceRecommendation {
+                    notice_time: Some("2015-05-01T00:01:00Z".into()),
+                },
+                "rebalance_recommendation",
+                "2015-05-01T00:01:00Z",
+            ),
+            (
+                AgentEvent::HandoverComplete {
+                    shard: 3,
+                    to: InstanceId("sim-2".into()),
+                    seq: 17,
+                },
+                "handover_complete",
+                "shard 3 now served by sim-2 (up to update 17)",
+            ),
+            (
+                AgentEvent::Ready { model_len: 785 },
+                "agent_ready",
+                "model of 785 parameters loaded",
+            ),
+            (
+                AgentEvent::TrainingComplete {
+                    metric: Metric {
+                        kind: MetricKind::Accuracy,
+                        value: 0.91234,
+                        baseline: None,
+                        clock: 9,
+                    },
+                },
+                "training_complete",
+                "accuracy 0.9123",
+            ),
+            (
+                AgentEvent::PipelineResumed {
+                    segment: 2,
+                    workers: 3,
+                    pause_ms: 40,
+                },
+                "pipeline_resumed",
+                "training again on plan 2 (for 3 workers), 40 ms after the drain",
+            ),
+            (
+                AgentEvent::Exit {
+                    reason: ExitReason::Interrupted,
+                },
+                "agent_exit",
+                "Interrupted",
+            ),
+            (
+                AgentEvent::ProgramExited {
+                    code: Some(0),
+                    signal: None,
+                    after_notice: false,
+                    completes: true,
+                },
+                "program_exited",
+                "exit code 0, completing the job",
+            ),
+            (
+                AgentEvent::ProgramExited {
+                    code: None,
+                    signal: Some(15),
+                    after_notice: true,
+                    completes: false,
+                },
+                "program_exited",
+                "killed by signal 15, after a notice",
+            ),
+            (
+                AgentEvent::ProgramExited {
+                    code: None,
+                    signal: None,
+                    after_notice: false,
+                    completes: false,
+                },
+                "program_exited",
+                "unknown status",
+            ),
+        ];
+        for (event, kind, detail) in cases {
+            assert_eq!(describe(&event), (kind, detail.to_string()), "{event:?}");
+        }
     }
 
     #[test]
@@ -374,5 +477,17 @@ mod tests {
         };
         assert_eq!(field_of(check_event_text(&handover).unwrap_err()), "to");
         assert!(check_event_text(&AgentEvent::Ready { model_len: 1 }).is_ok());
+        assert!(check_event_text(&warning(&"t".repeat(256))).is_ok());
+        assert_eq!(
+            field_of(check_event_text(&warning(&"t".repeat(257))).unwrap_err()),
+            "action"
+        );
+        let rebalance = AgentEvent::RebalanceRecommendation {
+            notice_time: Some("2015\n".into()),
+        };
+        assert_eq!(
+            field_of(check_event_text(&rebalance).unwrap_err()),
+            "notice_time"
+        );
     }
 }
