@@ -244,6 +244,10 @@ mod tests {
         h.insert("authorization", "Bearer nope".parse().unwrap());
         assert_eq!(auth.check(&h).unwrap_err().status, 401);
         assert!(!hashes_match("ab", "abc"));
+        // Only the hash is kept, and not even that is printed.
+        assert_eq!(auth.hash(), hash_token(&t));
+        assert_eq!(UserAuth::from_hash(hash_token(&t)).hash(), auth.hash());
+        assert_eq!(format!("{auth:?}"), "UserAuth(..)");
     }
 
     fn with(pairs: &[(&'static str, &str)]) -> HeaderMap {
@@ -314,8 +318,8 @@ mod tests {
             "{cleared}"
         );
         assert!(
-            auth.cookie(Some("ps_x"))
-                .contains(&format!("Max-Age={}", SESSION_LIFETIME.as_secs()))
+            auth.cookie(Some("ps_x")).contains("Max-Age=43200"),
+            "a session lasts twelve hours"
         );
     }
 
