@@ -586,6 +586,24 @@ mod tests {
             items.iter().all(|i| !i.free),
             "per-second has no free hours"
         );
+        // Launched a millisecond after a price change: that change is in the past, not a cut.
+        let items = BillingModel::PerSecond
+            .bill(
+                Timestamp::from_millis(30 * M + 1),
+                Timestamp::from_millis(40 * M),
+                EndedBy::User,
+                PriceSource::Spot(&s),
+            )
+            .unwrap();
+        assert_eq!(items.len(), 1, "{items:?}");
+        assert_eq!(
+            (
+                items[0].start,
+                items[0].price_usd_per_hour,
+                items[0].billed_seconds
+            ),
+            (Timestamp::from_millis(30 * M + 1), 0.30, 599.999)
+        );
     }
 
     #[test]
