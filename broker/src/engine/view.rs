@@ -135,8 +135,7 @@ impl MarketView for TraceView<'_> {
     }
 
     fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {
-        let p = self.markets.series(market)?.price_at(self.now)?;
-        UsdPerHour::new(p).ok()
+        self.markets.series(market)?.price_at(self.now)
     }
 
     fn spot_price_at(
@@ -145,11 +144,7 @@ impl MarketView for TraceView<'_> {
         at: Timestamp,
     ) -> Result<Option<UsdPerHour>, ViewError> {
         self.guard(market, at)?;
-        Ok(self
-            .markets
-            .series(market)
-            .and_then(|s| s.price_at(at))
-            .and_then(|p| UsdPerHour::new(p).ok()))
+        Ok(self.markets.series(market).and_then(|s| s.price_at(at)))
     }
 
     fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
@@ -193,7 +188,7 @@ impl MarketView for TraceView<'_> {
 /// The time-weighted mean of a step function over `[from, to]`, from the first known price on.
 pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) -> Option<f64> {
     if to <= from {
-        return series.price_at(to);
+        return series.price_at(to).map(UsdPerHour::get);
     }
     let times = series.times();
     let prices = series.prices();
@@ -217,7 +212,7 @@ pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) 
     }
     let span = (to.millis() - start.millis()) as f64;
     if span <= 0.0 {
-        series.price_at(to)
+        series.price_at(to).map(UsdPerHour::get)
     } else {
         Some(integral / span)
     }

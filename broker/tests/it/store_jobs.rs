@@ -6,7 +6,7 @@
 
 use crate::on_both_backends;
 use crate::support::TestDb;
-use proteus_broker::market::{Market, Timestamp, UsdPerHour, Zone};
+use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_broker::policy::Purchase;
 use proteus_broker::store::{
     Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob, Store,
@@ -50,7 +50,7 @@ fn new_job(name: &str, created: Timestamp) -> NewJob {
         spec: format!("{{\"name\":\"{name}\"}}"),
         policy: "bidbrain".to_string(),
         billing: "per-second".to_string(),
-        budget_usd: Some(12.5),
+        budget_usd: Some(Usd::new(12.5).unwrap()),
         deadline: Some(Timestamp::from_millis(created.millis() + 86_400_000)),
         created,
     }
@@ -106,11 +106,13 @@ fn line(instance: &str, start: i64, end: i64, rate: f64, free: bool) -> LedgerLi
         instance_id: instance.to_string(),
         start: t(start),
         end: t(end),
-        usd_per_hour: rate,
+        usd_per_hour: UsdPerHour::new(rate).unwrap(),
         amount_usd: if free {
-            0.0
+            Usd::ZERO
         } else {
-            rate * (end - start) as f64 / 3600.0
+            UsdPerHour::new(rate)
+                .unwrap()
+                .for_secs((end - start) as f64)
         },
         free,
     }
@@ -134,7 +136,7 @@ async fn create_job_and_job_round_trip_every_field(db: TestDb) {
     assert_eq!(ja.billing, "per-second");
     assert_eq!(ja.state, JobState::Pending);
     assert_eq!(ja.state_reason, None);
-    assert_eq!(ja.budget_usd, Some(12.5));
+    assert_eq!(ja.budget_usd.map(Usd::get), Some(12.5));
     assert_eq!(
         ja.deadline,
         Some(Timestamp::from_millis(t(5).millis() + 86_400_000))
@@ -981,15 +983,15 @@ async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
         ]
     );
     assert_eq!(ledger[1].end, t(3600));
-    assert_eq!(ledger[1].usd_per_hour, 0.25);
+    assert_eq!(ledger[1].usd_per_hour.get(), 0.25);
 
     let spend_a = s.spend_of_job(a).await.unwrap();
     assert!(
-        (spend_a - (0.25 + 0.25)).abs() < 1e-12,
+        (spend_a.get() - (0.25 + 0.25)).abs() < 1e-12,
         "spend of a: {spend_a}"
     );
-    assert!((s.spend_of_job(b).await.unwrap() - 4.0).abs() < 1e-12);
-    assert_eq!(s.spend_of_job(empty).await.unwrap(), 0.0);
+    assert!((s.spend_of_job(b).await.unwrap().get() - 4.0).abs() < 1e-12);
+    assert_eq!(s.spend_of_job(empty).await.unwrap(), Usd::ZERO);
     assert!(s.ledger_of_job(empty).await.unwrap().is_empty());
 }
 
