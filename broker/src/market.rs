@@ -635,11 +635,18 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<Usd>(&json).unwrap(), a);
         assert_eq!(serde_json::from_str::<Usd>("-3").unwrap().get(), -3.0);
-        // JSON has no NaN or infinity, but a number too large for f64 parses as one.
-        let err = serde_json::from_str::<Usd>("1e400")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("not a finite number of dollars"), "{err}");
+        // JSON has no NaN or infinity (serde_json refuses `1e400` itself), but TOML has both,
+        // and any other format hands the number over as an f64.
+        assert!(serde_json::from_str::<Usd>("1e400").is_err());
+        #[derive(Debug, Deserialize)]
+        struct Doc {
+            amount: Usd,
+        }
+        for text in ["amount = inf", "amount = -inf", "amount = nan"] {
+            let err = toml::from_str::<Doc>(text).unwrap_err().to_string();
+            assert!(err.contains("not a finite number of dollars"), "{text}: {err}");
+        }
+        assert_eq!(toml::from_str::<Doc>("amount = 2.5").unwrap().amount.get(), 2.5);
         assert!(serde_json::from_str::<Usd>("\"1.0\"").is_err());
         assert!(serde_json::from_str::<Usd>("null").is_err());
     }
