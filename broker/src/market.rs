@@ -644,9 +644,15 @@ mod tests {
         }
         for text in ["amount = inf", "amount = -inf", "amount = nan"] {
             let err = toml::from_str::<Doc>(text).unwrap_err().to_string();
-            assert!(err.contains("not a finite number of dollars"), "{text}: {err}");
+            assert!(
+                err.contains("not a finite number of dollars"),
+                "{text}: {err}"
+            );
         }
-        assert_eq!(toml::from_str::<Doc>("amount = 2.5").unwrap().amount.get(), 2.5);
+        assert_eq!(
+            toml::from_str::<Doc>("amount = 2.5").unwrap().amount.get(),
+            2.5
+        );
         assert!(serde_json::from_str::<Usd>("\"1.0\"").is_err());
         assert!(serde_json::from_str::<Usd>("null").is_err());
     }
