@@ -366,7 +366,8 @@ struct PricesQuery {
 #[derive(Serialize, ToSchema)]
 struct PricePoint {
     time: String,
-    usd_per_hour: f64,
+    #[schema(value_type = f64)]
+    usd_per_hour: UsdPerHour,
 }
 
 #[utoipa::path(get, path = "/v1/prices", params(PricesQuery),
@@ -405,7 +406,7 @@ async fn list_prices(
                 .zip(series.prices())
                 .map(|(t, p)| PricePoint {
                     time: t.to_string(),
-                    usd_per_hour: *p,
+                    usd_per_hour: UsdPerHour::validated(*p),
                 })
                 .collect()
         })
