@@ -9,8 +9,8 @@ use crate::support::TestDb;
 use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_broker::policy::Purchase;
 use proteus_broker::store::{
-    Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob, Store,
-    WorkRecord,
+    Backend, Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
+    NewJob, Store, WorkRecord,
 };
 use proteus_wire::{JobId, Tier};
 
@@ -34,6 +34,7 @@ on_both_backends!(
     events_of_job_are_the_jobs_in_insertion_order,
     replace_ledger_lines_replaces_one_instance_all_or_nothing,
     ledger_of_job_and_spend_of_job_are_per_job,
+    non_finite_money_in_a_row_is_refused_where_it_is_read,
     cooldowns_upsert_and_expire,
     the_first_api_token_hash_stays,
 );
@@ -941,6 +942,44 @@ async fn replace_ledger_lines_replaces_one_instance_all_or_nothing(db: TestDb) {
     // No lines: the instance is billed nothing.
     s.replace_ledger_lines(job, "i-b", &[]).await.unwrap();
     assert_eq!(s.ledger_of_job(job).await.unwrap(), a2);
+}
+
+/// The money columns are bare floating-point numbers, which can hold what `Usd` refuses
+/// (Postgres stores `Infinity`, SQLite `1e999`): such a row is an error that says which row
+/// and why, where it is read, rather than an amount that poisons every sum made from it.
+async fn non_finite_money_in_a_row_is_refused_where_it_is_read(db: TestDb) {
+    let s = &db.store;
+    let job = job_of(s, "a").await;
+    running(s, "i-a", job, 0).await;
+    s.replace_ledger_lines(job, "i-a", &[line("i-a", 0, 3600, 0.25, false)])
+        .await
+        .unwrap();
+    let inf = match s.backend() {
+        Backend::Postgres => "'Infinity'::float8",
+        Backend::Sqlite => "1e999",
+    };
+    s.execute_admin(&format!("UPDATE ledger_lines SET amount_usd = {inf}"))
+        .await
+        .unwrap();
+    let err = s.ledger_of_job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains("ledger line of instance i-a")
+            && err.contains("not a finite number of dollars"),
+        "{err}"
+    );
+    let err = s.spend_of_job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("spend of job {job}")) && err.contains("not a finite number"),
+        "{err}"
+    );
+    s.execute_admin(&format!("UPDATE jobs SET budget_usd = -{inf}"))
+        .await
+        .unwrap();
+    let err = s.job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("stored job {job}: budget")) && err.contains("not a finite number"),
+        "{err}"
+    );
 }
 
 async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
