@@ -479,18 +479,10 @@ pub fn cost_text(r: &CostReport) -> String {
     let mut out = format!(
         "job {} cost {} ({} billing): reliable {}, spot {}; {} evictions, {:.2} free instance-hours\n",
         r.job_id,
-        r.total_usd.to_string(),
+        r.total_usd,
         r.billing,
-        r.by_tier
-            .get("reliable")
-            .copied()
-            .unwrap_or(Usd::ZERO)
-            .to_string(),
-        r.by_tier
-            .get("transient")
-            .copied()
-            .unwrap_or(Usd::ZERO)
-            .to_string(),
+        r.by_tier.get("reliable").copied().unwrap_or(Usd::ZERO),
+        r.by_tier.get("transient").copied().unwrap_or(Usd::ZERO),
         r.evictions,
         r.free_hours
     );
