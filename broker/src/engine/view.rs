@@ -147,7 +147,11 @@ impl MarketView for TraceView<'_> {
         Ok(self.markets.series(market).and_then(|s| s.price_at(at)))
     }
 
-    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+    fn mean_spot_price(
+        &self,
+        market: &Market,
+        since: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
         self.guard(market, since)?;
         let Some(series) = self.markets.series(market) else {
             return Ok(None);
@@ -186,9 +190,13 @@ impl MarketView for TraceView<'_> {
 }
 
 /// The time-weighted mean of a step function over `[from, to]`, from the first known price on.
-pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) -> Option<f64> {
+pub fn time_weighted_mean(
+    series: &PriceSeries,
+    from: Timestamp,
+    to: Timestamp,
+) -> Option<UsdPerHour> {
     if to <= from {
-        return series.price_at(to).map(UsdPerHour::get);
+        return series.price_at(to);
     }
     let times = series.times();
     let prices = series.prices();
@@ -212,9 +220,10 @@ pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) 
     }
     let span = (to.millis() - start.millis()) as f64;
     if span <= 0.0 {
-        series.price_at(to).map(UsdPerHour::get)
+        series.price_at(to)
     } else {
-        Some(integral / span)
+        // A mean of prices is a price.
+        Some(UsdPerHour::validated(integral / span))
     }
 }
 
@@ -233,19 +242,23 @@ mod tests {
             ],
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30))
+                .map(UsdPerHour::get),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30))
+                .map(UsdPerHour::get),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20)),
+            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20))
+                .map(UsdPerHour::get),
             Some(1.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5)),
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5))
+                .map(UsdPerHour::get),
             None
         );
     }

@@ -1157,7 +1157,11 @@ impl MarketView for LiveView<'_> {
     ) -> Result<Option<UsdPerHour>, ViewError> {
         self.inner.spot_price_at(market, at)
     }
-    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+    fn mean_spot_price(
+        &self,
+        market: &Market,
+        since: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
         self.inner.mean_spot_price(market, since)
     }
     fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour> {
