@@ -234,14 +234,6 @@ impl Usd {
     pub fn abs(self) -> Usd {
         Usd(self.0.abs())
     }
-
-    pub fn max(self, other: Usd) -> Usd {
-        Usd(self.0.max(other.0))
-    }
-
-    pub fn min(self, other: Usd) -> Usd {
-        Usd(self.0.min(other.0))
-    }
 }
 
 impl TryFrom<f64> for Usd {
