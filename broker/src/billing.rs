@@ -14,7 +14,7 @@
 //! On-demand instances are billed by the same rules with a fixed price ([`PriceSource::Fixed`]);
 //! the provider never ends them, so the free partial hour does not arise in practice.
 
-use crate::market::{Timestamp, UsdPerHour};
+use crate::market::{Timestamp, Usd, UsdPerHour};
 use crate::prices::PriceSeries;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -72,13 +72,13 @@ impl BillingModel {
     /// checked against before the next period starts, not after.
     pub fn cost_of_running_on(
         self,
-        usd_per_hour: f64,
+        usd_per_hour: UsdPerHour,
         launch: Timestamp,
         now: Timestamp,
         secs: f64,
-    ) -> f64 {
+    ) -> Usd {
         let ran = now.secs_since(launch).max(0.0);
-        usd_per_hour * (self.billed_hours(ran + secs.max(0.0)) - self.billed_hours(ran))
+        usd_per_hour.for_hours(self.billed_hours(ran + secs.max(0.0)) - self.billed_hours(ran))
     }
 
     /// The end of the billing period that contains `now` for an instance launched at `launch`:
@@ -171,9 +171,9 @@ pub enum PriceSource<'a> {
 }
 
 impl PriceSource<'_> {
-    fn at(&self, t: Timestamp) -> Result<f64, BillingError> {
+    fn at(&self, t: Timestamp) -> Result<UsdPerHour, BillingError> {
         match self {
-            PriceSource::Fixed(p) => Ok(p.get()),
+            PriceSource::Fixed(p) => Ok(*p),
             PriceSource::Spot(series) => series.price_at(t).ok_or_else(|| BillingError::NoPrice {
                 market: series.market().to_string(),
                 at: t,
@@ -191,12 +191,12 @@ pub struct LineItem {
     /// instance's end). Under `hourly-2015` a partial last hour ends before `start + 1h`.
     pub end: Timestamp,
     /// The price the segment is billed at, USD per instance-hour.
-    pub price_usd_per_hour: f64,
+    pub price_usd_per_hour: UsdPerHour,
     /// Seconds charged: 3600 for every charged hour of `hourly-2015` (even a partial one), the
     /// segment's length under `per-second` (topped up to the 60 s minimum), 0 when free.
     pub billed_seconds: f64,
     /// `price × billed_seconds / 3600`, never negative.
-    pub amount_usd: f64,
+    pub amount_usd: Usd,
     /// The provider ended the instance inside this hour, so it is not charged.
     pub free: bool,
 }
@@ -218,7 +218,7 @@ pub enum BillingError {
 }
 
 /// Sums the amounts of line items.
-pub fn total_usd(items: &[LineItem]) -> f64 {
+pub fn total_usd(items: &[LineItem]) -> Usd {
     items.iter().map(|i| i.amount_usd).sum()
 }
 
@@ -242,7 +242,7 @@ fn bill_hourly(
             end: seg_end,
             price_usd_per_hour: p,
             billed_seconds,
-            amount_usd: p * billed_seconds / 3600.0,
+            amount_usd: p.for_secs(billed_seconds),
             free,
         });
         start = full_end;
@@ -284,19 +284,19 @@ fn bill_per_second(
         // The top-up to the minimum is charged at the last segment's price.
         if let Some(last) = items.last_mut() {
             last.billed_seconds += (PER_SECOND_MINIMUM_MS - used_ms) as f64 / 1000.0;
-            last.amount_usd = last.price_usd_per_hour * last.billed_seconds / 3600.0;
+            last.amount_usd = last.price_usd_per_hour.for_secs(last.billed_seconds);
         }
     }
     Ok(items)
 }
 
-fn segment(start: Timestamp, end: Timestamp, price: f64, secs: f64) -> LineItem {
+fn segment(start: Timestamp, end: Timestamp, price: UsdPerHour, secs: f64) -> LineItem {
     LineItem {
         start,
         end,
         price_usd_per_hour: price,
         billed_seconds: secs,
-        amount_usd: price * secs / 3600.0,
+        amount_usd: price.for_secs(secs),
         free: false,
     }
 }
@@ -353,13 +353,31 @@ mod tests {
         let launch = Timestamp::from_millis(0);
         let at = |secs: i64| Timestamp::from_millis(secs * 1000);
         let h = BillingModel::Hourly2015;
-        assert_eq!(h.cost_of_running_on(0.21, launch, at(600), 60.0), 0.0);
-        assert!((h.cost_of_running_on(0.21, launch, at(3570), 60.0) - 0.21).abs() < 1e-12);
-        assert!((h.cost_of_running_on(0.21, launch, at(7170), 60.0) - 0.21).abs() < 1e-12);
+        assert_eq!(
+            h.cost_of_running_on(usd(0.21), launch, at(600), 60.0).get(),
+            0.0
+        );
+        assert!(
+            (h.cost_of_running_on(usd(0.21), launch, at(3570), 60.0)
+                .get()
+                - 0.21)
+                .abs()
+                < 1e-12
+        );
+        assert!(
+            (h.cost_of_running_on(usd(0.21), launch, at(7170), 60.0)
+                .get()
+                - 0.21)
+                .abs()
+                < 1e-12
+        );
         let p = BillingModel::PerSecond;
         // Inside the 60 s minimum nothing more is owed; after it, the seconds.
-        assert_eq!(p.cost_of_running_on(3.6, launch, at(0), 30.0), 0.0);
-        assert!((p.cost_of_running_on(3.6, launch, at(600), 60.0) - 0.06).abs() < 1e-12);
+        assert_eq!(
+            p.cost_of_running_on(usd(3.6), launch, at(0), 30.0).get(),
+            0.0
+        );
+        assert!((p.cost_of_running_on(usd(3.6), launch, at(600), 60.0).get() - 0.06).abs() < 1e-12);
     }
 
     #[test]
@@ -375,7 +393,7 @@ mod tests {
                         PriceSource::Fixed(usd(0.5)),
                     )
                     .unwrap();
-                let billed = total_usd(&items);
+                let billed = total_usd(&items).get();
                 let planned = 0.5 * model.billed_hours(secs);
                 assert!(
                     (billed - planned).abs() < 1e-9,
@@ -388,7 +406,7 @@ mod tests {
     fn amounts(items: &[LineItem]) -> Vec<(f64, bool)> {
         items
             .iter()
-            .map(|i| ((i.amount_usd * 1e6).round() / 1e6, i.free))
+            .map(|i| ((i.amount_usd.get() * 1e6).round() / 1e6, i.free))
             .collect()
     }
 
@@ -409,7 +427,7 @@ mod tests {
             vec![(0.10, false), (0.30, false), (0.50, false)]
         );
         assert_eq!(items[2].end, Timestamp::from_millis(2 * H + 15 * M));
-        assert!((total_usd(&items) - 0.90).abs() < 1e-12);
+        assert!((total_usd(&items).get() - 0.90).abs() < 1e-12);
     }
 
     #[test]
@@ -563,7 +581,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!(od.len(), 3);
-        assert!((total_usd(&od) - 0.63).abs() < 1e-12);
+        assert!((total_usd(&od).get() - 0.63).abs() < 1e-12);
     }
 
     #[test]
@@ -581,7 +599,7 @@ mod tests {
         let secs: Vec<f64> = items.iter().map(|i| i.billed_seconds).collect();
         assert_eq!(secs, vec![600.0, 2400.0, 600.0]);
         let expected = 0.10 / 6.0 + 0.30 * 40.0 / 60.0 + 0.20 / 6.0;
-        assert!((total_usd(&items) - expected).abs() < 1e-12);
+        assert!((total_usd(&items).get() - expected).abs() < 1e-12);
         assert!(
             items.iter().all(|i| !i.free),
             "per-second has no free hours"
@@ -619,7 +637,7 @@ mod tests {
             .unwrap();
         assert_eq!(items.len(), 1);
         assert_eq!(items[0].billed_seconds, 60.0);
-        assert!((items[0].amount_usd - 0.10 / 60.0).abs() < 1e-15);
+        assert!((items[0].amount_usd.get() - 0.10 / 60.0).abs() < 1e-15);
         // A minimum straddling a price change: 20 s at 0.10, then 10 s at 0.30 topped up by 30 s.
         let items = BillingModel::PerSecond
             .bill(
@@ -639,7 +657,7 @@ mod tests {
                 PriceSource::Fixed(usd(0.36)),
             )
             .unwrap();
-        assert!((total_usd(&zero) - 0.006).abs() < 1e-15);
+        assert!((total_usd(&zero).get() - 0.006).abs() < 1e-15);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! backend the [`Format`] asks for. Text is measured with the DejaVu Sans font embedded in the
 //! binary (plotters' `ab_glyph` feature), so PNGs need no font library on the machine.
 
-use crate::market::{Market, Timestamp};
+use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::prices::PriceHistory;
 use crate::store::InstanceRow;
 use plotters::coord::Shift;
@@ -238,7 +238,7 @@ fn market_lines<'a>(
                 .map(|s| {
                     let (times, prices) = s.window(axis.from, axis.to);
                     steps(
-                        s.price_at(axis.from),
+                        s.price_at(axis.from).map(UsdPerHour::get),
                         times.iter().map(|t| axis.x(*t)).zip(prices.iter().copied()),
                         axis.hours(),
                     )

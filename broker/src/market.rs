@@ -24,6 +24,8 @@ pub enum InvalidValue {
     NotANumber(String),
     #[error("price {0} is negative")]
     NegativePrice(f64),
+    #[error("amount `{0}` is not a finite number of dollars")]
+    NotAnAmount(String),
     #[error("`{0}` is not an RFC 3339 timestamp (e.g. 2015-03-11T10:34:42Z)")]
     Timestamp(String),
 }
@@ -128,6 +130,8 @@ impl std::str::FromStr for Timestamp {
 pub struct UsdPerHour(f64);
 
 impl UsdPerHour {
+    pub const ZERO: UsdPerHour = UsdPerHour(0.0);
+
     pub fn new(value: f64) -> Result<Self, InvalidValue> {
         if !value.is_finite() {
             return Err(InvalidValue::NotANumber(value.to_string()));
@@ -146,8 +150,31 @@ impl UsdPerHour {
         Self::new(value)
     }
 
+    /// A price that was a `UsdPerHour` before it was stored as a bare number in a hot,
+    /// columnar structure (a [`crate::prices::PriceSeries`]). Not for untrusted input.
+    pub(crate) fn validated(value: f64) -> Self {
+        debug_assert!(
+            value.is_finite() && value >= 0.0,
+            "a stored price is {value}"
+        );
+        UsdPerHour(value)
+    }
+
     pub fn get(self) -> f64 {
         self.0
+    }
+
+    /// What `hours` at this rate cost: `rate × hours`. With [`UsdPerHour::for_secs`], the only
+    /// place a rate turns into money.
+    pub fn for_hours(self, hours: f64) -> Usd {
+        Usd::computed(self.0 * hours)
+    }
+
+    /// What `secs` seconds at this rate cost: `rate × secs / 3600`, in that order — the order
+    /// the ledger and the simulator have always computed it in, so their figures do not move
+    /// by a rounding step (`rate × (secs / 3600)` can differ in the last digit).
+    pub fn for_secs(self, secs: f64) -> Usd {
+        Usd::computed(self.0 * secs / 3600.0)
     }
 }
 
@@ -167,6 +194,139 @@ impl From<UsdPerHour> for f64 {
 impl fmt::Display for UsdPerHour {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "${:.4}/h", self.0)
+    }
+}
+
+/// An amount of US dollars: a cost, a spend, a budget, or a difference between two of them
+/// (so it may be negative: what is left of a budget). Always finite.
+///
+/// Serialised as a plain JSON number and stored as a `DOUBLE PRECISION`/`REAL` column, as the
+/// bare `f64` it replaces was: only the Rust side gained a type. Untrusted numbers (a request,
+/// a file, a database row) come in through [`Usd::new`]; arithmetic on amounts and
+/// [`UsdPerHour::for_hours`]/[`UsdPerHour::for_secs`] produce the rest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, PartialOrd, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct Usd(f64);
+
+impl Usd {
+    pub const ZERO: Usd = Usd(0.0);
+
+    /// Checks an amount from outside the process: refuses NaN and infinities.
+    pub fn new(value: f64) -> Result<Self, InvalidValue> {
+        if value.is_finite() {
+            Ok(Usd(value))
+        } else {
+            Err(InvalidValue::NotAnAmount(value.to_string()))
+        }
+    }
+
+    /// An amount computed from amounts and rates already checked (a sum, a product with a
+    /// finite factor). Not for untrusted input: use [`Usd::new`].
+    pub fn computed(value: f64) -> Self {
+        debug_assert!(value.is_finite(), "a computed amount is {value}");
+        Usd(value)
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    pub fn abs(self) -> Usd {
+        Usd(self.0.abs())
+    }
+}
+
+impl TryFrom<f64> for Usd {
+    type Error = InvalidValue;
+    fn try_from(v: f64) -> Result<Self, Self::Error> {
+        Usd::new(v)
+    }
+}
+
+impl From<Usd> for f64 {
+    fn from(a: Usd) -> f64 {
+        a.0
+    }
+}
+
+impl std::ops::Add for Usd {
+    type Output = Usd;
+    fn add(self, o: Usd) -> Usd {
+        Usd::computed(self.0 + o.0)
+    }
+}
+
+impl std::ops::Sub for Usd {
+    type Output = Usd;
+    fn sub(self, o: Usd) -> Usd {
+        Usd::computed(self.0 - o.0)
+    }
+}
+
+impl std::ops::AddAssign for Usd {
+    fn add_assign(&mut self, o: Usd) {
+        *self = *self + o;
+    }
+}
+
+impl std::ops::SubAssign for Usd {
+    fn sub_assign(&mut self, o: Usd) {
+        *self = *self - o;
+    }
+}
+
+impl std::ops::Neg for Usd {
+    type Output = Usd;
+    fn neg(self) -> Usd {
+        Usd(-self.0)
+    }
+}
+
+/// Scaling: a share of an amount, an amount per unit.
+impl std::ops::Mul<f64> for Usd {
+    type Output = Usd;
+    fn mul(self, k: f64) -> Usd {
+        Usd::computed(self.0 * k)
+    }
+}
+
+impl std::ops::Div<f64> for Usd {
+    type Output = Usd;
+    fn div(self, k: f64) -> Usd {
+        Usd::computed(self.0 / k)
+    }
+}
+
+/// A ratio of two amounts (a cost against a baseline's): a plain number.
+impl std::ops::Div for Usd {
+    type Output = f64;
+    fn div(self, o: Usd) -> f64 {
+        self.0 / o.0
+    }
+}
+
+impl std::iter::Sum for Usd {
+    fn sum<I: Iterator<Item = Usd>>(iter: I) -> Usd {
+        // Folded from -0.0 like `f64`'s own `Sum`, so a sum of amounts is bit for bit the sum
+        // of their values.
+        Usd::computed(iter.map(|a| a.0).sum::<f64>())
+    }
+}
+
+impl<'a> std::iter::Sum<&'a Usd> for Usd {
+    fn sum<I: Iterator<Item = &'a Usd>>(iter: I) -> Usd {
+        iter.copied().sum()
+    }
+}
+
+/// `$12.3456`, or `$123.45` from a hundred dollars up: what every table and message prints.
+impl fmt::Display for Usd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.abs() >= 100.0 {
+            write!(f, "${:.2}", self.0)
+        } else {
+            write!(f, "${:.4}", self.0)
+        }
     }
 }
 
@@ -408,6 +568,85 @@ mod tests {
         ));
         assert!(UsdPerHour::parse("NaN").is_err());
         assert!(UsdPerHour::parse("inf").is_err());
+    }
+
+    #[test]
+    fn amounts_are_finite_and_add_up() {
+        assert_eq!(
+            Usd::new(-2.5).unwrap().get(),
+            -2.5,
+            "differences may be negative"
+        );
+        assert!(matches!(
+            Usd::new(f64::NAN),
+            Err(InvalidValue::NotAnAmount(_))
+        ));
+        assert!(Usd::new(f64::INFINITY).is_err());
+        assert!(Usd::new(f64::NEG_INFINITY).is_err());
+        let (a, b) = (Usd::new(1.25).unwrap(), Usd::new(0.5).unwrap());
+        assert_eq!((a + b).get(), 1.75);
+        assert_eq!((a - b).get(), 0.75);
+        assert_eq!((b - a).get(), -0.75);
+        assert_eq!((-a).get(), -1.25);
+        assert_eq!((a * 2.0).get(), 2.5);
+        assert_eq!((a / 5.0).get(), 0.25);
+        assert_eq!(b / a, 0.4);
+        let mut c = Usd::ZERO;
+        c += a;
+        c -= b;
+        assert_eq!(c, Usd::new(0.75).unwrap());
+        assert!(b < a && Usd::ZERO < b && -a < Usd::ZERO);
+        assert_eq!([a, b, b].iter().sum::<Usd>().get(), 2.25);
+        assert_eq!(std::iter::empty::<Usd>().sum::<Usd>(), Usd::ZERO);
+        // The same bits as summing the bare numbers, in order.
+        let xs = [0.1, 0.2, 0.3, 1e-17];
+        assert_eq!(
+            xs.iter().map(|&x| Usd::new(x).unwrap()).sum::<Usd>().get(),
+            xs.iter().sum::<f64>()
+        );
+    }
+
+    #[test]
+    fn rates_turn_into_amounts_over_time() {
+        let p = UsdPerHour::new(0.21).unwrap();
+        assert_eq!(p.for_hours(2.0).get(), 0.42);
+        assert_eq!(p.for_secs(1800.0).get(), 0.21 * 1800.0 / 3600.0);
+        assert_eq!(p.for_hours(0.0), Usd::ZERO);
+    }
+
+    #[test]
+    fn amounts_print_like_the_tables_and_serialise_as_numbers() {
+        assert_eq!(Usd::new(1.23456).unwrap().to_string(), "$1.2346");
+        assert_eq!(Usd::new(215.04).unwrap().to_string(), "$215.04");
+        assert_eq!(Usd::new(-0.5).unwrap().to_string(), "$-0.5000");
+        let a = Usd::new(28.813399999999987).unwrap();
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(
+            json, "28.813399999999987",
+            "a bare number, every digit kept"
+        );
+        assert_eq!(serde_json::from_str::<Usd>(&json).unwrap(), a);
+        assert_eq!(serde_json::from_str::<Usd>("-3").unwrap().get(), -3.0);
+        // JSON has no NaN or infinity (serde_json refuses `1e400` itself), but TOML has both,
+        // and any other format hands the number over as an f64.
+        assert!(serde_json::from_str::<Usd>("1e400").is_err());
+        #[derive(Debug, Deserialize)]
+        struct Doc {
+            amount: Usd,
+        }
+        for text in ["amount = inf", "amount = -inf", "amount = nan"] {
+            let err = toml::from_str::<Doc>(text).unwrap_err().to_string();
+            assert!(
+                err.contains("not a finite number of dollars"),
+                "{text}: {err}"
+            );
+        }
+        assert_eq!(
+            toml::from_str::<Doc>("amount = 2.5").unwrap().amount.get(),
+            2.5
+        );
+        assert!(serde_json::from_str::<Usd>("\"1.0\"").is_err());
+        assert!(serde_json::from_str::<Usd>("null").is_err());
     }
 
     #[test]

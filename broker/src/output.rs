@@ -107,15 +107,6 @@ pub fn emit<T: Serialize>(
     Ok(())
 }
 
-/// Dollars with precision that suits the magnitude.
-pub fn usd(v: f64) -> String {
-    if v.abs() >= 100.0 {
-        format!("${v:.2}")
-    } else {
-        format!("${v:.4}")
-    }
-}
-
 pub fn pct(v: f64) -> String {
     format!("{:.1}%", v * 100.0)
 }

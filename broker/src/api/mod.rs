@@ -10,7 +10,7 @@ pub mod error;
 mod openapi;
 pub mod tls;
 
-use crate::market::{Market, Timestamp};
+use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use crate::service::{Broker, ServiceError};
@@ -316,8 +316,10 @@ struct MarketView {
     first: Option<String>,
     last: Option<String>,
     /// The price in force now (market time), if known.
-    spot_usd: Option<f64>,
-    on_demand_usd: Option<f64>,
+    #[schema(value_type = Option<f64>)]
+    spot_usd: Option<UsdPerHour>,
+    #[schema(value_type = Option<f64>)]
+    on_demand_usd: Option<UsdPerHour>,
 }
 
 #[utoipa::path(get, path = "/v1/markets", responses((status = 200, body = Vec<MarketView>)), security(("bearer" = [])))]
@@ -337,7 +339,7 @@ async fn list_markets(
                     .history
                     .on_demand()
                     .for_market(&r.market)
-                    .map(|o| o.on_demand.get()),
+                    .map(|o| o.on_demand),
                 market: r.market.to_string(),
                 region: r.region.to_string(),
                 availability_zone: r.market.zone.to_string(),
@@ -364,7 +366,8 @@ struct PricesQuery {
 #[derive(Serialize, ToSchema)]
 struct PricePoint {
     time: String,
-    usd_per_hour: f64,
+    #[schema(value_type = f64)]
+    usd_per_hour: UsdPerHour,
 }
 
 #[utoipa::path(get, path = "/v1/prices", params(PricesQuery),
@@ -403,7 +406,7 @@ async fn list_prices(
                 .zip(series.prices())
                 .map(|(t, p)| PricePoint {
                     time: t.to_string(),
-                    usd_per_hour: *p,
+                    usd_per_hour: UsdPerHour::validated(*p),
                 })
                 .collect()
         })

@@ -1,6 +1,7 @@
 //! The user commands that talk to a running broker: `submit`, `status`, `report`, `cancel`.
 
-use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::market::Usd;
+use crate::output::{OutputFormat, Table, emit, pct};
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use anyhow::{Context, Result, bail};
@@ -346,8 +347,8 @@ pub async fn report(args: ReportArgs) -> Result<ExitCode> {
                     l.instance_id.clone(),
                     l.start.to_string(),
                     l.end.to_string(),
-                    format!("{}", l.usd_per_hour),
-                    format!("{}", l.amount_usd),
+                    format!("{}", l.usd_per_hour.get()),
+                    format!("{}", l.amount_usd.get()),
                     l.free.to_string(),
                 ]);
             }
@@ -400,7 +401,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
                 .unwrap_or(0)
                 .to_string(),
             j.evictions.to_string(),
-            usd(j.spend_usd),
+            j.spend_usd.to_string(),
         ]);
     }
     t
@@ -422,10 +423,8 @@ fn job_detail(j: &JobView) -> String {
         j.sync,
         pct(j.progress),
         metric_text(&j.metric),
-        usd(j.spend_usd),
-        j.budget_usd
-            .map(|b| format!(" of {}", usd(b)))
-            .unwrap_or_default(),
+        j.spend_usd,
+        j.budget_usd.map(|b| format!(" of {b}")).unwrap_or_default(),
         j.instances_by_tier.get("reliable").copied().unwrap_or(0),
         j.instances_by_tier.get("transient").copied().unwrap_or(0),
         j.evictions,
@@ -457,7 +456,10 @@ fn job_detail(j: &JobView) -> String {
             i.id.clone(),
             i.market.clone(),
             i.tier.clone(),
-            i.bid_usd.map(usd).unwrap_or_else(|| "-".into()),
+            // An hour at the bid, printed like the other money columns.
+            i.bid_usd
+                .map(|b| b.for_hours(1.0).to_string())
+                .unwrap_or_else(|| "-".into()),
             i.state.clone(),
             i.worker_rank.map_or("-".into(), |r| r.to_string()),
             i.launched.clone().unwrap_or_default(),
@@ -477,10 +479,10 @@ pub fn cost_text(r: &CostReport) -> String {
     let mut out = format!(
         "job {} cost {} ({} billing): reliable {}, spot {}; {} evictions, {:.2} free instance-hours\n",
         r.job_id,
-        usd(r.total_usd),
+        r.total_usd,
         r.billing,
-        usd(r.by_tier.get("reliable").copied().unwrap_or(0.0)),
-        usd(r.by_tier.get("transient").copied().unwrap_or(0.0)),
+        r.by_tier.get("reliable").copied().unwrap_or(Usd::ZERO),
+        r.by_tier.get("transient").copied().unwrap_or(Usd::ZERO),
         r.evictions,
         r.free_hours
     );
@@ -491,7 +493,7 @@ pub fn cost_text(r: &CostReport) -> String {
             m.tier.clone(),
             m.instances.to_string(),
             format!("{:.2}", m.instance_hours),
-            usd(m.usd),
+            m.usd.to_string(),
         ]);
     }
     out.push_str(&t.render());
@@ -510,7 +512,9 @@ pub fn cost_text(r: &CostReport) -> String {
     for c in &r.counterfactuals {
         t.push(vec![
             c.policy.clone(),
-            c.cost_usd.map(usd).unwrap_or_else(|| "n/a".into()),
+            c.cost_usd
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "n/a".into()),
             c.runtime_hours
                 .map(|h| format!("{h:.2}"))
                 .unwrap_or_else(|| "-".into()),
@@ -550,9 +554,17 @@ fn all_table(reports: &[(JobView, CostReport)]) -> Table {
             j.id.to_string(),
             j.name.clone(),
             j.state.clone(),
-            usd(r.total_usd),
-            usd(r.by_tier.get("reliable").copied().unwrap_or(0.0)),
-            usd(r.by_tier.get("transient").copied().unwrap_or(0.0)),
+            r.total_usd.to_string(),
+            r.by_tier
+                .get("reliable")
+                .copied()
+                .unwrap_or(Usd::ZERO)
+                .to_string(),
+            r.by_tier
+                .get("transient")
+                .copied()
+                .unwrap_or(Usd::ZERO)
+                .to_string(),
             r.evictions.to_string(),
             saving("on-demand"),
             saving("standard-bidding"),

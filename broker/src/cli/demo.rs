@@ -12,7 +12,7 @@ use super::GlobalArgs;
 use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
-use crate::output::{OutputFormat, pct, usd};
+use crate::output::{OutputFormat, pct};
 use crate::service::Pacing;
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::{App, JobSpec, StopSpec, TrainingSpec, WorkSpec};
@@ -396,7 +396,7 @@ fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
     bar.set_message(format!(
         "{} | spent {} | on-demand {}, spot {} | evictions {} | {metric}",
         now.to_datetime().format("%m-%d %H:%M"),
-        usd(view.spend_usd),
+        view.spend_usd,
         view.instances_by_tier.get("reliable").copied().unwrap_or(0),
         view.instances_by_tier
             .get("transient")

@@ -1,8 +1,8 @@
 //! `proteus prices …`: ingest price history and summarise it.
 
 use super::GlobalArgs;
-use crate::market::{InstanceType, Region, Timestamp, Zone};
-use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::market::{InstanceType, Region, Timestamp, UsdPerHour, Zone};
+use crate::output::{OutputFormat, Table, emit, pct};
 use crate::prices::{MarketStats, files, stats};
 use crate::store::{IngestCounts, MarketFilter, Store};
 use anyhow::{Context, Result, bail};
@@ -174,7 +174,7 @@ pub async fn compute_stats(
             let od = history
                 .on_demand()
                 .for_market(s.market())
-                .map(|o| o.on_demand.get());
+                .map(|o| o.on_demand);
             stats::market_stats(s, start, end, od)
         })
         .collect())
@@ -200,11 +200,11 @@ pub(super) fn stats_table(rows: &[MarketStats]) -> Table {
             s.changes.to_string(),
             s.first.map(|t| t.to_string()).unwrap_or_default(),
             s.last.map(|t| t.to_string()).unwrap_or_default(),
-            usd(s.min_usd),
-            usd(s.median_usd),
-            usd(s.max_usd),
-            usd(s.time_weighted_mean_usd),
-            s.on_demand_usd.map(usd).unwrap_or_else(|| "?".into()),
+            hour(s.min_usd),
+            hour(s.median_usd),
+            hour(s.max_usd),
+            hour(s.time_weighted_mean_usd),
+            s.on_demand_usd.map(hour).unwrap_or_else(|| "?".into()),
             s.fraction_above_on_demand
                 .map(pct)
                 .unwrap_or_else(|| "?".into()),
@@ -366,4 +366,9 @@ async fn ingest_from_ec2(
 #[cfg(not(feature = "ec2"))]
 async fn ingest_from_ec2(_: &Store, _: &Region, _: &IngestArgs) -> Result<IngestReport> {
     bail!("this build of proteus has no EC2 support (built without the `ec2` feature)")
+}
+
+/// A price as what an hour of it costs, printed like every amount (the columns are per hour).
+fn hour(p: UsdPerHour) -> String {
+    p.for_hours(1.0).to_string()
 }

@@ -8,7 +8,7 @@ use crate::market::{Region, Timestamp};
 use crate::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
-use crate::output::{OutputFormat, Table, emit, pct, usd};
+use crate::output::{OutputFormat, Table, emit, pct};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::service::spec::JobSpec;
 use crate::sim::inputs::{check_policy, load_history};
@@ -394,8 +394,8 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
         t.push(vec![
             s.policy.clone(),
             s.runs.to_string(),
-            usd(s.median_cost_usd),
-            format!("{}–{}", usd(s.p10_cost_usd), usd(s.p90_cost_usd)),
+            s.median_cost_usd.to_string(),
+            format!("{}–{}", s.p10_cost_usd, s.p90_cost_usd),
             format!("{:.2}", s.median_runtime_hours),
             format!("{:.2}–{:.2}", s.p10_runtime_hours, s.p90_runtime_hours),
             format!("{:.0}", s.median_evictions),

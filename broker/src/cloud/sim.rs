@@ -9,7 +9,7 @@
 
 use super::{Cloud, CloudError, CloudEvent, CloudInstance, CloudState, LaunchSpec};
 use crate::clock::SharedClock;
-use crate::market::{Market, Timestamp};
+use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::prices::PriceHistory;
 use async_trait::async_trait;
 use proteus_wire::{JobId, Tier};
@@ -64,7 +64,7 @@ impl SimCloud {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn price_now(&self, market: &Market, now: Timestamp) -> Result<f64, CloudError> {
+    fn price_now(&self, market: &Market, now: Timestamp) -> Result<UsdPerHour, CloudError> {
         self.trace
             .get(market)
             .and_then(|s| s.price_at(now))
@@ -93,10 +93,10 @@ impl Cloud for SimCloud {
                 });
             }
             (Tier::Transient, Some(bid)) => {
-                if bid.get() < price {
+                if bid < price {
                     return Err(CloudError::PriceTooLow {
                         market: spec.market.to_string(),
-                        message: format!("bid {bid} is below the spot price ${price:.4}/h"),
+                        message: format!("bid {bid} is below the spot price {price}"),
                     });
                 }
                 let series = self.trace.get(&spec.market).expect("priced above");

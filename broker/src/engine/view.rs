@@ -135,8 +135,7 @@ impl MarketView for TraceView<'_> {
     }
 
     fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {
-        let p = self.markets.series(market)?.price_at(self.now)?;
-        UsdPerHour::new(p).ok()
+        self.markets.series(market)?.price_at(self.now)
     }
 
     fn spot_price_at(
@@ -145,14 +144,14 @@ impl MarketView for TraceView<'_> {
         at: Timestamp,
     ) -> Result<Option<UsdPerHour>, ViewError> {
         self.guard(market, at)?;
-        Ok(self
-            .markets
-            .series(market)
-            .and_then(|s| s.price_at(at))
-            .and_then(|p| UsdPerHour::new(p).ok()))
+        Ok(self.markets.series(market).and_then(|s| s.price_at(at)))
     }
 
-    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+    fn mean_spot_price(
+        &self,
+        market: &Market,
+        since: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
         self.guard(market, since)?;
         let Some(series) = self.markets.series(market) else {
             return Ok(None);
@@ -191,7 +190,11 @@ impl MarketView for TraceView<'_> {
 }
 
 /// The time-weighted mean of a step function over `[from, to]`, from the first known price on.
-pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) -> Option<f64> {
+pub fn time_weighted_mean(
+    series: &PriceSeries,
+    from: Timestamp,
+    to: Timestamp,
+) -> Option<UsdPerHour> {
     if to <= from {
         return series.price_at(to);
     }
@@ -219,7 +222,8 @@ pub fn time_weighted_mean(series: &PriceSeries, from: Timestamp, to: Timestamp) 
     if span <= 0.0 {
         series.price_at(to)
     } else {
-        Some(integral / span)
+        // A mean of prices is a price.
+        Some(UsdPerHour::validated(integral / span))
     }
 }
 
@@ -238,19 +242,23 @@ mod tests {
             ],
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30))
+                .map(UsdPerHour::get),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30)),
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30))
+                .map(UsdPerHour::get),
             Some(2.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20)),
+            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20))
+                .map(UsdPerHour::get),
             Some(1.0)
         );
         assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5)),
+            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5))
+                .map(UsdPerHour::get),
             None
         );
     }

@@ -432,7 +432,7 @@ pub fn replay_once(
         series
             .first_above(
                 start,
-                p0 + delta_usd,
+                p0.get() + delta_usd,
                 Timestamp::from_millis(start.millis() + horizon_ms),
             )
             .map(|t| t.millis() - start.millis()),

@@ -51,7 +51,7 @@ use super::{
 };
 use crate::billing::BillingModel;
 use crate::job::{EvictionCost, JobModel};
-use crate::market::{InstanceType, Market, Timestamp, UsdPerHour};
+use crate::market::{InstanceType, Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
 use serde::{Deserialize, Serialize};
 
@@ -280,14 +280,15 @@ impl BidBrainConfig {
 /// Expected cost and useful work of one instance per horizon of its life.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Economics {
-    cost: f64,
+    cost: Usd,
     work: f64,
 }
 
 impl Economics {
+    /// Dollars per unit of work: a figure to rank by (infinite without work), not an amount.
     fn cpw(self) -> f64 {
         if self.work > 0.0 {
-            self.cost / self.work
+            self.cost.get() / self.work
         } else {
             f64::INFINITY
         }
@@ -319,7 +320,7 @@ impl JobCosts {
     fn new_spot(
         &self,
         billing: BillingModel,
-        price: f64,
+        price: UsdPerHour,
         est: &EvictionEstimate,
         rate: f64,
     ) -> Economics {
@@ -345,7 +346,7 @@ impl JobCosts {
     fn new_on_demand(
         &self,
         billing: BillingModel,
-        od: f64,
+        od: UsdPerHour,
         rate: f64,
         horizon_secs: f64,
     ) -> Economics {
@@ -353,7 +354,7 @@ impl JobCosts {
         // Work after the job is done is worth nothing (as for spot, see `new_spot`).
         let secs = horizon_secs.min(self.finish_secs) - self.startup / periods;
         Economics {
-            cost: od * billing.billed_hours(horizon_secs),
+            cost: od.for_hours(billing.billed_hours(horizon_secs)),
             work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
         }
     }
@@ -479,7 +480,6 @@ impl BidBrain {
             ) else {
                 continue;
             };
-            let (od, price) = (od.get(), price.get());
             candidates.push(Candidate {
                 market,
                 purchase: Purchase::OnDemand,
@@ -489,10 +489,10 @@ impl BidBrain {
             self.deltas.clear();
             if price_driven {
                 self.deltas
-                    .extend(self.config.bid_deltas.iter().map(|f| f * od));
+                    .extend(self.config.bid_deltas.iter().map(|f| f * od.get()));
             } else if price <= od {
                 // Evictions do not follow the bid: bid the on-demand price (today's default cap).
-                self.deltas.push(od - price);
+                self.deltas.push(od.get() - price.get());
             }
             self.estimates.clear();
             match view.eviction_many(market, &self.deltas, h, &mut self.estimates) {
@@ -505,7 +505,7 @@ impl BidBrain {
             }
             spot.clear();
             for (&delta, est) in self.deltas.iter().zip(&self.estimates) {
-                let Ok(bid) = UsdPerHour::new(price + delta) else {
+                let Ok(bid) = UsdPerHour::new(price.get() + delta) else {
                     continue;
                 };
                 spot.push(Candidate {
@@ -535,7 +535,7 @@ impl BidBrain {
         &self,
         ctx: &DecisionContext<'_>,
         inst: &InstanceView,
-        memo: &[(&Market, f64, f64, EvictionEstimate)],
+        memo: &[(&Market, f64, UsdPerHour, EvictionEstimate)],
     ) -> f64 {
         let now = ctx.now();
         let rate = rate_of(ctx.job, &inst.market).unwrap_or(0.0);
@@ -566,7 +566,7 @@ impl BidBrain {
         inst: &'f InstanceView,
         costs: &JobCosts,
         backup: bool,
-        memo: &mut Vec<(&'f Market, f64, f64, EvictionEstimate)>,
+        memo: &mut Vec<(&'f Market, f64, UsdPerHour, EvictionEstimate)>,
     ) -> Economics {
         let view = ctx.market;
         let now = ctx.now();
@@ -596,9 +596,9 @@ impl BidBrain {
             Purchase::OnDemand => {
                 let od = view
                     .on_demand_price(&inst.market)
-                    .map_or(0.0, UsdPerHour::get);
+                    .unwrap_or(UsdPerHour::ZERO);
                 Economics {
-                    cost: od * ctx.billing.billed_hours(h),
+                    cost: od.for_hours(ctx.billing.billed_hours(h)),
                     work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
                 }
             }
@@ -610,14 +610,14 @@ impl BidBrain {
                 let (price, est) = match cached {
                     Some(&(_, _, price, est)) => (price, est),
                     None => {
-                        let Some(price) = view.spot_price(&inst.market).map(UsdPerHour::get) else {
+                        let Some(price) = view.spot_price(&inst.market) else {
                             return Economics {
-                                cost: 0.0,
+                                cost: Usd::ZERO,
                                 work: 0.0,
                             };
                         };
                         let est = view
-                            .eviction(&inst.market, (bid.get() - price).max(0.0), h)
+                            .eviction(&inst.market, (bid.get() - price.get()).max(0.0), h)
                             .unwrap_or(EvictionEstimate::never(h));
                         memo.push((&inst.market, bid.get(), price, est));
                         (price, est)
@@ -637,13 +637,13 @@ impl BidBrain {
 }
 
 /// Expected charge of a spot instance over the estimate's horizon.
-fn spot_cost(billing: BillingModel, price: f64, est: &EvictionEstimate) -> f64 {
+fn spot_cost(billing: BillingModel, price: UsdPerHour, est: &EvictionEstimate) -> Usd {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
         BillingModel::Hourly2015 => {
-            price * (1.0 - est.probability) * billing.billed_hours(est.horizon_secs)
+            price.for_hours(1.0 - est.probability) * billing.billed_hours(est.horizon_secs)
         }
-        BillingModel::PerSecond => price * billing.billed_hours(est.expected_secs),
+        BillingModel::PerSecond => price.for_hours(billing.billed_hours(est.expected_secs)),
     }
 }
 
@@ -792,7 +792,9 @@ impl Policy for BidBrain {
         judged.sort_by(|a, b| b.2.cpw().total_cmp(&a.2.cpw()));
         let (mut fp_cost, mut fp_work) = judged
             .iter()
-            .fold((0.0, 0.0), |(c, w), (_, _, e, _)| (c + e.cost, w + e.work));
+            .fold((Usd::ZERO, 0.0), |(c, w), (_, _, e, _)| {
+                (c + e.cost, w + e.work)
+            });
         let mut rate_left = working_rate;
         // What the footprint will not do in paid hours nor in the hours renewed now (hourly-2015).
         let mut shortfall = match ctx.billing {
@@ -824,7 +826,7 @@ impl Policy for BidBrain {
                 .unwrap_or(f64::INFINITY);
             let margin = 1.0 + self.config.switch_margin;
             let others_cpw = if fp_work - econ.work > 0.0 {
-                (fp_cost - econ.cost) / (fp_work - econ.work)
+                (fp_cost - econ.cost).get() / (fp_work - econ.work)
             } else {
                 f64::INFINITY
             };
@@ -896,7 +898,7 @@ impl Policy for BidBrain {
                     continue;
                 }
                 let fp_cpw = if fp_work > 0.0 {
-                    fp_cost / fp_work
+                    fp_cost.get() / fp_work
                 } else {
                     f64::INFINITY
                 };

@@ -170,7 +170,11 @@ pub trait MarketView {
         at: Timestamp,
     ) -> Result<Option<UsdPerHour>, ViewError>;
     /// The time-weighted mean spot price over `[since, now()]`, if any price is known in it.
-    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError>;
+    fn mean_spot_price(
+        &self,
+        market: &Market,
+        since: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError>;
     /// The on-demand price of the market's instance type in its region.
     fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour>;
     /// Which market model answers [`MarketView::eviction`].

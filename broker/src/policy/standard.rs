@@ -186,7 +186,9 @@ impl StandardBidding {
             }
             let metric = match self.config.rank_by {
                 RankBy::CurrentPrice => price.get(),
-                RankBy::LookbackMean => view.mean_spot_price(m, since)?.unwrap_or(price.get()),
+                RankBy::LookbackMean => view
+                    .mean_spot_price(m, since)?
+                    .map_or(price.get(), UsdPerHour::get),
             } / rate;
             let better = match best {
                 None => true,

@@ -59,8 +59,9 @@ impl PriceSeries {
     }
 
     /// The price in force at `t`, or `None` before the first recorded change.
-    pub fn price_at(&self, t: Timestamp) -> Option<f64> {
-        self.index_at(t).map(|i| self.prices[i])
+    pub fn price_at(&self, t: Timestamp) -> Option<UsdPerHour> {
+        self.index_at(t)
+            .map(|i| UsdPerHour::validated(self.prices[i]))
     }
 
     /// The first time in `(after, until]` at which the price is strictly above `limit`, or `None`.
@@ -195,10 +196,23 @@ mod tests {
         let s = series(&[(30, 3.0), (10, 1.0), (20, 2.0), (20, 9.0)]);
         assert_eq!(s.len(), 3, "duplicate timestamp kept once");
         assert_eq!(s.price_at(Timestamp::from_millis(5)), None);
-        assert_eq!(s.price_at(Timestamp::from_millis(10)), Some(1.0));
-        assert_eq!(s.price_at(Timestamp::from_millis(19)), Some(1.0));
-        assert_eq!(s.price_at(Timestamp::from_millis(20)), Some(2.0));
-        assert_eq!(s.price_at(Timestamp::from_millis(1000)), Some(3.0));
+        assert_eq!(
+            s.price_at(Timestamp::from_millis(10)).map(UsdPerHour::get),
+            Some(1.0)
+        );
+        assert_eq!(
+            s.price_at(Timestamp::from_millis(19)).map(UsdPerHour::get),
+            Some(1.0)
+        );
+        assert_eq!(
+            s.price_at(Timestamp::from_millis(20)).map(UsdPerHour::get),
+            Some(2.0)
+        );
+        assert_eq!(
+            s.price_at(Timestamp::from_millis(1000))
+                .map(UsdPerHour::get),
+            Some(3.0)
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Per-market statistics of a price history: how often and how far prices move, and how much of
 //! the time spot was dearer than on-demand (the spells when bidding the on-demand price fails).
 
-use crate::market::{Market, Timestamp};
+use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::prices::history::PriceSeries;
 use serde::Serialize;
 
@@ -15,12 +15,12 @@ pub struct MarketStats {
     pub last: Option<Timestamp>,
     /// Over the prices in force during the window (the one carried in at its start, if any,
     /// and every change inside it), each counted once.
-    pub min_usd: f64,
-    pub median_usd: f64,
-    pub max_usd: f64,
+    pub min_usd: UsdPerHour,
+    pub median_usd: UsdPerHour,
+    pub max_usd: UsdPerHour,
     /// The step function's integral over the window divided by its length.
-    pub time_weighted_mean_usd: f64,
-    pub on_demand_usd: Option<f64>,
+    pub time_weighted_mean_usd: UsdPerHour,
+    pub on_demand_usd: Option<UsdPerHour>,
     /// Share of the window's time with the spot price strictly above on-demand.
     pub fraction_above_on_demand: Option<f64>,
     /// Maximal intervals with the spot price strictly above on-demand.
@@ -36,8 +36,10 @@ pub fn market_stats(
     series: &PriceSeries,
     from: Timestamp,
     to: Timestamp,
-    on_demand: Option<f64>,
+    on_demand: Option<UsdPerHour>,
 ) -> Option<MarketStats> {
+    let on_demand_usd = on_demand;
+    let on_demand = on_demand.map(UsdPerHour::get);
     if to <= from {
         return None;
     }
@@ -90,15 +92,16 @@ pub fn market_stats(
         changes: times.len(),
         first: times.first().copied(),
         last: times.last().copied(),
-        min_usd: values[0],
-        median_usd: median,
-        max_usd: values[values.len() - 1],
-        time_weighted_mean_usd: if total_ms > 0.0 {
+        // Minima, medians and means of a series' prices are prices.
+        min_usd: UsdPerHour::validated(values[0]),
+        median_usd: UsdPerHour::validated(median),
+        max_usd: UsdPerHour::validated(values[values.len() - 1]),
+        time_weighted_mean_usd: UsdPerHour::validated(if total_ms > 0.0 {
             integral / total_ms
         } else {
             steps[0].1
-        },
-        on_demand_usd: on_demand,
+        }),
+        on_demand_usd,
         fraction_above_on_demand: on_demand.map(|_| {
             if total_ms > 0.0 {
                 above_ms / total_ms
@@ -144,14 +147,19 @@ mod tests {
             &s,
             Timestamp::from_millis(0),
             Timestamp::from_millis(50_000),
-            Some(2.0),
+            Some(UsdPerHour::new(2.0).unwrap()),
         )
         .unwrap();
         assert_eq!(st.changes, 4);
-        assert!((st.time_weighted_mean_usd - (10.0 + 60.0 + 10.0 + 50.0) / 50.0).abs() < 1e-12);
+        assert!(
+            (st.time_weighted_mean_usd.get() - (10.0 + 60.0 + 10.0 + 50.0) / 50.0).abs() < 1e-12
+        );
         assert!((st.fraction_above_on_demand.unwrap() - 30.0 / 50.0).abs() < 1e-12);
         assert_eq!(st.spells_above_on_demand, Some(2));
-        assert_eq!((st.min_usd, st.median_usd, st.max_usd), (1.0, 2.0, 5.0));
+        assert_eq!(
+            (st.min_usd.get(), st.median_usd.get(), st.max_usd.get()),
+            (1.0, 2.0, 5.0)
+        );
     }
 
     #[test]
@@ -165,7 +173,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(st.changes, 1);
-        assert!((st.time_weighted_mean_usd - 3.0).abs() < 1e-12);
+        assert!((st.time_weighted_mean_usd.get() - 3.0).abs() < 1e-12);
         assert_eq!(st.fraction_above_on_demand, None);
         assert!(
             market_stats(

@@ -3,7 +3,7 @@
 use super::status_cache::JobRecord;
 use super::{Broker, ServiceError, ledger};
 use crate::engine::work::{self, WorkingSpan};
-use crate::market::Timestamp;
+use crate::market::{Timestamp, Usd, UsdPerHour};
 use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, NewJob};
 use proteus_wire::{JobId, Tier};
 use serde::{Deserialize, Serialize};
@@ -44,8 +44,10 @@ pub struct JobView {
     pub stage: Option<u8>,
     /// How the workers synchronise, e.g. `bsp` or `flexrr (slack 1, helper groups of 3)`.
     pub sync: String,
-    pub spend_usd: f64,
-    pub budget_usd: Option<f64>,
+    #[schema(value_type = f64)]
+    pub spend_usd: Usd,
+    #[schema(value_type = Option<f64>)]
+    pub budget_usd: Option<Usd>,
     pub deadline: Option<String>,
     pub evictions: u32,
     /// Live instances per tier: `reliable` (on-demand), `transient` (spot).
@@ -76,7 +78,8 @@ pub struct InstanceSummary {
     pub cloud_id: Option<String>,
     pub market: String,
     pub tier: String,
-    pub bid_usd: Option<f64>,
+    #[schema(value_type = Option<f64>)]
+    pub bid_usd: Option<UsdPerHour>,
     pub state: String,
     pub launched: Option<String>,
     /// When it started working for the job (its agent joined, or start-up passed).
@@ -96,8 +99,10 @@ pub struct InstanceSummary {
 pub struct CostReport {
     pub job_id: i64,
     pub billing: String,
-    pub total_usd: f64,
-    pub by_tier: BTreeMap<String, f64>,
+    #[schema(value_type = f64)]
+    pub total_usd: Usd,
+    #[schema(value_type = BTreeMap<String, f64>)]
+    pub by_tier: BTreeMap<String, Usd>,
     pub by_market: Vec<MarketCost>,
     /// Instance-hours not charged because the provider ended the instance (`hourly-2015`).
     pub free_hours: f64,
@@ -126,7 +131,8 @@ pub struct CostReport {
 pub struct MarketCost {
     pub market: String,
     pub tier: String,
-    pub usd: f64,
+    #[schema(value_type = f64)]
+    pub usd: Usd,
     pub instance_hours: f64,
     pub instances: u32,
 }
@@ -236,7 +242,7 @@ impl Broker {
         &self,
         job: &JobRow,
         instances: &[InstanceRow],
-        spend: f64,
+        spend: Usd,
         cooldowns: &[Cooldown],
         sync: &str,
     ) -> JobView {
@@ -402,8 +408,8 @@ impl Broker {
         let instances = self.store.instances_of_job(id).await?;
         let lines = self.store.ledger_of_job(id).await?;
         let mut by_tier = BTreeMap::from([
-            ("reliable".to_string(), 0.0),
-            ("transient".to_string(), 0.0),
+            ("reliable".to_string(), Usd::ZERO),
+            ("transient".to_string(), Usd::ZERO),
         ]);
         let mut by_market: BTreeMap<(String, String), MarketCost> = BTreeMap::new();
         let mut free_hours = 0.0;
@@ -411,7 +417,7 @@ impl Broker {
             let Some(inst) = instances.iter().find(|i| i.id == line.instance_id) else {
                 continue;
             };
-            *by_tier.entry(inst.tier.to_string()).or_insert(0.0) += line.amount_usd;
+            *by_tier.entry(inst.tier.to_string()).or_insert(Usd::ZERO) += line.amount_usd;
             let hours = line.end.secs_since(line.start) / 3600.0;
             if line.free {
                 free_hours += hours;
@@ -420,7 +426,7 @@ impl Broker {
             let entry = by_market.entry(key.clone()).or_insert_with(|| MarketCost {
                 market: key.0.clone(),
                 tier: key.1.clone(),
-                usd: 0.0,
+                usd: Usd::ZERO,
                 instance_hours: 0.0,
                 instances: 0,
             });
@@ -432,7 +438,7 @@ impl Broker {
                 e.instances += 1;
             }
         }
-        let total: f64 = lines.iter().map(|l| l.amount_usd).sum();
+        let total: Usd = lines.iter().map(|l| l.amount_usd).sum();
         let billing = job.billing.parse().unwrap_or(self.settings.default_billing);
         let until = job.finished.unwrap_or_else(|| self.clock.now());
         let pacing = match self.settings.pacing {
@@ -460,7 +466,7 @@ impl Broker {
             .iter()
             .filter_map(|c| {
                 c.cost_usd
-                    .filter(|c| *c > 0.0)
+                    .filter(|c| *c > Usd::ZERO)
                     .map(|cost| (c.policy.clone(), 1.0 - total / cost))
             })
             .collect();
@@ -522,7 +528,7 @@ fn summary(i: &InstanceRow, worker_rank: Option<u32>) -> InstanceSummary {
             Tier::Transient => "transient",
         }
         .to_string(),
-        bid_usd: i.bid.map(|b| b.get()),
+        bid_usd: i.bid,
         state: i.state.to_string(),
         launched: ts(i.launched),
         ready: ts(i.ready),

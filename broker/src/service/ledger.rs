@@ -9,7 +9,7 @@
 use super::MarketData;
 use crate::billing::{BillingModel, EndedBy, LineItem, PriceSource};
 use crate::job::JobModel;
-use crate::market::Timestamp;
+use crate::market::{Timestamp, Usd};
 use crate::sim::{RunOptions, Scenario, World};
 use crate::store::{InstanceRow, LedgerLine};
 use proteus_wire::Tier;
@@ -72,7 +72,8 @@ pub fn bill_instance(
 pub struct Counterfactual {
     pub policy: String,
     /// `None` when the simulation could not run (e.g. it would outlast the known prices).
-    pub cost_usd: Option<f64>,
+    #[schema(value_type = Option<f64>)]
+    pub cost_usd: Option<Usd>,
     pub runtime_hours: Option<f64>,
     pub evictions: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -112,7 +113,7 @@ fn simulate_baseline(
     if work_units <= 0.0 {
         return Counterfactual {
             policy: name.to_string(),
-            cost_usd: Some(0.0),
+            cost_usd: Some(Usd::ZERO),
             runtime_hours: Some(0.0),
             evictions: Some(0),
             note: Some("no work done yet".into()),

@@ -114,7 +114,7 @@ pub(super) struct StoreGauges {
     /// Live instances per (tier, market).
     pub instances: Vec<((String, String), i64)>,
     /// Ledger total per job id.
-    pub spend: Vec<(i64, f64)>,
+    pub spend: Vec<(i64, crate::market::Usd)>,
 }
 
 /// The whole exposition: the store's gauges, then the broker's own metrics, then `# EOF`.
@@ -145,7 +145,7 @@ pub(super) fn exposition(gauges: &StoreGauges, metrics: &Metrics) -> String {
             .get_or_create(&JobLabel {
                 job: job.to_string(),
             })
-            .set(*usd);
+            .set(usd.get());
     }
     registry.register("proteus_spend_usd", "Ledger total per job", spend);
 
@@ -171,7 +171,7 @@ mod tests {
             &StoreGauges {
                 jobs: vec![("running", 1), ("failed", 0)],
                 instances: vec![(("transient".into(), "us-east-1a/\"odd\"".into()), 2)],
-                spend: vec![(7, 0.25)],
+                spend: vec![(7, crate::market::Usd::new(0.25).unwrap())],
             },
             &m,
         );

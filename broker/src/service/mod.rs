@@ -172,7 +172,7 @@ pub struct Broker {
     status_cache: status_cache::StatusCache,
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
     /// change, so its ledger lines are written once, not on every tick.
-    pub(crate) final_bills: Mutex<HashMap<String, f64>>,
+    pub(crate) final_bills: Mutex<HashMap<String, crate::market::Usd>>,
     /// What the cloud reported and the store has not recorded yet (see
     /// `Broker::apply_cloud_events`).
     unrecorded_cloud_events: Mutex<std::collections::VecDeque<crate::cloud::CloudEvent>>,

@@ -13,7 +13,7 @@ use crate::engine::limits::{Held, Limits};
 use crate::engine::view::{FutureReads, TraceView};
 use crate::engine::work::{self, WorkingSpan};
 use crate::launcher::metadata::InstanceFacts;
-use crate::market::{Market, Timestamp, UsdPerHour};
+use crate::market::{Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind, Observation};
 use crate::policy::{
     Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
@@ -456,7 +456,7 @@ impl Broker {
             let ahead = BUDGET_LOOKAHEAD_SECS
                 .max(2.0 * self.settings.tick.as_secs_f64() * self.clock.speed());
             let data = self.market_data();
-            let running_on: f64 = instances
+            let running_on: Usd = instances
                 .iter()
                 .filter(|i| !i.state.is_final() && i.state != InstanceState::Terminating)
                 .filter_map(|i| {
@@ -467,10 +467,17 @@ impl Broker {
                 .sum();
             if spend >= budget || spend + running_on > budget {
                 let reason = if spend >= budget {
-                    format!("budget exhausted: spent ${spend:.2} of ${budget:.2}")
+                    format!(
+                        "budget exhausted: spent ${:.2} of ${:.2}",
+                        spend.get(),
+                        budget.get()
+                    )
                 } else {
                     format!(
-                        "budget reached: spent ${spend:.2} of ${budget:.2}; the next billing period would add ${running_on:.2}"
+                        "budget reached: spent ${:.2} of ${:.2}; the next billing period would add ${:.2}",
+                        spend.get(),
+                        budget.get(),
+                        running_on.get()
                     )
                 };
                 self.finish_job(job.id, JobState::Failed, &reason, now)
@@ -655,7 +662,7 @@ impl Broker {
         runtime: &Arc<std::sync::Mutex<JobRuntime>>,
         decision: Decision,
         instances: &[InstanceRow],
-        spend: f64,
+        spend: Usd,
         now: Timestamp,
     ) -> Result<Vec<(Market, String)>, ServiceError> {
         let mut released_any = false;
@@ -710,7 +717,9 @@ impl Broker {
                     && committed + period > b
                 {
                     held = Some(format!(
-                        "launches held: ${committed:.2} spent or committed of a ${b:.2} budget"
+                        "launches held: ${:.2} spent or committed of a ${:.2} budget",
+                        committed.get(),
+                        b.get()
                     ));
                     break;
                 }
@@ -971,16 +980,16 @@ impl Broker {
     }
 
     /// Recomputes the ledger lines of every instance of a job; returns the job's spend.
-    pub async fn refresh_ledger(&self, job: JobId, now: Timestamp) -> Result<f64, ServiceError> {
+    pub async fn refresh_ledger(&self, job: JobId, now: Timestamp) -> Result<Usd, ServiceError> {
         let billing: BillingModel = match self.runtime(job) {
             Some(r) => r.lock().unwrap_or_else(|e| e.into_inner()).valid.billing,
             None => match self.store.job(job).await? {
                 Some(j) => j.billing.parse().unwrap_or(self.settings.default_billing),
-                None => return Ok(0.0),
+                None => return Ok(Usd::ZERO),
             },
         };
         let data = self.market_data();
-        let mut total = 0.0;
+        let mut total = Usd::ZERO;
         for row in self.store.instances_of_job(job).await? {
             if row.launched.is_none() {
                 continue;
@@ -989,13 +998,13 @@ impl Broker {
             if ended {
                 let billed = self.final_bills.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(amount) = billed.get(&row.id) {
-                    total += amount;
+                    total += *amount;
                     continue;
                 }
             }
             match ledger::bill_instance(&row, now, billing, &data) {
                 Ok(lines) => {
-                    let amount = lines.iter().map(|l| l.amount_usd).sum::<f64>();
+                    let amount = lines.iter().map(|l| l.amount_usd).sum::<Usd>();
                     total += amount;
                     // Live instances are billed again every tick; ended ones once for good.
                     self.store
@@ -1048,7 +1057,7 @@ struct Consult<'a> {
     runtime: &'a Arc<std::sync::Mutex<JobRuntime>>,
     progress: JobProgress,
     fraction: f64,
-    spend: f64,
+    spend: Usd,
     now: Timestamp,
 }
 
@@ -1094,17 +1103,17 @@ fn first_period_cost(
     purchase: Purchase,
     billing: BillingModel,
     now: Timestamp,
-) -> f64 {
-    price_now(data, market, purchase.tier(), now) * billing.billed_hours(0.0)
+) -> Usd {
+    price_now(data, market, purchase.tier(), now).for_hours(billing.billed_hours(0.0))
 }
 
 /// What an hour of `market` on `tier` costs at `now`: its on-demand price, or the spot price.
-fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> f64 {
+fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> UsdPerHour {
     match tier {
-        Tier::Reliable => data.markets.on_demand(market).map(UsdPerHour::get),
+        Tier::Reliable => data.markets.on_demand(market),
         Tier::Transient => data.history.get(market).and_then(|s| s.price_at(now)),
     }
-    .unwrap_or(0.0)
+    .unwrap_or(UsdPerHour::ZERO)
 }
 
 /// How far ahead (market seconds, at least two ticks) a job's budget is checked against the
@@ -1148,7 +1157,11 @@ impl MarketView for LiveView<'_> {
     ) -> Result<Option<UsdPerHour>, ViewError> {
         self.inner.spot_price_at(market, at)
     }
-    fn mean_spot_price(&self, market: &Market, since: Timestamp) -> Result<Option<f64>, ViewError> {
+    fn mean_spot_price(
+        &self,
+        market: &Market,
+        since: Timestamp,
+    ) -> Result<Option<UsdPerHour>, ViewError> {
         self.inner.mean_spot_price(market, since)
     }
     fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour> {

@@ -17,7 +17,7 @@
 
 use crate::billing::BillingModel;
 use crate::job::WorkModelSpec;
-use crate::market::{InstanceType, Timestamp};
+use crate::market::{InstanceType, Timestamp, Usd};
 use proteus_wire::agent_api::{
     AppConfig, CommandConfig, CommandLauncher, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK,
     Parallelism, StopCondition, SyncModel, TrainingConfig,
@@ -388,7 +388,7 @@ pub struct ValidJob {
     pub max_instances: u32,
     pub max_reliable_instances: u32,
     pub max_capacity: Option<f64>,
-    pub budget_usd: Option<f64>,
+    pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub work: WorkSpec,
 }
@@ -540,14 +540,20 @@ impl JobSpec {
                 "must be a positive number of work units per hour",
             ));
         }
-        if let Some(b) = limits.budget_usd
-            && !(b.is_finite() && b > 0.0)
-        {
-            return Err(bad(
-                "limits.budget_usd",
-                "must be a positive number of dollars",
-            ));
-        }
+        // Checked here rather than by `Usd`'s own deserialisation, so that an infinite budget
+        // (TOML has `inf`) gets the same message, with the field, as a negative one.
+        let budget_usd = match limits.budget_usd {
+            None => None,
+            Some(b) => match Usd::new(b) {
+                Ok(b) if b > Usd::ZERO => Some(b),
+                _ => {
+                    return Err(bad(
+                        "limits.budget_usd",
+                        "must be a positive number of dollars",
+                    ));
+                }
+            },
+        };
         let deadline = match (&limits.deadline, limits.deadline_hours) {
             (Some(_), Some(_)) => {
                 return Err(bad(
@@ -631,7 +637,7 @@ impl JobSpec {
             max_instances: limits.max_instances,
             max_reliable_instances: max_reliable,
             max_capacity: limits.max_capacity,
-            budget_usd: limits.budget_usd,
+            budget_usd,
             deadline,
             work,
         })

@@ -14,7 +14,7 @@
 //! must be read, one request per job reads it; the others wait for it.
 
 use super::ServiceError;
-use crate::market::Timestamp;
+use crate::market::{Timestamp, Usd};
 use crate::store::{Cooldown, InstanceRow, JobRow, Store};
 use proteus_wire::JobId;
 use std::collections::HashMap;
@@ -33,7 +33,7 @@ const CAPACITY: usize = 4096;
 pub struct JobRecord {
     pub job: JobRow,
     pub instances: Vec<InstanceRow>,
-    pub spend_usd: f64,
+    pub spend_usd: Usd,
     /// Market cool-downs in force when read; filter by `until` again when shown.
     pub cooldowns: Vec<Cooldown>,
     /// The job's sync model as shown, from its spec (which never changes).
@@ -183,7 +183,7 @@ mod tests {
                 work: Default::default(),
             },
             instances: vec![],
-            spend_usd: 0.0,
+            spend_usd: Usd::ZERO,
             cooldowns: vec![],
             sync: "bsp".into(),
         })

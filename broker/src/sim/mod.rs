@@ -26,7 +26,7 @@ use crate::engine::progress::JobWork;
 use crate::engine::view::{FutureReads, TraceMarkets, TraceView};
 use crate::engine::work::WorkingSpan;
 use crate::job::JobModel;
-use crate::market::{Market, Timestamp};
+use crate::market::{Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{MarketModel, Observation};
 use crate::policy::{
     Decision, DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, Policy,
@@ -168,7 +168,7 @@ pub struct RunResult {
     pub start: Timestamp,
     pub end: Timestamp,
     pub runtime_hours: f64,
-    pub cost_usd: f64,
+    pub cost_usd: Usd,
     /// Instances the provider took away.
     pub evictions: u32,
     /// Distinct times at which the provider took instances away.
@@ -183,7 +183,7 @@ pub struct RunResult {
     /// Instance-hours inside free partial hours (`hourly-2015`, provider-ended).
     pub free_instance_hours: f64,
     /// What those free hours would have been charged had the user ended them.
-    pub free_value_usd: f64,
+    pub free_value_usd: Usd,
     /// Units of work lost to evictions (and redone).
     pub lost_work: f64,
     /// Units the instances could have done had they worked every second they ran
@@ -197,7 +197,7 @@ pub struct RunResult {
     /// Where capacity (rate × instance-hours) did no useful work, in units.
     pub overheads: Overheads,
     /// Cost per type, USD.
-    pub cost_by_type: BTreeMap<String, f64>,
+    pub cost_by_type: BTreeMap<String, Usd>,
     /// Instance-hours per type.
     pub hours_by_type: BTreeMap<String, f64>,
     /// [`crate::engine::digest`] of the run's launches and how they ended: the live broker
@@ -232,16 +232,16 @@ pub struct Overheads {
 pub struct InstanceRecord {
     pub market: String,
     pub tier: Tier,
-    pub bid: Option<f64>,
+    pub bid: Option<UsdPerHour>,
     pub launch: Timestamp,
     pub end: Timestamp,
     pub ended_by: EndedBy,
-    pub price_at_launch: Option<f64>,
+    pub price_at_launch: Option<UsdPerHour>,
     /// The model's eviction probability within its horizon at launch.
     pub predicted_probability: Option<f64>,
     /// The model's expected running time within its horizon at launch, seconds.
     pub predicted_secs: Option<f64>,
-    pub cost_usd: f64,
+    pub cost_usd: Usd,
 }
 
 /// Simulates `policy` running the scenario's job from `start`.
@@ -660,11 +660,11 @@ impl<'a> Engine<'a> {
                         failures.push((acq.market.clone(), "no spot price in this market".into()));
                         continue;
                     };
-                    if price > bid.get() {
+                    if price > bid {
                         self.failed_launches += 1;
                         failures.push((
                             acq.market.clone(),
-                            format!("bid {bid} is below the price ${price:.4}/h"),
+                            format!("bid {bid} is below the price {price}"),
                         ));
                         continue;
                     }
@@ -701,7 +701,7 @@ impl<'a> Engine<'a> {
                 let predicted = match (self.options.record_decisions, acq.purchase, price) {
                     (true, Purchase::Spot { bid }, Some(p)) => self
                         .model
-                        .eviction(&acq.market, bid.get() - p, 3600.0, now)
+                        .eviction(&acq.market, bid.get() - p.get(), 3600.0, now)
                         .ok()
                         .map(|e| (e.probability, e.expected_secs)),
                     _ => None,
@@ -734,7 +734,7 @@ impl<'a> Engine<'a> {
             start: self.start,
             end: done_at,
             runtime_hours: done_at.secs_since(self.start) / 3600.0,
-            cost_usd: 0.0,
+            cost_usd: Usd::ZERO,
             evictions: self.evictions,
             eviction_events: self.eviction_events,
             launches: self.launches,
@@ -743,7 +743,7 @@ impl<'a> Engine<'a> {
             instance_hours_reliable: 0.0,
             instance_hours_transient: 0.0,
             free_instance_hours: 0.0,
-            free_value_usd: 0.0,
+            free_value_usd: Usd::ZERO,
             lost_work: self.work.lost(),
             capacity_units: 0.0,
             paid_capacity_units: 0.0,
@@ -782,11 +782,12 @@ impl<'a> Engine<'a> {
             };
             let items = self.sc.billing.bill(e.launch, e.end, e.by, source)?;
             let hours = e.end.secs_since(e.launch) / 3600.0;
-            let cost: f64 = items.iter().map(|i| i.amount_usd).sum();
+            let cost: Usd = items.iter().map(|i| i.amount_usd).sum();
             for item in &items {
                 if item.free {
                     r.free_instance_hours += item.used_hours();
-                    r.free_value_usd += item.price_usd_per_hour;
+                    // The free period is an hour (only `hourly-2015` has them).
+                    r.free_value_usd += item.price_usd_per_hour.for_hours(1.0);
                     r.free_capacity_units += e.rate * item.used_hours();
                 } else {
                     r.paid_capacity_units += e.rate * item.billed_seconds / 3600.0;
@@ -805,7 +806,7 @@ impl<'a> Engine<'a> {
                 r.instances.push(InstanceRecord {
                     market: e.market.to_string(),
                     tier: e.purchase.tier(),
-                    bid: e.purchase.bid().map(|b| b.get()),
+                    bid: e.purchase.bid(),
                     launch: e.launch,
                     end: e.end,
                     ended_by: e.by,

@@ -2,7 +2,7 @@
 
 use super::{RunOptions, RunResult, Scenario, SimError, run};
 use crate::engine::view::FutureReads;
-use crate::market::Timestamp;
+use crate::market::{Timestamp, Usd};
 use crate::policy::{Policy, PolicyKind, PolicyLoadError, PolicySpec};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -168,9 +168,9 @@ pub struct PolicySummary {
     pub policy: String,
     pub kind: PolicyKind,
     pub runs: usize,
-    pub median_cost_usd: f64,
-    pub p10_cost_usd: f64,
-    pub p90_cost_usd: f64,
+    pub median_cost_usd: Usd,
+    pub p10_cost_usd: Usd,
+    pub p90_cost_usd: Usd,
     pub median_runtime_hours: f64,
     pub p10_runtime_hours: f64,
     pub p90_runtime_hours: f64,
@@ -223,11 +223,11 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
         .filter(|runs| !runs.is_empty())
         .map(|runs| {
             let col = |f: &dyn Fn(&RunResult) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
-            let costs = col(&|r| r.cost_usd);
+            let costs = col(&|r| r.cost_usd.get());
             let times = col(&|r| r.runtime_hours);
             let ratio_of_medians = |base: Option<&Vec<RunResult>>| {
                 base.map(|b| {
-                    let base: Vec<f64> = b.iter().map(|r| r.cost_usd).collect();
+                    let base: Vec<f64> = b.iter().map(|r| r.cost_usd.get()).collect();
                     percentile(&costs, 50.0) / percentile(&base, 50.0)
                 })
             };
@@ -242,9 +242,10 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 decisions_digest: (runs.len() == 1).then(|| runs[0].decisions_digest.clone()),
                 kind: runs[0].kind,
                 runs: runs.len(),
-                median_cost_usd: percentile(&costs, 50.0),
-                p10_cost_usd: percentile(&costs, 10.0),
-                p90_cost_usd: percentile(&costs, 90.0),
+                // A percentile of amounts is one of them or between two: an amount.
+                median_cost_usd: Usd::computed(percentile(&costs, 50.0)),
+                p10_cost_usd: Usd::computed(percentile(&costs, 10.0)),
+                p90_cost_usd: Usd::computed(percentile(&costs, 90.0)),
                 median_runtime_hours: percentile(&times, 50.0),
                 p10_runtime_hours: percentile(&times, 10.0),
                 p90_runtime_hours: percentile(&times, 90.0),
@@ -258,8 +259,8 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                     50.0,
                 ),
                 median_free_instance_hours: percentile(&col(&|r| r.free_instance_hours), 50.0),
-                cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd),
-                cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd),
+                cost_ratio_vs_on_demand: ratio(od, &|r| r.cost_usd.get()),
+                cost_ratio_vs_standard: ratio(sb, &|r| r.cost_usd.get()),
                 runtime_ratio_vs_standard: ratio(sb, &|r| r.runtime_hours),
                 median_cost_ratio_vs_on_demand: ratio_of_medians(od),
                 median_cost_ratio_vs_standard: ratio_of_medians(sb),
@@ -268,7 +269,7 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                     50.0,
                 ),
                 median_usd_per_paid_unit_hour: percentile(
-                    &col(&|r| r.cost_usd / r.paid_capacity_units.max(1e-9)),
+                    &col(&|r| (r.cost_usd / r.paid_capacity_units.max(1e-9)).get()),
                     50.0,
                 ),
                 median_paid_share: percentile(

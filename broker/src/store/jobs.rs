@@ -5,7 +5,7 @@
 //! broker can rebuild its view from here and the cloud's tags.
 
 use super::{Context, Store, StoreError, with_db};
-use crate::market::{InstanceType, Market, Product, Timestamp, UsdPerHour, Zone};
+use crate::market::{InstanceType, Market, Product, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_wire::{JobId, Tier};
 use serde::Serialize;
 use std::fmt;
@@ -87,7 +87,7 @@ pub struct JobRow {
     pub billing: String,
     pub state: JobState,
     pub state_reason: Option<String>,
-    pub budget_usd: Option<f64>,
+    pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub progress: f64,
     pub metric: Option<String>,
@@ -116,7 +116,7 @@ pub struct NewJob {
     pub spec: String,
     pub policy: String,
     pub billing: String,
-    pub budget_usd: Option<f64>,
+    pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub created: Timestamp,
 }
@@ -225,8 +225,8 @@ pub struct LedgerLine {
     pub instance_id: String,
     pub start: Timestamp,
     pub end: Timestamp,
-    pub usd_per_hour: f64,
-    pub amount_usd: f64,
+    pub usd_per_hour: UsdPerHour,
+    pub amount_usd: Usd,
     pub free: bool,
 }
 
@@ -275,7 +275,11 @@ fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
         billing: t.billing,
         state: t.state.parse()?,
         state_reason: t.state_reason,
-        budget_usd: t.budget_usd,
+        budget_usd: t
+            .budget_usd
+            .map(Usd::new)
+            .transpose()
+            .map_err(|e| StoreError::Invalid(format!("stored job {}: budget: {e}", t.id)))?,
         deadline: t.deadline_ms.map(Timestamp::from_millis),
         progress: t.progress,
         metric: t.metric,
@@ -357,7 +361,7 @@ impl Store {
             .bind(&job.spec)
             .bind(&job.policy)
             .bind(&job.billing)
-            .bind(job.budget_usd)
+            .bind(job.budget_usd.map(Usd::get))
             .bind(job.deadline.map(|t| t.millis()))
             .bind(job.created.millis())
             .fetch_one(pool)
@@ -808,8 +812,8 @@ impl Store {
                 .bind(instance_id)
                 .bind(l.start.millis())
                 .bind(l.end.millis())
-                .bind(l.usd_per_hour)
-                .bind(l.amount_usd)
+                .bind(l.usd_per_hour.get())
+                .bind(l.amount_usd.get())
                 .bind(i64::from(l.free))
                 .execute(&mut *tx)
                 .await
@@ -831,21 +835,25 @@ impl Store {
             .await
             .context("reading a job's ledger")?
         });
-        Ok(rows
-            .into_iter()
-            .map(|(instance_id, s, e, rate, amount, free)| LedgerLine {
-                instance_id,
-                start: Timestamp::from_millis(s),
-                end: Timestamp::from_millis(e),
-                usd_per_hour: rate,
-                amount_usd: amount,
-                free: free != 0,
+        rows.into_iter()
+            .map(|(instance_id, s, e, rate, amount, free)| {
+                let bad = |e: crate::market::InvalidValue| {
+                    StoreError::Invalid(format!("ledger line of instance {instance_id}: {e}"))
+                };
+                Ok(LedgerLine {
+                    usd_per_hour: UsdPerHour::new(rate).map_err(bad)?,
+                    amount_usd: Usd::new(amount).map_err(bad)?,
+                    instance_id,
+                    start: Timestamp::from_millis(s),
+                    end: Timestamp::from_millis(e),
+                    free: free != 0,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Total spend per job, from the ledger.
-    pub async fn spend_of_job(&self, job: JobId) -> Result<f64, StoreError> {
+    pub async fn spend_of_job(&self, job: JobId) -> Result<Usd, StoreError> {
         let total: Option<f64> = with_db!(self, |pool| {
             sqlx::query_scalar("SELECT SUM(amount_usd) FROM ledger_lines WHERE job_id = $1")
                 .bind(job.0)
@@ -853,7 +861,8 @@ impl Store {
                 .await
                 .context("summing a job's spend")?
         });
-        Ok(total.unwrap_or(0.0))
+        Usd::new(total.unwrap_or(0.0))
+            .map_err(|e| StoreError::Invalid(format!("spend of job {job}: {e}")))
     }
 
     pub async fn set_cooldown(&self, c: &Cooldown) -> Result<(), StoreError> {

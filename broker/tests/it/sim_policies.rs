@@ -4,7 +4,7 @@ use proptest::prelude::*;
 use proteus_broker::billing::{BillingModel, EndedBy, PriceSource};
 use proteus_broker::engine::view::{FutureReads, TraceView};
 use proteus_broker::job::{JobModel, WorkModelSpec};
-use proteus_broker::market::{InstanceType, Market, Region, Timestamp, UsdPerHour};
+use proteus_broker::market::{InstanceType, Market, Region, Timestamp, Usd, UsdPerHour};
 use proteus_broker::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
@@ -147,7 +147,7 @@ fn on_demand_cost_is_instance_hours_times_price_exactly() {
             BillingModel::PerSecond => 8.0 * life_hours * 0.21,
         };
         assert!(
-            (r.cost_usd - expected).abs() < 1e-9,
+            (r.cost_usd.get() - expected).abs() < 1e-9,
             "{billing}: {} vs {expected} ({life_hours} h)",
             r.cost_usd
         );
@@ -263,7 +263,7 @@ fn same_seed_same_result_and_threads_do_not_matter() {
                     r.policy.clone(),
                     r.start,
                     r.end,
-                    r.cost_usd.to_bits(),
+                    r.cost_usd.get().to_bits(),
                     r.evictions,
                 )
             })
@@ -313,7 +313,7 @@ fn policies_never_read_the_future_on_the_2015_trace() {
         record_decisions: false,
     };
     let results = run_sweep(&sc, &entries, &starts, &options, &|| {}).unwrap();
-    assert!(results.iter().flatten().all(|r| r.cost_usd > 0.0));
+    assert!(results.iter().flatten().all(|r| r.cost_usd > Usd::ZERO));
 }
 
 /// The trace with every price after `cut` replaced by something else entirely.
@@ -439,7 +439,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         &options,
     )
     .unwrap();
-    let mut total = 0.0;
+    let mut total = Usd::ZERO;
     for inst in &r.instances {
         let market = Market::parse(&inst.market).unwrap();
         let series = history.get(&market).unwrap();
@@ -450,8 +450,8 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         let items = BillingModel::Hourly2015
             .bill(inst.launch, inst.end, inst.ended_by, source)
             .unwrap();
-        let cost: f64 = items.iter().map(|i| i.amount_usd).sum();
-        assert!((cost - inst.cost_usd).abs() < 1e-12);
+        let cost: Usd = items.iter().map(|i| i.amount_usd).sum();
+        assert!((cost - inst.cost_usd).abs().get() < 1e-12);
         if inst.ended_by == EndedBy::Provider {
             assert!(
                 items
@@ -461,7 +461,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         }
         total += cost;
     }
-    assert!((total - r.cost_usd).abs() < 1e-9);
+    assert!((total - r.cost_usd).abs().get() < 1e-9);
 }
 
 proptest! {
@@ -499,10 +499,10 @@ proptest! {
         let start = Timestamp::from_millis(T0 + 3 * 24 * H + (seed as i64 % 24) * H);
         let options = RunOptions { seed, future_reads: FutureReads::Panic, record_decisions: true };
         let r = run(&sc, p.as_mut(), start, &options).unwrap();
-        prop_assert!(r.cost_usd >= 0.0);
-        prop_assert!(r.instances.iter().all(|i| i.cost_usd >= 0.0));
+        prop_assert!(r.cost_usd >= Usd::ZERO);
+        prop_assert!(r.instances.iter().all(|i| i.cost_usd >= Usd::ZERO));
         prop_assert!(r.runtime_hours > 0.0);
-        prop_assert!(r.free_instance_hours >= 0.0 && r.free_value_usd >= 0.0);
+        prop_assert!(r.free_instance_hours >= 0.0 && r.free_value_usd >= Usd::ZERO);
         prop_assert!(r.lost_work >= 0.0);
         let o = r.overheads;
         prop_assert!(o.startup >= 0.0 && o.warned >= 0.0 && o.stalled >= -1e-9 && o.idle >= -1e-9);

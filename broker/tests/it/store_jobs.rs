@@ -6,11 +6,11 @@
 
 use crate::on_both_backends;
 use crate::support::TestDb;
-use proteus_broker::market::{Market, Timestamp, UsdPerHour, Zone};
+use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_broker::policy::Purchase;
 use proteus_broker::store::{
-    Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine, NewJob, Store,
-    WorkRecord,
+    Backend, Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
+    NewJob, Store, WorkRecord,
 };
 use proteus_wire::{JobId, Tier};
 
@@ -34,6 +34,7 @@ on_both_backends!(
     events_of_job_are_the_jobs_in_insertion_order,
     replace_ledger_lines_replaces_one_instance_all_or_nothing,
     ledger_of_job_and_spend_of_job_are_per_job,
+    non_finite_money_in_a_row_is_refused_where_it_is_read,
     cooldowns_upsert_and_expire,
     the_first_api_token_hash_stays,
 );
@@ -50,7 +51,7 @@ fn new_job(name: &str, created: Timestamp) -> NewJob {
         spec: format!("{{\"name\":\"{name}\"}}"),
         policy: "bidbrain".to_string(),
         billing: "per-second".to_string(),
-        budget_usd: Some(12.5),
+        budget_usd: Some(Usd::new(12.5).unwrap()),
         deadline: Some(Timestamp::from_millis(created.millis() + 86_400_000)),
         created,
     }
@@ -106,11 +107,13 @@ fn line(instance: &str, start: i64, end: i64, rate: f64, free: bool) -> LedgerLi
         instance_id: instance.to_string(),
         start: t(start),
         end: t(end),
-        usd_per_hour: rate,
+        usd_per_hour: UsdPerHour::new(rate).unwrap(),
         amount_usd: if free {
-            0.0
+            Usd::ZERO
         } else {
-            rate * (end - start) as f64 / 3600.0
+            UsdPerHour::new(rate)
+                .unwrap()
+                .for_secs((end - start) as f64)
         },
         free,
     }
@@ -134,7 +137,7 @@ async fn create_job_and_job_round_trip_every_field(db: TestDb) {
     assert_eq!(ja.billing, "per-second");
     assert_eq!(ja.state, JobState::Pending);
     assert_eq!(ja.state_reason, None);
-    assert_eq!(ja.budget_usd, Some(12.5));
+    assert_eq!(ja.budget_usd.map(Usd::get), Some(12.5));
     assert_eq!(
         ja.deadline,
         Some(Timestamp::from_millis(t(5).millis() + 86_400_000))
@@ -941,6 +944,44 @@ async fn replace_ledger_lines_replaces_one_instance_all_or_nothing(db: TestDb) {
     assert_eq!(s.ledger_of_job(job).await.unwrap(), a2);
 }
 
+/// The money columns are bare floating-point numbers, which can hold what `Usd` refuses
+/// (Postgres stores `Infinity`, SQLite `1e999`): such a row is an error that says which row
+/// and why, where it is read, rather than an amount that poisons every sum made from it.
+async fn non_finite_money_in_a_row_is_refused_where_it_is_read(db: TestDb) {
+    let s = &db.store;
+    let job = job_of(s, "a").await;
+    running(s, "i-a", job, 0).await;
+    s.replace_ledger_lines(job, "i-a", &[line("i-a", 0, 3600, 0.25, false)])
+        .await
+        .unwrap();
+    let inf = match s.backend() {
+        Backend::Postgres => "'Infinity'::float8",
+        Backend::Sqlite => "1e999",
+    };
+    s.execute_admin(&format!("UPDATE ledger_lines SET amount_usd = {inf}"))
+        .await
+        .unwrap();
+    let err = s.ledger_of_job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains("ledger line of instance i-a")
+            && err.contains("not a finite number of dollars"),
+        "{err}"
+    );
+    let err = s.spend_of_job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("spend of job {job}")) && err.contains("not a finite number"),
+        "{err}"
+    );
+    s.execute_admin(&format!("UPDATE jobs SET budget_usd = -{inf}"))
+        .await
+        .unwrap();
+    let err = s.job(job).await.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("stored job {job}: budget")) && err.contains("not a finite number"),
+        "{err}"
+    );
+}
+
 async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
     let s = &db.store;
     let a = job_of(s, "a").await;
@@ -981,15 +1022,15 @@ async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
         ]
     );
     assert_eq!(ledger[1].end, t(3600));
-    assert_eq!(ledger[1].usd_per_hour, 0.25);
+    assert_eq!(ledger[1].usd_per_hour.get(), 0.25);
 
     let spend_a = s.spend_of_job(a).await.unwrap();
     assert!(
-        (spend_a - (0.25 + 0.25)).abs() < 1e-12,
+        (spend_a.get() - (0.25 + 0.25)).abs() < 1e-12,
         "spend of a: {spend_a}"
     );
-    assert!((s.spend_of_job(b).await.unwrap() - 4.0).abs() < 1e-12);
-    assert_eq!(s.spend_of_job(empty).await.unwrap(), 0.0);
+    assert!((s.spend_of_job(b).await.unwrap().get() - 4.0).abs() < 1e-12);
+    assert_eq!(s.spend_of_job(empty).await.unwrap(), Usd::ZERO);
     assert!(s.ledger_of_job(empty).await.unwrap().is_empty());
 }
 
