@@ -620,7 +620,7 @@ mod tests {
                 items[0].price_usd_per_hour,
                 items[0].billed_seconds
             ),
-            (Timestamp::from_millis(30 * M + 1), 0.30, 599.999)
+            (Timestamp::from_millis(30 * M + 1), usd(0.30), 599.999)
         );
     }
 
