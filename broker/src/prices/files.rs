@@ -629,6 +629,44 @@ mod tests {
     }
 
     #[test]
+    fn files_are_read_plain_or_gzipped_whatever_their_name() {
+        use flate2::{Compression, write::GzEncoder};
+        use std::io::Write;
+        let text = "timestamp,availability_zone,instance_type,product_description,spot_price\n\
+                    2015-03-11T10:34:42Z,us-east-1a,c3.xlarge,Linux/UNIX,0.5\n\
+                    2015-03-11T11:00:00Z,us-east-1a,c3.xlarge,Linux/UNIX,0.25\n";
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("prices.csv.gz");
+        std::fs::write(&plain, text).unwrap();
+        let mut enc = GzEncoder::new(Vec::new(), Compression::fast());
+        enc.write_all(text.as_bytes()).unwrap();
+        let gz = dir.path().join("prices.csv");
+        std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+        for path in [&plain, &gz] {
+            assert_eq!(read_maybe_gzipped(path).unwrap(), text.as_bytes());
+            let rows = read_spot_file(path).unwrap();
+            let prices: Vec<f64> = rows.iter().map(|r| r.price.get()).collect();
+            assert_eq!(prices, [0.5, 0.25], "{}", path.display());
+        }
+        let missing = dir.path().join("nope.csv");
+        let err = read_spot_file(&missing).unwrap_err().to_string();
+        assert!(err.starts_with(&missing.display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn a_row_csv_cannot_read_is_reported_at_its_line() {
+        let region = Region::parse("us-east-1").unwrap();
+        let err = parse_on_demand_bytes(
+            Path::new("od.csv"),
+            b"instance_type,on_demand_usd_per_hour\nc3.xlarge,0.21\nm3.medium,0.0\xff67\n",
+            &region,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with("od.csv:3:"), "{err}");
+    }
+
+    #[test]
     fn on_demand_fills_vcpus_from_the_catalog() {
         let region = Region::parse("us-east-1").unwrap();
         let offers = parse_on_demand_bytes(
