@@ -1,13 +1,15 @@
 //! The limits a job's footprint is held to, the same in the simulator and the live scheduler:
 //! instances at once, reliable (on-demand) instances at once, and capacity in work units per
-//! hour. Money and time limits (budget, deadline) need the ledger and the wall, and live in
-//! the live driver.
+//! hour. A job's [`Budget`] is judged here too, on the figures only the live driver has (the
+//! ledger's spend, what its instances' next billing periods add); the deadline is a time the
+//! driver compares with its clock.
 //!
 //! What counts as held: every instance that is not warned and not gone. A warned instance is
 //! leaving (it hands its work over and is taken at its deadline), so its replacement may be
 //! bought during the notice — the point of a two-minute warning.
 
 use crate::job::JobModel;
+use crate::market::Usd;
 use crate::policy::PolicyKind;
 use proteus_wire::Tier;
 
@@ -70,6 +72,46 @@ impl Held {
     }
 }
 
+/// What a job may spend. The job ends *before* the billing period that would take its spend
+/// past the budget (the driver may not look again until some market time has passed), and a
+/// launch is held back when its first billing period would.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget(pub Usd);
+
+impl Budget {
+    /// Why the job must end now, if it must: `spent` reaches the budget, or keeping its
+    /// instances on would pass it (`running_on`: what their next billing periods add).
+    pub fn ends_job(self, spent: Usd, running_on: Usd) -> Option<String> {
+        let budget = self.0.get();
+        if spent >= self.0 {
+            Some(format!(
+                "budget exhausted: spent ${:.2} of ${budget:.2}",
+                spent.get()
+            ))
+        } else if spent + running_on > self.0 {
+            Some(format!(
+                "budget reached: spent ${:.2} of ${budget:.2}; the next billing period would add ${:.2}",
+                spent.get(),
+                running_on.get()
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Why a launch whose first billing period costs `period` is held back, if it is: beside
+    /// what is spent or already committed to other launches, it would pass the budget.
+    pub fn holds_launch(self, committed: Usd, period: Usd) -> Option<String> {
+        (committed + period > self.0).then(|| {
+            format!(
+                "launches held: ${:.2} spent or committed of a ${:.2} budget",
+                committed.get(),
+                self.0.get()
+            )
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +149,44 @@ mod tests {
             l.room(&held, Tier::Transient, 2.0, 1),
             1,
             "never more than asked"
+        );
+    }
+
+    #[test]
+    fn a_budget_ends_the_job_before_the_period_that_would_pass_it() {
+        let usd = |v: f64| Usd::new(v).unwrap();
+        let b = Budget(usd(10.0));
+        assert_eq!(
+            b.ends_job(usd(9.0), usd(1.0)),
+            None,
+            "exactly the budget is allowed"
+        );
+        assert_eq!(b.ends_job(usd(9.0), usd(0.5)), None);
+        assert_eq!(
+            b.ends_job(usd(9.0), usd(1.5)).as_deref(),
+            Some("budget reached: spent $9.00 of $10.00; the next billing period would add $1.50")
+        );
+        for spent in [10.0, 12.0] {
+            assert_eq!(
+                b.ends_job(usd(spent), Usd::ZERO).as_deref(),
+                Some(format!("budget exhausted: spent ${spent:.2} of $10.00").as_str())
+            );
+        }
+    }
+
+    #[test]
+    fn a_launch_is_held_when_its_first_period_would_pass_the_budget() {
+        let usd = |v: f64| Usd::new(v).unwrap();
+        let b = Budget(usd(10.0));
+        assert_eq!(
+            b.holds_launch(usd(9.5), usd(0.5)),
+            None,
+            "exactly the budget fits"
+        );
+        assert_eq!(b.holds_launch(usd(2.0), usd(0.5)), None);
+        assert_eq!(
+            b.holds_launch(usd(9.5), usd(0.75)).as_deref(),
+            Some("launches held: $9.50 spent or committed of a $10.00 budget")
         );
     }
 

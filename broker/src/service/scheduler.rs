@@ -9,7 +9,7 @@ use super::{Broker, JobRuntime, MarketData, Pacing, PendingEvents, ServiceError,
 use crate::billing::BillingModel;
 use crate::cloud::{CloudEvent, LaunchSpec};
 use crate::engine::NOTICE_SECS;
-use crate::engine::limits::{Held, Limits};
+use crate::engine::limits::{Budget, Held, Limits};
 use crate::engine::view::{FutureReads, TraceView};
 use crate::engine::work::{self, WorkingSpan};
 use crate::launcher::metadata::InstanceFacts;
@@ -465,21 +465,7 @@ impl Broker {
                     Some(billing.cost_of_running_on(price, launched, now, ahead))
                 })
                 .sum();
-            if spend >= budget || spend + running_on > budget {
-                let reason = if spend >= budget {
-                    format!(
-                        "budget exhausted: spent ${:.2} of ${:.2}",
-                        spend.get(),
-                        budget.get()
-                    )
-                } else {
-                    format!(
-                        "budget reached: spent ${:.2} of ${:.2}; the next billing period would add ${:.2}",
-                        spend.get(),
-                        budget.get(),
-                        running_on.get()
-                    )
-                };
+            if let Some(reason) = Budget(budget).ends_job(spend, running_on) {
                 self.finish_job(job.id, JobState::Failed, &reason, now)
                     .await?;
                 return Ok(());
@@ -713,14 +699,9 @@ impl Broker {
                     break;
                 }
                 let period = first_period_cost(&data, &acq.market, acq.purchase, billing, now);
-                if let Some(b) = budget
-                    && committed + period > b
+                if let Some(reason) = budget.and_then(|b| Budget(b).holds_launch(committed, period))
                 {
-                    held = Some(format!(
-                        "launches held: ${:.2} spent or committed of a ${:.2} budget",
-                        committed.get(),
-                        b.get()
-                    ));
+                    held = Some(reason);
                     break;
                 }
                 match self
