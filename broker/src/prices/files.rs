@@ -651,6 +651,16 @@ mod tests {
         let missing = dir.path().join("nope.csv");
         let err = read_spot_file(&missing).unwrap_err().to_string();
         assert!(err.starts_with(&missing.display().to_string()), "{err}");
+
+        let od = dir.path().join("on-demand.csv");
+        std::fs::write(
+            &od,
+            "instance_type,on_demand_usd_per_hour\nc3.xlarge,0.21\n",
+        )
+        .unwrap();
+        let offers = read_on_demand_file(&od, &Region::parse("us-east-1").unwrap()).unwrap();
+        assert_eq!(offers.len(), 1);
+        assert_eq!(offers[0].on_demand.get(), 0.21);
     }
 
     #[test]

@@ -754,6 +754,51 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
             "{endpoint}: the live instance: {status}"
         );
     }
+
+    // An id no cloud gives (a NUL in it, which Postgres cannot even look up): no such
+    // instance, so a valid token is somebody else's. Refused, not a server error.
+    let (status, body) = s
+        .call(
+            reqwest::Method::POST,
+            "/v1/agents/i-%00x/heartbeat",
+            Some(b_token),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(status, 403, "{body}");
+
+    // A registration must say where the agent's peers reach it: a `host:port`, nothing else.
+    let register = |addr: String| json!({"instance_id": b_cloud, "data_addr": addr, "vcpus": 2});
+    for bad in [
+        String::new(),
+        "127.0.0.1 :9".to_string(),
+        "127.0.0.1:9\n".to_string(),
+        format!("{}:9", "h".repeat(255)),
+    ] {
+        let (status, body) = s
+            .call(
+                reqwest::Method::POST,
+                "/v1/agents/register",
+                Some(b_token),
+                Some(register(bad.clone())),
+            )
+            .await;
+        assert_eq!(
+            (status, body["field"].as_str()),
+            (422, Some("data_addr")),
+            "{bad:?}: {body}"
+        );
+    }
+    let longest = format!("{}:9", "h".repeat(254));
+    let (status, body) = s
+        .call(
+            reqwest::Method::POST,
+            "/v1/agents/register",
+            Some(b_token),
+            Some(register(longest)),
+        )
+        .await;
+    assert_eq!(status, 200, "a 256-character address is fine: {body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
