@@ -696,5 +696,29 @@ mod tests {
             err.to_string(),
             "od.csv:2: field `vcpus`: `four` is not a positive whole number"
         );
+
+        // Given columns win over the catalog, and must be positive (and finite).
+        let parse = |vcpus: &str, memory: &str| {
+            let text = format!(
+                "instance_type,vcpus,memory_gib,on_demand_usd_per_hour\nc3.xlarge,{vcpus},{memory},0.21\n"
+            );
+            parse_on_demand_bytes(Path::new("od.csv"), text.as_bytes(), &region)
+                .map(|o| (o[0].vcpus, o[0].memory_gib))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(parse("8", "15.5"), Ok((Some(8), Some(15.5))));
+        assert_eq!(parse("1", "0.5"), Ok((Some(1), Some(0.5))));
+        assert_eq!(
+            parse("0", "15.5"),
+            Err("od.csv:2: field `vcpus`: `0` is not a positive whole number".into())
+        );
+        for memory in ["0", "-1", "inf"] {
+            assert_eq!(
+                parse("8", memory),
+                Err(format!(
+                    "od.csv:2: field `memory_gib`: `{memory}` is not a positive number"
+                )),
+            );
+        }
     }
 }
