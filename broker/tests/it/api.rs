@@ -723,7 +723,7 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
         agents.push((row.id, cloud_id, token));
     }
     let (a_row, a_cloud, a_token) = &agents[0];
-    let (_, b_cloud, b_token) = &agents[1];
+    let (b_row, b_cloud, b_token) = &agents[1];
 
     for (endpoint, status) in agent_endpoints(&s, a_cloud, a_token).await {
         assert!(
@@ -754,6 +754,13 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
             "{endpoint}: the live instance: {status}"
         );
     }
+    // Its events were logged; a rebalance recommendation is not a warning.
+    let row = s.broker.store().instance(b_row).await.unwrap().unwrap();
+    assert_eq!(
+        (row.state, row.warned),
+        (proteus_broker::store::InstanceState::Running, None),
+        "{row:?}"
+    );
 
     // An id no cloud gives (a NUL in it, which Postgres cannot even look up): no such
     // instance, so a valid token is somebody else's. Refused, not a server error.
