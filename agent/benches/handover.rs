@@ -11,13 +11,17 @@
 //! separately. A run in which the coordinator never hears of the warning, training was not
 //! running when it came, or the shard is never served elsewhere fails the benchmark (non-zero
 //! exit); a missed target exits 1.
+//!
+//! `SYNC=bsp` trains under BSP instead of the default (FlexRR), to see what FlexRR's hand-over
+//! costs: a warned FlexRR worker first gives the rest of its clock to its helpers and tells the
+//! broker once they have pushed it, so that nobody recomputes a range a helper holds.
 
 mod common;
 
 use proteus_agent::testing::TestCoordinator;
 use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};
 use proteus_wire::Tier;
-use proteus_wire::agent_api::{AppConfig, StopCondition, TrainingConfig};
+use proteus_wire::agent_api::{AppConfig, StopCondition, SyncModel, TrainingConfig};
 use proteus_wire::coordinator::MemberState;
 use std::time::{Duration, Instant};
 
@@ -32,16 +36,30 @@ const CLOCKS_BEFORE: u64 = 2;
 struct Run {
     /// Warning posted -> the backup serves the shard.
     total: f64,
+    /// Warning posted -> the coordinator hears of it.
+    told: f64,
     /// The coordinator hears of the warning -> the backup serves.
     after_told: f64,
     /// Training clock when the warning was posted, and when the shard was served.
     clocks: (u64, u64),
 }
 
-async fn one_run(poll_ms: Option<u64>) -> Result<Run, String> {
+/// The sync model trained under: the default, or BSP with `SYNC=bsp`.
+fn sync_model() -> Result<SyncModel, String> {
+    match std::env::var("SYNC").as_deref() {
+        Err(_) | Ok("") => Ok(SyncModel::default()),
+        Ok("bsp") => Ok(SyncModel::Bsp),
+        Ok(other) => Err(format!(
+            "SYNC={other}: only `bsp` (or unset, the default FlexRR)"
+        )),
+    }
+}
+
+async fn one_run(poll_ms: Option<u64>, sync: SyncModel) -> Result<Run, String> {
     let mut cfg = TrainingConfig::new(AppConfig::Synthetic {
         model_len: MODEL_LEN,
     });
+    cfg.sync = sync;
     cfg.num_shards = 1;
     cfg.min_workers = 2;
     cfg.stop = StopCondition::Clocks { clocks: 1_000_000 };
@@ -124,6 +142,7 @@ async fn one_run(poll_ms: Option<u64>) -> Result<Run, String> {
             };
             return Ok(Run {
                 total,
+                told,
                 after_told: total - told,
                 clocks: (clock_at_warning, coord.status().progress.clock),
             });
@@ -140,16 +159,21 @@ async fn one_run(poll_ms: Option<u64>) -> Result<Run, String> {
 }
 
 /// RUNS runs at one polling interval; the medians (total, after the coordinator was told).
-async fn series(poll_ms: Option<u64>, label: &str) -> Result<(f64, f64), String> {
+async fn series(poll_ms: Option<u64>, sync: SyncModel, label: &str) -> Result<(f64, f64), String> {
     let (mut totals, mut after) = (Vec::new(), Vec::new());
     for i in 0..RUNS {
-        let run = one_run(poll_ms)
+        let run = one_run(poll_ms, sync)
             .await
             .map_err(|e| format!("{label}, run {i}: {e}"))?;
         println!(
-            "{label}, run {i}: warning posted -> serving elsewhere {:.3} s (coordinator told -> serving {:.3} s; \
-             training at clock {} when warned, {} when served)",
-            run.total, run.after_told, run.clocks.0, run.clocks.1
+            "{label}, {}, run {i}: warning posted -> serving elsewhere {:.3} s (coordinator told after {:.3} s, \
+             then serving {:.3} s later; training at clock {} when warned, {} when served)",
+            sync.name(),
+            run.total,
+            run.told,
+            run.after_told,
+            run.clocks.0,
+            run.clocks.1
         );
         totals.push(run.total);
         after.push(run.after_told);
@@ -162,9 +186,16 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    let sync = match sync_model() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
     let code = rt.block_on(async {
-        let default = series(None, "default IMDS polling").await;
-        let fast = series(Some(FAST_POLL_MS), &format!("IMDS polled every {FAST_POLL_MS} ms")).await;
+        let default = series(None, sync, "default IMDS polling").await;
+        let fast = series(Some(FAST_POLL_MS), sync, &format!("IMDS polled every {FAST_POLL_MS} ms")).await;
         let (med, med_after) = match default {
             Ok(m) => m,
             Err(e) => {
@@ -173,9 +204,10 @@ fn main() {
             }
         };
         println!(
-            "Hand-over of a 100 MB shard while training: median {med:.3} s from the IMDS notice to serving on the backup \
+            "Hand-over of a 100 MB shard while training ({}): median {med:.3} s from the IMDS notice to serving on the backup \
              machine at the agent's default IMDS polling interval ({med_after:.3} s from the coordinator learning of it) \
              (target < {TARGET_SECS:.1} s: ratio {:.2} of target; {RUNS} runs; load average {})",
+            sync.name(),
             med / TARGET_SECS,
             common::load_average()
         );
