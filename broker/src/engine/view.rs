@@ -156,7 +156,7 @@ impl MarketView for TraceView<'_> {
         let Some(series) = self.markets.series(market) else {
             return Ok(None);
         };
-        Ok(time_weighted_mean(series, since, self.now))
+        Ok(series.time_weighted_mean(since, self.now))
     }
 
     fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour> {
@@ -186,80 +186,5 @@ impl MarketView for TraceView<'_> {
     ) -> Result<(), ModelError> {
         self.model
             .eviction_many(market, bid_deltas_usd, horizon_secs, self.now, out)
-    }
-}
-
-/// The time-weighted mean of a step function over `[from, to]`, from the first known price on.
-pub fn time_weighted_mean(
-    series: &PriceSeries,
-    from: Timestamp,
-    to: Timestamp,
-) -> Option<UsdPerHour> {
-    if to <= from {
-        return series.price_at(to);
-    }
-    let times = series.times();
-    let prices = series.prices();
-    let mut i = match series.index_at(from) {
-        Some(i) => i,
-        None => {
-            let first = series.first_time()?;
-            if first > to {
-                return None;
-            }
-            0
-        }
-    };
-    let start = from.max(times[i]);
-    let (mut integral, mut t) = (0.0, start);
-    while i < times.len() && times[i] <= to {
-        let until = times.get(i + 1).copied().unwrap_or(to).min(to);
-        integral += prices[i] * (until.millis() - t.millis()) as f64;
-        t = until;
-        i += 1;
-    }
-    let span = (to.millis() - start.millis()) as f64;
-    if span <= 0.0 {
-        series.price_at(to)
-    } else {
-        // A mean of prices is a price.
-        Some(UsdPerHour::validated(integral / span))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mean_is_time_weighted_and_starts_at_the_first_price() {
-        let m = Market::parse("us-east-1a/c3.xlarge").unwrap();
-        let s = PriceSeries::new(
-            m,
-            vec![
-                (Timestamp::from_millis(10), UsdPerHour::new(1.0).unwrap()),
-                (Timestamp::from_millis(20), UsdPerHour::new(3.0).unwrap()),
-            ],
-        );
-        assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(10), Timestamp::from_millis(30))
-                .map(UsdPerHour::get),
-            Some(2.0)
-        );
-        assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(30))
-                .map(UsdPerHour::get),
-            Some(2.0)
-        );
-        assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(15), Timestamp::from_millis(20))
-                .map(UsdPerHour::get),
-            Some(1.0)
-        );
-        assert_eq!(
-            time_weighted_mean(&s, Timestamp::from_millis(0), Timestamp::from_millis(5))
-                .map(UsdPerHour::get),
-            None
-        );
     }
 }

@@ -84,6 +84,39 @@ impl PriceSeries {
         let b = self.times.partition_point(|&x| x < to);
         (&self.times[a..b], &self.prices[a..b])
     }
+
+    /// The time-weighted mean price over `[from, to]`, from the first known price on (`None`
+    /// if none is known by `to`); for an empty window, the price in force at `to`. What a
+    /// policy reads as a market's mean and what `prices stats` reports.
+    pub fn time_weighted_mean(&self, from: Timestamp, to: Timestamp) -> Option<UsdPerHour> {
+        if to <= from {
+            return self.price_at(to);
+        }
+        let mut i = match self.index_at(from) {
+            Some(i) => i,
+            None => {
+                if self.first_time()? > to {
+                    return None;
+                }
+                0
+            }
+        };
+        let start = from.max(self.times[i]);
+        let (mut integral, mut t) = (0.0, start);
+        while i < self.times.len() && self.times[i] <= to {
+            let until = self.times.get(i + 1).copied().unwrap_or(to).min(to);
+            integral += self.prices[i] * (until.millis() - t.millis()) as f64;
+            t = until;
+            i += 1;
+        }
+        let span = (to.millis() - start.millis()) as f64;
+        if span <= 0.0 {
+            self.price_at(to)
+        } else {
+            // A mean of prices is a price.
+            Some(UsdPerHour::validated(integral / span))
+        }
+    }
 }
 
 /// What a type is and what it costs on-demand in a region.
@@ -189,6 +222,24 @@ mod tests {
                 .map(|&(t, p)| (Timestamp::from_millis(t), UsdPerHour::new(p).unwrap()))
                 .collect(),
         )
+    }
+
+    #[test]
+    fn mean_is_time_weighted_and_starts_at_the_first_price() {
+        let s = series(&[(10, 1.0), (20, 3.0)]);
+        let mean = |from, to| {
+            s.time_weighted_mean(Timestamp::from_millis(from), Timestamp::from_millis(to))
+                .map(UsdPerHour::get)
+        };
+        assert_eq!(mean(10, 30), Some(2.0));
+        assert_eq!(mean(0, 30), Some(2.0), "from the first known price");
+        assert_eq!(mean(15, 20), Some(1.0));
+        assert_eq!(mean(0, 5), None, "nothing known yet");
+        assert_eq!(
+            mean(25, 25),
+            Some(3.0),
+            "an empty window: the price at its end"
+        );
     }
 
     #[test]

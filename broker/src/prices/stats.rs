@@ -69,14 +69,12 @@ pub fn market_stats(
     };
 
     let total_ms = (to.millis() - start.millis()) as f64;
-    let mut integral = 0.0;
     let mut above_ms = 0.0;
     let mut spells = 0;
     let mut was_above = false;
     for (i, &(t, p)) in steps.iter().enumerate() {
         let until = steps.get(i + 1).map_or(to, |s| s.0);
         let held = (until.millis() - t.millis()) as f64;
-        integral += p * held;
         let above = on_demand.is_some_and(|od| p > od);
         if above {
             above_ms += held;
@@ -96,11 +94,7 @@ pub fn market_stats(
         min_usd: UsdPerHour::validated(values[0]),
         median_usd: UsdPerHour::validated(median),
         max_usd: UsdPerHour::validated(values[values.len() - 1]),
-        time_weighted_mean_usd: UsdPerHour::validated(if total_ms > 0.0 {
-            integral / total_ms
-        } else {
-            steps[0].1
-        }),
+        time_weighted_mean_usd: series.time_weighted_mean(start, to)?,
         on_demand_usd,
         fraction_above_on_demand: on_demand.map(|_| {
             if total_ms > 0.0 {
