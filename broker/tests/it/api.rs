@@ -418,6 +418,16 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
         later["total_usd"], cost["total_usd"],
         "the ledger is closed"
     );
+    // What the scheduler counts as spent (against a budget) is the ledger's total, also once
+    // the ended instances' final bills are kept instead of recomputed.
+    for _ in 0..2 {
+        let spent = s
+            .broker
+            .refresh_ledger(proteus_wire::JobId(id), s.clock.now())
+            .await
+            .unwrap();
+        assert!((spent.get() - total).abs() < 1e-9, "{spent} vs {total}");
+    }
     // The job worked, so each baseline is simulated doing that work: a cost, and no note.
     assert!(cost["work_units"].as_f64().unwrap() > 0.0, "{cost}");
     let counterfactuals = cost["counterfactuals"].as_array().unwrap();
