@@ -230,10 +230,6 @@ impl Usd {
     pub fn get(self) -> f64 {
         self.0
     }
-
-    pub fn abs(self) -> Usd {
-        Usd(self.0.abs())
-    }
 }
 
 impl TryFrom<f64> for Usd {

@@ -451,7 +451,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
             .bill(inst.launch, inst.end, inst.ended_by, source)
             .unwrap();
         let cost: Usd = items.iter().map(|i| i.amount_usd).sum();
-        assert!((cost - inst.cost_usd).abs().get() < 1e-12);
+        assert!((cost - inst.cost_usd).get().abs() < 1e-12);
         if inst.ended_by == EndedBy::Provider {
             assert!(
                 items
@@ -461,7 +461,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         }
         total += cost;
     }
-    assert!((total - r.cost_usd).abs().get() < 1e-9);
+    assert!((total - r.cost_usd).get().abs() < 1e-9);
 }
 
 proptest! {
