@@ -270,6 +270,12 @@ pub struct Coordinator {
     /// Command jobs: program runs that failed (not after a notice).
     #[serde(default)]
     program_failures: u32,
+    /// Command jobs: the worker rank each member holds. A rank has at most one holder; a
+    /// member keeps its rank while it works and while it leaves (its program is still saving
+    /// the rank's checkpoint), and frees it only when it departs, so the next holder restores
+    /// the newest checkpoint of that rank. See [`Coordinator::rank_holder`].
+    #[serde(default)]
+    ranks: BTreeMap<InstanceId, u32>,
 }
 
 impl Coordinator {
@@ -297,6 +303,7 @@ impl Coordinator {
             data_secret: None,
             program_progress: None,
             program_failures: 0,
+            ranks: BTreeMap::new(),
         })
     }
 
@@ -364,6 +371,52 @@ impl Coordinator {
 
     pub fn is_over(&self) -> bool {
         self.state.is_over()
+    }
+
+    /// Command jobs: whether `id` holds `rank` now (working or leaving). Only the holder may
+    /// replace the rank's checkpoint, so a checkpoint is only ever replaced by a newer one of
+    /// the same rank's lineage.
+    pub fn holds_rank(&self, id: &InstanceId, rank: u32) -> bool {
+        self.ranks.get(id) == Some(&rank)
+    }
+
+    /// Command jobs: the member holding `rank`, if any.
+    pub fn rank_holder(&self, rank: u32) -> Option<&InstanceId> {
+        self.ranks
+            .iter()
+            .find(|(_, r)| **r == rank)
+            .map(|(id, _)| id)
+    }
+
+    /// The provider warned `id` that it will be reclaimed. A command job's member leaves the
+    /// layout at once (the world size counts working instances, never warned ones) but keeps
+    /// its rank until it departs; the agent's own notice may come later. AgileML members are
+    /// left to their agent, which hands its state over when it reads the notice. Returns
+    /// whether anything changed.
+    pub fn provider_warned(&mut self, id: &InstanceId) -> bool {
+        if !self.is_command_job() || self.state.is_over() {
+            return false;
+        }
+        match self.members.get_mut(id) {
+            Some(m) if m.state != MemberState::Leaving => {
+                m.state = MemberState::Leaving;
+                self.relayout();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn is_command_job(&self) -> bool {
+        matches!(self.training.app, crate::agent_api::AppConfig::Command(_))
+    }
+
+    /// Command jobs: the most ranks (working instances) at once, the job's `max_instances`.
+    fn max_ranks(&self) -> u32 {
+        match &self.training.app {
+            crate::agent_api::AppConfig::Command(c) => c.max_nodes.max(1),
+            _ => u32::MAX,
+        }
     }
 
     /// Admit an agent. `tier` comes from the broker's own records, not from the agent. A second
@@ -712,6 +765,7 @@ impl Coordinator {
     }
 
     fn depart(&mut self, id: &InstanceId, reason: DepartureReason, now_ms: u64) {
+        self.ranks.remove(id);
         if let Some(m) = self.members.remove(id) {
             self.departed_samples += m.progress.samples_processed;
             self.departed.push(DepartedMember {
@@ -920,23 +974,30 @@ impl Coordinator {
         }
     }
 
-    fn place_workers(&self, stage: Stage) -> Vec<WorkerAssignment> {
-        let ids: Vec<&InstanceId> = self
+    fn place_workers(&mut self, stage: Stage) -> Vec<WorkerAssignment> {
+        let ids: Vec<InstanceId> = self
             .members
             .iter()
             .filter(|(_, m)| matches!(m.state, MemberState::Active | MemberState::Draining))
             .filter(|(_, m)| stage.reliable_machines_train() || m.tier == Tier::Transient)
-            .map(|(id, _)| id)
+            .map(|(id, _)| id.clone())
             .collect();
-        let n = ids.len() as u64;
+        let ranked: Vec<(InstanceId, u32)> = if self.is_command_job() {
+            self.assign_ranks(&ids)
+        } else {
+            // AgileML: ranks are positions; the partitions follow the rank.
+            ids.into_iter().zip(0..).collect()
+        };
+        let n = ranked.len() as u64;
         let p = u64::from(self.training.num_partitions);
-        ids.into_iter()
+        ranked
+            .into_iter()
             .enumerate()
-            .map(|(rank, id)| {
-                let r = rank as u64;
+            .map(|(pos, (id, rank))| {
+                let r = pos as u64;
                 WorkerAssignment {
-                    instance_id: id.clone(),
-                    rank: rank as u32,
+                    instance_id: id,
+                    rank,
                     partitions: PartitionRange {
                         start: (r * p / n) as u32,
                         end: ((r + 1) * p / n) as u32,
@@ -944,6 +1005,45 @@ impl Coordinator {
                 }
             })
             .collect()
+    }
+
+    /// Command jobs: stable ranks. Members that may work keep the rank they hold; a member
+    /// without one takes the lowest rank below `max_ranks` that nobody holds, leaving members
+    /// included (first come, first served by join time); one that finds none waits without a
+    /// rank. A member that may no longer work gives its rank up. Returns the working holders
+    /// by rank, so the world size is the number of working instances and never exceeds
+    /// `max_ranks`.
+    fn assign_ranks(&mut self, eligible: &[InstanceId]) -> Vec<(InstanceId, u32)> {
+        let leaving: Vec<InstanceId> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.state == MemberState::Leaving)
+            .map(|(id, _)| id.clone())
+            .collect();
+        self.ranks
+            .retain(|id, _| eligible.contains(id) || leaving.contains(id));
+        let mut waiting: Vec<&InstanceId> = eligible
+            .iter()
+            .filter(|id| !self.ranks.contains_key(*id))
+            .collect();
+        waiting.sort_by_key(|id| (self.members.get(*id).map_or(0, |m| m.joined_at_ms), *id));
+        let max = self.max_ranks();
+        let mut next_free = 0u32;
+        for id in waiting {
+            while next_free < max && self.ranks.values().any(|r| *r == next_free) {
+                next_free += 1;
+            }
+            if next_free >= max {
+                break;
+            }
+            self.ranks.insert(id.clone(), next_free);
+        }
+        let mut working: Vec<(InstanceId, u32)> = eligible
+            .iter()
+            .filter_map(|id| self.ranks.get(id).map(|r| (id.clone(), *r)))
+            .collect();
+        working.sort_by_key(|(_, r)| *r);
+        working
     }
 }
 
@@ -1076,6 +1176,180 @@ mod tests {
             );
         }
         assert_eq!(next, v.model_len);
+    }
+
+    fn command_config(max_nodes: u32) -> TrainingConfig {
+        let cmd: crate::agent_api::CommandConfig = serde_json::from_value(serde_json::json!({
+            "run": ["train"],
+            "max_nodes": max_nodes,
+        }))
+        .unwrap();
+        let mut c = TrainingConfig::new(AppConfig::Command(cmd));
+        c.dead_member_timeout_ms = 5_000;
+        c
+    }
+
+    fn join_command(c: &mut Coordinator, name: &str, now: u64) {
+        let req = RegisterRequest {
+            instance_id: id(name),
+            data_addr: format!("{name}:1"),
+            vcpus: 1,
+            agent_version: String::new(),
+        };
+        c.register(req, Tier::Transient, now).unwrap();
+        c.event(&id(name), AgentEvent::Ready { model_len: 1 }, now)
+            .unwrap();
+    }
+
+    /// (instance, rank) of the working instances in the current view.
+    fn ranks(c: &Coordinator) -> Vec<(String, u32)> {
+        view(c)
+            .workers
+            .iter()
+            .map(|w| (w.instance_id.0.clone(), w.rank))
+            .collect()
+    }
+
+    fn exit(c: &mut Coordinator, name: &str, now: u64) {
+        c.event(
+            &id(name),
+            AgentEvent::Exit {
+                reason: ExitReason::Interrupted,
+            },
+            now,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_command_rank_stays_with_its_holder_and_passes_to_a_replacement_only_once_freed() {
+        let mut c = Coordinator::new(JobId(1), command_config(3)).unwrap();
+        // Ids sort the other way round from the join order: ranks follow the join, and a
+        // newcomer sorting first does not shift anyone's rank.
+        join_command(&mut c, "z", 1);
+        join_command(&mut c, "y", 2);
+        join_command(&mut c, "x", 3);
+        assert_eq!(
+            ranks(&c),
+            [("z".into(), 0), ("y".into(), 1), ("x".into(), 2)]
+        );
+
+        // y is warned: it leaves the working set (world 2) but keeps rank 1 while it saves.
+        c.event(
+            &id("y"),
+            AgentEvent::InterruptionWarning {
+                action: "terminate".into(),
+                action_time: "t".into(),
+            },
+            4,
+        )
+        .unwrap();
+        assert_eq!(ranks(&c), [("z".into(), 0), ("x".into(), 2)]);
+        assert!(c.holds_rank(&id("y"), 1));
+
+        // Its replacement joins during the notice: every rank below max_instances is held,
+        // so it waits rather than becoming rank 3 (world 4 > max) or sharing rank 1.
+        join_command(&mut c, "a", 5);
+        assert_eq!(ranks(&c), [("z".into(), 0), ("x".into(), 2)]);
+        assert_eq!(c.rank_holder(1), Some(&id("y")));
+
+        // y exits (its checkpoint is up): the replacement takes rank 1.
+        exit(&mut c, "y", 6);
+        assert_eq!(
+            ranks(&c),
+            [("z".into(), 0), ("a".into(), 1), ("x".into(), 2)]
+        );
+        assert!(c.holds_rank(&id("a"), 1));
+        assert!(!c.holds_rank(&id("y"), 1));
+    }
+
+    #[test]
+    fn a_command_job_never_works_more_instances_than_max_instances() {
+        let mut c = Coordinator::new(JobId(1), command_config(2)).unwrap();
+        for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+            join_command(&mut c, name, i as u64);
+        }
+        assert_eq!(ranks(&c), [("a".into(), 0), ("b".into(), 1)]);
+        // The cloud takes b away without a word from its agent: the first waiting member
+        // (by join time) takes its rank.
+        c.remove(&id("b"), "terminated", 10);
+        assert_eq!(ranks(&c), [("a".into(), 0), ("c".into(), 1)]);
+    }
+
+    #[test]
+    fn a_provider_warning_takes_a_command_member_out_of_the_working_set_at_once() {
+        let mut c = Coordinator::new(JobId(1), command_config(2)).unwrap();
+        join_command(&mut c, "a", 1);
+        join_command(&mut c, "b", 2);
+        assert!(c.provider_warned(&id("b")));
+        assert_eq!(ranks(&c), [("a".into(), 0)]);
+        assert!(c.holds_rank(&id("b"), 1), "kept until it departs");
+        assert!(
+            !c.provider_warned(&id("b")),
+            "a second warning changes nothing"
+        );
+        // AgileML jobs leave the warning to the agent.
+        let mut agile = Coordinator::new(JobId(2), config()).unwrap();
+        join(&mut agile, "t1", Tier::Transient, 1);
+        assert!(!agile.provider_warned(&id("t1")));
+    }
+
+    /// Any sequence of joins, warnings, exits, removals and restarts: a rank never has two
+    /// holders, no rank reaches max_instances, and no member's rank changes while it holds one.
+    #[test]
+    fn command_ranks_have_one_holder_under_any_membership_churn() {
+        let max = 3u32;
+        let mut c = Coordinator::new(JobId(1), command_config(max)).unwrap();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let names: Vec<String> = (0..8).map(|i| format!("i{i}")).collect();
+        let mut held: BTreeMap<String, u32> = BTreeMap::new();
+        for now in 1..2_000u64 {
+            let name = &names[(next() % names.len() as u64) as usize];
+            let who = id(name);
+            match next() % 5 {
+                0 => {
+                    // A second registration is a restart: a new incarnation, a new rank.
+                    held.remove(name);
+                    join_command(&mut c, name, now)
+                }
+                1 if c.is_member(&who) => {
+                    let _ = c.event(
+                        &who,
+                        AgentEvent::InterruptionWarning {
+                            action: "terminate".into(),
+                            action_time: "t".into(),
+                        },
+                        now,
+                    );
+                }
+                2 if c.is_member(&who) => exit(&mut c, name, now),
+                3 => {
+                    c.remove(&who, "gone", now);
+                }
+                _ => {
+                    c.provider_warned(&who);
+                }
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for (holder, rank) in &c.ranks {
+                assert!(*rank < max, "rank {rank} at max_instances {max}");
+                assert!(seen.insert(*rank), "rank {rank} has two holders");
+                assert!(c.is_member(holder), "a departed member holds rank {rank}");
+                if let Some(before) = held.get(&holder.0) {
+                    assert_eq!(before, rank, "{} changed rank", holder.0);
+                }
+            }
+            held = c.ranks.iter().map(|(i, r)| (i.0.clone(), *r)).collect();
+            if let Some(v) = c.view() {
+                assert!(v.workers.len() as u32 <= max);
+            }
+        }
     }
 
     #[test]

@@ -46,6 +46,24 @@ impl Broker {
         Ok(rank)
     }
 
+    /// Only the instance holding `rank` (working, or leaving and saving) may replace its
+    /// checkpoint, so a rank's checkpoint is only ever replaced by a newer one of the same
+    /// lineage: a former holder, or an instance that never held it, is refused (409).
+    fn check_rank_holder(&self, job: JobId, cloud_id: &str, rank: u32) -> Result<(), ServiceError> {
+        let id = proteus_wire::InstanceId(cloud_id.to_string());
+        let holds = self
+            .control
+            .get(job)
+            .is_some_and(|c| c.read(|c| c.holds_rank(&id, rank)));
+        if holds {
+            return Ok(());
+        }
+        Err(ServiceError::Refused(format!(
+            "instance {cloud_id} does not hold rank {rank}: only the rank's holder replaces its \
+             checkpoint"
+        )))
+    }
+
     /// Where the agent behind `cloud_id` puts or fetches `rank`'s checkpoint of its own job.
     pub async fn agent_checkpoint_transfer(
         &self,
@@ -56,6 +74,9 @@ impl Broker {
     ) -> Result<CheckpointTransfer, ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let rank = Self::checked_rank(rank)?;
+        if op == CheckpointOp::Upload {
+            self.check_rank_holder(identity.job_id, cloud_id, rank)?;
+        }
         self.programs()?
             .checkpoints
             .transfer(
@@ -142,6 +163,7 @@ impl Broker {
     {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         let rank = Self::checked_rank(rank)?;
+        self.check_rank_holder(identity.job_id, cloud_id, rank)?;
         let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
             ServiceError::BadRequest("checkpoints go to S3 here: ask /checkpoint for a URL".into())
         })?;
