@@ -48,6 +48,8 @@ pub struct AgentOptions {
     pub slowdown: f64,
     /// Command jobs: where each instance's working, checkpoint, notice and progress files go.
     pub scratch_dir: PathBuf,
+    /// Command jobs: the (unprivileged) user the program runs as, when the agent is root.
+    pub run_as: Option<String>,
 }
 
 /// How the agent ended.

@@ -65,6 +65,12 @@ pub struct Cli {
     /// progress files go under this directory. Default: the system's temporary directory.
     #[arg(long, env = "PROTEUS_AGENT_SCRATCH_DIR")]
     scratch_dir: Option<PathBuf>,
+    /// Command jobs: run the user's program as this (unprivileged) user. Needs the agent to be
+    /// root; the program then cannot read the agent's memory, environment or files. The EC2
+    /// bootstrap creates `proteus-job` for it. Without it a root agent runs the program as root
+    /// (and says so in the program's output).
+    #[arg(long, env = "PROTEUS_AGENT_RUN_AS")]
+    run_as: Option<String>,
     /// Log filter (tracing `EnvFilter` syntax).
     #[arg(long, env = "PROTEUS_AGENT_LOG", default_value = "info")]
     log: String,
@@ -95,6 +101,7 @@ where
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    hide_secrets();
     if !(cli.slowdown.is_finite() && cli.slowdown >= 1.0) {
         anyhow::bail!("--slowdown must be a number >= 1 (got {})", cli.slowdown);
     }
@@ -114,6 +121,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         scratch_dir: cli
             .scratch_dir
             .unwrap_or_else(|| std::env::temp_dir().join("proteus-agent")),
+        run_as: cli.run_as.filter(|u| !u.is_empty()),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -124,4 +132,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // Background tasks (long polls, peer connections) must not hold the process open.
     runtime.shutdown_timeout(Duration::from_millis(200));
     Ok(())
+}
+
+/// Keeps the agent's token from the processes it starts: the variable leaves the environment
+/// (children inherit nothing of it), and the process becomes non-dumpable, which makes its
+/// `/proc/<pid>/environ` and memory unreadable to other processes of the same user (the kernel
+/// gives those files to root). Must run before any thread starts.
+fn hide_secrets() {
+    // SAFETY: called from `run` before the tokio runtime (or any other thread) exists, so no
+    // other thread reads the environment concurrently.
+    unsafe { std::env::remove_var("PROTEUS_AGENT_TOKEN") };
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(PR_SET_DUMPABLE) only changes this process's own dumpable flag.
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0);
+    }
 }

@@ -183,15 +183,24 @@ pub struct DirStore {
     root: PathBuf,
 }
 
+/// Creates `dir` readable by the broker's user only: every job's checkpoints and outputs are
+/// there, and jobs' programs (possibly run as other users on this machine) must not read them.
+fn private_dir(dir: &Path) -> Result<(), CheckpointError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|source| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
 /// Largest archive the directory store accepts.
 pub const MAX_ARCHIVE_BYTES: u64 = 8 << 30;
 
 impl DirStore {
     pub fn new(root: PathBuf) -> Result<DirStore, CheckpointError> {
-        std::fs::create_dir_all(&root).map_err(|source| CheckpointError::Io {
-            path: root.clone(),
-            source,
-        })?;
+        private_dir(&root)?;
         Ok(DirStore { root })
     }
 
@@ -259,10 +268,7 @@ pub const MAX_TAIL_BYTES: usize = 256 * 1024;
 
 impl ProgramStorage {
     pub fn new(checkpoints: CheckpointStore, outputs: PathBuf) -> Result<Self, CheckpointError> {
-        std::fs::create_dir_all(&outputs).map_err(|source| CheckpointError::Io {
-            path: outputs.clone(),
-            source,
-        })?;
+        private_dir(&outputs)?;
         Ok(ProgramStorage {
             checkpoints,
             outputs,

@@ -124,14 +124,21 @@ pub struct ServeArgs {
     /// `<state dir>/checkpoints`, served to agents by the broker itself.
     #[arg(long, env = "PROTEUS_CHECKPOINT_STORE")]
     pub checkpoint_store: Option<String>,
+    /// Local agents (`--local-agents`): the unprivileged user they run command jobs' programs
+    /// as when the broker runs as root (the agents' `--run-as`), so a program cannot read the
+    /// agent's token or memory. Without it a root broker's programs run as root.
+    #[arg(long, env = "PROTEUS_AGENT_RUN_AS")]
+    pub agent_run_as: Option<String>,
     /// Minutes from launch to useful work assumed by policies when a job does not say.
     #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
     pub startup_minutes: Option<f64>,
     /// Market seconds a market that refused a launch is skipped.
     #[arg(long, env = "PROTEUS_COOLDOWN_SECS", default_value_t = 600.0)]
     pub cooldown_secs: f64,
-    /// Wall seconds an agent gets at least between an interruption notice and its end.
-    #[arg(long, env = "PROTEUS_MIN_NOTICE_SECS", default_value_t = 6.0)]
+    /// Simulated cloud: wall seconds every interruption notice lasts at least, however fast
+    /// market time runs (at 60x the two market minutes are two wall seconds, too short for a
+    /// program to save its state). On EC2 the provider's two minutes stand.
+    #[arg(long, env = "PROTEUS_MIN_NOTICE_SECS", default_value_t = 20.0)]
     pub min_notice_secs: f64,
     /// Fail chosen launches as EC2 would, e.g. `us-east-1a/c3.xlarge=insufficient-capacity:2`.
     #[arg(long, env = "PROTEUS_INJECT_LAUNCH_FAULTS", hide = true)]
@@ -195,9 +202,10 @@ impl ServeArgs {
             agent_log: "warn,proteus_agent=info".into(),
             state_dir: None,
             checkpoint_store: None,
+            agent_run_as: None,
             startup_minutes: None,
             cooldown_secs: 600.0,
-            min_notice_secs: 6.0,
+            min_notice_secs: 20.0,
             inject_launch_faults: None,
             ec2: Ec2Args {
                 ami: "ami-00000000000000000".into(),
@@ -392,6 +400,7 @@ pub async fn start_with(
             exit_margin_secs: 1,
             agent_log: args.agent_log.clone(),
             ca_file: args.tls_ca.clone(),
+            run_as: args.agent_run_as.clone(),
         };
         Some(Arc::new(LocalLauncher::new(config)?))
     } else {

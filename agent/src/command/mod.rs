@@ -25,7 +25,7 @@ use crate::agent::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_co
 use crate::control::Broker;
 use crate::error::{AgentError, Result};
 use crate::imds::{self, Imds, Notice};
-use program::{Ended, Launch, OutputTail, Running, SharedTail};
+use program::{Ended, Launch, OutputTail, RunAs, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
     AgentEvent, ClusterView, Command, CommandConfig, CommandLauncher, ExitReason, ProgramProgress,
@@ -47,6 +47,8 @@ pub struct Paths {
     pub progress_file: PathBuf,
     pub output_log: PathBuf,
     pub workdir: PathBuf,
+    /// The program's `HOME` when it runs as its own user.
+    pub home: PathBuf,
     /// `launcher = "torchrun"`: the launcher script ([`torchrun::SHIM`]).
     pub torchrun_shim: PathBuf,
 }
@@ -59,6 +61,7 @@ impl Paths {
             progress_file: root.join("progress.json"),
             output_log: root.join("output.log"),
             torchrun_shim: root.join("proteus_torchrun.py"),
+            home: root.join("home"),
             // An `s3://` working directory is fetched into the instance's own `work`.
             workdir: workdir
                 .filter(|w| !w.starts_with("s3://"))
@@ -93,11 +96,28 @@ pub fn read_progress(path: &Path) -> Option<ProgramProgress> {
     p.fraction().map(|_| p)
 }
 
-/// Writes `text` to `path` atomically (a reader sees the old file or the whole new one).
+/// Writes `text` to `path` atomically and durably: a reader sees the old file or the whole new
+/// one, and once this returns the new one is on disk (file and directory entry synced).
 fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The kill margin of a notice that leaves `left` before its deadline: the job's
+/// `kill_margin_secs`, but never more than a quarter of the notice, so a short notice (a sped-up
+/// simulated cloud, a job ending) still leaves the program three quarters of it to exit.
+pub fn kill_margin(configured_secs: u64, left: Duration) -> Duration {
+    Duration::from_secs(configured_secs).min(left / 4)
 }
 
 /// RFC 3339 (UTC, seconds) of a Unix time.
@@ -122,6 +142,10 @@ struct Run {
     /// `launcher = "torchrun"`: the rendezvous this run joined.
     rendezvous: Option<torchrun::Rendezvous>,
 }
+
+/// How long the program gets between its notice and SIGKILL when the agent itself is told to
+/// go (SIGTERM: the machine is shutting down) or finds the broker no longer knows it.
+const ABRUPT_GRACE: Duration = Duration::from_secs(2);
 
 struct RunEnd {
     ended: Ended,
@@ -155,6 +179,8 @@ struct Runner {
     uploader: Arc<tokio::sync::Mutex<()>>,
     next_upload: Instant,
     sent_version: u64,
+    /// The user the program runs as (the agent is root and was given `--run-as`).
+    run_as: Option<RunAs>,
 }
 
 /// Runs a command job on this instance to its end.
@@ -168,12 +194,37 @@ pub async fn run(
 ) -> Result<Outcome> {
     let root = opts.scratch_dir.join(me.0.replace(['/', '\\'], "_"));
     let paths = Paths::new(&root, cfg.workdir.as_deref());
-    for dir in [&root, &paths.workdir] {
+    let own_workdir = cfg
+        .workdir
+        .as_deref()
+        .is_none_or(|w| w.starts_with("s3://"));
+    for dir in [&root, &paths.workdir, &paths.checkpoint_dir, &paths.home] {
         std::fs::create_dir_all(dir).map_err(|source| AgentError::Io {
             file: dir.clone(),
             source,
         })?;
     }
+    let run_as = match opts.run_as.as_deref() {
+        Some(name) => {
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } != 0 {
+                return Err(AgentError::Config(format!(
+                    "--run-as {name} needs the agent to run as root"
+                )));
+            }
+            let user = RunAs::lookup(name)?;
+            // The program's own files are its user's; the agent's (output log, notice) stay
+            // the agent's, readable.
+            for dir in [&root, &paths.checkpoint_dir, &paths.home] {
+                user.own(dir, false)?;
+            }
+            if own_workdir {
+                user.own(&paths.workdir, false)?;
+            }
+            Some(user)
+        }
+        None => None,
+    };
     if cfg
         .workdir
         .as_deref()
@@ -237,7 +288,15 @@ pub async fn run(
         restart_at: None,
         uploader: Arc::new(tokio::sync::Mutex::new(())),
         sent_version: 0,
+        run_as,
     };
+    // SAFETY: geteuid has no preconditions.
+    if runner.run_as.is_none() && unsafe { libc::geteuid() } == 0 {
+        runner.note(
+            "warning: the program runs as root, so it can read this machine's secrets; \
+             start the agent with --run-as USER",
+        );
+    }
     runner.main_loop(control_rx, notices_rx).await
 }
 
@@ -275,7 +334,7 @@ impl Runner {
                     }
                     Control::JobOver => return self.stop("job over").await,
                     Control::Forgotten => {
-                        self.kill_now();
+                        self.stop_program("the broker no longer knows this instance", ABRUPT_GRACE).await;
                         return Err(AgentError::Broker(
                             "the broker no longer knows this instance (declared dead?)".into(),
                         ));
@@ -294,8 +353,9 @@ impl Runner {
                     }
                 }
                 _ = sigterm.recv() => {
-                    // The machine is going away under us (the launcher stops the "VM").
-                    self.kill_now();
+                    // The machine is going away under us (the instance was ended: the launcher
+                    // stops the "VM", or the OS shuts down).
+                    self.stop_program("this instance is shutting down", ABRUPT_GRACE).await;
                     return Ok(Outcome::Stopped("terminated by signal".into()));
                 }
                 _ = tick.tick() => {
@@ -328,7 +388,8 @@ impl Runner {
                 // keep its checkpoint, stay available.
                 let margin = Duration::from_secs(self.cfg.kill_margin_secs.max(1));
                 let deadline = now_unix() + 2 * margin.as_secs() as i64;
-                self.deliver_notice(deadline, "this instance was taken out of the job's layout");
+                self.deliver_notice(deadline, "this instance was taken out of the job's layout")
+                    .await;
                 self.leaving = Some(Leaving {
                     kill_at: Instant::now() + margin,
                     exit_after: false,
@@ -355,9 +416,19 @@ impl Runner {
         }
     }
 
+    /// The program's whole environment: `PATH`, `HOME`, `LANG` and `TZ` (`HOME` is the
+    /// instance's own when the program runs as its own user), the job's `env`, then the
+    /// contract's variables. Nothing else of the agent's environment.
     fn env(&self, rank: u32, world: u32) -> BTreeMap<String, String> {
-        let mut env = self.cfg.env.clone();
         let p = |p: &Path| p.display().to_string();
+        let mut env: BTreeMap<String, String> = program::INHERITED_VARS
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect();
+        if self.run_as.is_some() || !env.contains_key("HOME") {
+            env.insert("HOME".into(), p(&self.paths.home));
+        }
+        env.extend(self.cfg.env.clone());
         for (k, v) in [
             ("PROTEUS_JOB_ID", self.reg.job_id.to_string()),
             ("PROTEUS_INSTANCE_ID", self.me.0.clone()),
@@ -378,16 +449,24 @@ impl Runner {
         let Some((rank, world)) = self.slot else {
             return;
         };
-        // A replacement starts from its rank's newest checkpoint (rank 0's when alone).
-        let ck_rank = if world == 1 { 0 } else { rank };
+        // A rank has one holder at a time, and a holder leaves it only once its program has
+        // ended and its checkpoint is up: so this is the rank's newest checkpoint.
+        let ck_rank = rank;
         if !self.restored {
             match checkpoint::restore(&self.broker, &self.me, ck_rank, &self.paths.checkpoint_dir)
                 .await
             {
-                Ok(Some(t)) => self.note(format!(
-                    "restored the checkpoint of rank {ck_rank}: {} bytes in {:.2} s",
-                    t.bytes, t.secs
-                )),
+                Ok(Some(t)) => {
+                    self.note(format!(
+                        "restored the checkpoint of rank {ck_rank}: {} bytes in {:.2} s",
+                        t.bytes, t.secs
+                    ));
+                    if let Some(user) = &self.run_as
+                        && let Err(e) = user.own(&self.paths.checkpoint_dir, true)
+                    {
+                        self.note(format!("cannot give the checkpoint to {}: {e}", user.name));
+                    }
+                }
                 Ok(None) => self.note(format!(
                     "no checkpoint of rank {ck_rank} yet: starting fresh"
                 )),
@@ -419,11 +498,13 @@ impl Runner {
             ),
             (CommandLauncher::Torchrun, None) => return,
         };
-        let (cwd, log, tail) = (
+        let (cwd, log, tail, run_as) = (
             self.paths.workdir.clone(),
             self.paths.output_log.clone(),
             self.tail.clone(),
+            self.run_as.clone(),
         );
+        let _ = std::fs::remove_file(&self.paths.notice_file);
         let pgid = Arc::new(AtomicI32::new(0));
         let group = pgid.clone();
         self.note(format!("starting {:?} as rank {rank} of {world}", argv));
@@ -433,6 +514,7 @@ impl Runner {
                 Running::start(Launch {
                     argv,
                     env,
+                    run_as: run_as.as_ref(),
                     cwd: &cwd,
                     log: &log,
                     tail: tail.clone(),
@@ -501,18 +583,45 @@ impl Runner {
         program::signal_group(self.pgid(), libc::SIGKILL);
     }
 
-    /// Writes the notice file, then SIGTERMs the program's group.
-    fn deliver_notice(&self, deadline_unix: i64, reason: &str) {
+    /// Writes the notice file (atomically, synced), then SIGTERMs the program's group: every
+    /// path that stops a program comes through here, so no SIGTERM comes without its notice.
+    async fn deliver_notice(&self, deadline_unix: i64, reason: &str) {
         let notice = serde_json::json!({
             "action": "terminate",
             "deadline": rfc3339(deadline_unix),
             "reason": reason,
         });
-        if let Err(e) = write_atomic(&self.paths.notice_file, &notice.to_string()) {
-            tracing::error!(error = %e, "cannot write the notice file");
+        let (path, text) = (self.paths.notice_file.clone(), notice.to_string());
+        match tokio::task::spawn_blocking(move || write_atomic(&path, &text)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "cannot write the notice file"),
+            Err(e) => tracing::error!(error = %e, "writing the notice file crashed"),
         }
         program::signal_group(self.pgid(), libc::SIGTERM);
         self.note(format!("notice delivered (SIGTERM): {notice}"));
+    }
+
+    /// Stops the running program, if any: notice file, SIGTERM, SIGKILL after `grace`; then
+    /// uploads its checkpoint when `grace` left time for it. Returns whether a program ran.
+    async fn stop_program(&mut self, reason: &str, grace: Duration) -> bool {
+        if self.run.is_none() {
+            return false;
+        }
+        self.note(format!("stopping the program: {reason}"));
+        let deadline = now_unix() + grace.as_secs().max(1) as i64;
+        self.deliver_notice(deadline, reason).await;
+        let Some(mut run) = self.run.take() else {
+            return false;
+        };
+        if tokio::time::timeout(grace, &mut run.task).await.is_err() {
+            self.note("still running at the end of its notice: SIGKILL");
+            program::signal_group(run.pgid.load(Ordering::SeqCst), libc::SIGKILL);
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut run.task).await;
+        }
+        if grace > ABRUPT_GRACE {
+            self.final_upload(run.rank).await;
+        }
+        true
     }
 
     async fn on_notice(&mut self, n: Notice) -> Option<Result<Outcome>> {
@@ -528,11 +637,12 @@ impl Runner {
             .map(|ms| ms.div_euclid(1000))
             .unwrap_or_else(|| now_unix() + 120);
         let left = Duration::from_secs((deadline - now_unix()).max(0) as u64);
-        let margin = Duration::from_secs(self.cfg.kill_margin_secs);
+        let margin = kill_margin(self.cfg.kill_margin_secs, left);
         self.deliver_notice(
             deadline,
             &format!("spot instance {action} notice for {time}"),
-        );
+        )
+        .await;
         self.leaving = Some(Leaving {
             kill_at: Instant::now() + left.saturating_sub(margin),
             exit_after: true,
@@ -683,18 +793,12 @@ impl Runner {
         }
     }
 
-    /// Told to stop: SIGTERM, SIGKILL after the kill margin, upload, leave.
+    /// Told to stop (the job ended or was cancelled): notice file, SIGTERM, SIGKILL after the
+    /// kill margin, upload, leave.
     async fn stop(&mut self, reason: &str) -> Result<Outcome> {
-        if let Some(mut run) = self.run.take() {
-            self.note(format!("stopping the program: {reason}"));
-            program::signal_group(run.pgid.load(Ordering::SeqCst), libc::SIGTERM);
-            let grace = Duration::from_secs(self.cfg.kill_margin_secs.max(1));
-            if tokio::time::timeout(grace, &mut run.task).await.is_err() {
-                program::signal_group(run.pgid.load(Ordering::SeqCst), libc::SIGKILL);
-                let _ = tokio::time::timeout(Duration::from_secs(5), &mut run.task).await;
-            }
-            self.final_upload(run.rank).await;
-        }
+        // At least three seconds, so that the checkpoint is uploaded (see `stop_program`).
+        let grace = Duration::from_secs(self.cfg.kill_margin_secs.max(3));
+        self.stop_program(reason, grace).await;
         self.leave(ExitReason::Stopped, Outcome::Stopped(reason.to_string()))
             .await
     }
@@ -710,6 +814,33 @@ impl Runner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kill_margin_is_at_most_a_quarter_of_the_notice_given() {
+        let m = |configured, left_secs| kill_margin(configured, Duration::from_secs(left_secs));
+        // EC2's two minutes: the job's margin stands.
+        assert_eq!(m(10, 120), Duration::from_secs(10));
+        // A sped-up simulated cloud's 6 s: 1.5 s, not 10 (which left the program no time).
+        assert_eq!(m(10, 6), Duration::from_millis(1500));
+        // The sim cloud's default 20 s: 5 s, leaving a program 15 s to exit.
+        assert_eq!(m(10, 20), Duration::from_secs(5));
+        assert_eq!(m(0, 20), Duration::ZERO);
+        assert_eq!(m(10, 0), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_notice_file_is_written_whole_and_replaced_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("notice.json");
+        write_atomic(&f, r#"{"action":"terminate"}"#).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&f).unwrap(),
+            r#"{"action":"terminate"}"#
+        );
+        write_atomic(&f, "{}").unwrap();
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), "{}");
+        assert!(!f.with_extension("tmp").exists(), "no temporary file left");
+    }
 
     #[test]
     fn progress_files_that_are_not_progress_are_ignored() {

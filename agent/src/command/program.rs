@@ -75,17 +75,83 @@ pub struct Running {
     readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// An unprivileged user the program runs as (the agent is root).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAs {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl RunAs {
+    /// Looks `name` up in the user database.
+    pub fn lookup(name: &str) -> Result<RunAs> {
+        let unknown = || AgentError::Config(format!("--run-as {name}: no such user"));
+        let c_name = std::ffi::CString::new(name).map_err(|_| unknown())?;
+        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call; the strings `pwd` points into live in
+        // `buf`, which outlives the fields read below (uid and gid are plain integers).
+        let rc = unsafe {
+            libc::getpwnam_r(
+                c_name.as_ptr(),
+                &mut pwd,
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                &mut found,
+            )
+        };
+        if rc != 0 || found.is_null() {
+            return Err(unknown());
+        }
+        if pwd.pw_uid == 0 {
+            return Err(AgentError::Config(format!(
+                "--run-as {name}: that is root; name an unprivileged user"
+            )));
+        }
+        Ok(RunAs {
+            name: name.to_string(),
+            uid: pwd.pw_uid,
+            gid: pwd.pw_gid,
+        })
+    }
+
+    /// Gives `path` to this user (not following symlinks), and everything under it when
+    /// `recursive`.
+    pub fn own(&self, path: &Path, recursive: bool) -> Result<()> {
+        let io = |source| AgentError::Io {
+            file: path.to_path_buf(),
+            source,
+        };
+        std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid)).map_err(io)?;
+        if recursive && std::fs::symlink_metadata(path).map_err(io)?.is_dir() {
+            for entry in std::fs::read_dir(path).map_err(io)? {
+                self.own(&entry.map_err(io)?.path(), true)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The variables of the agent's own environment a program gets (besides the contract's and the
+/// job's): nothing else crosses, so no secret of the agent's or the broker's reaches it.
+pub const INHERITED_VARS: [&str; 4] = ["PATH", "HOME", "LANG", "TZ"];
+
 /// What to start.
 pub struct Launch<'a> {
     pub argv: &'a [String],
+    /// The program's whole environment (nothing of the agent's is inherited).
     pub env: &'a BTreeMap<String, String>,
+    /// Run as this user instead of the agent's.
+    pub run_as: Option<&'a RunAs>,
     pub cwd: &'a Path,
     pub log: &'a Path,
     pub tail: SharedTail,
 }
 
 impl Running {
-    /// Starts `argv` in a new process group. The agent's own token is not passed on.
+    /// Starts `argv` in a new process group, with exactly `env` as its environment.
     pub fn start(l: Launch<'_>) -> Result<Running> {
         let (program, args) = l
             .argv
@@ -94,13 +160,17 @@ impl Running {
         let mut cmd = Command::new(program);
         cmd.args(args)
             .current_dir(l.cwd)
-            .env_remove("PROTEUS_AGENT_TOKEN")
+            .env_clear()
             .envs(l.env)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(user) = l.run_as {
+            // std drops the supplementary groups too when a root parent sets the uid.
+            cmd.uid(user.uid).gid(user.gid);
+        }
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGKILL the child
         // when the agent dies, so a crashed agent does not leave the program running.
         unsafe {
@@ -196,5 +266,74 @@ pub fn signal_group(pgid: i32, signal: i32) {
     if pgid > 0 {
         // SAFETY: signalling a process group this agent created (negative pid = group).
         unsafe { libc::kill(-pgid, signal) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn run(argv: &[&str], env: &[(&str, &str)], run_as: Option<&RunAs>) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        let env: BTreeMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let tail: SharedTail = Arc::new(Mutex::new(OutputTail::default()));
+        let mut r = Running::start(Launch {
+            argv: &argv,
+            env: &env,
+            run_as,
+            cwd: Path::new("/"),
+            log: &dir.path().join("out.log"),
+            tail: tail.clone(),
+        })
+        .unwrap();
+        assert!(r.wait().await.success());
+        tail.lock().unwrap().text()
+    }
+
+    #[tokio::test]
+    async fn a_program_gets_exactly_the_environment_it_is_given() {
+        // The test process's own environment (CARGO_*, PATH, HOME, ...) must not show.
+        let out = run(
+            &["/usr/bin/env"],
+            &[("PATH", "/usr/bin:/bin"), ("A", "1")],
+            None,
+        )
+        .await;
+        let mut lines: Vec<&str> = out.lines().collect();
+        lines.sort();
+        assert_eq!(lines, ["A=1", "PATH=/usr/bin:/bin"], "{out}");
+    }
+
+    #[tokio::test]
+    async fn a_root_agent_runs_the_program_as_the_user_it_is_told() {
+        let nobody = RunAs::lookup("nobody").expect("the nobody user");
+        assert_ne!(nobody.uid, 0);
+        assert!(
+            RunAs::lookup("root").is_err(),
+            "root is refused as --run-as"
+        );
+        assert!(RunAs::lookup("no-such-user-here").is_err());
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let out = run(&["/usr/bin/id", "-u"], &[], Some(&nobody)).await;
+            assert_eq!(out.trim(), nobody.uid.to_string());
+        } else {
+            // Not root: changing the user is refused by the kernel, never silently skipped.
+            let dir = tempfile::tempdir().unwrap();
+            let argv = vec!["/usr/bin/id".to_string()];
+            let started = Running::start(Launch {
+                argv: &argv,
+                env: &BTreeMap::new(),
+                run_as: Some(&nobody),
+                cwd: Path::new("/"),
+                log: &dir.path().join("out.log"),
+                tail: Arc::new(Mutex::new(OutputTail::default())),
+            });
+            assert!(started.is_err());
+        }
     }
 }

@@ -8,12 +8,32 @@ set -euo pipefail
 BROKER_URL='{{BROKER_URL}}'
 install -d -m 0700 /etc/proteus
 install -d -m 0755 /var/lib/proteus/data
+# Command jobs' programs run as this unprivileged user, not as the root agent: they cannot read
+# the agent's memory, environment or /etc/proteus. Instance metadata is closed to it, so it
+# cannot read this user data (and the token in it) either.
+id -u proteus-job >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
+    --home-dir /nonexistent --shell /usr/sbin/nologin proteus-job
+JOB_UID=$(id -u proteus-job)
+if command -v iptables >/dev/null; then
+    iptables -C OUTPUT -d 169.254.169.254 -m owner --uid-owner "${JOB_UID}" -j REJECT 2>/dev/null \
+        || iptables -I OUTPUT -d 169.254.169.254 -m owner --uid-owner "${JOB_UID}" -j REJECT
+elif command -v nft >/dev/null; then
+    nft add table inet proteus
+    nft add chain inet proteus output '{ type filter hook output priority 0; }'
+    nft add rule inet proteus output ip daddr 169.254.169.254 meta skuid "${JOB_UID}" reject
+else
+    echo "proteus bootstrap: neither iptables nor nft: cannot close instance metadata to programs" >&2
+    exit 1
+fi
+install -d -m 0711 /var/lib/proteus/scratch
 umask 077
 cat > /etc/proteus/agent.env <<ENV
 PROTEUS_BROKER_URL=${BROKER_URL}
 PROTEUS_AGENT_TOKEN={{TOKEN}}
 PROTEUS_AGENT_DATA_DIR=/var/lib/proteus/data
 PROTEUS_AGENT_LISTEN=0.0.0.0:7070
+PROTEUS_AGENT_RUN_AS=proteus-job
+PROTEUS_AGENT_SCRATCH_DIR=/var/lib/proteus/scratch
 ENV
 CA_PEM=$(cat <<'PROTEUS_CA_PEM'
 {{CA_PEM}}

@@ -61,7 +61,14 @@ pub struct LauncherConfig {
     pub agent_log: String,
     /// The CA agents trust for the broker's HTTPS (their `--ca-file`); `None`: system roots.
     pub ca_file: Option<PathBuf>,
+    /// The unprivileged user agents run command jobs' programs as (their `--run-as`).
+    pub run_as: Option<String>,
 }
+
+/// The variables of the broker's environment a local agent gets: nothing else crosses, so the
+/// broker's secrets (its user token, database URL, AWS credentials) never reach an agent, and
+/// so never a user's program.
+pub const AGENT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TZ", "RUST_BACKTRACE"];
 
 impl LauncherConfig {
     /// `proteus-agent` next to the running binary if it is there (as cargo and installs lay
@@ -95,7 +102,14 @@ pub struct LocalLauncher {
 impl LocalLauncher {
     pub fn new(config: LauncherConfig) -> Result<Self, LaunchError> {
         let dir = config.state_dir.join("agents");
-        std::fs::create_dir_all(&dir).map_err(|source| LaunchError::State { path: dir, source })?;
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| {
+                // The agents' logs and PID files are the broker's own: no program of a job
+                // (which may run as another user) reads them.
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(|source| LaunchError::State { path: dir, source })?;
         Ok(LocalLauncher {
             config,
             agents: Mutex::new(HashMap::new()),
@@ -178,7 +192,19 @@ impl LocalLauncher {
         let log = std::fs::File::create(&log_path).map_err(|e| state_err(&log_path, e))?;
         let log2 = log.try_clone().map_err(|e| state_err(&log_path, e))?;
         let mut cmd = std::process::Command::new(&self.config.agent_bin);
+        cmd.env_clear();
+        for var in AGENT_ENV {
+            if let Some(value) = std::env::var_os(var) {
+                cmd.env(var, value);
+            }
+        }
         cmd.args(&self.config.agent_prefix)
+            .args(
+                self.config
+                    .run_as
+                    .iter()
+                    .flat_map(|user| ["--run-as", user.as_str()]),
+            )
             .arg("--broker")
             .arg(&self.config.broker_url)
             .arg("--imds-endpoint")

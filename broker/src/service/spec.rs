@@ -26,6 +26,19 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
+/// Names of credentials a job's `env` may not set: a job spec is stored and shown to every API
+/// user, and the broker's own secrets must never reach a program by name either.
+const SECRET_VARS: [&str; 8] = [
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "DATABASE_URL",
+];
+
 /// A training job as submitted.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -137,6 +150,13 @@ impl CommandSpec {
                 return Err(bad(
                     &format!("command.env.{k}"),
                     "`PROTEUS_*` variables are set by the agent (see docs/command-jobs.md)",
+                ));
+            }
+            if SECRET_VARS.contains(&k.as_str()) {
+                return Err(bad(
+                    &format!("command.env.{k}"),
+                    "credentials do not belong in a job spec (it is stored and shown to every \
+                     API user): give the program an instance role or its own secret store",
                 ));
             }
             if v.contains('\0') {
@@ -972,6 +992,14 @@ mod tests {
         }
         for (json, field) in [
             (r#""command":{"run":[]}"#, "command.run"),
+            (
+                r#""command":{"run":["p"],"env":{"AWS_SECRET_ACCESS_KEY":"x"}}"#,
+                "command.env.AWS_SECRET_ACCESS_KEY",
+            ),
+            (
+                r#""command":{"run":["p"],"env":{"DATABASE_URL":"postgres://u:p@h/d"}}"#,
+                "command.env.DATABASE_URL",
+            ),
             (
                 r#""command":{"run":["p"],"env":{"PROTEUS_RANK":"3"}}"#,
                 "command.env.PROTEUS_RANK",
