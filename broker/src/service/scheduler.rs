@@ -152,6 +152,14 @@ impl Broker {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
             rt.pending.warned.push(InstanceId(row.id.clone()));
         }
+        // A command job's warned member leaves the working set now (its rank stays reserved
+        // until it departs), not when its agent reads the notice.
+        if let (Some(control), Some(cloud_id)) = (self.control.get(row.job_id), &row.cloud_id) {
+            let id = InstanceId(cloud_id.clone());
+            if control.read(|c| c.is_member(&id)) {
+                control.update(|c| c.provider_warned(&id));
+            }
+        }
         super::metrics::Metrics::inc(&self.metrics.warnings);
         if let Some(launcher) = &self.launcher {
             // The agent compares the notice with its own (wall) clock.
@@ -178,8 +186,10 @@ impl Broker {
         now: Timestamp,
     ) -> Result<(), ServiceError> {
         // A warned instance that ends was reclaimed by the provider, whoever reports the end
-        // (EC2 shows a plain termination once the notice period is over).
-        let by_provider = by_provider || row.state == InstanceState::Warned;
+        // (EC2 shows a plain termination once the notice period is over) and whatever ended it
+        // during its notice (a release, the job's end): an eviction in every report, billed
+        // under the provider-ended rule.
+        let by_provider = by_provider || row.warned.is_some();
         if by_provider {
             crate::failpoint::hit("evicted-before-record");
         }

@@ -724,9 +724,15 @@ impl<'a> Engine<'a> {
     fn finish(mut self, done_at: Timestamp) -> Result<RunResult, SimError> {
         self.now = done_at;
         while !self.views.is_empty() {
-            // A warned instance still running at the end is ended by the user too: the job is
-            // done and releases it before the provider does.
-            self.end_instance(0, EndedBy::User);
+            // The job is done and releases what it holds. A warned instance among them was
+            // reclaimed by the provider all the same (it is an eviction in every report), and
+            // is billed under the provider-ended rule, as the live broker does.
+            let by = if self.sims[0].terminate_at.is_some() {
+                EndedBy::Provider
+            } else {
+                EndedBy::User
+            };
+            self.end_instance(0, by);
         }
         let mut r = RunResult {
             policy: self.policy.name().to_string(),
