@@ -59,6 +59,9 @@ noticed = False
 def on_sigterm(signum, frame):
     global noticed
     noticed = True
+    # The contract: the notice file is in place before SIGTERM, on every path.
+    have = "yes" if os.path.exists(notice_file) else "no"
+    print(f"sigterm notice_file={have}", flush=True)
 
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else on_sigterm)

@@ -498,3 +498,293 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         "the directory store holds the checkpoint"
     );
 }
+
+/// What a program can read of the machine it runs on, as `nobody` under a root agent: its
+/// environment, its agent's `/proc/<pid>/environ` and `cmdline`, every other process's
+/// `environ`, and every file it can open under the broker's state directory. Written to
+/// `$PROBE_OUT/<instance>.txt`; then it runs `train.py` in its place.
+const PROBE: &str = r#"
+import os, sys
+out = []
+def note(name, read):
+    try:
+        out.append(f"== {name}\n{read()}")
+    except Exception as e:
+        out.append(f"== {name}: unreadable ({type(e).__name__})")
+def text(path):
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+out.append(f"uid={os.getuid()}")
+out.append("== env\n" + "\n".join(f"{k}={v}" for k, v in sorted(os.environ.items())))
+ppid = os.getppid()
+note(f"/proc/{ppid}/environ (the agent)", lambda: text(f"/proc/{ppid}/environ"))
+note(f"/proc/{ppid}/cmdline (the agent)", lambda: text(f"/proc/{ppid}/cmdline"))
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) not in (os.getpid(), ppid):
+        try:
+            out.append(f"== /proc/{pid}/environ\n" + text(f"/proc/{pid}/environ"))
+        except Exception:
+            pass
+for root, dirs, files in os.walk(os.environ["PROBE_STATE"]):
+    for f in files:
+        p = os.path.join(root, f)
+        try:
+            out.append(f"== {p}\n" + text(p))
+        except Exception:
+            pass
+with open(os.path.join(os.environ["PROBE_OUT"], os.environ["PROTEUS_INSTANCE_ID"] + ".txt"), "w") as f:
+    f.write("\n".join(out))
+os.execvp("python3", ["python3", os.environ["PROBE_TRAIN"]])
+"#;
+
+/// The lines `start rank=R world=W resumed_from=S` of a tail, as (R, W, S).
+fn starts(tail: &str) -> Vec<(u64, u64, u64)> {
+    tail.lines()
+        .filter_map(|l| l.strip_prefix("start rank="))
+        .filter_map(|rest| {
+            let n: Vec<u64> = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .filter_map(|s| s.parse().ok())
+                .collect();
+            (n.len() == 3).then(|| (n[0], n[1], n[2]))
+        })
+        .collect()
+}
+
+/// Three spot instances run the program as ranks 0–2 under a root agent that runs it as
+/// `nobody`. One is interrupted mid-run with the 20 s notice the sim cloud gives by default:
+/// its program gets the notice file before SIGTERM, saves and exits well before SIGKILL; its
+/// replacement waits for the rank, takes *that* rank (never a fourth), restores its newest
+/// checkpoint and goes on from the very step the warned program saved. When the job completes
+/// the other programs get the notice file before their SIGTERM too, and the warned instance is
+/// an eviction in the report. Meanwhile every program looked for the broker's and the agents'
+/// secrets and found none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // `nobody` must reach its instance's directory under the state dir (not list it).
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let probe_out = dir.path().join("probe");
+    std::fs::create_dir_all(&probe_out).unwrap();
+    std::fs::set_permissions(&probe_out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let probe = dir.path().join("probe.py");
+    std::fs::write(&probe, PROBE).unwrap();
+    std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    const AWS_SECRET: &str = "aws-canary-0b1f7e5d9c3a";
+    let broker = BrokerProcess::start_sim_with_env(
+        dir.path(),
+        &db,
+        "60",
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--agent-run-as",
+            "nobody",
+        ],
+        &[
+            ("AWS_SECRET_ACCESS_KEY", AWS_SECRET),
+            ("AWS_ACCESS_KEY_ID", "AKIACANARY"),
+        ],
+    )
+    .await;
+    let state = broker.state_dir.display().to_string();
+    let spec = format!(
+        "name = \"ranks\"\napp = \"command\"\npolicy = \"standard-bidding\"\n\
+         [limits]\nmax_instances = 3\nmax_reliable_instances = 0\n\
+         [work]\ntotal_work = 1.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
+         [command]\nrun = [\"python3\", \"{}\"]\ncheckpoint_interval_secs = 1\n\
+         [command.env]\nSTEPS = \"400\"\nSTEP_SECS = \"0.1\"\nCHECKPOINT_EVERY = \"5\"\n\
+         PROBE_OUT = \"{}\"\nPROBE_STATE = \"{state}\"\nPROBE_TRAIN = \"{}\"\n",
+        probe.display(),
+        probe_out.display(),
+        program()
+    );
+    let id = submit(&broker, dir.path(), "ranks", &spec);
+    let api = broker.client();
+
+    // The three train as ranks 0, 1, 2 (in a world of at most 3).
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    let tails = loop {
+        let t = logs(&broker, id).await;
+        let training = t
+            .iter()
+            .filter(|(_, o)| numbers(o, "step ").last().is_some_and(|&s| s >= 20))
+            .count();
+        if training == 3 {
+            break t;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "three programs never trained: {t:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let mut ranks: Vec<u64> = tails
+        .iter()
+        .map(|(_, o)| starts(o).first().expect("a start line").0)
+        .collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2], "{tails:?}");
+    // The agents' tokens, read as root from their environment at start, for the probe check.
+    let mut agent_tokens = Vec::new();
+    for e in std::fs::read_dir(broker.state_dir.join("agents"))
+        .unwrap()
+        .flatten()
+    {
+        if e.path().extension().is_some_and(|x| x == "pid")
+            && let Ok(pid) = std::fs::read_to_string(e.path())
+            && let Ok(env) = std::fs::read(format!("/proc/{}/environ", pid.trim()))
+        {
+            for var in env.split(|b| *b == 0) {
+                if let Some(t) = var.strip_prefix(b"PROTEUS_AGENT_TOKEN=") {
+                    agent_tokens.push(String::from_utf8_lossy(t).into_owned());
+                }
+            }
+        }
+    }
+    assert!(!agent_tokens.is_empty(), "no agent token found to look for");
+
+    let (victim, victim_tail) = tails[1].clone();
+    let victim_rank = starts(&victim_tail)[0].0;
+    let (code, _, err) = proteus_e2e::proteus(None, &["interrupt", &victim], &broker.user_env());
+    assert_eq!(code, 0, "proteus interrupt failed: {err}");
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(300),
+            "the job",
+        )
+        .await;
+    let tails = logs(&broker, id).await;
+    let story = || {
+        tails
+            .iter()
+            .map(|(i, t)| format!("==> {i}\n{t}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let of = |iid: &str| &tails.iter().find(|(i, _)| i == iid).unwrap().1;
+
+    // The warned program found the notice file with its SIGTERM, saved and exited in time.
+    let warned = of(&victim);
+    assert!(warned.contains("sigterm notice_file=yes"), "{warned}");
+    assert!(!warned.contains("SIGKILL"), "{warned}");
+    let saved = numbers(warned, "notice: saved step ");
+    assert_eq!(saved.len(), 1, "{warned}");
+
+    // Its replacement took its rank once it was free, restored that rank's checkpoint and went
+    // on from the very step it saved; no program ever started beyond rank 2 or world 3.
+    let replacement = tails
+        .iter()
+        .find(|(i, t)| {
+            i != &victim
+                && starts(t)
+                    .first()
+                    .is_some_and(|s| s.0 == victim_rank && s.2 > 0)
+        })
+        .unwrap_or_else(|| panic!("no replacement took rank {victim_rank}:\n{}", story()));
+    assert!(
+        replacement
+            .1
+            .contains(&format!("restored the checkpoint of rank {victim_rank}")),
+        "{}",
+        replacement.1
+    );
+    assert_eq!(
+        starts(&replacement.1)[0].2,
+        saved[0],
+        "steps lost between the warned program and its replacement:\n{}",
+        story()
+    );
+    for (i, t) in &tails {
+        for (rank, world, _) in starts(t) {
+            assert!(
+                rank < 3 && world <= 3,
+                "{i} started as rank {rank} of {world}:\n{}",
+                story()
+            );
+        }
+    }
+    // Every SIGTERM came with the notice file: the warned one and those at the job's end.
+    for (i, t) in &tails {
+        assert!(!t.contains("sigterm notice_file=no"), "{i}:\n{t}");
+    }
+    assert!(
+        tails
+            .iter()
+            .filter(|(i, _)| i != &victim)
+            .any(|(_, t)| t.contains("stopping the program")
+                && t.contains("sigterm notice_file=yes")),
+        "no program was stopped at the job's end:\n{}",
+        story()
+    );
+    // The warned instance is an eviction in the report.
+    let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
+    assert!(
+        cost["evictions"].as_u64().is_some_and(|n| n >= 1),
+        "{cost}\n{job}"
+    );
+
+    // No program reached a secret: not the user's token, not the database URL, not the
+    // broker's AWS credentials, not any agent's token; and the agent's environment was
+    // closed to it.
+    let mut dumps = 0;
+    for e in std::fs::read_dir(&probe_out).unwrap().flatten() {
+        let dump = std::fs::read_to_string(e.path()).unwrap();
+        dumps += 1;
+        assert!(
+            dump.contains("uid=65534"),
+            "the program did not run as nobody"
+        );
+        assert!(
+            dump.contains("(the agent): unreadable"),
+            "the agent's environ was readable:\n{dump}"
+        );
+        for secret in [proteus_e2e::TOKEN, AWS_SECRET, db.as_str()]
+            .into_iter()
+            .chain(agent_tokens.iter().map(String::as_str))
+        {
+            assert!(
+                !dump.contains(secret),
+                "a program reached {secret:?}:\n{dump}"
+            );
+        }
+        assert!(
+            !proteus_e2e::contains_agent_token(&dump),
+            "an agent token:\n{dump}"
+        );
+        let env = dump
+            .split("== env\n")
+            .nth(1)
+            .unwrap()
+            .split("\n== ")
+            .next()
+            .unwrap();
+        let names: Vec<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
+        for name in &names {
+            assert!(
+                name.starts_with("PROTEUS_")
+                    || name.starts_with("PROBE_")
+                    || [
+                        "PATH",
+                        "HOME",
+                        "LANG",
+                        "TZ",
+                        "STEPS",
+                        "STEP_SECS",
+                        "CHECKPOINT_EVERY"
+                    ]
+                    .contains(name)
+                    || name.starts_with("LC_"),
+                "{name} crossed into the program's environment:\n{env}"
+            );
+        }
+    }
+    assert!(dumps >= 4, "{dumps} probes ran (3 + the replacement)");
+}

@@ -5,9 +5,9 @@
 //! without it and go on from their last checkpoint, a replacement joins the same rendezvous,
 //! and the job completes.
 //!
-//! Needs the torch virtualenv: `scripts/test` builds it (`torch/venv`) and exports
-//! `PROTEUS_TEST_TORCH_VENV` only with `PROTEUS_TEST_TORCH=1`; without it the test says why and
-//! passes without running.
+//! Needs the torch virtualenv: `scripts/test` builds it (`torch/venv`, cached under
+//! `$PROTEUS_CACHE_DIR`) and exports `PROTEUS_TEST_TORCH_VENV`; only an explicit
+//! `PROTEUS_TEST_TORCH=0` skips the test (and it says so).
 
 use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus, write_c3_trace};
 use std::path::PathBuf;
@@ -72,10 +72,14 @@ fn story(tails: &[(String, String)]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn torchrun_survivors_reform_after_a_warned_node_leaves_and_the_job_completes() {
     let Ok(venv) = std::env::var("PROTEUS_TEST_TORCH_VENV") else {
-        eprintln!(
-            "SKIPPED torchrun_survivors_reform...: no torch virtualenv \
-             (run `PROTEUS_TEST_TORCH=1 scripts/test`; it installs torch, ~2.6 GB, once)"
+        // `scripts/test` always sets it (it installs torch) unless told PROTEUS_TEST_TORCH=0.
+        assert_eq!(
+            std::env::var("PROTEUS_TEST_TORCH").as_deref(),
+            Ok("0"),
+            "no torch virtualenv: run the suite through scripts/test (it installs torch, \
+             ~2.6 GB, once, under $PROTEUS_CACHE_DIR); PROTEUS_TEST_TORCH=0 skips this test"
         );
+        eprintln!("SKIPPED torchrun_survivors_reform...: PROTEUS_TEST_TORCH=0");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -264,6 +268,60 @@ async fn torchrun_survivors_reform_after_a_warned_node_leaves_and_the_job_comple
         "{}",
         replacement.1
     );
+    // The replacement took the warned node's Proteus rank (one holder at a time: it waited for
+    // the warned node to leave) and restored that rank's own checkpoint, as the contract says.
+    let victim_rank = field(&warned, "start ", "proteus_rank=")
+        .first()
+        .copied()
+        .unwrap_or_else(|| panic!("the warned node never started:\n{warned}"));
+    assert!(
+        replacement
+            .1
+            .contains(&format!("restored the checkpoint of rank {victim_rank}")),
+        "the replacement did not restore rank {victim_rank}'s checkpoint:\n{}",
+        replacement.1
+    );
+    assert!(
+        field(&replacement.1, "start ", "proteus_rank=")
+            .iter()
+            .all(|&r| r == victim_rank),
+        "{}",
+        replacement.1
+    );
+    // The loss curve is continuous across the eviction: the first loss the survivors print
+    // after re-forming is close to their last before it, far below the untrained model's.
+    let losses = |text: &str| -> Vec<(u64, f64)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("step "))
+            .filter_map(|rest| {
+                let step = rest.split(' ').next()?.parse().ok()?;
+                let loss = rest.split("loss=").nth(1)?.trim().parse().ok()?;
+                Some((step, loss))
+            })
+            .collect()
+    };
+    for s in originals.iter().filter(|i| **i != victim) {
+        let curve = losses(&of(s));
+        let first = curve.first().map(|c| c.1).unwrap_or(f64::NAN);
+        let before = curve
+            .iter()
+            .filter(|(step, _)| *step + 10 > last_warned && *step <= last_warned)
+            .map(|c| c.1)
+            .fold(f64::NAN, f64::max);
+        let after = curve
+            .iter()
+            .filter(|(step, _)| *step > last_warned && *step <= last_warned + 10)
+            .map(|c| c.1)
+            .fold(f64::NAN, f64::min);
+        assert!(
+            after.is_finite() && before.is_finite() && after <= before * 1.5 + 0.05,
+            "{s}: the loss jumped from {before} to {after} across the eviction (first {first})"
+        );
+        assert!(
+            after < first * 0.8,
+            "{s}: the loss after the eviction ({after}) is back near the untrained {first}"
+        );
+    }
     let host_out = of(&host);
     let acc: Vec<&str> = host_out
         .lines()
