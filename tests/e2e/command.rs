@@ -552,8 +552,8 @@ fn starts(tail: &str) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// Three spot instances run the program as ranks 0–2 under a root agent that runs it as
-/// `nobody`. One is interrupted mid-run with the 20 s notice the sim cloud gives by default:
+/// Three instances (one reliable, two spot) run the program as ranks 0–2 under root agents
+/// that run it as `nobody`. A spot one is interrupted mid-run with the 20 s notice the sim cloud gives by default:
 /// its program gets the notice file before SIGTERM, saves and exits well before SIGKILL; its
 /// replacement waits for the rank, takes *that* rank (never a fourth), restores its newest
 /// checkpoint and goes on from the very step the warned program saved. When the job completes
@@ -596,7 +596,7 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     let state = broker.state_dir.display().to_string();
     let spec = format!(
         "name = \"ranks\"\napp = \"command\"\npolicy = \"standard-bidding\"\n\
-         [limits]\nmax_instances = 3\nmax_reliable_instances = 0\n\
+         [limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
          [work]\ntotal_work = 1.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
          [command]\nrun = [\"python3\", \"{}\"]\ncheckpoint_interval_secs = 1\n\
          [command.env]\nSTEPS = \"400\"\nSTEP_SECS = \"0.1\"\nCHECKPOINT_EVERY = \"5\"\n\
@@ -650,8 +650,19 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     }
     assert!(!agent_tokens.is_empty(), "no agent token found to look for");
 
-    let (victim, victim_tail) = tails[1].clone();
-    let victim_rank = starts(&victim_tail)[0].0;
+    // A spot instance is warned (interruption is a spot instance's fate).
+    let job = api.get(&format!("/v1/jobs/{id}")).await;
+    let victim = job["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["tier"] == "transient" && i["worker_rank"].is_u64())
+        .unwrap_or_else(|| panic!("no spot worker: {job}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let victim_tail = &tails.iter().find(|(i, _)| *i == victim).unwrap().1;
+    let victim_rank = starts(victim_tail)[0].0;
     let (code, _, err) = proteus_e2e::proteus(None, &["interrupt", &victim], &broker.user_env());
     assert_eq!(code, 0, "proteus interrupt failed: {err}");
     let job = broker
