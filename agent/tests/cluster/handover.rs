@@ -209,16 +209,17 @@ async fn a_late_handover_never_replaces_the_shard_restored_meanwhile() {
 
     // Now a's hand-over of this very move arrives, late (and with more updates than b had).
     let late = call(&client, &b.addr, &handover(2, "a", snapshot(12))).await;
-    assert_eq!(late, Response::Superseded);
     assert_eq!(
         served(&serving(&b.ps).await),
         before,
         "serving state untouched"
     );
+    assert_eq!(late, Response::Superseded);
     // Kept as the backup copy (b held none), never served.
     assert_eq!(b.ps.backup_copy(0).map(|s| s.seq), Some(12));
     // An older one is not even kept.
     let older = call(&client, &b.addr, &handover(2, "a", snapshot(10))).await;
+    assert_eq!(served(&serving(&b.ps).await), before);
     assert_eq!(older, Response::Superseded);
     assert_eq!(b.ps.backup_copy(0).map(|s| s.seq), Some(12));
     // The data plane serves what it served before, and every push applied is in it.
@@ -298,11 +299,11 @@ async fn a_reordered_handover_from_an_older_epoch_is_refused() {
 
     // The epoch-2 hand-over, delayed, arrives first: it belongs to the earlier ownership.
     let old = call(&client, &b.addr, &handover(2, "a", snapshot(8))).await;
-    assert_eq!(old, Response::Superseded);
     assert!(
         b.ps.active_copy(0).is_none(),
         "an old hand-over is not served"
     );
+    assert_eq!(old, Response::Superseded);
     // Then the epoch-4 one: served.
     let new = call(&client, &b.addr, &handover(4, "a", snapshot(20))).await;
     assert_eq!(new, Response::Ack);
@@ -313,12 +314,12 @@ async fn a_reordered_handover_from_an_older_epoch_is_refused() {
 
     // The epoch-2 one again, after the newer one: refused, serving state untouched.
     let old = call(&client, &b.addr, &handover(2, "a", snapshot(8))).await;
-    assert_eq!(old, Response::Superseded);
     assert_eq!(
         served(&serving(&b.ps).await),
         before,
         "serving state untouched"
     );
+    assert_eq!(old, Response::Superseded);
     assert_eq!(b.applied.load(Ordering::SeqCst), 4);
 }
 
