@@ -7,7 +7,7 @@ use crate::transport::{
     ClockState, Handler, Lineage, Peers, PushOutcome, Request, Response, Snapshot,
 };
 use proteus_wire::InstanceId;
-use proteus_wire::agent_api::{ClusterView, ShardSource};
+use proteus_wire::agent_api::{ClusterView, KeyRange, ShardSource};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
@@ -589,8 +589,7 @@ impl PsNode {
                             to_acquire.push((
                                 p.shard,
                                 acquisition.id,
-                                p.keys.start,
-                                p.keys.end,
+                                p.keys,
                                 p.source.clone(),
                                 backup_addr,
                             ));
@@ -621,7 +620,7 @@ impl PsNode {
             let addr = view.data_addr(&to).map(str::to_string);
             self.spawn_handover(shard, view.epoch, to, addr, keep);
         }
-        for (shard, id, start, end, source, backup_addr) in to_acquire {
+        for (shard, id, keys, source, backup_addr) in to_acquire {
             let addrs: HashMap<InstanceId, String> = view
                 .members
                 .iter()
@@ -629,7 +628,7 @@ impl PsNode {
                 .collect();
             let node = self.clone();
             tokio::spawn(async move {
-                node.acquire(shard, id, start, end, source, addrs, backup_addr)
+                node.acquire(shard, id, keys, source, addrs, backup_addr)
                     .await
             });
         }
@@ -715,13 +714,11 @@ impl PsNode {
         });
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn acquire(
         self: Arc<Self>,
         shard: u32,
         id: u64,
-        start: u64,
-        end: u64,
+        keys: KeyRange,
         source: ShardSource,
         addrs: HashMap<InstanceId, String>,
         backup_addr: Option<String>,
@@ -767,8 +764,8 @@ impl PsNode {
             );
         }
         let state = state.unwrap_or_else(|| {
-            let values = self.app.init(start as usize..end as usize);
-            let mut st = ShardState::fresh(start, values, self.num_partitions);
+            let values = self.app.init(keys.start as usize..keys.end as usize);
+            let mut st = ShardState::fresh(keys.start, values, self.num_partitions);
             st.clocks = st.clocks.with_slack(self.slack);
             st
         });
