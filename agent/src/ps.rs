@@ -43,8 +43,14 @@ pub struct HandoverTiming {
 }
 
 impl HandoverTiming {
-    /// The sender retries for `send_budget`; the receiver waits `margin` longer.
+    /// The sender retries for `send_budget`; the receiver waits `margin` longer (at least a
+    /// millisecond: never as long or shorter).
     pub const fn from_send_budget(send_budget: Duration, margin: Duration) -> Self {
+        let margin = if margin.is_zero() {
+            Duration::from_millis(1)
+        } else {
+            margin
+        };
         HandoverTiming {
             send_budget,
             wait: send_budget.saturating_add(margin),
@@ -1253,8 +1259,7 @@ mod tests {
         let t = HandoverTiming::default();
         assert!(t.wait() > t.send_budget());
         assert_eq!(t.wait(), HANDOVER_WAIT);
-        let short =
-            HandoverTiming::from_send_budget(Duration::from_millis(50), Duration::from_millis(1));
+        let short = HandoverTiming::from_send_budget(Duration::from_millis(50), Duration::ZERO);
         assert!(short.wait() > short.send_budget());
     }
 
