@@ -3,9 +3,11 @@
 
 use crate::apps::App;
 use crate::reassign::{Audit, AuditEvent};
-use crate::transport::{ClockState, Handler, Peers, PushOutcome, Request, Response, Snapshot};
+use crate::transport::{
+    ClockState, Handler, Lineage, Peers, PushOutcome, Request, Response, Snapshot,
+};
 use proteus_wire::InstanceId;
-use proteus_wire::agent_api::{ClusterView, ShardSource};
+use proteus_wire::agent_api::{ClusterView, KeyRange, ShardSource};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
@@ -13,9 +15,139 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 
+/// How long a departing owner keeps trying to deliver one hand-over: every attempt (each call's
+/// timeout is cut to what is left of it) and every pause between attempts end within it.
+pub const HANDOVER_SEND_BUDGET: Duration = Duration::from_secs(20);
+/// How much longer than the sender's whole budget the new owner waits: the two learn of the move
+/// from their own copies of the view, which may reach them a little apart, and the last attempt
+/// may still be on the wire when the sender's budget ends.
+pub const HANDOVER_WAIT_MARGIN: Duration = Duration::from_secs(5);
 /// How long a new owner waits for the departing owner's hand-over before restoring a backup.
-pub const HANDOVER_WAIT: Duration = Duration::from_secs(10);
+/// Derived from the sender's budget so that a hand-over the sender is still retrying is never
+/// overtaken by a restore from an older backup (which would lose every update after that
+/// backup). A hand-over arriving later still is fenced off (see [`judge_handover`]): it never
+/// replaces what the new owner serves by then.
+pub const HANDOVER_WAIT: Duration = HANDOVER_SEND_BUDGET.saturating_add(HANDOVER_WAIT_MARGIN);
+const _: () = assert!(
+    HANDOVER_WAIT.as_millis() > HANDOVER_SEND_BUDGET.as_millis(),
+    "the receiver must wait longer than the sender retries"
+);
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The two sides' hand-over timing; the receiver's wait is always derived from the sender's
+/// budget (see [`HANDOVER_WAIT`]). Tests shorten both together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandoverTiming {
+    send_budget: Duration,
+    wait: Duration,
+}
+
+impl HandoverTiming {
+    /// The sender retries for `send_budget`; the receiver waits `margin` longer (at least a
+    /// millisecond: never as long or shorter).
+    pub const fn from_send_budget(send_budget: Duration, margin: Duration) -> Self {
+        let margin = if margin.is_zero() {
+            Duration::from_millis(1)
+        } else {
+            margin
+        };
+        HandoverTiming {
+            send_budget,
+            wait: send_budget.saturating_add(margin),
+        }
+    }
+
+    /// How long the departing owner keeps trying to deliver one hand-over.
+    pub fn send_budget(&self) -> Duration {
+        self.send_budget
+    }
+
+    /// How long the new owner waits for it before restoring a backup.
+    pub fn wait(&self) -> Duration {
+        self.wait
+    }
+}
+
+impl Default for HandoverTiming {
+    fn default() -> Self {
+        Self::from_send_budget(HANDOVER_SEND_BUDGET, HANDOVER_WAIT_MARGIN)
+    }
+}
+
+/// An agent that was told it owns a shard but does not serve it yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquisition {
+    /// Tells this acquisition from a later one of the same shard.
+    id: u64,
+    /// The departing owner whose hand-over is awaited (`None`: the state comes from a backup or
+    /// is initialised here, and no hand-over is accepted).
+    pub from: Option<InstanceId>,
+    /// The earliest epoch this ownership can have begun in, as far as this agent can tell: the
+    /// one after the newest view in which it saw the shard owned by another agent. The sender
+    /// tags its hand-over with the epoch of the view that told it to leave, which is never
+    /// earlier; a hand-over tagged earlier belongs to a previous ownership. (The sender's and
+    /// the receiver's first view of the move need not be the same one: an agent is sent only
+    /// the newest view, so either may skip some.)
+    pub since: u64,
+}
+
+/// Which hand-over a serving shard was installed from, to recognise it if it comes again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandoverTag {
+    pub from: InstanceId,
+    pub epoch: u64,
+    pub seq: u64,
+}
+
+/// What a receiver does with a hand-over (see [`judge_handover`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandoverVerdict {
+    /// The awaited hand-over: serve it.
+    Install,
+    /// The very hand-over the shard was installed from, sent again (the first answer was
+    /// lost): acknowledge it and change nothing.
+    AlreadyInstalled,
+    /// Not awaited, but it may be once this agent sees the view the sender acts on: the sender
+    /// should retry. `keep`: hold it as the backup copy (newer than the one held).
+    NotYet { keep: bool },
+    /// Not awaited and never will be (an older epoch, another sender, or a shard served here
+    /// already): the sender should stop. `keep`: hold it as the backup copy.
+    Superseded { keep: bool },
+}
+
+/// The receiver's side of hand-over fencing, without I/O. A hand-over is installed only while
+/// this agent is acquiring the shard from its sender in an ownership its epoch belongs to;
+/// anything else never touches the serving state and is at most kept as the backup copy, if its
+/// seq is higher than that copy's.
+///
+/// `serving`: the shard is active here and not being handed away; `installed`: the hand-over
+/// it was installed from, if so; `backup_seq`: the seq of the backup copy held;
+/// `latest_epoch`: the newest view applied here.
+pub fn judge_handover(
+    acquiring: Option<&Acquisition>,
+    serving: bool,
+    installed: Option<&HandoverTag>,
+    backup_seq: Option<u64>,
+    latest_epoch: u64,
+    msg: &HandoverTag,
+) -> HandoverVerdict {
+    if !serving
+        && let Some(a) = acquiring
+        && a.from.as_ref() == Some(&msg.from)
+        && msg.epoch >= a.since
+    {
+        return HandoverVerdict::Install;
+    }
+    if serving && installed == Some(msg) {
+        return HandoverVerdict::AlreadyInstalled;
+    }
+    let keep = backup_seq.is_none_or(|b| msg.seq > b);
+    if !serving && acquiring.is_none() && msg.epoch > latest_epoch {
+        HandoverVerdict::NotYet { keep }
+    } else {
+        HandoverVerdict::Superseded { keep }
+    }
+}
 
 /// Applies pushes exactly once per (clock, partition).
 #[derive(Debug, Clone)]
@@ -24,6 +156,8 @@ pub struct ClockBook {
     /// The sync model's slack: a push for clock `c` proves that clock `c - slack - 1` was
     /// complete when its worker started.
     slack: u32,
+    /// Whether a push beyond the staleness bound fast-forwards (a restored shard) or is refused.
+    lineage: Lineage,
     done: Option<u64>,
     partial: BTreeMap<u64, BTreeSet<u32>>,
 }
@@ -33,9 +167,20 @@ impl ClockBook {
         ClockBook {
             num_partitions,
             slack: 0,
+            lineage: Lineage::Continuous,
             done: None,
             partial: BTreeMap::new(),
         }
+    }
+
+    /// The same book with `lineage`.
+    pub fn with_lineage(mut self, lineage: Lineage) -> Self {
+        self.lineage = lineage;
+        self
+    }
+
+    pub fn lineage(&self) -> Lineage {
+        self.lineage
     }
 
     /// The same book under a sync model with slack `s`.
@@ -48,6 +193,7 @@ impl ClockBook {
         ClockBook {
             num_partitions,
             slack: 0,
+            lineage: Lineage::Continuous,
             done: s.done,
             partial: s
                 .partial
@@ -91,16 +237,29 @@ impl ClockBook {
     /// Decide whether a push may be applied, and record it if so.
     ///
     /// Under slack `s` (0: BSP) a worker pushes clock `c` only after pulling clock `c - s - 1`
-    /// complete from every shard. A push for `c` while `c - s - 1` is incomplete here therefore
-    /// means this shard was restored from a backup older than the job: the clocks up to there
-    /// are lost for good, so the shard fast-forwards instead of waiting for updates nobody will
-    /// send. Clocks after `c - s - 1` may legitimately still be filling in.
+    /// complete from every shard. A push for `c` while `c - s - 1` is incomplete here breaks
+    /// that staleness bound. On a [`Lineage::Restored`] shard it means the shard was restored
+    /// from a backup older than the job: the clocks up to there are lost for good, so the shard
+    /// fast-forwards instead of waiting for updates nobody will send. On a
+    /// [`Lineage::Continuous`] shard nothing was lost, so the push is refused
+    /// ([`PushOutcome::BeyondBound`]): fast-forwarding would silently drop the updates of
+    /// those clocks still on their way. Clocks after `c - s - 1` may legitimately still be
+    /// filling in.
+    ///
+    /// A restored shard becomes continuous once a clock completes on it by its own pushes:
+    /// every partition of that clock was then pushed here, so every worker had moved to this
+    /// shard before its next pull, and any later push proves a clock complete *here*.
     pub fn record(&mut self, clock: u64, partitions: &[u32]) -> PushOutcome {
         if let Some(prev) = clock.checked_sub(u64::from(self.slack) + 1)
             && !self.is_complete(prev)
         {
-            self.done = Some(prev);
-            self.partial.retain(|c, _| *c > prev);
+            match self.lineage {
+                Lineage::Continuous => return PushOutcome::BeyondBound { done: self.done },
+                Lineage::Restored => {
+                    self.done = Some(prev);
+                    self.partial.retain(|c, _| *c > prev);
+                }
+            }
         }
         if self.is_complete(clock) {
             return PushOutcome::Duplicate;
@@ -133,6 +292,7 @@ impl ClockBook {
             .is_some_and(|h| h.len() as u32 >= self.num_partitions)
         {
             self.done = Some(next);
+            self.lineage = Lineage::Continuous;
             next += 1;
         }
         if let Some(done) = self.done {
@@ -167,7 +327,7 @@ impl ShardState {
         ShardState {
             start: s.start,
             seq: s.seq,
-            clocks: ClockBook::from_state(num_partitions, &s.clocks),
+            clocks: ClockBook::from_state(num_partitions, &s.clocks).with_lineage(s.lineage),
             values: Arc::new(s.values),
         }
     }
@@ -176,6 +336,7 @@ impl ShardState {
         Snapshot {
             start: self.start,
             seq: self.seq,
+            lineage: self.clocks.lineage(),
             clocks: self.clocks.state(),
             values: Vec::clone(&self.values),
         }
@@ -214,6 +375,20 @@ struct Active {
     moving: bool,
     backup_addr: Option<String>,
     synced_seq: Option<u64>,
+    /// The hand-over this state was installed from, if it was.
+    installed_from: Option<HandoverTag>,
+}
+
+impl Active {
+    fn new(state: ShardState, backup_addr: Option<String>) -> Self {
+        Active {
+            state,
+            moving: false,
+            backup_addr,
+            synced_seq: None,
+            installed_from: None,
+        }
+    }
 }
 
 /// Everything this agent holds of one shard.
@@ -221,8 +396,17 @@ struct Active {
 struct Slot {
     active: Option<Active>,
     /// This agent was told it owns the shard and is waiting for its state.
-    acquiring: bool,
+    acquiring: Option<Acquisition>,
     backup: Option<ShardState>,
+    /// The newest view epoch in which this agent saw the shard owned by another agent (0: none).
+    not_owner_at: u64,
+}
+
+impl Slot {
+    /// Active here and not being handed away.
+    fn serving(&self) -> bool {
+        self.active.as_ref().is_some_and(|a| !a.moving)
+    }
 }
 
 /// Things the PS reports to the agent's control loop.
@@ -253,6 +437,10 @@ pub struct PsNode {
     slack: u32,
     /// Tests: told of every applied push.
     audit: Mutex<Option<Audit>>,
+    /// The hand-over budget (as a sender) and wait (as a receiver).
+    timing: Mutex<HandoverTiming>,
+    /// Numbers acquisitions (see [`Acquisition`]).
+    next_acquisition: std::sync::atomic::AtomicU64,
 }
 
 impl PsNode {
@@ -288,7 +476,26 @@ impl PsNode {
             events,
             handovers: Mutex::new(0),
             latest_view: Mutex::new(None),
+            timing: Mutex::new(HandoverTiming::default()),
+            next_acquisition: std::sync::atomic::AtomicU64::new(1),
         })
+    }
+
+    /// Tests: shorter hand-over timing (the receiver's wait still derived from the budget).
+    pub fn set_handover_timing(&self, timing: HandoverTiming) {
+        *self.timing.lock().unwrap_or_else(|e| e.into_inner()) = timing;
+    }
+
+    fn timing(&self) -> HandoverTiming {
+        *self.timing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn latest_epoch(&self) -> u64 {
+        self.latest_view
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map_or(0, |v| v.epoch)
     }
 
     /// Tests: report every applied push to `audit` (before the pusher hears of it).
@@ -331,12 +538,7 @@ impl PsNode {
 
     /// Install a shard as active directly (tests and benchmarks).
     pub fn install_active(&self, shard: u32, state: ShardState) {
-        self.slots().entry(shard).or_default().active = Some(Active {
-            state,
-            moving: false,
-            backup_addr: None,
-            synced_seq: None,
-        });
+        self.slots().entry(shard).or_default().active = Some(Active::new(state, None));
         self.changed.notify_waiters();
     }
 
@@ -378,24 +580,38 @@ impl PsNode {
                             a.synced_seq = None;
                         }
                         Some(a) if !a.moving => {}
-                        _ if !slot.acquiring => {
-                            slot.acquiring = true;
+                        _ if slot.acquiring.is_none() => {
+                            let from = match &p.source {
+                                ShardSource::Handover { from, .. } => Some(from.clone()),
+                                _ => None,
+                            };
+                            let acquisition = Acquisition {
+                                id: self
+                                    .next_acquisition
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                                from,
+                                since: slot.not_owner_at + 1,
+                            };
                             to_acquire.push((
                                 p.shard,
-                                p.keys.start,
-                                p.keys.end,
+                                acquisition.id,
+                                p.keys,
                                 p.source.clone(),
                                 backup_addr,
                             ));
+                            slot.acquiring = Some(acquisition);
                         }
                         _ => {}
                     }
-                } else if let Some(a) = &mut slot.active
-                    && !a.moving
-                {
-                    a.moving = true;
-                    let keep_as_backup = p.backup.as_ref() == Some(&self.me);
-                    to_hand_over.push((p.shard, p.active.clone(), keep_as_backup));
+                } else {
+                    slot.not_owner_at = slot.not_owner_at.max(view.epoch);
+                    if let Some(a) = &mut slot.active
+                        && !a.moving
+                    {
+                        a.moving = true;
+                        let keep_as_backup = p.backup.as_ref() == Some(&self.me);
+                        to_hand_over.push((p.shard, p.active.clone(), keep_as_backup));
+                    }
                 }
                 let referenced = p.backup.as_ref() == Some(&self.me)
                     || matches!(&p.source, ShardSource::Restore { from } if *from == self.me)
@@ -408,9 +624,9 @@ impl PsNode {
         self.changed.notify_waiters();
         for (shard, to, keep) in to_hand_over {
             let addr = view.data_addr(&to).map(str::to_string);
-            self.spawn_handover(shard, to, addr, keep);
+            self.spawn_handover(shard, view.epoch, to, addr, keep);
         }
-        for (shard, start, end, source, backup_addr) in to_acquire {
+        for (shard, id, keys, source, backup_addr) in to_acquire {
             let addrs: HashMap<InstanceId, String> = view
                 .members
                 .iter()
@@ -418,57 +634,81 @@ impl PsNode {
                 .collect();
             let node = self.clone();
             tokio::spawn(async move {
-                node.acquire(shard, start, end, source, addrs, backup_addr)
+                node.acquire(shard, id, keys, source, addrs, backup_addr)
                     .await
             });
         }
     }
 
+    /// Hand `shard` over to `to`, told so by the view of `epoch`: retried within the sender's
+    /// budget until the new owner acknowledges it or says it is superseded.
     fn spawn_handover(
         self: &Arc<Self>,
         shard: u32,
+        epoch: u64,
         to: InstanceId,
         addr: Option<String>,
         keep: bool,
     ) {
         *self.handovers.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         let node = self.clone();
+        let budget = self.timing().send_budget();
         tokio::spawn(async move {
-            let snapshot = node
-                .slots()
-                .get(&shard)
-                .and_then(|s| s.active.as_ref().map(|a| a.state.snapshot()));
+            let snapshot = node.slots().get(&shard).and_then(|s| {
+                s.active
+                    .as_ref()
+                    .filter(|a| a.moving)
+                    .map(|a| a.state.snapshot())
+            });
             if let (Some(snapshot), Some(addr)) = (snapshot, addr) {
                 let seq = snapshot.seq;
                 let t = Instant::now();
-                let req = Request::Handover { shard, snapshot };
+                let deadline = t + budget;
+                let req = Request::Handover {
+                    shard,
+                    epoch,
+                    from: node.me.clone(),
+                    snapshot,
+                };
                 let mut delivered = false;
-                for attempt in 0..5 {
-                    match node.peers.call(&addr, &req, CALL_TIMEOUT).await {
+                let mut attempt = 0u32;
+                loop {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        tracing::error!(shard, to = %to, epoch, "hand-over not delivered within its budget; the new owner restores from backup");
+                        break;
+                    }
+                    match node.peers.call(&addr, &req, left.min(CALL_TIMEOUT)).await {
                         Ok(Response::Ack) => {
                             delivered = true;
                             break;
                         }
+                        Ok(Response::Superseded) => {
+                            tracing::error!(shard, to = %to, epoch, "the new owner no longer awaits this hand-over");
+                            break;
+                        }
                         other => {
                             tracing::warn!(shard, to = %to, attempt, ?other, "hand-over not accepted yet");
-                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            tokio::time::sleep(left.min(Duration::from_millis(200))).await;
                         }
                     }
+                    attempt += 1;
                 }
                 if delivered {
-                    tracing::info!(shard, to = %to, seq, ms = t.elapsed().as_millis() as u64, "handed shard over");
+                    tracing::info!(shard, to = %to, seq, epoch, ms = t.elapsed().as_millis() as u64, "handed shard over");
                     let _ = node.events.send(PsEvent::HandedOver {
                         shard,
                         to: to.clone(),
                         seq,
                     });
-                } else {
-                    tracing::error!(shard, to = %to, "hand-over failed; the new owner restores from backup");
                 }
             }
             {
                 let mut slots = node.slots();
+                // Only the state being handed away: a newer one may have been installed since.
                 if let Some(slot) = slots.get_mut(&shard)
+                    && slot.active.as_ref().is_some_and(|a| a.moving)
                     && let Some(a) = slot.active.take()
                     && keep
                 {
@@ -483,8 +723,8 @@ impl PsNode {
     async fn acquire(
         self: Arc<Self>,
         shard: u32,
-        start: u64,
-        end: u64,
+        id: u64,
+        keys: KeyRange,
         source: ShardSource,
         addrs: HashMap<InstanceId, String>,
         backup_addr: Option<String>,
@@ -493,14 +733,21 @@ impl PsNode {
         let restore_from = match &source {
             ShardSource::Fresh | ShardSource::Lost => None,
             ShardSource::Handover { fallback, .. } => {
-                if self.wait_for_handover(shard).await {
+                if self.wait_for_handover(shard, id).await {
                     tracing::info!(
                         shard,
                         ms = t.elapsed().as_millis() as u64,
                         "serving shard (hand-over)"
                     );
+                    self.catch_up();
                     return;
                 }
+                tracing::warn!(
+                    shard,
+                    ms = t.elapsed().as_millis() as u64,
+                    ?fallback,
+                    "no hand-over in time; restoring"
+                );
                 fallback.clone()
             }
             ShardSource::Restore { from } => Some(from.clone()),
@@ -516,39 +763,58 @@ impl PsNode {
                 shard,
                 "shard lost with its owner and no backup; re-initialising it"
             );
+        } else if !matches!(source, ShardSource::Fresh) {
+            tracing::error!(
+                shard,
+                "no hand-over and no backup to fall back on; re-initialising the shard"
+            );
         }
         let state = state.unwrap_or_else(|| {
-            let values = self.app.init(start as usize..end as usize);
-            let mut st = ShardState::fresh(start, values, self.num_partitions);
+            let values = self.app.init(keys.start as usize..keys.end as usize);
+            let mut st = ShardState::fresh(keys.start, values, self.num_partitions);
             st.clocks = st.clocks.with_slack(self.slack);
             st
         });
+        // Anything but a new job's shard may lag behind the clocks the workers have seen
+        // complete (a backup, or nothing at all): it fast-forwards over them.
+        let lineage = match source {
+            ShardSource::Fresh => Lineage::Continuous,
+            _ => Lineage::Restored,
+        };
+        let mut state = state;
+        state.clocks = state.clocks.with_lineage(lineage);
         let seq = state.seq;
         let done = state.clocks.done().map_or(-1, |d| d as i64);
-        {
+        let installed = {
             let mut slots = self.slots();
             let slot = slots.entry(shard).or_default();
-            slot.acquiring = false;
-            if slot.active.is_none() {
-                slot.active = Some(Active {
-                    state,
-                    moving: false,
-                    backup_addr,
-                    synced_seq: None,
-                });
+            // Still ours to finish (a hand-over may have completed it meanwhile)?
+            let ours = slot.acquiring.as_ref().is_some_and(|a| a.id == id);
+            if ours {
+                slot.acquiring = None;
+                if !slot.serving() {
+                    slot.active = Some(Active::new(state, backup_addr));
+                }
             }
-        }
+            ours
+        };
         self.changed.notify_waiters();
-        tracing::info!(
-            shard,
-            seq,
-            done,
-            ms = t.elapsed().as_millis() as u64,
-            ?source,
-            "serving shard"
-        );
-        // The layout may have moved on while we were fetching (another backup, or another
-        // owner altogether): catch up with the newest view.
+        if installed {
+            tracing::info!(
+                shard,
+                seq,
+                done,
+                ms = t.elapsed().as_millis() as u64,
+                ?source,
+                "serving shard"
+            );
+        }
+        self.catch_up();
+    }
+
+    /// The layout may have moved on while a shard was being acquired (another backup, or
+    /// another owner altogether): reconcile with the newest view.
+    fn catch_up(self: &Arc<Self>) {
         let latest = self
             .latest_view
             .lock()
@@ -559,11 +825,18 @@ impl PsNode {
         }
     }
 
-    async fn wait_for_handover(&self, shard: u32) -> bool {
-        let deadline = Instant::now() + HANDOVER_WAIT;
+    /// Wait for the acquisition `id` of `shard` to be completed by a hand-over; false when the
+    /// wait (longer than the sender's whole budget) is over first.
+    async fn wait_for_handover(&self, shard: u32, id: u64) -> bool {
+        let deadline = Instant::now() + self.timing().wait();
         loop {
             let notified = self.changed.notified();
-            if self.slots().get(&shard).is_some_and(|s| s.active.is_some()) {
+            let pending = self
+                .slots()
+                .get(&shard)
+                .and_then(|s| s.acquiring.as_ref())
+                .is_some_and(|a| a.id == id);
+            if !pending {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -657,7 +930,7 @@ impl PsNode {
                         }
                         need.map(|c| a.state.clocks.missing(c)).unwrap_or_default()
                     }
-                    _ if slot.acquiring => return Response::Busy,
+                    _ if slot.acquiring.is_some() => return Response::Busy,
                     _ => return Response::NotOwner,
                 }
             };
@@ -694,7 +967,7 @@ impl PsNode {
                 }
                 Err(e) => Response::Error(e),
             },
-            _ if slot.acquiring => Response::Busy,
+            _ if slot.acquiring.is_some() => Response::Busy,
             _ => Response::NotOwner,
         };
         drop(slots);
@@ -704,25 +977,79 @@ impl PsNode {
         resp
     }
 
-    fn install(&self, shard: u32, snapshot: Snapshot, as_active: bool) -> Response {
+    /// A background copy from the active owner: kept unless an equally new one is held.
+    fn install_backup(&self, shard: u32, snapshot: Snapshot) -> Response {
         let state = self.state_from(snapshot);
         {
             let mut slots = self.slots();
             let slot = slots.entry(shard).or_default();
-            if as_active {
-                slot.active = Some(Active {
-                    state,
-                    moving: false,
-                    backup_addr: None,
-                    synced_seq: None,
-                });
-                slot.acquiring = false;
-            } else if slot.backup.as_ref().is_none_or(|b| b.seq <= state.seq) {
+            if slot.backup.as_ref().is_none_or(|b| b.seq <= state.seq) {
                 slot.backup = Some(state);
             }
         }
         self.changed.notify_waiters();
         Response::Ack
+    }
+
+    /// A departing owner's final state: served only if it is the awaited one
+    /// ([`judge_handover`]); otherwise at most kept as the backup copy.
+    fn receive_handover(
+        &self,
+        shard: u32,
+        epoch: u64,
+        from: InstanceId,
+        snapshot: Snapshot,
+    ) -> Response {
+        let latest_epoch = self.latest_epoch();
+        let tag = HandoverTag {
+            from,
+            epoch,
+            seq: snapshot.seq,
+        };
+        let verdict = {
+            let mut slots = self.slots();
+            let slot = slots.entry(shard).or_default();
+            let verdict = judge_handover(
+                slot.acquiring.as_ref(),
+                slot.serving(),
+                slot.active.as_ref().and_then(|a| a.installed_from.as_ref()),
+                slot.backup.as_ref().map(|b| b.seq),
+                latest_epoch,
+                &tag,
+            );
+            match verdict {
+                HandoverVerdict::Install => {
+                    let mut active = Active::new(self.state_from(snapshot), None);
+                    active.installed_from = Some(tag.clone());
+                    slot.active = Some(active);
+                    slot.acquiring = None;
+                }
+                HandoverVerdict::NotYet { keep: true }
+                | HandoverVerdict::Superseded { keep: true } => {
+                    slot.backup = Some(self.state_from(snapshot));
+                }
+                HandoverVerdict::AlreadyInstalled
+                | HandoverVerdict::NotYet { keep: false }
+                | HandoverVerdict::Superseded { keep: false } => {}
+            }
+            verdict
+        };
+        match verdict {
+            HandoverVerdict::Install => {
+                tracing::info!(shard, from = %tag.from, epoch, seq = tag.seq, "hand-over installed");
+                self.changed.notify_waiters();
+                Response::Ack
+            }
+            HandoverVerdict::AlreadyInstalled => Response::Ack,
+            HandoverVerdict::NotYet { keep } => {
+                tracing::info!(shard, from = %tag.from, epoch, latest_epoch, kept_as_backup = keep, "hand-over ahead of this agent's view; not installed yet");
+                Response::Busy
+            }
+            HandoverVerdict::Superseded { keep } => {
+                tracing::warn!(shard, from = %tag.from, epoch, seq = tag.seq, latest_epoch, kept_as_backup = keep, "stale hand-over refused; the serving state is untouched");
+                Response::Superseded
+            }
+        }
     }
 }
 
@@ -741,12 +1068,13 @@ impl Handler for PsNode {
                     partitions,
                     delta,
                 } => self.push(shard, clock, &partitions, &delta),
-                Request::BackupSync { shard, snapshot } => self.install(shard, snapshot, false),
-                Request::Handover { shard, snapshot } => {
-                    // A hand-over may arrive before our view says we own the shard; keep a
-                    // backup-slot copy in that case too, so nothing is lost either way.
-                    self.install(shard, snapshot, true)
-                }
+                Request::BackupSync { shard, snapshot } => self.install_backup(shard, snapshot),
+                Request::Handover {
+                    shard,
+                    epoch,
+                    from,
+                    snapshot,
+                } => self.receive_handover(shard, epoch, from, snapshot),
                 Request::Progress
                 | Request::Offer { .. }
                 | Request::Delegate { .. }
@@ -795,9 +1123,144 @@ mod tests {
         assert!(b.is_complete(0));
         assert_eq!(b.record(0, &[3]), PushOutcome::Duplicate);
         // A shard restored from an old backup sees the job's current clock and skips ahead.
+        let mut b = b.with_lineage(Lineage::Restored);
         assert_eq!(b.record(5, &[0]), PushOutcome::Applied);
         assert!(b.is_complete(4));
         assert_eq!(b.missing(5), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn a_continuous_shard_refuses_a_push_beyond_the_staleness_bound() {
+        let mut b = ClockBook::new(2);
+        assert_eq!(b.record(0, &[0, 1]), PushOutcome::Applied);
+        assert_eq!(b.record(1, &[0]), PushOutcome::Applied);
+        // BSP: clock 2 needs clock 1 complete; partition 1's update of clock 1 is still on its
+        // way. Refused, and nothing recorded: clock 1 stays open for it.
+        assert_eq!(
+            b.record(2, &[0]),
+            PushOutcome::BeyondBound { done: Some(0) }
+        );
+        assert_eq!(b.missing(1), vec![1]);
+        assert_eq!(b.record(1, &[1]), PushOutcome::Applied);
+        assert_eq!(b.record(2, &[0]), PushOutcome::Applied);
+        // Under slack 1 the bound is one clock further.
+        let mut b = ClockBook::new(1).with_slack(1);
+        assert_eq!(b.record(1, &[0]), PushOutcome::Applied);
+        assert_eq!(b.record(2, &[0]), PushOutcome::BeyondBound { done: None });
+        assert_eq!(b.lineage(), Lineage::Continuous);
+    }
+
+    #[test]
+    fn a_restored_shard_fast_forwards_until_a_clock_completes_by_its_own_pushes() {
+        let mut b = ClockBook::new(2).with_lineage(Lineage::Restored);
+        // Restored at nothing; the workers are at clock 7.
+        assert_eq!(b.record(7, &[0]), PushOutcome::Applied);
+        assert!(b.is_complete(6));
+        assert_eq!(b.lineage(), Lineage::Restored);
+        assert_eq!(b.record(7, &[1]), PushOutcome::Applied);
+        assert!(b.is_complete(7));
+        // Clock 7 completed here: from now on the bound holds.
+        assert_eq!(b.lineage(), Lineage::Continuous);
+        assert_eq!(b.record(8, &[0]), PushOutcome::Applied);
+        assert_eq!(
+            b.record(9, &[0]),
+            PushOutcome::BeyondBound { done: Some(7) }
+        );
+        // The flag travels with a snapshot (a hand-over of a shard still catching up).
+        let st = ShardState {
+            start: 0,
+            values: Arc::new(vec![0.0]),
+            seq: 0,
+            clocks: ClockBook::new(2).with_lineage(Lineage::Restored),
+        };
+        let back = ShardState::from_snapshot(st.snapshot(), 2);
+        assert_eq!(back.clocks.lineage(), Lineage::Restored);
+    }
+
+    fn tag(from: &str, epoch: u64, seq: u64) -> HandoverTag {
+        HandoverTag {
+            from: InstanceId(from.into()),
+            epoch,
+            seq,
+        }
+    }
+
+    fn acquiring(from: &str, since: u64) -> Acquisition {
+        Acquisition {
+            id: 1,
+            from: Some(InstanceId(from.into())),
+            since,
+        }
+    }
+
+    #[test]
+    fn only_the_awaited_handover_is_installed() {
+        use HandoverVerdict::*;
+        let acq = acquiring("a", 4);
+        // From the awaited sender in this ownership (also from a view newer than ours).
+        assert_eq!(
+            judge_handover(Some(&acq), false, None, None, 4, &tag("a", 4, 9)),
+            Install
+        );
+        assert_eq!(
+            judge_handover(Some(&acq), false, None, None, 4, &tag("a", 5, 9)),
+            Install
+        );
+        // An older epoch (a previous ownership), or another sender: never installed.
+        assert_eq!(
+            judge_handover(Some(&acq), false, None, None, 4, &tag("a", 3, 9)),
+            Superseded { keep: true }
+        );
+        assert_eq!(
+            judge_handover(Some(&acq), false, None, Some(20), 4, &tag("x", 4, 9)),
+            Superseded { keep: false }
+        );
+        // Nothing awaited from anyone: not installed, whatever it carries.
+        let restoring = Acquisition {
+            from: None,
+            ..acq.clone()
+        };
+        assert_eq!(
+            judge_handover(Some(&restoring), false, None, None, 4, &tag("a", 4, 9)),
+            Superseded { keep: true }
+        );
+        // A shard served here already is never replaced...
+        assert_eq!(
+            judge_handover(None, true, None, Some(3), 4, &tag("a", 4, 9)),
+            Superseded { keep: true }
+        );
+        // ... not even by an awaited-looking one while it serves, nor by one from the future.
+        assert_eq!(
+            judge_handover(Some(&acq), true, None, None, 4, &tag("a", 4, 9)),
+            Superseded { keep: true }
+        );
+        assert_eq!(
+            judge_handover(None, true, None, Some(9), 4, &tag("a", 8, 9)),
+            Superseded { keep: false }
+        );
+        // The one it was installed from, again: acknowledged, nothing to do.
+        assert_eq!(
+            judge_handover(None, true, Some(&tag("a", 4, 9)), None, 4, &tag("a", 4, 9)),
+            AlreadyInstalled
+        );
+        // Ahead of our view and nothing held: the sender should retry.
+        assert_eq!(
+            judge_handover(None, false, None, Some(9), 4, &tag("a", 5, 9)),
+            NotYet { keep: false }
+        );
+        assert_eq!(
+            judge_handover(None, false, None, Some(8), 4, &tag("a", 4, 9)),
+            Superseded { keep: true }
+        );
+    }
+
+    #[test]
+    fn the_receiver_waits_longer_than_the_sender_retries() {
+        let t = HandoverTiming::default();
+        assert!(t.wait() > t.send_budget());
+        assert_eq!(t.wait(), HANDOVER_WAIT);
+        let short = HandoverTiming::from_send_budget(Duration::from_millis(50), Duration::ZERO);
+        assert!(short.wait() > short.send_budget());
     }
 
     #[test]
@@ -810,7 +1273,13 @@ mod tests {
         // ... and completing clock 0 completes both.
         assert_eq!(b.record(0, &[1]), PushOutcome::Applied);
         assert!(b.is_complete(1));
-        // A push two clocks ahead of an incomplete one (more than the slack) fast-forwards.
+        // A push two clocks ahead of an incomplete one (more than the slack) is refused...
+        assert_eq!(
+            b.record(4, &[0]),
+            PushOutcome::BeyondBound { done: Some(1) }
+        );
+        // ... unless the shard was restored from a backup: then it fast-forwards.
+        let mut b = b.with_lineage(Lineage::Restored);
         assert_eq!(b.record(4, &[0]), PushOutcome::Applied);
         assert!(b.is_complete(2) && !b.is_complete(3));
     }

@@ -35,6 +35,7 @@
 
 use crate::error::{AgentError, Result};
 use hmac::{KeyInit, Mac};
+use proteus_wire::InstanceId;
 use proteus_wire::agent_api::DataSecret;
 use std::collections::HashMap;
 use std::future::Future;
@@ -205,6 +206,20 @@ pub struct ClockState {
     pub partial: Vec<(u64, Vec<u32>)>,
 }
 
+/// Where a shard's state comes from, as far as its clocks are concerned.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Lineage {
+    /// Every update the job's workers were told is in is in: a fresh shard, or one handed over
+    /// in full from its previous owner. A push that breaks the sync model's staleness bound is
+    /// refused ([`PushOutcome::BeyondBound`]).
+    #[default]
+    Continuous,
+    /// Restored from a backup (or re-initialised after the shard was lost): it may lag behind
+    /// the clocks the workers have already seen complete, so it fast-forwards over them instead
+    /// of refusing, until a clock completes on it by its own pushes.
+    Restored,
+}
+
 /// A shard's full state: what a backup holds and what a hand-over moves.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
@@ -212,6 +227,8 @@ pub struct Snapshot {
     /// Number of updates applied since the shard was created; a copy at `seq` holds exactly
     /// updates `1..=seq`.
     pub seq: u64,
+    /// Whether the shard may still lag behind the job's clocks (see [`Lineage`]).
+    pub lineage: Lineage,
     pub clocks: ClockState,
     pub values: Vec<f32>,
 }
@@ -234,8 +251,17 @@ pub enum Request {
     },
     /// Background copy from the ActivePS to the BackupPS.
     BackupSync { shard: u32, snapshot: Snapshot },
-    /// Final state from a departing ActivePS to the new one.
-    Handover { shard: u32, snapshot: Snapshot },
+    /// Final state from a departing ActivePS to the new one. Fenced: the receiver serves it only
+    /// while it is acquiring `shard` from `from` in an ownership that `epoch` belongs to;
+    /// otherwise it is at most kept as a backup copy (see `ps::judge_handover`).
+    Handover {
+        shard: u32,
+        /// The epoch of the view in which `from` was told to hand the shard over.
+        epoch: u64,
+        /// The departing owner.
+        from: InstanceId,
+        snapshot: Snapshot,
+    },
     /// Ask a BackupPS for its copy (the new active owner restores from it).
     FetchBackup { shard: u32 },
     /// RapidReassignment: where is the worker in its current clock?
@@ -278,6 +304,13 @@ pub enum PushOutcome {
     Conflict {
         already: Vec<u32>,
     },
+    /// Nothing applied: the push's clock is further ahead of this shard's complete clocks than
+    /// the sync model's slack allows, and the shard is not one restored from a backup (which
+    /// would fast-forward instead). Retry once the earlier clocks are in.
+    BeyondBound {
+        /// The shard's highest complete clock.
+        done: Option<u64>,
+    },
 }
 
 /// An answer between agents.
@@ -305,6 +338,9 @@ pub enum Response {
     /// RapidReassignment, step two: `true` confirms the hand-off (the worker will stop at the
     /// split point), `false` cancels it (the worker had already passed it, or moved on).
     Offer(bool),
+    /// A hand-over this agent does not await and never will (an older epoch, another sender,
+    /// or a shard it already serves): not installed, and not worth retrying.
+    Superseded,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -358,6 +394,10 @@ impl Enc {
     fn snapshot(&mut self, s: &Snapshot) {
         self.u64(s.start);
         self.u64(s.seq);
+        self.u8(match s.lineage {
+            Lineage::Continuous => 0,
+            Lineage::Restored => 1,
+        });
         self.opt_u64(s.clocks.done);
         self.u32(s.clocks.partial.len() as u32);
         for (c, parts) in &s.clocks.partial {
@@ -439,6 +479,11 @@ impl<'a> Dec<'a> {
     fn snapshot(&mut self) -> Result<Snapshot> {
         let start = self.u64()?;
         let seq = self.u64()?;
+        let lineage = match self.u8()? {
+            0 => Lineage::Continuous,
+            1 => Lineage::Restored,
+            t => return Err(AgentError::Frame(format!("unknown lineage {t}"))),
+        };
         let done = self.opt_u64()?;
         let n = self.u32()?;
         let mut partial = Vec::new();
@@ -450,6 +495,7 @@ impl<'a> Dec<'a> {
         Ok(Snapshot {
             start,
             seq,
+            lineage,
             clocks: ClockState { done, partial },
             values,
         })
@@ -500,9 +546,16 @@ impl Request {
                 e.u32(*shard);
                 e.snapshot(snapshot);
             }
-            Request::Handover { shard, snapshot } => {
+            Request::Handover {
+                shard,
+                epoch,
+                from,
+                snapshot,
+            } => {
                 e.u8(4);
                 e.u32(*shard);
+                e.u64(*epoch);
+                e.str(&from.0);
                 e.snapshot(snapshot);
             }
             Request::FetchBackup { shard } => {
@@ -559,6 +612,8 @@ impl Request {
             },
             4 => Request::Handover {
                 shard: d.u32()?,
+                epoch: d.u64()?,
+                from: InstanceId(d.str()?),
                 snapshot: d.snapshot()?,
             },
             5 => Request::FetchBackup { shard: d.u32()? },
@@ -614,6 +669,10 @@ impl Response {
                         e.u8(2);
                         e.u32s(already);
                     }
+                    PushOutcome::BeyondBound { done } => {
+                        e.u8(3);
+                        e.opt_u64(*done);
+                    }
                 }
             }
             Response::NotOwner => e.u8(4),
@@ -649,6 +708,7 @@ impl Response {
                 e.u8(10);
                 e.u8(u8::from(*ok));
             }
+            Response::Superseded => e.u8(11),
         }
     }
 
@@ -663,7 +723,9 @@ impl Response {
             3 => Response::Pushed(match d.u8()? {
                 0 => PushOutcome::Applied,
                 1 => PushOutcome::Duplicate,
-                _ => PushOutcome::Conflict { already: d.u32s()? },
+                2 => PushOutcome::Conflict { already: d.u32s()? },
+                3 => PushOutcome::BeyondBound { done: d.opt_u64()? },
+                t => return Err(AgentError::Frame(format!("unknown push outcome {t}"))),
             }),
             4 => Response::NotOwner,
             5 => Response::Busy,
@@ -682,6 +744,7 @@ impl Response {
                 }),
             }),
             10 => Response::Offer(d.u8()? != 0),
+            11 => Response::Superseded,
             t => return Err(AgentError::Frame(format!("unknown response tag {t}"))),
         })
     }
@@ -1168,6 +1231,7 @@ mod tests {
         let snapshot = Snapshot {
             start: 10,
             seq: 4,
+            lineage: Lineage::Restored,
             clocks: ClockState {
                 done: Some(3),
                 partial: vec![(4, vec![0, 5])],
@@ -1176,6 +1240,8 @@ mod tests {
         };
         roundtrip_req(Request::Handover {
             shard: 0,
+            epoch: 12,
+            from: InstanceId("t1".into()),
             snapshot: snapshot.clone(),
         });
         roundtrip_req(Request::Progress);
@@ -1201,6 +1267,9 @@ mod tests {
                 values: Arc::new(vec![1.0, 2.0]),
             },
             Response::Pushed(PushOutcome::Conflict { already: vec![3] }),
+            Response::Pushed(PushOutcome::BeyondBound { done: Some(6) }),
+            Response::Pushed(PushOutcome::BeyondBound { done: None }),
+            Response::Superseded,
             Response::Snapshot(Some(snapshot)),
             Response::Error("x".into()),
             Response::Progress(Some(RangeProgress {

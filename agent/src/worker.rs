@@ -742,6 +742,17 @@ impl Worker {
                     delta = self.compute_at(parts.clone(), clock).await.delta;
                 }
                 Ok(Response::Busy) => tokio::time::sleep(Duration::from_millis(20)).await,
+                Ok(Response::Pushed(PushOutcome::BeyondBound { done })) => {
+                    // The shard has not seen the clocks this push depends on complete: not
+                    // applied. Retry once they are in (or the layout changes).
+                    tracing::warn!(
+                        shard = s,
+                        clock,
+                        ?done,
+                        "push beyond the shard's staleness bound refused; retrying"
+                    );
+                    self.await_newer_view().await;
+                }
                 Ok(Response::Error(e)) => {
                     tracing::error!(shard = s, error = %e, "push refused");
                     self.await_newer_view().await;

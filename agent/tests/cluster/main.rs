@@ -5,6 +5,7 @@ mod backup;
 mod data_plane;
 mod faults;
 mod flexrr;
+mod handover;
 mod pipeline;
 mod support;
 mod training;
