@@ -262,9 +262,7 @@ impl Application {
             }
             None => {
                 // With each client's address, which dashboard logins are limited by.
-                let app = self
-                    .app
-                    .into_make_service_with_connect_info::<SocketAddr>();
+                let app = self.app.into_make_service_with_connect_info::<SocketAddr>();
                 if let Err(e) = axum::serve(self.listener, app)
                     .with_graceful_shutdown(stop)
                     .await

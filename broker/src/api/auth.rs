@@ -73,9 +73,7 @@ struct Failures {
 /// /64), or one shared slot when the address is unknown.
 fn login_client(peer: Option<IpAddr>) -> IpAddr {
     match peer.map(|ip| ip.to_canonical()) {
-        Some(IpAddr::V6(v6)) => {
-            IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX)))
-        }
+        Some(IpAddr::V6(v6)) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
         Some(v4) => v4,
         None => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
     }
@@ -464,8 +462,16 @@ mod tests {
             }
         }
         assert_eq!(l.clients(), MAX_LOGIN_CLIENTS);
-        let newest = IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + MAX_LOGIN_CLIENTS as u32 + 9));
-        assert!(l.wait(Some(newest), t0 + Duration::from_secs(1) - Duration::from_millis(1)).is_some());
+        let newest = IpAddr::from(std::net::Ipv4Addr::from(
+            0x0a00_0000 + MAX_LOGIN_CLIENTS as u32 + 9,
+        ));
+        assert!(
+            l.wait(
+                Some(newest),
+                t0 + Duration::from_secs(1) - Duration::from_millis(1)
+            )
+            .is_some()
+        );
     }
 
     #[test]
@@ -484,7 +490,9 @@ mod tests {
         let later = now + FIRST_LOGIN_WAIT;
         assert!(auth.login_from(peer, "pt_right", later).is_ok());
         assert!(
-            auth.login_from(peer, "pt_wrong", later).unwrap_err().is_none(),
+            auth.login_from(peer, "pt_wrong", later)
+                .unwrap_err()
+                .is_none(),
             "the success cleared the failures"
         );
     }

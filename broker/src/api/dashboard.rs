@@ -93,9 +93,7 @@ async fn login(
             let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
             let mut resp = login_page(
                 StatusCode::TOO_MANY_REQUESTS,
-                &format!(
-                    "Too many failed logins from your address: try again in {secs} seconds."
-                ),
+                &format!("Too many failed logins from your address: try again in {secs} seconds."),
             );
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
@@ -245,7 +243,10 @@ pub(super) async fn job_chart(
 #[into_params(parameter_in = Query)]
 pub(super) struct MarketsChartQuery {
     /// Markets as `zone/type`, comma-separated, e.g. `us-east-1a/c3.xlarge,us-east-1b/c3.xlarge`.
-    #[param(min_length = 1, pattern = r"^\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*(,\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*){0,7}$")]
+    #[param(
+        min_length = 1,
+        pattern = r"^\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*(,\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*){0,7}$"
+    )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD; default: `hours` before `to`.
     from: Option<String>,

@@ -17,13 +17,13 @@ use crate::service::spec::JobSpec;
 use crate::service::{Broker, ServiceError};
 use crate::store::MarketFilter;
 use auth::{Access, UserAuth, bearer};
-use guard::{AgentAuth, UserRead, UserWrite};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
+use guard::{AgentAuth, UserRead, UserWrite};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
     AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
@@ -347,7 +347,11 @@ async fn job_events(
     if s.broker.store().job(id).await?.is_none() {
         return Err(ApiError::not_found(format!("job {id} does not exist")));
     }
-    let events = s.broker.store().events_of_job_page(id, after, limit).await?;
+    let events = s
+        .broker
+        .store()
+        .events_of_job_page(id, after, limit)
+        .await?;
     let next = (events.len() == limit as usize)
         .then(|| events.last().map(|e| e.id))
         .flatten();
@@ -423,7 +427,10 @@ async fn list_markets(
 #[into_params(parameter_in = Query)]
 struct PricesQuery {
     /// `zone/type`, e.g. `us-east-1a/c3.xlarge` (or `zone/type/product`).
-    #[param(min_length = 1, pattern = r"^[^\s/]+[a-z]/[^\s/.]+\.[^\s/]+(/.*\S.*)?$")]
+    #[param(
+        min_length = 1,
+        pattern = r"^[^\s/]+[a-z]/[^\s/.]+\.[^\s/]+(/.*\S.*)?$"
+    )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD.
     from: Option<String>,

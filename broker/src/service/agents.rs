@@ -119,7 +119,11 @@ impl Broker {
         let token = token.ok_or_else(|| {
             ServiceError::Unauthenticated("missing `Authorization: Bearer <instance token>`".into())
         })?;
-        match self.store.instance_by_token_hash(&hash_token(token)).await? {
+        match self
+            .store
+            .instance_by_token_hash(&hash_token(token))
+            .await?
+        {
             Some(row) if row.state.is_final() => Err(ServiceError::Forbidden(
                 "this instance has ended; its token is no longer valid".into(),
             )),
@@ -341,9 +345,9 @@ fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
             action,
             action_time,
         } => short("action", action).or_else(|| short("action_time", action_time)),
-        AgentEvent::RebalanceRecommendation { notice_time } => notice_time
-            .as_deref()
-            .and_then(|t| short("notice_time", t)),
+        AgentEvent::RebalanceRecommendation { notice_time } => {
+            notice_time.as_deref().and_then(|t| short("notice_time", t))
+        }
         AgentEvent::HandoverComplete { to, .. } => short("to", &to.0),
         AgentEvent::Exit {
             reason: ExitReason::Failed { message },

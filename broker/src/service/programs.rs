@@ -44,7 +44,11 @@ impl WorkdirPolicy {
         for b in buckets.iter().map(|b| b.trim()).filter(|b| !b.is_empty()) {
             match crate::checkpoint::parse_s3_url(&format!("s3://{b}")) {
                 Ok((name, "")) => names.push(name.to_string()),
-                _ => return Err(format!("`{b}` is not an S3 bucket name (3–63 of a-z, 0-9, `-`, `.`)")),
+                _ => {
+                    return Err(format!(
+                        "`{b}` is not an S3 bucket name (3–63 of a-z, 0-9, `-`, `.`)"
+                    ));
+                }
             }
         }
         Ok(WorkdirPolicy {
@@ -299,7 +303,9 @@ mod tests {
             assert!(!e.contains("proteus/ "), "{e}");
         }
         // Any other bucket the broker's credentials might read.
-        let e = policy.check("s3://someone-elses/secret.tar.gz").unwrap_err();
+        let e = policy
+            .check("s3://someone-elses/secret.tar.gz")
+            .unwrap_err();
         assert!(
             e.contains("bucket `someone-elses`") && e.contains("--workdir-buckets"),
             "{e}"

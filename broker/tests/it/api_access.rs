@@ -119,7 +119,12 @@ async fn an_ended_instances_token_stays_dead_after_a_wrong_token_for_it() {
         (Method::POST, &output, None, text("after the end")),
         (Method::PUT, &checkpoint, None, text("not even a tar")),
         (Method::GET, &checkpoint, None, Vec::new()),
-        (Method::POST, &heartbeat, Some("application/json"), text("{}")),
+        (
+            Method::POST,
+            &heartbeat,
+            Some("application/json"),
+            text("{}"),
+        ),
     ];
     for (method, path, content_type, body) in requests {
         let (status, answer, _) =
@@ -219,7 +224,12 @@ async fn credentials_are_checked_before_bodies_and_queries_are_read() {
         (Method::POST, "/v1/instances/%FF/interruption", None, vec![]),
         (Method::POST, "/v1/agents/register", json_type, b("{}")),
         (Method::POST, "/v1/agents/register", None, b("\u{0}")),
-        (Method::POST, "/v1/agents/i-x/heartbeat", json_type, b("not json")),
+        (
+            Method::POST,
+            "/v1/agents/i-x/heartbeat",
+            json_type,
+            b("not json"),
+        ),
         (
             Method::POST,
             "/v1/agents/i-x/events",
@@ -244,8 +254,18 @@ async fn credentials_are_checked_before_bodies_and_queries_are_read() {
             None,
             vec![],
         ),
-        (Method::GET, "/v1/agents/i-x/checkpoint-data/x", None, vec![]),
-        (Method::POST, "/v1/agents/i-x/output", None, vec![0xff, 0xfe]),
+        (
+            Method::GET,
+            "/v1/agents/i-x/checkpoint-data/x",
+            None,
+            vec![],
+        ),
+        (
+            Method::POST,
+            "/v1/agents/i-x/output",
+            None,
+            vec![0xff, 0xfe],
+        ),
         (Method::GET, "/v1/downloads/data/%FF", None, vec![]),
     ];
     let wrong_user = new_token("pt_");
@@ -268,8 +288,15 @@ async fn credentials_are_checked_before_bodies_and_queries_are_read() {
     }
     // The user token is not an agent's: agent routes refuse it before reading the request.
     for (method, path, content_type, body) in cases.iter().filter(|c| c.1.contains("/agents/")) {
-        let (status, answer, _) =
-            raw(&s, method.clone(), path, Some(TOKEN), *content_type, body.clone()).await;
+        let (status, answer, _) = raw(
+            &s,
+            method.clone(),
+            path,
+            Some(TOKEN),
+            *content_type,
+            body.clone(),
+        )
+        .await;
         assert_eq!(status, 401, "{method} {path} with the user token: {answer}");
     }
     // With credentials, the shape of the request is what is wrong.
@@ -446,7 +473,8 @@ async fn agent_events_are_checked_for_membership_first_and_capped_per_job() {
     let post = |event: Value| s.call(Method::POST, &events, Some(&token), Some(event));
 
     // An exit's failure message is checked like every other text.
-    let (status, answer) = post(json!({"type": "exit", "reason": {"type": "failed", "message": "bad\u{0}"}})).await;
+    let (status, answer) =
+        post(json!({"type": "exit", "reason": {"type": "failed", "message": "bad\u{0}"}})).await;
     assert_eq!(
         (status, answer["field"].as_str()),
         (422, Some("reason.message")),
@@ -456,7 +484,11 @@ async fn agent_events_are_checked_for_membership_first_and_capped_per_job() {
     let before = count().await.unwrap();
     let (status, answer) = post(json!({"type": "rebalance_recommendation"})).await;
     assert_eq!(status, 404, "{answer}");
-    assert_eq!(count().await.unwrap(), before, "the refused event was logged");
+    assert_eq!(
+        count().await.unwrap(),
+        before,
+        "the refused event was logged"
+    );
 
     register(&s, &cloud, &token).await;
     let mut accepted = 0;
@@ -514,7 +546,11 @@ async fn a_jobs_events_come_a_page_at_a_time() {
         next = headers.get("link").map(|l| {
             let l = l.to_str().unwrap();
             assert!(l.ends_with("rel=\"next\""), "{l}");
-            l.trim_start_matches('<').split('>').next().unwrap().to_string()
+            l.trim_start_matches('<')
+                .split('>')
+                .next()
+                .unwrap()
+                .to_string()
         });
         if page.len() < 2 {
             assert!(next.is_none(), "a short page is the last");
@@ -551,7 +587,11 @@ async fn a_jobs_events_come_a_page_at_a_time() {
         (&json!(1), &json!(5000)),
         "{limit}"
     );
-    assert!(params.iter().any(|p| p["name"] == "after" && p["in"] == "query"));
+    assert!(
+        params
+            .iter()
+            .any(|p| p["name"] == "after" && p["in"] == "query")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -645,12 +685,19 @@ async fn the_document_says_what_handlers_require_and_cancel_keeps_the_job() {
 
     // Cancelling is `POST …/cancel`; the job stays readable. `DELETE` is its deprecated alias.
     let cancel = &doc["paths"]["/v1/jobs/{id}/cancel"]["post"];
-    assert!(cancel["security"].as_array().is_some_and(|s| !s.is_empty()), "{cancel}");
+    assert!(
+        cancel["security"].as_array().is_some_and(|s| !s.is_empty()),
+        "{cancel}"
+    );
     assert_eq!(doc["paths"]["/v1/jobs/{id}"]["delete"]["deprecated"], true);
     let (_, view) = s.post("/v1/jobs", job("on-demand")).await;
     let id = view["id"].as_i64().unwrap();
     let (status, view) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
-    assert_eq!((status, view["state"].as_str()), (200, Some("cancelled")), "{view}");
+    assert_eq!(
+        (status, view["state"].as_str()),
+        (200, Some("cancelled")),
+        "{view}"
+    );
     for path in ["", "/cost", "/events", "/logs"] {
         let (status, answer) = s.get(&format!("/v1/jobs/{id}{path}")).await;
         assert_eq!(status, 200, "{path}: {answer}");
