@@ -65,7 +65,8 @@ pub async fn fresh_pg_database() -> String {
     format!("{base}/{name}")
 }
 
-pub const TOKEN: &str = "pt_e2e-user-token";
+/// At least 32 characters, as `proteus serve` requires of a user token.
+pub const TOKEN: &str = "pt_e2e-user-token-of-32-characters";
 
 /// A `proteus serve` process. Dropping it kills the broker (SIGKILL) and every agent it started.
 pub struct BrokerProcess {

@@ -110,9 +110,7 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
     {
         Ok(a) => a,
         Err(e) => {
-            let reason = ExitReason::Failed {
-                message: e.to_string(),
-            };
+            let reason = ExitReason::failed(&e.to_string());
             let _ = broker
                 .event(&instance_id, &AgentEvent::Exit { reason })
                 .await;

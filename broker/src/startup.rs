@@ -69,7 +69,8 @@ pub struct ServeArgs {
     pub cloud: CloudKind,
     #[arg(long, env = "PROTEUS_REGION", default_value = "us-east-1")]
     pub region: String,
-    /// The user API token. Default: generated on first start, printed once, its hash stored.
+    /// The user API token, at least 32 characters. Default: generated on first start, printed
+    /// once, its hash stored.
     #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// sim: spot trace (CSV/JSON, .gz ok). Default: the 2015 us-east-1 trace built into proteus.
@@ -129,6 +130,14 @@ pub struct ServeArgs {
     /// agent's token or memory. Without it a root broker's programs run as root.
     #[arg(long, env = "PROTEUS_AGENT_RUN_AS")]
     pub agent_run_as: Option<String>,
+    /// Buckets (comma-separated) whose objects command jobs may name as `s3://` working
+    /// directories, which the broker signs downloads of with its credentials. Besides these:
+    /// the checkpoint store's own bucket, outside its checkpoint prefix.
+    #[arg(long, env = "PROTEUS_WORKDIR_BUCKETS", value_delimiter = ',')]
+    pub workdir_buckets: Vec<String>,
+    /// Events a job keeps at most; agents' events past it are refused (429).
+    #[arg(long, env = "PROTEUS_MAX_JOB_EVENTS", default_value_t = crate::service::DEFAULT_MAX_JOB_EVENTS)]
+    pub max_job_events: u32,
     /// Minutes from launch to useful work assumed by policies when a job does not say.
     #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
     pub startup_minutes: Option<f64>,
@@ -203,6 +212,8 @@ impl ServeArgs {
             state_dir: None,
             checkpoint_store: None,
             agent_run_as: None,
+            workdir_buckets: Vec::new(),
+            max_job_events: crate::service::DEFAULT_MAX_JOB_EVENTS,
             startup_minutes: None,
             cooldown_secs: 600.0,
             min_notice_secs: 20.0,
@@ -258,7 +269,9 @@ impl Application {
                 watcher.abort();
             }
             None => {
-                if let Err(e) = axum::serve(self.listener, self.app)
+                // With each client's address, which dashboard logins are limited by.
+                let app = self.app.into_make_service_with_connect_info::<SocketAddr>();
+                if let Err(e) = axum::serve(self.listener, app)
                     .with_graceful_shutdown(stop)
                     .await
                 {
@@ -426,6 +439,13 @@ pub async fn start_with(
         cooldown_secs: args.cooldown_secs,
         min_notice: Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
         pacing: options.pacing.unwrap_or(crate::service::Pacing::Measured),
+        workdir: crate::service::programs::WorkdirPolicy::new(
+            args.checkpoint_store.as_deref(),
+            &args.workdir_buckets,
+        )
+        .map_err(anyhow::Error::msg)
+        .context("--workdir-buckets/--checkpoint-store")?,
+        max_job_events: args.max_job_events,
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
     // A session cookie set over HTTPS must never travel back over plain HTTP.
@@ -498,6 +518,7 @@ async fn user_auth(
     now: Timestamp,
 ) -> Result<(UserAuth, Option<String>)> {
     if let Some(token) = flag {
+        crate::api::auth::check_user_token(token).map_err(anyhow::Error::msg)?;
         return Ok((UserAuth::from_token(token), None));
     }
     if let Some(hash) = store.api_token_hash("user").await? {

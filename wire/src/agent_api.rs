@@ -1271,8 +1271,24 @@ pub enum ExitReason {
     Stopped,
     /// It handed over after an interruption warning.
     Interrupted,
-    /// Something broke; the message says what.
+    /// Something broke; the message says what (at most [`MAX_FAILURE_MESSAGE`] characters,
+    /// no control characters but line breaks and tabs: the broker refuses others).
     Failed { message: String },
+}
+
+/// The longest failure message an [`ExitReason::Failed`] may carry.
+pub const MAX_FAILURE_MESSAGE: usize = 1024;
+
+impl ExitReason {
+    /// A failure whose message is cut to what the broker accepts.
+    pub fn failed(message: &str) -> ExitReason {
+        let message = message
+            .chars()
+            .filter(|c| !c.is_control() || *c == '\n' || *c == '\t')
+            .take(MAX_FAILURE_MESSAGE)
+            .collect();
+        ExitReason::Failed { message }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1292,6 +1308,19 @@ pub struct ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failure_messages_are_cut_to_what_the_broker_takes() {
+        let long = format!("{}\u{0}", "é".repeat(MAX_FAILURE_MESSAGE + 5));
+        let ExitReason::Failed { message } = ExitReason::failed(&long) else {
+            unreachable!()
+        };
+        assert_eq!(message.chars().count(), MAX_FAILURE_MESSAGE);
+        let ExitReason::Failed { message } = ExitReason::failed("a\u{7}b\n\tc") else {
+            unreachable!()
+        };
+        assert_eq!(message, "ab\n\tc");
+    }
 
     #[test]
     fn training_config_fills_defaults_from_minimal_json() {

@@ -13,6 +13,7 @@ use super::error::ApiError;
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
@@ -26,6 +27,110 @@ pub const SESSION_LIFETIME: Duration = Duration::from_secs(12 * 3600);
 /// Sessions kept at most; the oldest goes first (logins need the token, so this only bounds a
 /// forgetful user's memory use).
 const MAX_SESSIONS: usize = 1024;
+
+/// The shortest user token `proteus serve` accepts (generated ones have 51 characters).
+pub const MIN_USER_TOKEN_CHARS: usize = 32;
+
+/// Refuses a user token too short to resist guessing; the message names the flag and the
+/// variable it came from.
+pub fn check_user_token(token: &str) -> Result<(), String> {
+    let n = token.trim().chars().count();
+    if n < MIN_USER_TOKEN_CHARS {
+        return Err(format!(
+            "--token (PROTEUS_TOKEN) has {n} characters; it must have at least \
+             {MIN_USER_TOKEN_CHARS} (e.g. `openssl rand -hex 24`), or leave it unset and \
+             `proteus serve` generates one"
+        ));
+    }
+    Ok(())
+}
+
+/// Failed dashboard logins a client may make before it has to wait.
+pub const FREE_LOGIN_FAILURES: u32 = 5;
+/// The first wait; each further failure doubles it, up to [`MAX_LOGIN_WAIT`].
+pub const FIRST_LOGIN_WAIT: Duration = Duration::from_secs(1);
+pub const MAX_LOGIN_WAIT: Duration = Duration::from_secs(15 * 60);
+/// A client's failures are forgotten this long after its last one.
+const FORGET_LOGIN_FAILURES: Duration = Duration::from_secs(3600);
+/// Clients whose failures are remembered at most (the longest forgotten first).
+const MAX_LOGIN_CLIENTS: usize = 4096;
+
+/// Failed logins per client address, with an exponential wait after the first few: bounded
+/// memory (the least recently failing client is forgotten first), time passed in.
+#[derive(Debug, Default)]
+pub struct LoginLimiter {
+    clients: HashMap<IpAddr, Failures>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Failures {
+    count: u32,
+    last: Instant,
+    until: Instant,
+}
+
+/// What is counted per client: an IPv4 address, an IPv6 /64 (one host usually holds a whole
+/// /64), or one shared slot when the address is unknown.
+fn login_client(peer: Option<IpAddr>) -> IpAddr {
+    match peer.map(|ip| ip.to_canonical()) {
+        Some(IpAddr::V6(v6)) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        Some(v4) => v4,
+        None => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+impl LoginLimiter {
+    /// How long `peer` must wait before its next attempt, if it must.
+    pub fn wait(&self, peer: Option<IpAddr>, now: Instant) -> Option<Duration> {
+        let f = self.clients.get(&login_client(peer))?;
+        (f.until > now).then(|| f.until - now)
+    }
+
+    /// Counts a failed attempt; from the [`FREE_LOGIN_FAILURES`]th on, the client waits 1 s,
+    /// 2 s, 4 s, … before its next.
+    pub fn failed(&mut self, peer: Option<IpAddr>, now: Instant) {
+        let client = login_client(peer);
+        if !self.clients.contains_key(&client) && self.clients.len() >= MAX_LOGIN_CLIENTS {
+            self.clients
+                .retain(|_, f| f.until > now || now.duration_since(f.last) < FORGET_LOGIN_FAILURES);
+            if self.clients.len() >= MAX_LOGIN_CLIENTS
+                && let Some(oldest) = self
+                    .clients
+                    .iter()
+                    .min_by_key(|(_, f)| f.last)
+                    .map(|(k, _)| *k)
+            {
+                self.clients.remove(&oldest);
+            }
+        }
+        let f = self.clients.entry(client).or_insert(Failures {
+            count: 0,
+            last: now,
+            until: now,
+        });
+        if now.duration_since(f.last) >= FORGET_LOGIN_FAILURES && f.until <= now {
+            f.count = 0;
+        }
+        f.count = f.count.saturating_add(1);
+        f.last = now;
+        if let Some(over) = f.count.checked_sub(FREE_LOGIN_FAILURES) {
+            let wait = FIRST_LOGIN_WAIT
+                .checked_mul(1u32.checked_shl(over.min(31)).unwrap_or(u32::MAX))
+                .unwrap_or(MAX_LOGIN_WAIT)
+                .min(MAX_LOGIN_WAIT);
+            f.until = now + wait;
+        }
+    }
+
+    /// A successful login clears the client's failures.
+    pub fn succeeded(&mut self, peer: Option<IpAddr>) {
+        self.clients.remove(&login_client(peer));
+    }
+
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+}
 
 /// A fresh random token with a recognisable prefix (`pt_` user, `pa_` agent).
 pub fn new_token(prefix: &str) -> String {
@@ -65,6 +170,8 @@ pub enum Access {
 pub struct UserAuth {
     hash: String,
     sessions: Arc<Mutex<HashMap<String, Session>>>,
+    /// Failed dashboard logins per client.
+    logins: Arc<Mutex<LoginLimiter>>,
     secure_cookies: bool,
 }
 
@@ -95,6 +202,7 @@ impl UserAuth {
         UserAuth {
             hash,
             sessions: Arc::default(),
+            logins: Arc::default(),
             secure_cookies: false,
         }
     }
@@ -145,6 +253,31 @@ impl UserAuth {
             }
         }
         Ok(())
+    }
+
+    /// A dashboard login from `peer`: `Err(Some(wait))` while the client must wait after too
+    /// many failures (the token is not even looked at), `Err(None)` for a wrong token (which
+    /// counts as a failure), the new session otherwise.
+    pub fn login_from(
+        &self,
+        peer: Option<IpAddr>,
+        token: &str,
+        now: Instant,
+    ) -> Result<NewSession, Option<Duration>> {
+        let mut logins = self.logins.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(wait) = logins.wait(peer, now) {
+            return Err(Some(wait));
+        }
+        match self.login(token) {
+            Some(session) => {
+                logins.succeeded(peer);
+                Ok(session)
+            }
+            None => {
+                logins.failed(peer, now);
+                Err(None)
+            }
+        }
     }
 
     /// Opens a session for whoever presents the user token; `None` for a wrong one.
@@ -256,6 +389,112 @@ mod tests {
             h.append(*name, value.parse().unwrap());
         }
         h
+    }
+
+    #[test]
+    fn short_user_tokens_are_refused_naming_the_flag() {
+        assert!(check_user_token(&new_token("pt_")).is_ok());
+        assert!(check_user_token(&"x".repeat(MIN_USER_TOKEN_CHARS)).is_ok());
+        let e = check_user_token(&"x".repeat(MIN_USER_TOKEN_CHARS - 1)).unwrap_err();
+        assert!(
+            e.contains("--token") && e.contains("PROTEUS_TOKEN") && e.contains("at least 32"),
+            "{e}"
+        );
+        // Blanks around it do not count (the login form trims what it is given).
+        assert!(check_user_token(&format!("  {}  ", "x".repeat(31))).is_err());
+    }
+
+    #[test]
+    fn failed_logins_back_off_per_client_exponentially_with_bounded_memory() {
+        let t0 = Instant::now();
+        let secs = |s: u64| t0 + Duration::from_secs(s);
+        let a: Option<IpAddr> = Some("192.0.2.1".parse().unwrap());
+        let b: Option<IpAddr> = Some("192.0.2.2".parse().unwrap());
+        let mut l = LoginLimiter::default();
+        for _ in 0..FREE_LOGIN_FAILURES - 1 {
+            l.failed(a, t0);
+            assert_eq!(l.wait(a, t0), None, "the first failures are free");
+        }
+        l.failed(a, t0);
+        assert_eq!(l.wait(a, t0), Some(Duration::from_secs(1)));
+        assert_eq!(l.wait(b, t0), None, "another client is not held back");
+        assert_eq!(l.wait(a, secs(1)), None, "the wait ends");
+        // Each further failure doubles the wait, up to the bound.
+        let mut now = secs(1);
+        for expected in [2, 4, 8, 16] {
+            l.failed(a, now);
+            assert_eq!(l.wait(a, now), Some(Duration::from_secs(expected)));
+            now += Duration::from_secs(expected);
+        }
+        for _ in 0..40 {
+            l.failed(a, now);
+            now += l.wait(a, now).unwrap();
+        }
+        l.failed(a, now);
+        assert_eq!(l.wait(a, now), Some(MAX_LOGIN_WAIT));
+        // A success clears the record; so does an hour without failures.
+        l.succeeded(a);
+        assert_eq!(l.wait(a, now), None);
+        for _ in 0..FREE_LOGIN_FAILURES {
+            l.failed(b, t0);
+        }
+        let later = secs(2 * 3600);
+        l.failed(b, later);
+        assert_eq!(l.wait(b, later), None, "old failures are forgotten");
+        // IPv6 clients are counted per /64, IPv4-mapped addresses as IPv4.
+        let v6 = |s: &str| Some(s.parse::<IpAddr>().unwrap());
+        let mut l = LoginLimiter::default();
+        for i in 0..FREE_LOGIN_FAILURES {
+            l.failed(v6(&format!("2001:db8:1:2::{i}")), t0);
+        }
+        assert!(l.wait(v6("2001:db8:1:2:ffff::1"), t0).is_some());
+        assert!(l.wait(v6("2001:db8:1:3::1"), t0).is_none());
+        for _ in 0..FREE_LOGIN_FAILURES {
+            l.failed(v6("::ffff:192.0.2.9"), t0);
+        }
+        assert!(l.wait(Some("192.0.2.9".parse().unwrap()), t0).is_some());
+        // Memory is bounded: the least recently failing client goes first.
+        let mut l = LoginLimiter::default();
+        for i in 0..MAX_LOGIN_CLIENTS as u32 + 10 {
+            let ip = IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+            for _ in 0..FREE_LOGIN_FAILURES {
+                l.failed(Some(ip), t0 + Duration::from_millis(u64::from(i)));
+            }
+        }
+        assert_eq!(l.clients(), MAX_LOGIN_CLIENTS);
+        let newest = IpAddr::from(std::net::Ipv4Addr::from(
+            0x0a00_0000 + MAX_LOGIN_CLIENTS as u32 + 9,
+        ));
+        assert!(
+            l.wait(
+                Some(newest),
+                t0 + Duration::from_secs(1) - Duration::from_millis(1)
+            )
+            .is_some()
+        );
+    }
+
+    #[test]
+    fn logins_wait_after_failures_even_with_the_right_token() {
+        let auth = UserAuth::from_token("pt_right");
+        let peer = Some("198.51.100.7".parse().unwrap());
+        let now = Instant::now();
+        for _ in 0..FREE_LOGIN_FAILURES {
+            assert_eq!(auth.login_from(peer, "pt_wrong", now).unwrap_err(), None);
+        }
+        assert_eq!(
+            auth.login_from(peer, "pt_right", now).unwrap_err(),
+            Some(FIRST_LOGIN_WAIT),
+            "not even the right token is looked at while the client waits"
+        );
+        let later = now + FIRST_LOGIN_WAIT;
+        assert!(auth.login_from(peer, "pt_right", later).is_ok());
+        assert!(
+            auth.login_from(peer, "pt_wrong", later)
+                .unwrap_err()
+                .is_none(),
+            "the success cleared the failures"
+        );
     }
 
     #[test]

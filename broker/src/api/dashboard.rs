@@ -8,7 +8,8 @@
 
 use super::auth::{CSRF_HEADER, NewSession};
 use super::error::{ApiError, ApiQuery};
-use super::{AppState, job_id, user};
+use super::guard::{Peer, UserRead};
+use super::{AppState, job_id};
 use crate::chart::{self, Format};
 use crate::market::{Market, Timestamp};
 use axum::Router;
@@ -66,23 +67,39 @@ struct LoginForm {
 
 /// `POST /login` (a form): the user token opens a session and goes to the dashboard; a wrong
 /// one gets the form again with a message and a 401.
+///
+/// After [`FREE_LOGIN_FAILURES`](super::auth::FREE_LOGIN_FAILURES) wrong tokens from one
+/// address, that address waits before its next attempt (429 with `Retry-After`), twice as long
+/// after each further failure (see [`super::auth::LoginLimiter`]).
 async fn login(
     State(s): State<AppState>,
+    Peer(peer): Peer,
     form: Result<Form<LoginForm>, FormRejection>,
 ) -> Response {
     let token = form.map(|Form(f)| f.token).unwrap_or_default();
     if token.trim().is_empty() {
         return login_page(StatusCode::UNAUTHORIZED, "Enter the broker's user token.");
     }
-    match s.auth.login(&token) {
-        Some(NewSession { id, .. }) => {
+    match s.auth.login_from(peer, &token, std::time::Instant::now()) {
+        Ok(NewSession { id, .. }) => {
             let mut resp = redirect_home();
             if let Ok(v) = HeaderValue::from_str(&s.auth.cookie(Some(&id))) {
                 resp.headers_mut().insert(header::SET_COOKIE, v);
             }
             resp
         }
-        None => login_page(
+        Err(Some(wait)) => {
+            // Whole seconds, rounded up: never tells a client to come back too early.
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            let mut resp = login_page(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!("Too many failed logins from your address: try again in {secs} seconds."),
+            );
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            resp
+        }
+        Err(None) => login_page(
             StatusCode::UNAUTHORIZED,
             "That token is not valid for this broker.",
         ),
@@ -154,12 +171,24 @@ fn escape(s: &str) -> String {
 #[into_params(parameter_in = Query)]
 pub(super) struct ChartQuery {
     /// `svg` (default) or `png`.
+    #[param(inline, value_type = Option<ChartFormat>)]
     format: Option<String>,
 }
 
+/// What a chart can be drawn as (the schema of the `format` query parameter).
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)] // a schema only: the handlers parse the text with `Format::parse`
+pub(super) enum ChartFormat {
+    Svg,
+    Png,
+}
+
+/// Exactly `svg` or `png`, as the document's enum says.
 fn chart_format(raw: Option<&str>) -> Result<Format, ApiError> {
     raw.map_or(Ok(Format::Svg), |f| {
         Format::parse(f)
+            .filter(|_| matches!(f, "svg" | "png"))
             .ok_or_else(|| ApiError::invalid("format", format!("`{f}` is not svg or png")))
     })
 }
@@ -183,14 +212,11 @@ fn chart_response(format: Format, bytes: Vec<u8>) -> Response {
         (status = 404, body = super::error::ErrorBody),
         (status = 422, body = super::error::ErrorBody, description = "the format is not svg or png")), security(("bearer" = [])))]
 pub(super) async fn job_chart(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
-    query: Result<ApiQuery<ChartQuery>, ApiError>,
+    ApiQuery(q): ApiQuery<ChartQuery>,
 ) -> Result<Response, ApiError> {
-    // Credentials before the query string, as for `GET /v1/prices`.
-    user(&s, &headers).await?;
-    let ApiQuery(q) = query?;
     let format = chart_format(q.format.as_deref())?;
     let id = job_id(&id)?;
     let job = s
@@ -217,13 +243,20 @@ pub(super) async fn job_chart(
 #[into_params(parameter_in = Query)]
 pub(super) struct MarketsChartQuery {
     /// Markets as `zone/type`, comma-separated, e.g. `us-east-1a/c3.xlarge,us-east-1b/c3.xlarge`.
+    #[param(
+        min_length = 1,
+        pattern = r"^\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*(,\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*){0,7}$"
+    )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD; default: `hours` before `to`.
     from: Option<String>,
     /// Default: now (market time).
     to: Option<String>,
     /// The window's length when `from` is not given; default 168 (a week).
+    #[param(exclusive_minimum = 0.0, maximum = 87840.0)]
     hours: Option<f64>,
+    /// `svg` (default) or `png`.
+    #[param(inline, value_type = Option<ChartFormat>)]
     format: Option<String>,
 }
 
@@ -233,13 +266,10 @@ pub(super) struct MarketsChartQuery {
     responses((status = 200, description = "the chart (image/svg+xml or image/png)"), (status = 401, body = super::error::ErrorBody),
         (status = 422, body = super::error::ErrorBody)), security(("bearer" = [])))]
 pub(super) async fn markets_chart(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
-    query: Result<ApiQuery<MarketsChartQuery>, ApiError>,
+    ApiQuery(q): ApiQuery<MarketsChartQuery>,
 ) -> Result<Response, ApiError> {
-    // Credentials before the query string, as for `GET /v1/prices`.
-    user(&s, &headers).await?;
-    let ApiQuery(q) = query?;
     let format = chart_format(q.format.as_deref())?;
     let markets = q
         .market

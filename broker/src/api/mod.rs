@@ -7,6 +7,7 @@
 pub mod auth;
 mod dashboard;
 pub mod error;
+mod guard;
 mod openapi;
 pub mod tls;
 
@@ -22,6 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
+use guard::{AgentAuth, UserRead, UserWrite};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
     AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
@@ -61,7 +63,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi::document))
         .route("/v1/jobs", post(submit_job).get(list_jobs))
-        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job_by_delete))
+        .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/cost", get(job_cost))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/instances/{id}/interruption", post(interrupt_instance))
@@ -111,6 +114,9 @@ impl From<ServiceError> for ApiError {
             ServiceError::TooLarge(message) => {
                 ApiError::with_status(StatusCode::PAYLOAD_TOO_LARGE, "bad_request", message)
             }
+            ServiceError::TooMany(message) => {
+                ApiError::with_status(StatusCode::TOO_MANY_REQUESTS, "too_many", message)
+            }
             ServiceError::Unavailable(message) => {
                 ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "bad_request", message)
             }
@@ -134,18 +140,14 @@ fn job_id(raw: &str) -> Result<JobId, ApiError> {
         .ok_or_else(|| ApiError::not_found(format!("job `{raw}` does not exist")))
 }
 
-/// User endpoints that read: the user token (or a dashboard session), and a distinct 403 for an
-/// agent's token.
-async fn user(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    authorize(state, headers, Access::Read).await
-}
-
-/// User endpoints that change something: as [`user`], and a session must send its CSRF header.
-async fn user_change(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    authorize(state, headers, Access::Write).await
-}
-
-async fn authorize(state: &AppState, headers: &HeaderMap, access: Access) -> Result<(), ApiError> {
+/// The user's rights (the user token, or a dashboard session and, for a change, its CSRF
+/// header), with a distinct 403 for an agent's token. Handlers ask through [`guard::UserRead`]
+/// and [`guard::UserWrite`], before anything else of the request is read.
+pub(crate) async fn authorize(
+    state: &AppState,
+    headers: &HeaderMap,
+    access: Access,
+) -> Result<(), ApiError> {
     match state.auth.check_user(headers, access) {
         Ok(()) => Ok(()),
         Err(e) => {
@@ -187,8 +189,12 @@ async fn healthz(State(s): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (Prometheus)")))]
-async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
+/// The broker's metrics for Prometheus, behind the user token (they show what each job spent):
+/// a scrape job sends it with `authorization: {type: Bearer, credentials_file: …}` (see the
+/// README). Also at `/v1/metrics`.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (Prometheus)", content_type = "application/openmetrics-text")),
+    security(("bearer" = [])))]
+async fn metrics(_: UserRead, State(s): State<AppState>) -> Result<Response, ApiError> {
     let text = crate::service::metrics_text(&s.broker).await?;
     let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
     Ok(([("content-type", content_type)], text).into_response())
@@ -198,46 +204,65 @@ async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     responses((status = 201, body = JobView), (status = 400, body = error::ErrorBody), (status = 401, body = error::ErrorBody),
         (status = 422, body = error::ErrorBody)), security(("bearer" = [])))]
 async fn submit_job(
+    _: UserWrite,
     State(s): State<AppState>,
-    headers: HeaderMap,
     ApiJson(spec): ApiJson<JobSpec>,
 ) -> Result<Response, ApiError> {
-    user_change(&s, &headers).await?;
     let view = s.broker.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(view)).into_response())
 }
 
 #[utoipa::path(get, path = "/v1/jobs", responses((status = 200, body = Vec<JobView>), (status = 401, body = error::ErrorBody)),
     security(("bearer" = [])))]
-async fn list_jobs(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-) -> Result<Json<Vec<JobView>>, ApiError> {
-    user(&s, &headers).await?;
+async fn list_jobs(_: UserRead, State(s): State<AppState>) -> Result<Json<Vec<JobView>>, ApiError> {
     Ok(Json(s.broker.job_views().await?))
 }
 
 #[utoipa::path(get, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
     responses((status = 200, body = JobView), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
 async fn get_job(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    user(&s, &headers).await?;
     Ok(Json(s.broker.job_view(job_id(&id)?).await?))
 }
 
-#[utoipa::path(delete, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
-    responses((status = 200, body = JobView), (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
+/// Cancels a job: its instances are released and its ledger closed. The job stays: `GET
+/// /v1/jobs/{id}`, its cost, events and logs keep answering, with the state `cancelled`.
+#[utoipa::path(post, path = "/v1/jobs/{id}/cancel", params(("id" = i64, Path)),
+    responses((status = 200, body = JobView, description = "the cancelled job"), (status = 404, body = error::ErrorBody),
+        (status = 409, body = error::ErrorBody, description = "the job is already over")),
     security(("bearer" = [])))]
 async fn cancel_job(
+    _: UserWrite,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    user_change(&s, &headers).await?;
     Ok(Json(s.broker.cancel(job_id(&id)?).await?))
+}
+
+/// Deprecated: the same as `POST /v1/jobs/{id}/cancel`, kept for older clients. It cancels; it
+/// does not delete: the job stays readable (which is why it is not a `DELETE` in the REST
+/// sense, where the resource would be gone).
+#[utoipa::path(delete, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
+    responses((status = 200, body = JobView, description = "the cancelled job, which stays readable"),
+        (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn cancel_job_by_delete(
+    auth: UserWrite,
+    state: State<AppState>,
+    id: Path<String>,
+) -> Result<Response, ApiError> {
+    let Path(raw) = &id;
+    let successor = format!("</v1/jobs/{raw}/cancel>; rel=\"successor-version\"");
+    let mut resp = cancel_job(auth, state, id).await?.into_response();
+    resp.headers_mut()
+        .insert("deprecation", axum::http::HeaderValue::from_static("true"));
+    if let Ok(v) = axum::http::HeaderValue::from_str(&successor) {
+        resp.headers_mut().insert(axum::http::header::LINK, v);
+    }
+    Ok(resp)
 }
 
 /// Interrupts a spot instance now, as a price spike would (the simulated cloud; on AWS, Fault
@@ -248,11 +273,10 @@ async fn cancel_job(
         (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
     security(("bearer" = [])))]
 async fn interrupt_instance(
+    _: UserWrite,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<crate::service::jobs::InterruptionSent>), ApiError> {
-    user(&s, &headers).await?;
     let sent = s.broker.interrupt_instance(&id).await?;
     Ok((StatusCode::ACCEPTED, Json(sent)))
 }
@@ -260,11 +284,10 @@ async fn interrupt_instance(
 #[utoipa::path(get, path = "/v1/jobs/{id}/cost", params(("id" = i64, Path)),
     responses((status = 200, body = CostReport), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
 async fn job_cost(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<CostReport>, ApiError> {
-    user(&s, &headers).await?;
     let id = job_id(&id)?;
     Ok(Json(s.broker.cost_report(id).await?))
 }
@@ -278,31 +301,79 @@ struct EventView {
     detail: String,
 }
 
-#[utoipa::path(get, path = "/v1/jobs/{id}/events", params(("id" = i64, Path)),
-    responses((status = 200, body = Vec<EventView>), (status = 404, body = error::ErrorBody)), security(("bearer" = [])))]
+/// Events per page of `GET /v1/jobs/{id}/events` unless `limit` says otherwise.
+pub const DEFAULT_EVENTS_PAGE: u32 = 1000;
+/// The largest `limit` of `GET /v1/jobs/{id}/events`.
+pub const MAX_EVENTS_PAGE: u32 = 5000;
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct EventsQuery {
+    /// Only events with an id above this one: the last id of the previous page (default 0,
+    /// from the first event).
+    #[param(minimum = 0)]
+    after: Option<i64>,
+    /// Events per page: 1 to 5000, default 1000.
+    #[param(minimum = 1, maximum = 5000)]
+    limit: Option<u32>,
+}
+
+/// A job's events, oldest first, a page at a time: a full page comes with a `Link` header
+/// (`rel="next"`) to the next one; a page shorter than `limit` is the last for now.
+#[utoipa::path(get, path = "/v1/jobs/{id}/events", params(("id" = i64, Path), EventsQuery),
+    responses((status = 200, body = Vec<EventView>,
+            headers(("link" = String, description = "`</v1/jobs/{id}/events?after=…&limit=…>; rel=\"next\"` when the page is full"))),
+        (status = 404, body = error::ErrorBody),
+        (status = 422, body = error::ErrorBody, description = "`after` or `limit` is out of range")),
+    security(("bearer" = [])))]
 async fn job_events(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Vec<EventView>>, ApiError> {
-    user(&s, &headers).await?;
+    ApiQuery(q): ApiQuery<EventsQuery>,
+) -> Result<Response, ApiError> {
     let id = job_id(&id)?;
+    let after = q.after.unwrap_or(0);
+    if after < 0 {
+        return Err(ApiError::invalid("after", "must be an event id, 0 or more"));
+    }
+    let limit = q.limit.unwrap_or(DEFAULT_EVENTS_PAGE);
+    if !(1..=MAX_EVENTS_PAGE).contains(&limit) {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("must be between 1 and {MAX_EVENTS_PAGE}"),
+        ));
+    }
     if s.broker.store().job(id).await?.is_none() {
         return Err(ApiError::not_found(format!("job {id} does not exist")));
     }
-    let events = s.broker.store().events_of_job(id).await?;
-    Ok(Json(
-        events
-            .into_iter()
-            .map(|e| EventView {
-                id: e.id,
-                time: e.time.to_string(),
-                instance_id: e.instance_id,
-                kind: e.kind,
-                detail: e.detail,
-            })
-            .collect(),
-    ))
+    let events = s
+        .broker
+        .store()
+        .events_of_job_page(id, after, limit)
+        .await?;
+    let next = (events.len() == limit as usize)
+        .then(|| events.last().map(|e| e.id))
+        .flatten();
+    let page: Vec<EventView> = events
+        .into_iter()
+        .map(|e| EventView {
+            id: e.id,
+            time: e.time.to_string(),
+            instance_id: e.instance_id,
+            kind: e.kind,
+            detail: e.detail,
+        })
+        .collect();
+    let mut resp = Json(page).into_response();
+    if let Some(last) = next
+        && let Ok(link) = axum::http::HeaderValue::from_str(&format!(
+            "</v1/jobs/{id}/events?after={last}&limit={limit}>; rel=\"next\""
+        ))
+    {
+        resp.headers_mut().insert(axum::http::header::LINK, link);
+    }
+    Ok(resp)
 }
 
 #[derive(Serialize, ToSchema)]
@@ -324,10 +395,9 @@ struct MarketView {
 
 #[utoipa::path(get, path = "/v1/markets", responses((status = 200, body = Vec<MarketView>)), security(("bearer" = [])))]
 async fn list_markets(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
 ) -> Result<Json<Vec<MarketView>>, ApiError> {
-    user(&s, &headers).await?;
     let rows = s.broker.store().markets(&MarketFilter::default()).await?;
     let data = s.broker.market_data();
     let now = s.broker.clock().now();
@@ -356,7 +426,11 @@ async fn list_markets(
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 struct PricesQuery {
-    /// `zone/type`, e.g. `us-east-1a/c3.xlarge`.
+    /// `zone/type`, e.g. `us-east-1a/c3.xlarge` (or `zone/type/product`).
+    #[param(
+        min_length = 1,
+        pattern = r"^[^\s/]+[a-z]/[^\s/.]+\.[^\s/]+(/.*\S.*)?$"
+    )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD.
     from: Option<String>,
@@ -374,14 +448,10 @@ struct PricePoint {
     responses((status = 200, body = Vec<PricePoint>), (status = 400, body = error::ErrorBody),
         (status = 422, body = error::ErrorBody, description = "the market or a time does not parse")), security(("bearer" = [])))]
 async fn list_prices(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
-    query: Result<ApiQuery<PricesQuery>, ApiError>,
+    ApiQuery(q): ApiQuery<PricesQuery>,
 ) -> Result<Json<Vec<PricePoint>>, ApiError> {
-    // Who asks comes first: a request without credentials is told so, not what is wrong with
-    // its query string (the query is only parsed here, after the check).
-    user(&s, &headers).await?;
-    let ApiQuery(q) = query?;
     let market =
         Market::parse(&q.market).map_err(|e| ApiError::invalid("market", e.to_string()))?;
     let time = |field: &str, v: &Option<String>| {
@@ -423,6 +493,7 @@ fn agent_token(headers: &HeaderMap) -> Option<&str> {
         (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")),
     security(("agent" = [])))]
 async fn agent_register(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<RegisterRequest>,
@@ -436,6 +507,7 @@ async fn agent_register(
         (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
         (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_heartbeat(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -453,6 +525,7 @@ async fn agent_heartbeat(
         (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
         (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_commands(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -470,6 +543,7 @@ async fn agent_commands(
         (status = 404, body = error::ErrorBody, description = "the instance is not a member of its job"),
         (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")), security(("agent" = [])))]
 async fn agent_event(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -487,6 +561,7 @@ async fn agent_event(
         (status = 422, body = error::ErrorBody, description = "the rank is out of range")),
     security(("agent" = [])))]
 async fn agent_checkpoint(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -506,6 +581,7 @@ async fn agent_checkpoint(
         (status = 503, body = error::ErrorBody, description = "this broker has no S3 checkpoint store to sign with")),
     security(("agent" = [])))]
 async fn agent_workdir(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -528,6 +604,7 @@ fn rank_of(raw: &str) -> Result<u32, ApiError> {
         (status = 422, body = error::ErrorBody, description = "the rank is not a number, or the body is empty")),
     security(("agent" = [])))]
 async fn agent_checkpoint_put(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path((id, rank)): Path<(String, String)>,
@@ -565,6 +642,7 @@ async fn agent_checkpoint_put(
         (status = 422, body = error::ErrorBody, description = "the rank is not a number")),
     security(("agent" = [])))]
 async fn agent_checkpoint_get(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path((id, rank)): Path<(String, String)>,
@@ -586,6 +664,7 @@ async fn agent_checkpoint_get(
     request_body(content = Option<String>, description = "the newest tail of the program's output (empty when it printed nothing)", content_type = "text/plain"),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_output(
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -601,37 +680,34 @@ async fn agent_output(
     responses((status = 200, body = Vec<crate::service::programs::OutputView>), (status = 404, body = error::ErrorBody)),
     security(("bearer" = [])))]
 async fn job_logs(
+    _: UserRead,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<crate::service::programs::OutputView>>, ApiError> {
-    user(&s, &headers).await?;
     Ok(Json(s.broker.job_outputs(job_id(&id)?).await?))
-}
-
-/// Downloads need a live instance's token: only the broker's own VMs may fetch.
-async fn download_guard(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let token = bearer(headers).ok_or_else(|| {
-        ApiError::unauthorized("missing `Authorization: Bearer <instance token>`")
-    })?;
-    match s
-        .broker
-        .store()
-        .instance_by_token_hash(&auth::hash_token(token))
-        .await?
-    {
-        Some(row) if !row.state.is_final() => Ok(()),
-        Some(_) => Err(ApiError::forbidden("this instance has ended")),
-        None => Err(ApiError::unauthorized("invalid instance token")),
-    }
 }
 
 async fn send_file(
     path: &std::path::Path,
     content_type: &'static str,
 ) -> Result<Response, ApiError> {
+    send_named_file(path, content_type, "the file").await
+}
+
+/// A file's bytes; a failure names only `what` (as the client asked for it), never where the
+/// broker keeps it, which goes to the log.
+async fn send_named_file(
+    path: &std::path::Path,
+    content_type: &'static str,
+    what: &str,
+) -> Result<Response, ApiError> {
     let bytes = tokio::fs::read(path).await.map_err(|e| {
-        ApiError::not_found(format!("{} is not available here: {e}", path.display()))
+        if e.kind() == std::io::ErrorKind::NotFound {
+            tracing::debug!(path = %path.display(), "{what} asked for, not here");
+            ApiError::not_found(format!("{what} is not available here"))
+        } else {
+            ApiError::internal(format!("reading {}: {e}", path.display()))
+        }
     })?;
     Ok(([("content-type", content_type)], bytes).into_response())
 }
@@ -639,26 +715,22 @@ async fn send_file(
 #[utoipa::path(get, path = "/v1/downloads/proteus-agent",
     responses((status = 200, description = "the agent binary"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
     security(("agent" = [])))]
-async fn download_agent(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    download_guard(&s, &headers).await?;
+/// Downloads need a live instance's token: only the broker's own VMs may fetch.
+async fn download_agent(_: AgentAuth, State(s): State<AppState>) -> Result<Response, ApiError> {
     let path = s.downloads.agent_binary.clone().ok_or_else(|| {
         ApiError::not_found("this broker serves no agent binary (see --agent-download)")
     })?;
-    send_file(&path, "application/octet-stream").await
+    send_named_file(&path, "application/octet-stream", "the agent binary").await
 }
 
 #[utoipa::path(get, path = "/v1/downloads/data/{name}", params(("name" = String, Path)),
     responses((status = 200, description = "a data set file"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
     security(("agent" = [])))]
 async fn download_data(
+    _: AgentAuth,
     State(s): State<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    download_guard(&s, &headers).await?;
     // A plain file name inside the data directory, nothing else.
     let plain = !name.is_empty()
         && !name.starts_with('.')
@@ -673,5 +745,10 @@ async fn download_data(
         .data_dir
         .clone()
         .ok_or_else(|| ApiError::not_found("this broker serves no data sets"))?;
-    send_file(&dir.join(&name), "application/octet-stream").await
+    send_named_file(
+        &dir.join(&name),
+        "application/octet-stream",
+        &format!("data set `{name}`"),
+    )
+    .await
 }

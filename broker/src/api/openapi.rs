@@ -14,6 +14,7 @@ use utoipa::{Modify, OpenApi};
         super::list_jobs,
         super::get_job,
         super::cancel_job,
+        super::cancel_job_by_delete,
         super::interrupt_instance,
         super::job_cost,
         super::job_events,
@@ -35,7 +36,7 @@ use utoipa::{Modify, OpenApi};
         super::download_data,
     ),
     components(schemas(super::error::ErrorBody, crate::service::spec::JobSpec)),
-    modifiers(&Security, &FrameworkAnswers)
+    modifiers(&Security, &FrameworkAnswers, &Deprecated, &Policies)
 )]
 pub struct ApiDoc;
 
@@ -109,6 +110,57 @@ impl Modify for FrameworkAnswers {
                     add("400", "the query string does not parse");
                 }
             }
+        }
+    }
+}
+
+/// `DELETE /v1/jobs/{id}` cancels (the job stays readable), which is not what a `DELETE`
+/// promises: it is kept for older clients, marked deprecated in favour of
+/// `POST /v1/jobs/{id}/cancel`.
+struct Deprecated;
+
+impl Modify for Deprecated {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        if let Some(op) = openapi
+            .paths
+            .paths
+            .get_mut("/v1/jobs/{id}")
+            .and_then(|item| item.delete.as_mut())
+        {
+            op.deprecated = Some(utoipa::openapi::Deprecated::True);
+        }
+    }
+}
+
+/// A job's `policy` is one of the files in the broker's policies directory: the document lists
+/// them, so that it says which names the broker takes (the bare schema says: a file stem).
+struct Policies;
+
+impl Modify for Policies {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::schema::Schema;
+        let mut names: Vec<String> = std::fs::read_dir(crate::policy::policies_dir())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter_map(|e| {
+                        let name = e.file_name().to_str()?.strip_suffix(".toml")?.to_string();
+                        crate::service::spec::valid_policy_name(&name).then_some(name)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if names.is_empty() {
+            return;
+        }
+        names.sort();
+        let Some(components) = openapi.components.as_mut() else {
+            return;
+        };
+        if let Some(RefOr::T(Schema::Object(spec))) = components.schemas.get_mut("JobSpec")
+            && let Some(RefOr::T(Schema::Object(policy))) = spec.properties.get_mut("policy")
+        {
+            policy.enum_values = Some(names.into_iter().map(Into::into).collect());
         }
     }
 }

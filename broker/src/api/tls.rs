@@ -242,7 +242,12 @@ pub async fn serve(
                 });
             }
             Some(tls) = conns_rx.recv() => {
-                let service = TowerToHyperService::new(app.clone());
+                // With the client's address, as `axum::serve` gives it (dashboard logins).
+                let peer = tls.get_ref().0.peer_addr().ok().map(axum::extract::ConnectInfo);
+                let app = tower::ServiceBuilder::new()
+                    .option_layer(peer.map(axum::Extension))
+                    .service(app.clone());
+                let service = TowerToHyperService::new(app);
                 let conn = auto::Builder::new(TokioExecutor::new())
                     .serve_connection_with_upgrades(TokioIo::new(tls), service)
                     .into_owned();

@@ -180,10 +180,11 @@ impl Client {
         .await
     }
 
-    pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+    /// A `POST` of an action that takes no body (`/v1/jobs/{id}/cancel`).
+    pub async fn post_action<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
         self.send(
-            self.http.delete(format!("{}{path}", self.base)),
-            &format!("DELETE {path}"),
+            self.http.post(format!("{}{path}", self.base)),
+            &format!("POST {path}"),
         )
         .await
     }
@@ -231,7 +232,7 @@ pub async fn status(args: StatusArgs) -> Result<ExitCode> {
 
 pub async fn cancel(args: CancelArgs) -> Result<ExitCode> {
     let job: JobView = Client::new(&args.remote)?
-        .delete(&format!("/v1/jobs/{}", args.id))
+        .post_action(&format!("/v1/jobs/{}/cancel", args.id))
         .await?;
     if args.output == OutputFormat::Table {
         println!(

@@ -10,7 +10,8 @@ use super::{Broker, ServiceError, metrics::Metrics};
 use crate::api::auth::{hash_token, hashes_match};
 use crate::store::InstanceRow;
 use proteus_wire::agent_api::{
-    AgentEvent, CommandEnvelope, Heartbeat, RegisterRequest, RegisterResponse,
+    AgentEvent, CommandEnvelope, ExitReason, Heartbeat, MAX_FAILURE_MESSAGE, RegisterRequest,
+    RegisterResponse,
 };
 use proteus_wire::coordinator::CoordinatorError;
 use proteus_wire::{InstanceId, JobId, Tier};
@@ -59,27 +60,42 @@ impl Broker {
             // Not a name any cloud gives an instance (and Postgres could not even look up one
             // with a NUL in it): no such instance.
             None if !plausible_cloud_id(cloud_id) => None,
-            None => {
-                let row = self.store.instance_by_cloud_id(cloud_id).await?;
-                // An ended instance's token dies with it (live instances are cached, and leave
-                // the cache when they end).
-                if let Some(r) = &row
-                    && r.state.is_final()
-                    && hashes_match(&hash, &r.token_hash)
-                {
-                    return Err(ServiceError::Forbidden(format!(
-                        "instance {cloud_id} has ended; its token is no longer valid"
-                    )));
+            None => match self.store.instance_by_cloud_id(cloud_id).await? {
+                // An ended instance's token dies with it: its row is never cached, whoever
+                // asks with whatever token (live instances are cached, and leave the cache
+                // when they end).
+                Some(r) if r.state.is_final() => {
+                    if hashes_match(&hash, &r.token_hash) {
+                        return Err(ended(cloud_id));
+                    }
+                    None
                 }
-                let identity = row.as_ref().map(AgentIdentity::from);
-                if let Some(i) = &identity {
+                Some(r) => {
+                    let identity = AgentIdentity::from(&r);
                     self.agent_cache
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(cloud_id.to_string(), i.clone());
+                        .insert(cloud_id.to_string(), identity.clone());
+                    // The instance may have ended between the read and the insert, after its
+                    // end took it out of the cache: look again, so that no ended instance
+                    // stays cached.
+                    if self
+                        .store
+                        .instance_by_cloud_id(cloud_id)
+                        .await?
+                        .is_none_or(|now| now.state.is_final())
+                    {
+                        self.forget_agent(cloud_id);
+                        if hashes_match(&hash, &identity.token_hash) {
+                            return Err(ended(cloud_id));
+                        }
+                        None
+                    } else {
+                        Some(identity)
+                    }
                 }
-                identity
-            }
+                None => None,
+            },
         };
         if let Some(identity) = identity
             && hashes_match(&hash, &identity.token_hash)
@@ -95,6 +111,34 @@ impl Broker {
                 "invalid instance token".into(),
             )),
         }
+    }
+
+    /// Checks that `token` is the token of some live instance, before the request says which
+    /// (registration names its instance in the body, read only after this check).
+    pub async fn authenticate_agent_token(&self, token: Option<&str>) -> Result<(), ServiceError> {
+        let token = token.ok_or_else(|| {
+            ServiceError::Unauthenticated("missing `Authorization: Bearer <instance token>`".into())
+        })?;
+        match self
+            .store
+            .instance_by_token_hash(&hash_token(token))
+            .await?
+        {
+            Some(row) if row.state.is_final() => Err(ServiceError::Forbidden(
+                "this instance has ended; its token is no longer valid".into(),
+            )),
+            Some(_) => Ok(()),
+            None => Err(ServiceError::Unauthenticated(
+                "invalid instance token".into(),
+            )),
+        }
+    }
+
+    fn forget_agent(&self, cloud_id: &str) {
+        self.agent_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(cloud_id);
     }
 
     pub async fn agent_register(
@@ -148,15 +192,24 @@ impl Broker {
         self.store
             .upsert_agent(&identity.instance_id, job.id, &data_addr, vcpus, now)
             .await?;
-        self.store
-            .add_event(
-                Some(job.id),
-                Some(&identity.instance_id),
-                now,
-                "agent_registered",
-                &format!("data plane at {data_addr}"),
-            )
-            .await?;
+        // A registration is never refused for the job's event count, but is not logged past it.
+        match self.check_event_room(job.id).await {
+            Ok(()) => {
+                self.store
+                    .add_event(
+                        Some(job.id),
+                        Some(&identity.instance_id),
+                        now,
+                        "agent_registered",
+                        &format!("data plane at {data_addr}"),
+                    )
+                    .await?
+            }
+            Err(ServiceError::TooMany(why)) => {
+                tracing::warn!(instance = %identity.instance_id, "registration not logged: {why}")
+            }
+            Err(other) => return Err(other),
+        }
         Ok(response)
     }
 
@@ -198,8 +251,21 @@ impl Broker {
     ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         check_event_text(&event)?;
+        self.check_event_room(identity.job_id).await?;
         let now = self.clock.now();
         let (kind, detail) = describe(&event);
+        let wake = matches!(
+            event,
+            AgentEvent::TrainingComplete { .. }
+                | AgentEvent::InterruptionWarning { .. }
+                | AgentEvent::ProgramExited { .. }
+        );
+        let warning = matches!(event, AgentEvent::InterruptionWarning { .. });
+        // The coordinator first: it refuses an instance that is not a member of the job (and
+        // events it cannot take), and nothing is logged for a refused event.
+        if let Some(control) = self.control.get(identity.job_id) {
+            control.update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))?;
+        }
         self.store
             .add_event(
                 Some(identity.job_id),
@@ -209,7 +275,7 @@ impl Broker {
                 &detail,
             )
             .await?;
-        if matches!(event, AgentEvent::InterruptionWarning { .. })
+        if warning
             && self
                 .store
                 .mark_warned(&identity.instance_id, now, None)
@@ -218,18 +284,22 @@ impl Broker {
             self.status_cache.invalidate();
             Metrics::inc(&self.metrics.warnings);
         }
-        let wake = matches!(
-            event,
-            AgentEvent::TrainingComplete { .. }
-                | AgentEvent::InterruptionWarning { .. }
-                | AgentEvent::ProgramExited { .. }
-        );
-        if let Some(control) = self.control.get(identity.job_id) {
-            control.update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))?;
-        }
         self.save_control(identity.job_id).await?;
         if wake {
             self.nudge.notify_one();
+        }
+        Ok(())
+    }
+
+    /// 429 once a job has as many events as the broker keeps per job: an agent cannot fill
+    /// the database.
+    async fn check_event_room(&self, job: JobId) -> Result<(), ServiceError> {
+        let max = self.settings.max_job_events;
+        if self.store.event_count_of_job(job).await? >= i64::from(max) {
+            return Err(ServiceError::TooMany(format!(
+                "job {job} has {max} events, the most this broker keeps per job \
+                 (`proteus serve --max-job-events`); this event was not recorded"
+            )));
         }
         Ok(())
     }
@@ -244,6 +314,12 @@ impl Broker {
     }
 }
 
+fn ended(cloud_id: &str) -> ServiceError {
+    ServiceError::Forbidden(format!(
+        "instance {cloud_id} has ended; its token is no longer valid"
+    ))
+}
+
 /// Whether `id` could be a cloud's instance id (`i-0abc…`, `sim-…`): short, printable.
 fn plausible_cloud_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 256 && !id.chars().any(char::is_control)
@@ -251,28 +327,54 @@ fn plausible_cloud_id(id: &str) -> bool {
 
 /// The texts of an event go into the event log as they are: no control characters (a NUL
 /// cannot even be stored in Postgres).
+/// Every text of every kind of event is checked (the match has no catch-all, so a new kind
+/// must say which of its fields are texts): at most 256 characters, or
+/// [`MAX_FAILURE_MESSAGE`] for an exit's failure message, which may also span lines.
 fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
-    let texts: Vec<(&str, &str)> = match event {
+    let short = |field: &'static str, text: &str| {
+        let fine = text.chars().count() <= 256 && !text.chars().any(char::is_control);
+        (!fine).then(|| {
+            ServiceError::invalid(
+                field,
+                "at most 256 characters, none of them a control character",
+            )
+        })
+    };
+    let problem = match event {
         AgentEvent::InterruptionWarning {
             action,
             action_time,
-        } => vec![("action", action), ("action_time", action_time)],
-        AgentEvent::RebalanceRecommendation {
-            notice_time: Some(t),
-        } => vec![("notice_time", t)],
-        AgentEvent::HandoverComplete { to, .. } => vec![("to", &to.0)],
-        _ => vec![],
+        } => short("action", action).or_else(|| short("action_time", action_time)),
+        AgentEvent::RebalanceRecommendation { notice_time } => {
+            notice_time.as_deref().and_then(|t| short("notice_time", t))
+        }
+        AgentEvent::HandoverComplete { to, .. } => short("to", &to.0),
+        AgentEvent::Exit {
+            reason: ExitReason::Failed { message },
+        } => {
+            let fine = message.chars().count() <= MAX_FAILURE_MESSAGE
+                && !message
+                    .chars()
+                    .any(|c| c.is_control() && c != '\n' && c != '\t');
+            (!fine).then(|| {
+                ServiceError::invalid(
+                    "reason.message",
+                    format!(
+                        "at most {MAX_FAILURE_MESSAGE} characters, no control characters but \
+                         line breaks and tabs"
+                    ),
+                )
+            })
+        }
+        AgentEvent::Exit {
+            reason: ExitReason::Stopped | ExitReason::Interrupted,
+        }
+        | AgentEvent::Ready { .. }
+        | AgentEvent::TrainingComplete { .. }
+        | AgentEvent::PipelineResumed { .. }
+        | AgentEvent::ProgramExited { .. } => None,
     };
-    match texts
-        .into_iter()
-        .find(|(_, text)| text.len() > 256 || text.chars().any(char::is_control))
-    {
-        Some((field, _)) => Err(ServiceError::invalid(
-            field,
-            "at most 256 characters, none of them a control character",
-        )),
-        None => Ok(()),
-    }
+    problem.map_or(Ok(()), Err)
 }
 
 fn describe(event: &AgentEvent) -> (&'static str, String) {
@@ -489,5 +591,26 @@ mod tests {
             field_of(check_event_text(&rebalance).unwrap_err()),
             "notice_time"
         );
+        // An exit's failure message is checked too: longer, and it may span lines.
+        let failed = |message: String| AgentEvent::Exit {
+            reason: ExitReason::Failed { message },
+        };
+        assert!(check_event_text(&failed("no data\n\tat load".into())).is_ok());
+        assert!(check_event_text(&failed("x".repeat(MAX_FAILURE_MESSAGE))).is_ok());
+        for bad in [
+            "x".repeat(MAX_FAILURE_MESSAGE + 1),
+            "nul\u{0}".into(),
+            "bell\u{7}".into(),
+        ] {
+            assert_eq!(
+                field_of(check_event_text(&failed(bad.clone())).unwrap_err()),
+                "reason.message",
+                "{bad:?}"
+            );
+        }
+        let stopped = AgentEvent::Exit {
+            reason: ExitReason::Stopped,
+        };
+        assert!(check_event_text(&stopped).is_ok());
     }
 }

@@ -81,7 +81,15 @@ pub struct Settings {
     /// How long before an announced interruption the agent is killed at the latest (wall).
     pub min_notice: Duration,
     pub pacing: Pacing,
+    /// Which `s3://` working directories command jobs may name (`--workdir-buckets`).
+    pub workdir: programs::WorkdirPolicy,
+    /// Agent events kept per job at most (`--max-job-events`); more are refused with 429.
+    pub max_job_events: u32,
 }
+
+/// Agent events kept per job unless `--max-job-events` says otherwise: far more than a job's
+/// agents report in a normal life (a few per instance), far less than fills a disk.
+pub const DEFAULT_MAX_JOB_EVENTS: u32 = 10_000;
 
 /// Prices and the model the policies read, swapped whole when refreshed.
 pub struct MarketData {
@@ -252,6 +260,9 @@ pub enum ServiceError {
     /// More than the broker accepts (a checkpoint over its size limit).
     #[error("{0}")]
     TooLarge(String),
+    /// Over a count limit (a job's events): 429.
+    #[error("{0}")]
+    TooMany(String),
     /// The broker is not set up for this (no checkpoint store).
     #[error("{0}")]
     Unavailable(String),
@@ -458,14 +469,19 @@ impl Broker {
     }
 }
 
-/// `GET /metrics`: counters kept in memory plus gauges read from the store.
+/// `GET /metrics`: counters kept in memory plus gauges read from the store — three grouped
+/// queries whatever the number of jobs (jobs by state, live instances, spend by job).
 pub async fn metrics_text(broker: &Broker) -> Result<String, ServiceError> {
-    let jobs = broker.store.jobs(false).await?;
+    let counts = broker.store.job_counts_by_state().await?;
     let states = ["pending", "running", "succeeded", "failed", "cancelled"]
         .into_iter()
         .map(|state| {
-            let n = jobs.iter().filter(|j| j.state.as_str() == state).count();
-            (state, n as i64)
+            let n = counts
+                .iter()
+                .filter(|(s, _)| s == state)
+                .map(|(_, n)| *n)
+                .sum();
+            (state, n)
         })
         .collect();
     let mut by: std::collections::BTreeMap<(String, String), i64> = Default::default();
@@ -473,10 +489,13 @@ pub async fn metrics_text(broker: &Broker) -> Result<String, ServiceError> {
         *by.entry((i.tier.to_string(), i.market.to_string()))
             .or_default() += 1;
     }
-    let mut spend = Vec::with_capacity(jobs.len());
-    for j in &jobs {
-        spend.push((j.id.0, broker.store.spend_of_job(j.id).await?));
-    }
+    let spend = broker
+        .store
+        .spend_by_job()
+        .await?
+        .into_iter()
+        .map(|(job, usd)| (job.0, usd))
+        .collect();
     let gauges = metrics::StoreGauges {
         jobs: states,
         instances: by.into_iter().collect(),

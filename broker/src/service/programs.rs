@@ -17,6 +17,70 @@ pub struct OutputView {
     pub output: String,
 }
 
+/// Which `s3://` working directories this broker signs a download of with its own S3
+/// credentials: objects in its checkpoint store's bucket outside the checkpoint prefix, and in
+/// the buckets named by `--workdir-buckets`; never anything in the checkpoint store itself
+/// (other jobs' checkpoints).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkdirPolicy {
+    /// The checkpoint store's bucket and key prefix (no slashes around it), when it is S3.
+    checkpoints: Option<(String, String)>,
+    /// Further buckets the operator allows.
+    buckets: Vec<String>,
+}
+
+impl WorkdirPolicy {
+    /// From `--checkpoint-store` (`s3://bucket/prefix` or a directory) and `--workdir-buckets`.
+    /// The error names the bucket that is not one.
+    pub fn new(checkpoint_store: Option<&str>, buckets: &[String]) -> Result<Self, String> {
+        let checkpoints = match checkpoint_store.filter(|s| s.starts_with("s3://")) {
+            Some(spec) => {
+                let (bucket, prefix) = crate::checkpoint::parse_s3_url(spec)?;
+                Some((bucket.to_string(), prefix.trim_matches('/').to_string()))
+            }
+            None => None,
+        };
+        let mut names = Vec::new();
+        for b in buckets.iter().map(|b| b.trim()).filter(|b| !b.is_empty()) {
+            match crate::checkpoint::parse_s3_url(&format!("s3://{b}")) {
+                Ok((name, "")) => names.push(name.to_string()),
+                _ => {
+                    return Err(format!(
+                        "`{b}` is not an S3 bucket name (3–63 of a-z, 0-9, `-`, `.`)"
+                    ));
+                }
+            }
+        }
+        Ok(WorkdirPolicy {
+            checkpoints,
+            buckets: names,
+        })
+    }
+
+    /// Whether the broker may sign `url` (an `s3://bucket/key` the job spec named); the error
+    /// says why not, naming only what the job sent.
+    pub fn check(&self, url: &str) -> Result<(), String> {
+        let (bucket, key) = crate::checkpoint::parse_s3_url(url)?;
+        if let Some((own, prefix)) = &self.checkpoints
+            && bucket == own
+            && (prefix.is_empty() || key == prefix || key.starts_with(&format!("{prefix}/")))
+        {
+            return Err(format!(
+                "`{url}` is inside this broker's checkpoint store, which holds the jobs' \
+                 checkpoints; put the working directory somewhere else"
+            ));
+        }
+        let allowed = self.checkpoints.iter().map(|(b, _)| b).chain(&self.buckets);
+        if !allowed.into_iter().any(|b| b == bucket) {
+            return Err(format!(
+                "bucket `{bucket}` is not one this broker signs working directories from \
+                 (its checkpoint bucket, and those of `proteus serve --workdir-buckets`)"
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn storage_error(e: CheckpointError) -> ServiceError {
     match e {
         CheckpointError::TooLarge(_) => ServiceError::TooLarge(e.to_string()),
@@ -116,6 +180,11 @@ impl Broker {
         let url = workdir.filter(|w| w.starts_with("s3://")).ok_or_else(|| {
             ServiceError::NotFound(format!("job {} has no s3:// working directory", job.id))
         })?;
+        // Checked again here: the job may have been accepted under another configuration.
+        self.settings
+            .workdir
+            .check(&url)
+            .map_err(|e| ServiceError::Forbidden(format!("job {}: {e}", job.id)))?;
         self.programs()?
             .checkpoints
             .workdir_transfer(&url)
@@ -136,9 +205,13 @@ impl Broker {
         let proteus_wire::agent_api::AppConfig::Command(c) = app else {
             return Ok(());
         };
-        if !c.workdir.as_deref().is_some_and(|w| w.starts_with("s3://")) {
+        let Some(url) = c.workdir.as_deref().filter(|w| w.starts_with("s3://")) else {
             return Ok(());
-        }
+        };
+        self.settings
+            .workdir
+            .check(url)
+            .map_err(|e| ServiceError::invalid("command.workdir", e))?;
         if self.programs.get().is_some_and(|p| p.checkpoints.is_s3()) {
             return Ok(());
         }
@@ -223,5 +296,56 @@ impl Broker {
                 output,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workdirs_come_from_allowed_buckets_and_never_from_the_checkpoint_store() {
+        let policy =
+            WorkdirPolicy::new(Some("s3://ck-bucket/proteus/"), &["team-code".into()]).unwrap();
+        // The checkpoint bucket outside its prefix, and the listed buckets.
+        for ok in [
+            "s3://ck-bucket/programs/train.tar.gz",
+            "s3://ck-bucket/proteus-other/train.tar.gz",
+            "s3://team-code/a/b.tgz",
+        ] {
+            assert_eq!(policy.check(ok), Ok(()), "{ok}");
+        }
+        // Other jobs' checkpoints (and anything else under the checkpoint prefix).
+        for inside in [
+            "s3://ck-bucket/proteus/job-1/rank-0.tar.gz",
+            "s3://ck-bucket/proteus/x.tgz",
+        ] {
+            let e = policy.check(inside).unwrap_err();
+            assert!(e.contains("inside this broker's checkpoint store"), "{e}");
+            assert!(!e.contains("proteus/ "), "{e}");
+        }
+        // Any other bucket the broker's credentials might read.
+        let e = policy
+            .check("s3://someone-elses/secret.tar.gz")
+            .unwrap_err();
+        assert!(
+            e.contains("bucket `someone-elses`") && e.contains("--workdir-buckets"),
+            "{e}"
+        );
+        assert!(policy.check("https://x/y.tar.gz").is_err());
+
+        // A checkpoint store at a bucket's root: the whole bucket is checkpoints.
+        let root = WorkdirPolicy::new(Some("s3://ck-bucket"), &[]).unwrap();
+        assert!(root.check("s3://ck-bucket/programs/train.tar.gz").is_err());
+        // No S3 checkpoint store and no list: no bucket at all.
+        let none = WorkdirPolicy::new(Some("/var/lib/proteus/checkpoints"), &[]).unwrap();
+        assert!(none.check("s3://ck-bucket/programs/train.tar.gz").is_err());
+        assert_eq!(none, WorkdirPolicy::default());
+        // The flag's values are bucket names, checked at start.
+        let e = WorkdirPolicy::new(None, &["ok-bucket".into(), "Bad_Bucket".into()]).unwrap_err();
+        assert!(e.contains("`Bad_Bucket`"), "{e}");
+        assert!(WorkdirPolicy::new(None, &["b/with/key".into()]).is_err());
+        let listed = WorkdirPolicy::new(None, &[" team-code ".into(), String::new()]).unwrap();
+        assert_eq!(listed.check("s3://team-code/t.tar.gz"), Ok(()));
     }
 }

@@ -58,6 +58,7 @@ pub struct JobSpec {
     #[serde(default)]
     pub stop: Option<StopSpec>,
     /// A policy in the broker's policies directory: `bidbrain`, `on-demand`, `standard-bidding`.
+    #[schema(min_length = 1, max_length = 64, pattern = "^[a-z0-9_-]+$")]
     pub policy: String,
     pub limits: Limits,
     /// `hourly-2015` or `per-second`. Default: the broker's (`--billing`).
@@ -175,6 +176,19 @@ impl CommandSpec {
                         "command.workdir",
                         "an s3:// working directory is one gzipped tar object: \
                          `s3://bucket/path/name.tar.gz` (or `.tgz`)",
+                    ));
+                }
+                // One spelling per object: no `a//b`, `./a` or `a/../b`, which S3 would take
+                // literally but readers of the spec (and of the broker's checks) would not.
+                if key
+                    .split('/')
+                    .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+                    || key.chars().any(char::is_control)
+                {
+                    return Err(bad(
+                        "command.workdir",
+                        "the object key must be a plain path: no empty, `.` or `..` segments, \
+                         no control characters",
                     ));
                 }
             } else if !w.starts_with('/') || w.contains('\0') {
@@ -1014,6 +1028,18 @@ mod tests {
             ),
             (
                 r#""command":{"run":["p"],"workdir":"relative/dir"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://my-bucket/a//b.tar.gz"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://my-bucket/ck/../job-1/rank-0.tar.gz"}"#,
+                "command.workdir",
+            ),
+            (
+                r#""command":{"run":["p"],"workdir":"s3://my-bucket//ck/job-1/rank-0.tar.gz"}"#,
                 "command.workdir",
             ),
             (

@@ -788,6 +788,51 @@ impl Store {
             .collect())
     }
 
+    /// One page of a job's events: those with an id above `after`, oldest first, at most
+    /// `limit`.
+    pub async fn events_of_job_page(
+        &self,
+        job: JobId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<EventRow>, StoreError> {
+        let rows: Vec<EventTuple> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT id, job_id, instance_id, ts_ms, kind, detail FROM events \
+                 WHERE job_id = $1 AND id > $2 ORDER BY id LIMIT $3",
+            )
+            .bind(job.0)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(pool)
+            .await
+            .context("listing a page of a job's events")?
+        });
+        Ok(rows
+            .into_iter()
+            .map(|(id, job_id, instance_id, ts, kind, detail)| EventRow {
+                id,
+                job_id: job_id.map(JobId),
+                instance_id,
+                time: Timestamp::from_millis(ts),
+                kind,
+                detail,
+            })
+            .collect())
+    }
+
+    /// How many events a job has.
+    pub async fn event_count_of_job(&self, job: JobId) -> Result<i64, StoreError> {
+        let n: i64 = with_db!(self, |pool| {
+            sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE job_id = $1")
+                .bind(job.0)
+                .fetch_one(pool)
+                .await
+                .context("counting a job's events")?
+        });
+        Ok(n)
+    }
+
     /// Replaces an instance's ledger lines in one transaction: billing is recomputed from the
     /// instance's whole life each time, so the ledger is always consistent with it.
     pub async fn replace_ledger_lines(
@@ -863,6 +908,37 @@ impl Store {
         });
         Usd::new(total.unwrap_or(0.0))
             .map_err(|e| StoreError::Invalid(format!("spend of job {job}: {e}")))
+    }
+
+    /// Every job's ledger total (zero for a job with no lines), in one grouped query.
+    pub async fn spend_by_job(&self) -> Result<Vec<(JobId, Usd)>, StoreError> {
+        let rows: Vec<(i64, Option<f64>)> = with_db!(self, |pool| {
+            sqlx::query_as(
+                "SELECT j.id, SUM(l.amount_usd) FROM jobs j \
+                 LEFT JOIN ledger_lines l ON l.job_id = j.id GROUP BY j.id ORDER BY j.id",
+            )
+            .fetch_all(pool)
+            .await
+            .context("summing every job's spend")?
+        });
+        rows.into_iter()
+            .map(|(id, total)| {
+                Usd::new(total.unwrap_or(0.0))
+                    .map(|usd| (JobId(id), usd))
+                    .map_err(|e| StoreError::Invalid(format!("spend of job {id}: {e}")))
+            })
+            .collect()
+    }
+
+    /// How many jobs are in each state (states without jobs are absent).
+    pub async fn job_counts_by_state(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows: Vec<(String, i64)> = with_db!(self, |pool| {
+            sqlx::query_as("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+                .fetch_all(pool)
+                .await
+                .context("counting jobs by state")?
+        });
+        Ok(rows)
     }
 
     pub async fn set_cooldown(&self, c: &Cooldown) -> Result<(), StoreError> {

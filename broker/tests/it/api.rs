@@ -9,13 +9,14 @@ use proteus_broker::startup::{ServeArgs, StartOptions, start_with};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
-const TOKEN: &str = "pt_test-user-token";
+/// At least 32 characters, as `proteus serve` requires of a user token.
+pub(crate) const TOKEN: &str = "pt_test-user-token-of-32-characters";
 
-struct TestServer {
-    url: String,
-    broker: Arc<Broker>,
-    clock: ManualClock,
-    http: reqwest::Client,
+pub(crate) struct TestServer {
+    pub(crate) url: String,
+    pub(crate) broker: Arc<Broker>,
+    pub(crate) clock: ManualClock,
+    pub(crate) http: reqwest::Client,
     task: tokio::task::JoinHandle<()>,
     _db: TestDb,
 }
@@ -27,7 +28,7 @@ impl Drop for TestServer {
 }
 
 impl TestServer {
-    async fn start(tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
+    pub(crate) async fn start(tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
         let db = TestDb::postgres().await;
         let clock = ManualClock::new(Timestamp::parse("2015-05-01T00:00:00Z").unwrap());
         let mut args = ServeArgs::sim_defaults();
@@ -59,7 +60,7 @@ impl TestServer {
         }
     }
 
-    async fn call(
+    pub(crate) async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -82,27 +83,27 @@ impl TestServer {
         )
     }
 
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+    pub(crate) async fn post(&self, path: &str, body: Value) -> (u16, Value) {
         self.call(reqwest::Method::POST, path, Some(TOKEN), Some(body))
             .await
     }
-    async fn get(&self, path: &str) -> (u16, Value) {
+    pub(crate) async fn get(&self, path: &str) -> (u16, Value) {
         self.call(reqwest::Method::GET, path, Some(TOKEN), None)
             .await
     }
-    async fn delete(&self, path: &str) -> (u16, Value) {
+    pub(crate) async fn delete(&self, path: &str) -> (u16, Value) {
         self.call(reqwest::Method::DELETE, path, Some(TOKEN), None)
             .await
     }
 
     /// Advances market time and runs one scheduler pass.
-    async fn step(&self, secs: f64) {
+    pub(crate) async fn step(&self, secs: f64) {
         self.clock.advance_secs(secs);
         self.broker.tick().await.expect("tick");
     }
 }
 
-fn job(policy: &str) -> Value {
+pub(crate) fn job(policy: &str) -> Value {
     json!({
         "name": "api-test",
         "app": "mlr",
@@ -600,6 +601,7 @@ async fn the_openapi_document_describes_every_route() {
     for p in [
         "/v1/jobs",
         "/v1/jobs/{id}",
+        "/v1/jobs/{id}/cancel",
         "/v1/jobs/{id}/cost",
         "/v1/markets",
         "/v1/prices",
@@ -648,7 +650,7 @@ async fn the_openapi_document_describes_every_route() {
         .await;
     assert_eq!(status, 200);
     assert!(!prices.as_array().unwrap().is_empty());
-    let (_, metrics) = s.call(reqwest::Method::GET, "/metrics", None, None).await;
+    let (_, metrics) = s.get("/metrics").await;
     assert!(
         metrics
             .as_str()

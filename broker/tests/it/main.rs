@@ -5,6 +5,7 @@
 mod support;
 
 mod api;
+mod api_access;
 mod cli_prices;
 #[cfg(feature = "ec2")]
 mod ec2_prices;

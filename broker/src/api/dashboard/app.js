@@ -12,6 +12,7 @@ const CSRF_HEADER = document.querySelector('meta[name="csrf-header"]').content;
 const JOB_POLL_MS = 2000;
 const DETAIL_POLL_MS = 5000;
 const CHART_POLL_MS = 10000;
+const EVENTS_PAGE = 1000;
 
 // --- small helpers ----------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ function jobView(view, id) {
     cancelButton.disabled = true;
     cancelButton.textContent = "Cancelling…";
     try {
-      const job = await change("/v1/jobs/" + id, "DELETE");
+      const job = await change("/v1/jobs/" + id + "/cancel", "POST");
       cancelMessage.textContent = "job " + job.id + " is " + job.state;
       showJob(job);
     } catch (e) {
@@ -271,9 +272,20 @@ function jobView(view, id) {
   }
 
   every(JOB_POLL_MS, async () => showJob(await api("/v1/jobs/" + id)));
+  // Events come a page at a time (oldest first): each poll asks only for those after the
+  // newest one already shown, following full pages (a few at most per poll).
+  const events = [];
+  const newEvents = async () => {
+    for (let pages = 0; pages < 5; pages++) {
+      const after = events.length ? events[events.length - 1].id : 0;
+      const page = await api("/v1/jobs/" + id + "/events?after=" + after + "&limit=" + EVENTS_PAGE);
+      events.push(...page);
+      if (page.length < EVENTS_PAGE) break;
+    }
+    return events;
+  };
   every(DETAIL_POLL_MS, async () => {
-    const [cost, events] = await Promise.all([
-      api("/v1/jobs/" + id + "/cost"), api("/v1/jobs/" + id + "/events")]);
+    const [cost] = await Promise.all([api("/v1/jobs/" + id + "/cost"), newEvents()]);
     costBox.replaceChildren(
       h("p", {}, "Total " + usd(cost.total_usd) + " (" + cost.billing + "), on-demand tier " +
         usd(cost.by_tier.reliable || 0) + ", spot tier " + usd(cost.by_tier.transient || 0) +
