@@ -81,6 +81,11 @@ pub struct Settings {
     /// How long before an announced interruption the agent is killed at the latest (wall).
     pub min_notice: Duration,
     pub pacing: Pacing,
+    /// Most instances held at once across all jobs (`serve --instance-cap`); a job asking
+    /// for more is refused at submission.
+    pub instance_cap: u32,
+    /// The budget of a job whose spec sets none (`serve --default-budget-usd`).
+    pub default_budget: Option<crate::market::Usd>,
 }
 
 /// Prices and the model the policies read, swapped whole when refreshed.
@@ -252,6 +257,9 @@ pub enum ServiceError {
     /// More than the broker accepts (a checkpoint over its size limit).
     #[error("{0}")]
     TooLarge(String),
+    /// Over a disk quota (a job's checkpoints in the broker's directory store).
+    #[error("{0}")]
+    InsufficientStorage(String),
     /// The broker is not set up for this (no checkpoint store).
     #[error("{0}")]
     Unavailable(String),

@@ -6,6 +6,7 @@ mod support;
 
 mod api;
 mod cli_prices;
+mod dos;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
 mod sim_cli;
