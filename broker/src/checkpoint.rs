@@ -298,12 +298,14 @@ impl Upload<'_> {
         }
         let mut usage = self.store.usage.lock().unwrap_or_else(|e| e.into_inner());
         let job = usage.entry(self.job).or_default();
-        job.update(self.rank, Some(limits.job_quota_bytes), |r| r.uploading += n)
-            .map_err(|used| CheckpointError::QuotaExceeded {
-                job: self.job,
-                quota: limits.job_quota_bytes,
-                used,
-            })?;
+        job.update(self.rank, Some(limits.job_quota_bytes), |r| {
+            r.uploading += n
+        })
+        .map_err(|used| CheckpointError::QuotaExceeded {
+            job: self.job,
+            quota: limits.job_quota_bytes,
+            used,
+        })?;
         self.received += n;
         Ok(())
     }
@@ -377,13 +379,14 @@ impl DirStore {
         let mut found = JobUsage::default();
         match tokio::fs::read_dir(&dir).await {
             Ok(mut entries) => {
-                while let Some(entry) = entries
-                    .next_entry()
-                    .await
-                    .map_err(|source| CheckpointError::Io {
-                        path: dir.clone(),
-                        source,
-                    })?
+                while let Some(entry) =
+                    entries
+                        .next_entry()
+                        .await
+                        .map_err(|source| CheckpointError::Io {
+                            path: dir.clone(),
+                            source,
+                        })?
                 {
                     let name = entry.file_name();
                     let Some(rank) = name
@@ -529,11 +532,16 @@ fn human(bytes: &u64) -> String {
 
 /// A size for people: `8 GiB`, `1.5 MiB`, `300 bytes`.
 pub fn size(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
     for (name, unit) in UNITS {
         if bytes >= unit {
             let value = bytes as f64 / unit as f64;
-            return if bytes % unit == 0 {
+            return if bytes.is_multiple_of(unit) {
                 format!("{} {name}", bytes / unit)
             } else {
                 format!("{value:.1} {name}")
@@ -986,7 +994,12 @@ mod tests {
                 }
             }
             let outputs = storage.outputs(JobId(1)).await.unwrap();
-            assert_eq!(outputs.len(), 1, "{:?}", outputs.iter().map(|o| &o.0).collect::<Vec<_>>());
+            assert_eq!(
+                outputs.len(),
+                1,
+                "{:?}",
+                outputs.iter().map(|o| &o.0).collect::<Vec<_>>()
+            );
             let kept = &outputs[0].1;
             let tail = |t: &String| t[t.len().saturating_sub(MAX_TAIL_BYTES)..].to_string();
             assert!(
@@ -1017,7 +1030,9 @@ mod tests {
         assert_eq!(size(300), "300 bytes");
     }
 
-    fn chunks(sizes: &[usize]) -> impl futures::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin {
+    fn chunks(
+        sizes: &[usize],
+    ) -> impl futures::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin {
         futures::stream::iter(
             sizes
                 .iter()
@@ -1043,15 +1058,28 @@ mod tests {
             store.write(job, 1, chunks(&[60, 41])).await,
             Err(CheckpointError::TooLarge(100))
         ));
-        assert!(matches!(store.check_declared(job, 1, 101).await, Err(CheckpointError::TooLarge(100))));
+        assert!(matches!(
+            store.check_declared(job, 1, 101).await,
+            Err(CheckpointError::TooLarge(100))
+        ));
         assert_eq!(store.write(job, 1, chunks(&[100])).await.unwrap(), 100);
         // 200 of 250 kept: 51 more is over the quota, as it arrives or declared.
-        assert!(matches!(store.check_declared(job, 2, 51).await, Err(CheckpointError::QuotaExceeded { used: 200, .. })));
+        assert!(matches!(
+            store.check_declared(job, 2, 51).await,
+            Err(CheckpointError::QuotaExceeded { used: 200, .. })
+        ));
         match store.write(job, 2, chunks(&[30, 21])).await {
-            Err(CheckpointError::QuotaExceeded { job: j, quota: 250, used: 230 }) => assert_eq!(j, job),
+            Err(CheckpointError::QuotaExceeded {
+                job: j,
+                quota: 250,
+                used: 230,
+            }) => assert_eq!(j, job),
             other => panic!("{other:?}"),
         }
-        assert!(!store.path(job, 2).exists(), "nothing kept of a refused upload");
+        assert!(
+            !store.path(job, 2).exists(),
+            "nothing kept of a refused upload"
+        );
         // A replacement counts in place of what it replaces; another job has its own quota.
         store.check_declared(job, 0, 100).await.unwrap();
         assert_eq!(store.write(job, 0, chunks(&[50])).await.unwrap(), 50);
@@ -1065,15 +1093,26 @@ mod tests {
         assert!(left.is_empty(), "temporary files left: {left:?}");
         // A broker started again counts what is on disk: 250 of 250.
         let again = DirStore::with_limits(dir.path().join("ck"), limits).unwrap();
-        assert!(matches!(again.write(job, 3, chunks(&[1])).await, Err(CheckpointError::QuotaExceeded { used: 250, .. })));
+        assert!(matches!(
+            again.write(job, 3, chunks(&[1])).await,
+            Err(CheckpointError::QuotaExceeded { used: 250, .. })
+        ));
         // An upload abandoned mid-way (the request went away) gives its bytes back.
         let (tx, rx) = futures::channel::mpsc::unbounded::<Result<bytes::Bytes, std::io::Error>>();
-        tx.unbounded_send(Ok(bytes::Bytes::from(vec![1u8; 10]))).unwrap();
+        tx.unbounded_send(Ok(bytes::Bytes::from(vec![1u8; 10])))
+            .unwrap();
         let pending = again.write(JobId(2), 1, rx);
-        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), pending).await.is_err());
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), pending)
+                .await
+                .is_err()
+        );
         drop(tx);
         assert_eq!(again.write(JobId(2), 1, chunks(&[100])).await.unwrap(), 100);
-        assert!(matches!(again.write(JobId(2), 2, chunks(&[51])).await, Err(CheckpointError::QuotaExceeded { used: 200, .. })));
+        assert!(matches!(
+            again.write(JobId(2), 2, chunks(&[51])).await,
+            Err(CheckpointError::QuotaExceeded { used: 200, .. })
+        ));
     }
 
     #[tokio::test]

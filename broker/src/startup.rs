@@ -356,7 +356,7 @@ pub async fn start_with(
     }
     let limits = conn_limits(&args)?;
     let default_budget = match args.default_budget_usd {
-        b if b == 0.0 => None,
+        0.0 => None,
         b => Some(
             crate::market::Usd::new(b)
                 .ok()

@@ -648,10 +648,8 @@ async fn send_file(
         .ok()
         .filter(|m| m.is_file())
         .map(|m| m.len());
-    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-        file,
-        64 * 1024,
-    ));
+    let body =
+        axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024));
     let mut response = ([("content-type", content_type)], body).into_response();
     if let Some(length) = length {
         response

@@ -272,10 +272,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
@@ -352,13 +349,7 @@ mod tests {
     ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let task = tokio::spawn(serve(
-            listener,
-            app(),
-            tls,
-            limits,
-            std::future::pending(),
-        ));
+        let task = tokio::spawn(serve(listener, app(), tls, limits, std::future::pending()));
         (addr, task)
     }
 
@@ -403,7 +394,10 @@ mod tests {
         );
         // hyper answers a header timeout by closing, possibly after a 408.
         let text = String::from_utf8_lossy(&got);
-        assert!(text.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 408"),
+            "{text}"
+        );
         // A whole request on a new connection is still served.
         let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let text = answer_of(&mut tcp, "/healthz").await;
@@ -419,7 +413,10 @@ mod tests {
         // A handler that takes five times the idle timeout is still answered.
         let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let text = answer_of(&mut tcp, "/slow").await;
-        assert!(text.starts_with("HTTP/1.1 200") && text.ends_with("slow"), "{text}");
+        assert!(
+            text.starts_with("HTTP/1.1 200") && text.ends_with("slow"),
+            "{text}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -436,7 +433,10 @@ mod tests {
         while !got.windows(4).any(|w| w == b"\r\n\r\n") {
             match tokio::time::timeout(BOUND, tcp.read(&mut buf)).await {
                 Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
-                other => panic!("no answer: {other:?} after {:?}", String::from_utf8_lossy(&got)),
+                other => panic!(
+                    "no answer: {other:?} after {:?}",
+                    String::from_utf8_lossy(&got)
+                ),
             }
         }
         let text = String::from_utf8_lossy(&got);
@@ -475,9 +475,7 @@ mod tests {
             .with_no_client_auth()
             .with_single_cert(
                 vec![cert.cert.der().clone()],
-                rustls::pki_types::PrivateKeyDer::Pkcs8(
-                    cert.signing_key.serialize_der().into(),
-                ),
+                rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into()),
             )
             .unwrap();
         let (addr, _server) = start(limits(300, 60_000, 60_000, 1), Some(Arc::new(config))).await;
@@ -505,9 +503,11 @@ mod tests {
         // With the place taken, a second client does not even get its handshake answered.
         let holder = tokio::net::TcpStream::connect(addr).await.unwrap();
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let early =
-            tokio::time::timeout(Duration::from_millis(500), connector.connect(name.clone(), tcp))
-                .await;
+        let early = tokio::time::timeout(
+            Duration::from_millis(500),
+            connector.connect(name.clone(), tcp),
+        )
+        .await;
         assert!(early.is_err(), "a handshake beyond the cap was answered");
         drop(holder);
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -378,10 +378,20 @@ mod tests {
         let e = ca.load().unwrap_err();
         assert!(matches!(e, TlsError::CaAsLeaf { .. }), "{e:?}");
         let text = e.to_string();
-        for needle in ["ca.pem", "CA certificate", "CaUsedAsEndEntity", "leaf", "--tls-ca", "docs/aws.md"] {
+        for needle in [
+            "ca.pem",
+            "CA certificate",
+            "CaUsedAsEndEntity",
+            "leaf",
+            "--tls-ca",
+            "docs/aws.md",
+        ] {
             assert!(text.contains(needle), "`{needle}` missing from: {text}");
         }
-        assert!(ReloadingCert::load(ca.clone()).is_err(), "the broker does not start with it");
+        assert!(
+            ReloadingCert::load(ca.clone()).is_err(),
+            "the broker does not start with it"
+        );
         // A leaf signed by that CA is what to serve.
         let issuer_key = rcgen::KeyPair::generate().unwrap();
         let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -426,7 +436,11 @@ mod tests {
         assert_eq!(is_ca_certificate(b"hello"), None);
         let whole = der(&ca.cert);
         for end in 0..whole.len() {
-            assert_ne!(is_ca_certificate(&whole[..end]), Some(true), "prefix of {end} bytes");
+            assert_ne!(
+                is_ca_certificate(&whole[..end]),
+                Some(true),
+                "prefix of {end} bytes"
+            );
         }
     }
 

@@ -641,7 +641,10 @@ mod tests {
         )
         .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("https://127.0.0.1:{}", listener.local_addr().unwrap().port());
+        let url = format!(
+            "https://127.0.0.1:{}",
+            listener.local_addr().unwrap().port()
+        );
         let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "{}" }));
         tokio::spawn(crate::api::server::serve(
             listener,
@@ -693,7 +696,8 @@ mod tests {
         // Another certificate problem (a leaf from an issuer this client does not trust) is
         // one too.
         let other = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
-        let other_url = https_server(other.cert.der().clone(), other.signing_key.serialize_der()).await;
+        let other_url =
+            https_server(other.cert.der().clone(), other.signing_key.serialize_der()).await;
         let e = client(&other_url, Some(ca_file))
             .get::<serde_json::Value>("/healthz")
             .await

@@ -164,7 +164,8 @@ impl Broker {
         let now = self.clock.now();
         // The broker's default budget goes into the stored spec, so that a restarted broker
         // (which validates the stored spec again) keeps it.
-        let default_budget = spec.limits.budget_usd.is_none() && self.settings.default_budget.is_some();
+        let default_budget =
+            spec.limits.budget_usd.is_none() && self.settings.default_budget.is_some();
         if default_budget {
             spec.limits.budget_usd = self.settings.default_budget.map(|b| b.get());
         }

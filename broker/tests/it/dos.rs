@@ -202,7 +202,11 @@ async fn ending_a_large_job_costs_writes_in_proportion_and_other_jobs_are_still_
     assert_eq!(status, 201, "{view}");
     let big = view["id"].as_i64().unwrap();
     s.step(60.0).await;
-    assert_eq!(s.live_of(big).await, n as usize, "the big job holds its instances");
+    assert_eq!(
+        s.live_of(big).await,
+        n as usize,
+        "the big job holds its instances"
+    );
     // They run a while (a bill to write when they end).
     s.step(300.0).await;
     let (status, view) = s.submit(on_demand_job(2, 1e6)).await;
@@ -214,7 +218,11 @@ async fn ending_a_large_job_costs_writes_in_proportion_and_other_jobs_are_still_
     let (status, view) = s
         .call(reqwest::Method::DELETE, &format!("/v1/jobs/{big}"), None)
         .await;
-    assert_eq!((status, &view["state"]), (200, &json!("cancelled")), "{view}");
+    assert_eq!(
+        (status, &view["state"]),
+        (200, &json!("cancelled")),
+        "{view}"
+    );
     let cancel_took = started.elapsed();
     let after_cancel = writes.count().await;
     // The first tick after the cancel serves the other job, within a bounded number of writes.
@@ -325,8 +333,15 @@ async fn a_job_without_a_budget_gets_the_default_and_is_ended_by_it() {
         )
         .await;
     assert!(
-        events.as_array().unwrap().iter().any(|e| e["kind"] == "job_submitted"
-            && e["detail"].as_str().unwrap().contains("--default-budget-usd")),
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "job_submitted"
+                && e["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("--default-budget-usd")),
         "{events}"
     );
     for _ in 0..150 {
@@ -368,7 +383,10 @@ async fn checkpoint_uploads_over_the_limit_or_the_quota_are_refused_with_413_and
     let answer = |r: reqwest::Response| async move {
         let status = r.status().as_u16();
         let text = r.text().await.unwrap();
-        (status, serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text)),
+        )
     };
     for rank in 0..3 {
         let (status, body) = answer(put(rank, vec![rank as u8; 800].into()).await.unwrap()).await;
@@ -402,7 +420,11 @@ async fn checkpoint_uploads_over_the_limit_or_the_quota_are_refused_with_413_and
         "{message}"
     );
     // What is kept is the accepted archives, whole; nothing of the refused ones.
-    let dir = s.state.path().join("checkpoints").join(format!("job-{job}"));
+    let dir = s
+        .state
+        .path()
+        .join("checkpoints")
+        .join(format!("job-{job}"));
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -424,13 +446,14 @@ async fn checkpoint_uploads_over_the_limit_or_the_quota_are_refused_with_413_and
     assert_eq!(got.content_length(), Some(900));
     assert_eq!(got.bytes().await.unwrap().as_ref(), &[9u8; 900][..]);
 
-    let (_, doc) = s
-        .call(reqwest::Method::GET, "/v1/openapi.json", None)
-        .await;
+    let (_, doc) = s.call(reqwest::Method::GET, "/v1/openapi.json", None).await;
     let responses =
         &doc["paths"]["/v1/agents/{instance_id}/checkpoint-data/{rank}"]["put"]["responses"];
     for code in ["413", "507"] {
-        assert!(responses[code].is_object(), "PUT checkpoint-data documents {code}: {responses}");
+        assert!(
+            responses[code].is_object(),
+            "PUT checkpoint-data documents {code}: {responses}"
+        );
     }
 }
 
@@ -485,7 +508,10 @@ async fn the_header_read_timeout_flag_disconnects_a_half_sent_request() {
     let closed = tokio::time::timeout(bound, tcp.read_to_end(&mut buf)).await;
     assert!(closed.is_ok(), "still open after {bound:?}");
     let text = String::from_utf8_lossy(&buf);
-    assert!(text.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 408"),
+        "{text}"
+    );
 }
 
 /// Issue 23 item 10: a download is streamed, not read whole first: the first bytes of a file
