@@ -58,7 +58,7 @@ fn single_process(app: &App, cfg: &TrainingConfig) -> (Vec<f64>, Vec<f64>) {
     (rates, per_cpu)
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let cfg = config();
     let app = App::load(&cfg, std::path::Path::new(common::DATA_DIR)).expect("MNIST loads");
     let (mut single, mut single_cpu) = single_process(&app, &cfg);
@@ -135,4 +135,11 @@ fn main() {
          transport) vs {single_cpu_med:.0} single-process: CPU overhead {:.0}%",
         (1.0 - cpu_med / single_cpu_med) * 100.0
     );
+    // 0: the target is met; 1: it is missed.
+    if overhead <= TARGET_OVERHEAD {
+        std::process::ExitCode::SUCCESS
+    } else {
+        eprintln!("bench/agent-mlr-overhead: target missed");
+        std::process::ExitCode::from(1)
+    }
 }

@@ -309,11 +309,16 @@ fn run() -> Result<ExitCode, String> {
         args.mbit
     );
     let met = |ok: bool| if ok { "met" } else { "NOT met" };
+    let targets = [
+        speedup >= TARGET_SPEEDUP,
+        error <= TARGET_PREDICTION_ERROR,
+        exchange_ratio >= TARGET_DP_EXCHANGE_RATIO,
+    ];
     println!(
         "targets: speedup {}; prediction {}; data-parallel exchange >= 2x compute {}",
-        met(speedup >= TARGET_SPEEDUP),
-        met(error <= TARGET_PREDICTION_ERROR),
-        met(exchange_ratio >= TARGET_DP_EXCHANGE_RATIO)
+        met(targets[0]),
+        met(targets[1]),
+        met(targets[2])
     );
     if let Some(path) = &args.json {
         let dp_secs = dp.secs_to_target.unwrap_or(dp.wall_secs);
@@ -327,5 +332,11 @@ fn run() -> Result<ExitCode, String> {
         });
         std::fs::write(path, json.to_string()).map_err(|e| format!("{path}: {e}"))?;
     }
-    Ok(ExitCode::SUCCESS)
+    // The exit says whether the targets were met: 0 all met, 1 one missed or the run failed.
+    if targets.iter().all(|&ok| ok) {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!("bench/pipeline: a target was missed (see `NOT met` above)");
+        Ok(ExitCode::from(1))
+    }
 }

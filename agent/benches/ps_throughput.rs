@@ -64,12 +64,12 @@ async fn client(addr: String, partition: u32, round: u64, plane: DataPlane) -> u
     bytes
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(async {
+    let met = rt.block_on(async {
         let planes = [
             ("authenticated hello", test_plane()),
             ("no hello", test_plane().without_hello_for_benchmarks()),
@@ -145,7 +145,15 @@ fn main() {
              (ratio {:.2}; {CONNECTS} each)",
             with / without
         );
+        med >= TARGET_GBPS
     });
+    // 0: the target is met; 1: it is missed.
+    if met {
+        std::process::ExitCode::SUCCESS
+    } else {
+        eprintln!("bench/agent-ps-throughput: target missed");
+        std::process::ExitCode::from(1)
+    }
 }
 
 /// A PS node serving one 4 MB shard on a fresh loopback port; its address.

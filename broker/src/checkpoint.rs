@@ -26,8 +26,20 @@ pub enum CheckpointError {
         #[source]
         source: std::io::Error,
     },
-    #[error("checkpoint archive is larger than {0} bytes")]
+    #[error(
+        "the checkpoint archive is larger than the per-upload limit of {} \
+         (`proteus serve --checkpoint-max-archive`)",
+        human(.0)
+    )]
     TooLarge(u64),
+    #[error(
+        "job {job}'s checkpoints would take more than its quota of {} on the broker's disk \
+         ({} already kept or being uploaded; `proteus serve --checkpoint-job-quota`): keep \
+         fewer or smaller checkpoints, or use an s3:// checkpoint store",
+        human(.quota),
+        human(.used)
+    )]
+    QuotaExceeded { job: JobId, quota: u64, used: u64 },
     #[error("S3: {0}")]
     S3(String),
 }
@@ -43,8 +55,8 @@ pub enum CheckpointStore {
 }
 
 impl CheckpointStore {
-    /// `s3://bucket/prefix` or a directory path.
-    pub async fn open(spec: &str) -> Result<CheckpointStore, CheckpointError> {
+    /// `s3://bucket/prefix` or a directory path (with its `limits`).
+    pub async fn open(spec: &str, limits: DirLimits) -> Result<CheckpointStore, CheckpointError> {
         if spec.starts_with("s3://") {
             #[cfg(feature = "ec2")]
             {
@@ -58,7 +70,10 @@ impl CheckpointStore {
                 ));
             }
         }
-        Ok(CheckpointStore::Dir(DirStore::new(PathBuf::from(spec))?))
+        Ok(CheckpointStore::Dir(DirStore::with_limits(
+            PathBuf::from(spec),
+            limits,
+        )?))
     }
 
     /// Where an agent of `job` puts or fetches `rank`'s archive. For the directory store the
@@ -181,6 +196,10 @@ pub fn key(job: JobId, rank: u32) -> String {
 #[derive(Debug)]
 pub struct DirStore {
     root: PathBuf,
+    limits: DirLimits,
+    /// What each job's checkpoints take, loaded from the directory on a job's first upload
+    /// since the broker started, then kept up to date by every upload.
+    usage: std::sync::Mutex<std::collections::HashMap<JobId, JobUsage>>,
 }
 
 /// Creates `dir` readable by the broker's user only: every job's checkpoints and outputs are
@@ -195,20 +214,244 @@ fn private_dir(dir: &Path) -> Result<(), CheckpointError> {
         })
 }
 
-/// Largest archive the directory store accepts.
+/// How much the directory store accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirLimits {
+    /// Largest archive one upload may be (the 413 limit).
+    pub max_archive_bytes: u64,
+    /// Most bytes one job's checkpoints may take: the newest archive of each of its ranks,
+    /// an upload in progress counted in place of the archive it replaces (the 507 limit).
+    pub job_quota_bytes: u64,
+}
+
+impl Default for DirLimits {
+    /// The defaults of `proteus serve`.
+    fn default() -> Self {
+        DirLimits {
+            max_archive_bytes: MAX_ARCHIVE_BYTES,
+            job_quota_bytes: 64 << 30,
+        }
+    }
+}
+
+/// Largest archive the directory store accepts by default.
 pub const MAX_ARCHIVE_BYTES: u64 = 8 << 30;
+
+/// One job's checkpoints on disk.
+#[derive(Debug, Default)]
+struct JobUsage {
+    ranks: std::collections::HashMap<u32, RankUsage>,
+    /// The sum of [`RankUsage::counted`] over the ranks.
+    total: u64,
+}
+
+#[derive(Debug, Default)]
+struct RankUsage {
+    /// The rank's newest archive.
+    stored: u64,
+    /// Bytes received so far by the rank's uploads in progress.
+    uploading: u64,
+}
+
+impl RankUsage {
+    /// What the rank counts against the quota: its archive, or the upload that replaces it
+    /// when that is larger.
+    fn counted(&self) -> u64 {
+        self.stored.max(self.uploading)
+    }
+}
+
+impl JobUsage {
+    /// Applies `change` to `rank` and keeps the total; refuses (changing nothing) when the
+    /// total would go over `quota`.
+    fn update(
+        &mut self,
+        rank: u32,
+        quota: Option<u64>,
+        change: impl FnOnce(&mut RankUsage),
+    ) -> Result<(), u64> {
+        let entry = self.ranks.entry(rank).or_default();
+        let before = entry.counted();
+        let mut after = RankUsage {
+            stored: entry.stored,
+            uploading: entry.uploading,
+        };
+        change(&mut after);
+        let total = self.total - before + after.counted();
+        if let Some(quota) = quota
+            && total > quota
+            && total > self.total
+        {
+            return Err(self.total);
+        }
+        *entry = after;
+        self.total = total;
+        Ok(())
+    }
+}
+
+/// An upload under way: its bytes count against the job's quota until it ends, and its
+/// temporary file goes with it unless it was renamed into place.
+struct Upload<'a> {
+    store: &'a DirStore,
+    job: JobId,
+    rank: u32,
+    tmp: PathBuf,
+    received: u64,
+    done: bool,
+}
+
+impl Upload<'_> {
+    /// Counts `n` more bytes, or says why they cannot be kept.
+    fn receive(&mut self, n: u64) -> Result<(), CheckpointError> {
+        let limits = self.store.limits;
+        if self.received + n > limits.max_archive_bytes {
+            return Err(CheckpointError::TooLarge(limits.max_archive_bytes));
+        }
+        let mut usage = self.store.usage.lock().unwrap_or_else(|e| e.into_inner());
+        let job = usage.entry(self.job).or_default();
+        job.update(self.rank, Some(limits.job_quota_bytes), |r| {
+            r.uploading += n
+        })
+        .map_err(|used| CheckpointError::QuotaExceeded {
+            job: self.job,
+            quota: limits.job_quota_bytes,
+            used,
+        })?;
+        self.received += n;
+        Ok(())
+    }
+
+    /// The archive is in place: it is now the rank's.
+    fn finish(mut self) {
+        let received = self.received;
+        self.end(|r| {
+            r.uploading -= received;
+            r.stored = received;
+        });
+        self.done = true;
+    }
+
+    fn end(&self, change: impl FnOnce(&mut RankUsage)) {
+        let mut usage = self.store.usage.lock().unwrap_or_else(|e| e.into_inner());
+        let job = usage.entry(self.job).or_default();
+        // Without a quota check: this never adds to what is counted.
+        let _ = job.update(self.rank, None, change);
+    }
+}
+
+impl Drop for Upload<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Failed, refused, or abandoned mid-way (the request went away).
+        let received = self.received;
+        self.end(|r| r.uploading -= received);
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
 
 impl DirStore {
     pub fn new(root: PathBuf) -> Result<DirStore, CheckpointError> {
+        DirStore::with_limits(root, DirLimits::default())
+    }
+
+    pub fn with_limits(root: PathBuf, limits: DirLimits) -> Result<DirStore, CheckpointError> {
         private_dir(&root)?;
-        Ok(DirStore { root })
+        Ok(DirStore {
+            root,
+            limits,
+            usage: Default::default(),
+        })
+    }
+
+    pub fn limits(&self) -> DirLimits {
+        self.limits
     }
 
     pub fn path(&self, job: JobId, rank: u32) -> PathBuf {
         self.root.join(key(job, rank))
     }
 
-    /// Writes a rank's archive from a stream of chunks, atomically (temp file, then rename).
+    /// Reads what `job`'s archives take on disk, the first time this process sees the job.
+    async fn load_usage(&self, job: JobId) -> Result<(), CheckpointError> {
+        if self
+            .usage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&job)
+        {
+            return Ok(());
+        }
+        let dir = self.root.join(format!("job-{}", job.0));
+        let mut found = JobUsage::default();
+        match tokio::fs::read_dir(&dir).await {
+            Ok(mut entries) => {
+                while let Some(entry) =
+                    entries
+                        .next_entry()
+                        .await
+                        .map_err(|source| CheckpointError::Io {
+                            path: dir.clone(),
+                            source,
+                        })?
+                {
+                    let name = entry.file_name();
+                    let Some(rank) = name
+                        .to_str()
+                        .and_then(|n| n.strip_prefix("rank-"))
+                        .and_then(|n| n.strip_suffix(".tar.gz"))
+                        .and_then(|n| n.parse::<u32>().ok())
+                    else {
+                        continue;
+                    };
+                    let bytes = entry.metadata().await.map(|m| m.len()).unwrap_or(0);
+                    let _ = found.update(rank, None, |r| r.stored = bytes);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(CheckpointError::Io { path: dir, source }),
+        }
+        self.usage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(job)
+            .or_insert(found);
+        Ok(())
+    }
+
+    /// Whether an upload that announced `declared` bytes can be kept: said before any of it is
+    /// read. The bytes themselves are counted as they arrive ([`DirStore::write`]).
+    pub async fn check_declared(
+        &self,
+        job: JobId,
+        rank: u32,
+        declared: u64,
+    ) -> Result<(), CheckpointError> {
+        if declared > self.limits.max_archive_bytes {
+            return Err(CheckpointError::TooLarge(self.limits.max_archive_bytes));
+        }
+        self.load_usage(job).await?;
+        let usage = self.usage.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(usage) = usage.get(&job) else {
+            return Ok(());
+        };
+        let rank_now = usage.ranks.get(&rank).map_or(0, RankUsage::counted);
+        let uploading = usage.ranks.get(&rank).map_or(0, |r| r.uploading);
+        let after = usage.total - rank_now + rank_now.max(uploading + declared);
+        if after > self.limits.job_quota_bytes && after > usage.total {
+            return Err(CheckpointError::QuotaExceeded {
+                job,
+                quota: self.limits.job_quota_bytes,
+                used: usage.total,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes a rank's archive from a stream of chunks, atomically (temp file, then rename),
+    /// within the per-upload limit and the job's quota.
     pub async fn write<S, E>(
         &self,
         job: JobId,
@@ -229,30 +472,92 @@ impl DirStore {
         if let Some(dir) = path.parent() {
             tokio::fs::create_dir_all(dir).await.map_err(io(dir))?;
         }
+        self.load_usage(job).await?;
         let tmp = path.with_extension(format!("part-{}", rand::random::<u64>()));
+        let mut upload = Upload {
+            store: self,
+            job,
+            rank,
+            tmp: tmp.clone(),
+            received: 0,
+            done: false,
+        };
         let mut file = tokio::fs::File::create(&tmp).await.map_err(io(&tmp))?;
-        let mut written = 0u64;
-        let result = async {
-            while let Some(chunk) = body.next().await {
-                let chunk = chunk.map_err(|e| CheckpointError::Io {
-                    path: tmp.clone(),
-                    source: std::io::Error::other(format!("upload interrupted: {e}")),
-                })?;
-                written += chunk.len() as u64;
-                if written > MAX_ARCHIVE_BYTES {
-                    return Err(CheckpointError::TooLarge(MAX_ARCHIVE_BYTES));
-                }
-                file.write_all(&chunk).await.map_err(io(&tmp))?;
-            }
-            file.sync_all().await.map_err(io(&tmp))?;
-            tokio::fs::rename(&tmp, &path).await.map_err(io(&path))
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| CheckpointError::Io {
+                path: tmp.clone(),
+                source: std::io::Error::other(format!("upload interrupted: {e}")),
+            })?;
+            upload.receive(chunk.len() as u64)?;
+            file.write_all(&chunk).await.map_err(io(&tmp))?;
         }
-        .await;
-        if result.is_err() {
-            let _ = tokio::fs::remove_file(&tmp).await;
-        }
-        result.map(|()| written)
+        file.sync_all().await.map_err(io(&tmp))?;
+        drop(file);
+        tokio::fs::rename(&tmp, &path).await.map_err(io(&path))?;
+        let written = upload.received;
+        upload.finish();
+        Ok(written)
     }
+}
+
+/// Reads a size: bytes, or a number with a unit (`512MiB`, `8GiB`, `1TiB`; `KB`/`MB`/`GB`/`TB`
+/// are powers of 1000). For `--checkpoint-max-archive` and `--checkpoint-job-quota`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let unit_bytes: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        other => {
+            return Err(format!(
+                "`{text}`: unknown unit `{other}` (bytes, or KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ));
+        }
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 8GiB, 512MiB, 1000000)"))?;
+    let bytes = value * unit_bytes as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("`{text}`: a size of at least one byte"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// [`size`] of a field, for error messages.
+fn human(bytes: &u64) -> String {
+    size(*bytes)
+}
+
+/// A size for people: `8 GiB`, `1.5 MiB`, `300 bytes`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
+    for (name, unit) in UNITS {
+        if bytes >= unit {
+            let value = bytes as f64 / unit as f64;
+            return if bytes.is_multiple_of(unit) {
+                format!("{} {name}", bytes / unit)
+            } else {
+                format!("{value:.1} {name}")
+            };
+        }
+    }
+    format!("{bytes} bytes")
 }
 
 /// Everything command jobs keep on the broker's side: checkpoints and output tails.
@@ -311,11 +616,20 @@ impl ProgramStorage {
         while !text.is_char_boundary(start) {
             start += 1;
         }
-        let tmp = path.with_extension("tmp");
-        tokio::fs::write(&tmp, &text[start..])
-            .await
-            .map_err(io(&tmp))?;
-        tokio::fs::rename(&tmp, &path).await.map_err(io(&path))
+        // A temporary name of its own per write (as the checkpoint writer has): concurrent
+        // sends of one instance's output must not write into, or rename away, each other's file.
+        let tmp = path.with_extension(format!("tmp-{:016x}", rand::random::<u64>()));
+        let result = async {
+            tokio::fs::write(&tmp, &text[start..])
+                .await
+                .map_err(io(&tmp))?;
+            tokio::fs::rename(&tmp, &path).await.map_err(io(&path))
+        }
+        .await;
+        if result.is_err() {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        }
+        result
     }
 
     /// Every instance's tail for `job`, by instance id.
@@ -655,6 +969,157 @@ pub mod s3 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 23 item 8: 30 concurrent sends of one agent's output all succeed, and what is kept
+    /// is one of them, whole, with no temporary file left behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_output_writes_of_one_instance_all_succeed_and_one_is_kept_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = std::sync::Arc::new(
+            ProgramStorage::new(
+                CheckpointStore::Dir(DirStore::new(dir.path().join("ck")).unwrap()),
+                dir.path().join("out"),
+            )
+            .unwrap(),
+        );
+        for round in 0..3 {
+            let texts: Vec<String> = (0..30)
+                .map(|i| format!("round {round} writer {i:02}\n").repeat(4000 + i))
+                .collect();
+            let writes: Vec<_> = texts
+                .iter()
+                .cloned()
+                .map(|text| {
+                    let storage = storage.clone();
+                    tokio::spawn(async move { storage.write_output(JobId(1), "i-0", &text).await })
+                })
+                .collect();
+            for (i, w) in writes.into_iter().enumerate() {
+                if let Err(e) = w.await.unwrap() {
+                    panic!("round {round}: write {i} failed: {e}");
+                }
+            }
+            let outputs = storage.outputs(JobId(1)).await.unwrap();
+            assert_eq!(
+                outputs.len(),
+                1,
+                "{:?}",
+                outputs.iter().map(|o| &o.0).collect::<Vec<_>>()
+            );
+            let kept = &outputs[0].1;
+            let tail = |t: &String| t[t.len().saturating_sub(MAX_TAIL_BYTES)..].to_string();
+            assert!(
+                texts.iter().any(|t| tail(t) == *kept),
+                "round {round}: the kept output ({} bytes) is none of the writes whole",
+                kept.len()
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("out").join("job-1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("i-0.log")], "{left:?}");
+    }
+
+    #[test]
+    fn sizes_read_with_or_without_a_unit() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size(" 512 MiB "), Ok(512 << 20));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        for bad in ["", "0", "-1GiB", "lots", "8 parsecs", "1e400"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(size(8 << 30), "8 GiB");
+        assert_eq!(size(1536 << 10), "1.5 MiB");
+        assert_eq!(size(300), "300 bytes");
+    }
+
+    fn chunks(
+        sizes: &[usize],
+    ) -> impl futures::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin {
+        futures::stream::iter(
+            sizes
+                .iter()
+                .map(|n| Ok(bytes::Bytes::from(vec![1u8; *n])))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// The per-upload limit and the job's quota, as the bytes arrive and when declared first;
+    /// what a refused upload leaves (nothing) and what a restarted broker counts (the archives
+    /// on disk).
+    #[tokio::test]
+    async fn the_directory_store_keeps_each_upload_and_each_job_within_its_limits() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = DirLimits {
+            max_archive_bytes: 100,
+            job_quota_bytes: 250,
+        };
+        let store = DirStore::with_limits(dir.path().join("ck"), limits).unwrap();
+        let job = JobId(1);
+        assert_eq!(store.write(job, 0, chunks(&[60, 40])).await.unwrap(), 100);
+        assert!(matches!(
+            store.write(job, 1, chunks(&[60, 41])).await,
+            Err(CheckpointError::TooLarge(100))
+        ));
+        assert!(matches!(
+            store.check_declared(job, 1, 101).await,
+            Err(CheckpointError::TooLarge(100))
+        ));
+        assert_eq!(store.write(job, 1, chunks(&[100])).await.unwrap(), 100);
+        // 200 of 250 kept: 51 more is over the quota, as it arrives or declared.
+        assert!(matches!(
+            store.check_declared(job, 2, 51).await,
+            Err(CheckpointError::QuotaExceeded { used: 200, .. })
+        ));
+        match store.write(job, 2, chunks(&[30, 21])).await {
+            Err(CheckpointError::QuotaExceeded {
+                job: j,
+                quota: 250,
+                used: 230,
+            }) => assert_eq!(j, job),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            !store.path(job, 2).exists(),
+            "nothing kept of a refused upload"
+        );
+        // A replacement counts in place of what it replaces; another job has its own quota.
+        store.check_declared(job, 0, 100).await.unwrap();
+        assert_eq!(store.write(job, 0, chunks(&[50])).await.unwrap(), 50);
+        assert_eq!(store.write(job, 2, chunks(&[100])).await.unwrap(), 100);
+        assert_eq!(store.write(JobId(2), 0, chunks(&[100])).await.unwrap(), 100);
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("ck").join("job-1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains("part-"))
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+        // A broker started again counts what is on disk: 250 of 250.
+        let again = DirStore::with_limits(dir.path().join("ck"), limits).unwrap();
+        assert!(matches!(
+            again.write(job, 3, chunks(&[1])).await,
+            Err(CheckpointError::QuotaExceeded { used: 250, .. })
+        ));
+        // An upload abandoned mid-way (the request went away) gives its bytes back.
+        let (tx, rx) = futures::channel::mpsc::unbounded::<Result<bytes::Bytes, std::io::Error>>();
+        tx.unbounded_send(Ok(bytes::Bytes::from(vec![1u8; 10])))
+            .unwrap();
+        let pending = again.write(JobId(2), 1, rx);
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), pending)
+                .await
+                .is_err()
+        );
+        drop(tx);
+        assert_eq!(again.write(JobId(2), 1, chunks(&[100])).await.unwrap(), 100);
+        assert!(matches!(
+            again.write(JobId(2), 2, chunks(&[51])).await,
+            Err(CheckpointError::QuotaExceeded { used: 200, .. })
+        ));
+    }
 
     #[tokio::test]
     async fn the_directory_store_replaces_a_rank_whole() {

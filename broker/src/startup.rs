@@ -5,6 +5,7 @@
 //! reads from its flags and the others build with [`ServeArgs::sim_defaults`].
 
 use crate::api::auth::{UserAuth, hash_token, new_token};
+use crate::api::server::{self, ConnLimits};
 use crate::api::tls::{self, ReloadingCert, TlsFiles};
 use crate::api::{AppState, router};
 use crate::billing::BillingModel;
@@ -138,6 +139,37 @@ pub struct ServeArgs {
     /// Events a job keeps at most; agents' events past it are refused (429).
     #[arg(long, env = "PROTEUS_MAX_JOB_EVENTS", default_value_t = crate::service::DEFAULT_MAX_JOB_EVENTS)]
     pub max_job_events: u32,
+    /// Largest checkpoint archive (one rank's upload) the broker's directory store accepts:
+    /// bytes, or with a unit (`512MiB`, `8GiB`). A larger upload is refused with 413.
+    #[arg(long, env = "PROTEUS_CHECKPOINT_MAX_ARCHIVE", default_value = "8GiB", value_parser = crate::checkpoint::parse_size)]
+    pub checkpoint_max_archive: u64,
+    /// Disk one job's checkpoints may take in the broker's directory store: the newest archive
+    /// of each of its ranks, an upload in progress counted in place of the archive it
+    /// replaces. An upload that would go over it is refused with 507.
+    #[arg(long, env = "PROTEUS_CHECKPOINT_JOB_QUOTA", default_value = "64GiB", value_parser = crate::checkpoint::parse_size)]
+    pub checkpoint_job_quota: u64,
+    /// Most instances this broker holds at once, across all its jobs. A job whose
+    /// `limits.max_instances` is above it is refused at submission.
+    #[arg(long, env = "PROTEUS_INSTANCE_CAP", default_value_t = 100)]
+    pub instance_cap: u32,
+    /// The budget (USD) of a job whose spec sets none (`limits.budget_usd`); 0: no budget.
+    #[arg(long, env = "PROTEUS_DEFAULT_BUDGET_USD", default_value_t = 100.0)]
+    pub default_budget_usd: f64,
+    /// Seconds a client has to send a request's line and headers, counted from when its
+    /// connection is ready for a request: an HTTP/1.1 connection kept open without a next
+    /// request is closed after it too.
+    #[arg(long, env = "PROTEUS_HEADER_READ_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub header_read_timeout_secs: f64,
+    /// Seconds a connection with no request in flight and no traffic stays open.
+    #[arg(long, env = "PROTEUS_IDLE_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub idle_timeout_secs: f64,
+    /// Seconds a request's body may send nothing before the request fails.
+    #[arg(long, env = "PROTEUS_BODY_READ_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub body_read_timeout_secs: f64,
+    /// Connections the API serves at once (HTTP or HTTPS); more wait to be accepted. Keep it
+    /// below the process's open-file limit (`ulimit -n`).
+    #[arg(long, env = "PROTEUS_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
     /// Minutes from launch to useful work assumed by policies when a job does not say.
     #[arg(long, env = "PROTEUS_STARTUP_MINUTES")]
     pub startup_minutes: Option<f64>,
@@ -214,6 +246,14 @@ impl ServeArgs {
             agent_run_as: None,
             workdir_buckets: Vec::new(),
             max_job_events: crate::service::DEFAULT_MAX_JOB_EVENTS,
+            checkpoint_max_archive: crate::checkpoint::DirLimits::default().max_archive_bytes,
+            checkpoint_job_quota: crate::checkpoint::DirLimits::default().job_quota_bytes,
+            instance_cap: 100,
+            default_budget_usd: 100.0,
+            header_read_timeout_secs: 10.0,
+            idle_timeout_secs: 60.0,
+            body_read_timeout_secs: 30.0,
+            max_connections: 1024,
             startup_minutes: None,
             cooldown_secs: 600.0,
             min_notice_secs: 20.0,
@@ -240,6 +280,8 @@ pub struct Application {
     pub tls: Option<Arc<ReloadingCert>>,
     /// How often its files are checked for a replacement (`None`: on SIGHUP only).
     tls_poll: Option<Duration>,
+    /// Timeouts and the connection cap of the API's listener.
+    limits: ConnLimits,
     app: axum::Router,
     listener: tokio::net::TcpListener,
 }
@@ -265,19 +307,10 @@ impl Application {
                     }
                 };
                 let watcher = tokio::spawn(tls::watch(cert, self.tls_poll));
-                tls::serve(self.listener, self.app, config, stop).await;
+                server::serve(self.listener, self.app, Some(config), self.limits, stop).await;
                 watcher.abort();
             }
-            None => {
-                // With each client's address, which dashboard logins are limited by.
-                let app = self.app.into_make_service_with_connect_info::<SocketAddr>();
-                if let Err(e) = axum::serve(self.listener, app)
-                    .with_graceful_shutdown(stop)
-                    .await
-                {
-                    tracing::error!(error = %e, "API server failed");
-                }
-            }
+            None => server::serve(self.listener, self.app, None, self.limits, stop).await,
         }
     }
 
@@ -339,6 +372,21 @@ pub async fn start_with(
     };
     if let Some(ca) = &args.tls_ca {
         crate::api::tls::read_ca_pem(ca).context("--tls-ca")?;
+    }
+    let limits = conn_limits(&args)?;
+    let default_budget = match args.default_budget_usd {
+        0.0 => None,
+        b => Some(
+            crate::market::Usd::new(b)
+                .ok()
+                .filter(|b| *b > crate::market::Usd::ZERO)
+                .with_context(|| {
+                    format!("--default-budget-usd {b}: a positive number of dollars, or 0 for none")
+                })?,
+        ),
+    };
+    if args.instance_cap == 0 {
+        bail!("--instance-cap must be at least 1");
     }
     let region = Region::parse(&args.region).context("--region")?;
     let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
@@ -446,6 +494,8 @@ pub async fn start_with(
         .map_err(anyhow::Error::msg)
         .context("--workdir-buckets/--checkpoint-store")?,
         max_job_events: args.max_job_events,
+        instance_cap: args.instance_cap,
+        default_budget,
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
     // A session cookie set over HTTPS must never travel back over plain HTTP.
@@ -456,7 +506,11 @@ pub async fn start_with(
         Some(spec) => spec.clone(),
         None => state_dir.join("checkpoints").display().to_string(),
     };
-    let checkpoints = CheckpointStore::open(&checkpoints)
+    let dir_limits = crate::checkpoint::DirLimits {
+        max_archive_bytes: args.checkpoint_max_archive,
+        job_quota_bytes: args.checkpoint_job_quota,
+    };
+    let checkpoints = CheckpointStore::open(&checkpoints, dir_limits)
         .await
         .with_context(|| format!("--checkpoint-store {checkpoints}"))?;
     tracing::info!(store = %checkpoints.describe(), "command-job checkpoints");
@@ -494,8 +548,31 @@ pub async fn start_with(
         tls,
         tls_poll: (args.tls_reload_poll_secs > 0)
             .then(|| Duration::from_secs(args.tls_reload_poll_secs)),
+        limits,
         app,
         listener,
+    })
+}
+
+/// The listener's timeouts and connection cap, from their flags.
+fn conn_limits(args: &ServeArgs) -> Result<ConnLimits> {
+    let secs = |flag: &str, v: f64| {
+        if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(anyhow::anyhow!(
+                "--{flag} {v}: a positive number of seconds, at most a day"
+            ))
+        }
+    };
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    Ok(ConnLimits {
+        header_read_timeout: secs("header-read-timeout-secs", args.header_read_timeout_secs)?,
+        idle_timeout: secs("idle-timeout-secs", args.idle_timeout_secs)?,
+        body_read_timeout: secs("body-read-timeout-secs", args.body_read_timeout_secs)?,
+        max_connections: args.max_connections,
     })
 }
 

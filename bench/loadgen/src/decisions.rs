@@ -72,6 +72,9 @@ async fn measure(args: &Args) -> Result<bool> {
             &token,
             "--speed",
             &speed,
+            // A market day of a 16-instance job: no default budget ends it early.
+            "--default-budget-usd",
+            "0",
         ],
     )
     .await?;

@@ -122,6 +122,10 @@ async fn setup(
     args: &Args,
     user_token: &str,
 ) -> Result<(proteus_broker::startup::Application, Vec<Agent>)> {
+    // The broker-wide limits (instance cap, default budget, connection cap) sized for N
+    // agents, so that they measure what they did before those limits existed.
+    let cap = args.agents.to_string();
+    let connections = (4 * args.agents + 64).to_string();
     let server = inproc::build(
         &args.database_url,
         &[
@@ -131,6 +135,12 @@ async fn setup(
             "false",
             "--token",
             user_token,
+            "--instance-cap",
+            &cap,
+            "--default-budget-usd",
+            "0",
+            "--max-connections",
+            &connections,
         ],
     )
     .await?;

@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ErrorBody {
     /// Machine-readable: `bad_request`, `invalid_field`, `unauthorized`, `forbidden`,
-    /// `not_found`, `conflict`, `internal`.
+    /// `not_found`, `conflict`, `quota_exceeded`, `internal`.
     pub code: &'static str,
     pub message: String,
     /// The offending field, as a dotted path (`limits.max_instances`), when one is at fault.

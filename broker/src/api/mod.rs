@@ -9,6 +9,7 @@ mod dashboard;
 pub mod error;
 mod guard;
 mod openapi;
+pub mod server;
 pub mod tls;
 
 use crate::market::{Market, Timestamp, UsdPerHour};
@@ -82,16 +83,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}/logs", get(job_logs))
         .merge(dashboard::routes())
         .layer(tower_http::limit::RequestBodyLimitLayer::new(1 << 20))
-        // Checkpoint archives are large: their route has its own limit (the store's).
-        .merge(
-            Router::new()
-                .route(
-                    paths::CHECKPOINT_DATA_ROUTE,
-                    put(agent_checkpoint_put).get(agent_checkpoint_get),
-                )
-                .layer(tower_http::limit::RequestBodyLimitLayer::new(
-                    crate::checkpoint::MAX_ARCHIVE_BYTES as usize,
-                )),
+        // Checkpoint archives are large: the store enforces its own per-upload limit and the
+        // job's quota, with messages that say which (413, 507).
+        .route(
+            paths::CHECKPOINT_DATA_ROUTE,
+            put(agent_checkpoint_put).get(agent_checkpoint_get),
         )
         .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/openapi.json") })
         .with_state(state)
@@ -116,6 +112,9 @@ impl From<ServiceError> for ApiError {
             }
             ServiceError::TooMany(message) => {
                 ApiError::with_status(StatusCode::TOO_MANY_REQUESTS, "too_many", message)
+            }
+            ServiceError::InsufficientStorage(message) => {
+                ApiError::with_status(StatusCode::INSUFFICIENT_STORAGE, "quota_exceeded", message)
             }
             ServiceError::Unavailable(message) => {
                 ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "bad_request", message)
@@ -600,8 +599,10 @@ fn rank_of(raw: &str) -> Result<u32, ApiError> {
 
 #[utoipa::path(put, path = "/v1/agents/{instance_id}/checkpoint-data/{rank}", params(("instance_id" = String, Path), ("rank" = u32, Path)),
     request_body(content = Vec<u8>, description = "a gzipped tar of the checkpoint directory", content_type = "application/octet-stream"),
-    responses((status = 204), (status = 401, body = error::ErrorBody), (status = 413, body = error::ErrorBody),
-        (status = 422, body = error::ErrorBody, description = "the rank is not a number, or the body is empty")),
+    responses((status = 204), (status = 401, body = error::ErrorBody),
+        (status = 413, body = error::ErrorBody, description = "the archive is over the broker's per-upload limit (`serve --checkpoint-max-archive`)"),
+        (status = 422, body = error::ErrorBody, description = "the rank is not a number, or the body is empty"),
+        (status = 507, body = error::ErrorBody, description = "the job's checkpoints would go over its disk quota (`serve --checkpoint-job-quota`)")),
     security(("agent" = [])))]
 async fn agent_checkpoint_put(
     _: AgentAuth,
@@ -631,7 +632,13 @@ async fn agent_checkpoint_put(
     }
     let bytes = s
         .broker
-        .agent_checkpoint_put(agent_token(&headers), &id, rank, body.into_data_stream())
+        .agent_checkpoint_put(
+            agent_token(&headers),
+            &id,
+            rank,
+            length.filter(|_| !chunked),
+            body.into_data_stream(),
+        )
         .await?;
     tracing::debug!(instance = %id, rank, bytes, "checkpoint stored");
     Ok(StatusCode::NO_CONTENT)
@@ -687,6 +694,8 @@ async fn job_logs(
     Ok(Json(s.broker.job_outputs(job_id(&id)?).await?))
 }
 
+/// A file as the answer, streamed from disk as the client takes it (checkpoint archives and
+/// the agent binary are large; many agents fetch at once).
 async fn send_file(
     path: &std::path::Path,
     content_type: &'static str,
@@ -694,22 +703,37 @@ async fn send_file(
     send_named_file(path, content_type, "the file").await
 }
 
-/// A file's bytes; a failure names only `what` (as the client asked for it), never where the
+/// [`send_file`]; a failure names only `what` (as the client asked for it), never where the
 /// broker keeps it, which goes to the log.
 async fn send_named_file(
     path: &std::path::Path,
     content_type: &'static str,
     what: &str,
 ) -> Result<Response, ApiError> {
-    let bytes = tokio::fs::read(path).await.map_err(|e| {
+    let file = tokio::fs::File::open(path).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             tracing::debug!(path = %path.display(), "{what} asked for, not here");
             ApiError::not_found(format!("{what} is not available here"))
         } else {
-            ApiError::internal(format!("reading {}: {e}", path.display()))
+            tracing::error!(path = %path.display(), error = %e, "cannot read {what}");
+            ApiError::internal(format!("cannot read {what}"))
         }
     })?;
-    Ok(([("content-type", content_type)], bytes).into_response())
+    let length = file
+        .metadata()
+        .await
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.len());
+    let body =
+        axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024));
+    let mut response = ([("content-type", content_type)], body).into_response();
+    if let Some(length) = length {
+        response
+            .headers_mut()
+            .insert(axum::http::header::CONTENT_LENGTH, length.into());
+    }
+    Ok(response)
 }
 
 #[utoipa::path(get, path = "/v1/downloads/proteus-agent",

@@ -1,6 +1,6 @@
-//! HTTPS for the API: rustls (with the aws-lc-rs provider the AWS SDK already compiles), a
-//! certificate that can be replaced while the broker runs, and the accept loop that serves the
-//! axum router over TLS.
+//! HTTPS for the API: rustls (with the aws-lc-rs provider the AWS SDK already compiles), and a
+//! certificate that can be replaced while the broker runs. The accept loop that serves the
+//! router over it, plain or TLS, is [`super::server`].
 //!
 //! The certificate lives behind a [`ResolvesServerCert`], so a reload swaps what the *next*
 //! handshake presents without touching the listener or open connections. [`watch`] reloads on
@@ -8,9 +8,6 @@
 //! or cert-manager replace files, they do not signal processes). A file that does not parse is
 //! reported and the certificate in service stays.
 
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::service::TowerToHyperService;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -19,10 +16,6 @@ use rustls::sign::CertifiedKey;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
-use tokio::net::TcpListener;
-
-/// A TLS client gets this long to finish its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the certificate or key cannot be used; each names the file.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +31,15 @@ pub enum TlsError {
     BadCertificate { path: PathBuf, problem: String },
     #[error("{}: no usable PEM private key in it (PKCS#8, PKCS#1 or SEC1): {problem}", path.display())]
     BadKey { path: PathBuf, problem: String },
+    #[error(
+        "{}: its first certificate (the server's own) is a CA certificate (basicConstraints \
+         CA:TRUE), which every client refuses as a server certificate (`CaUsedAsEndEntity`): \
+         serve a leaf certificate signed by that CA as --tls-cert, and give the CA to agents and \
+         clients with --tls-ca / PROTEUS_CA_FILE (the CA + leaf recipe is in docs/aws.md, \
+         section 6 \"HTTPS for the API\")",
+        path.display()
+    )]
+    CaAsLeaf { path: PathBuf },
     #[error("{} and {} do not go together: {problem}", cert.display(), key.display())]
     Mismatch {
         cert: PathBuf,
@@ -65,6 +67,87 @@ pub fn read_ca_pem(path: &Path) -> Result<String, TlsError> {
         });
     }
     Ok(text)
+}
+
+/// Whether an X.509 certificate (DER) says it is a CA: its basicConstraints extension
+/// (2.5.29.19) has `cA` TRUE. `None` when the DER is not a certificate this reads (the chain
+/// then fails its other checks with their own reasons).
+pub fn is_ca_certificate(der: &[u8]) -> Option<bool> {
+    /// One DER element: its tag and contents, and what follows it.
+    fn element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+        let (&tag, rest) = input.split_first()?;
+        let (&first, rest) = rest.split_first()?;
+        let (len, rest) = if first < 0x80 {
+            (usize::from(first), rest)
+        } else {
+            let n = usize::from(first & 0x7f);
+            if n == 0 || n > 4 || rest.len() < n {
+                return None;
+            }
+            let len = rest[..n]
+                .iter()
+                .fold(0usize, |acc, b| (acc << 8) | usize::from(*b));
+            (len, &rest[n..])
+        };
+        if rest.len() < len {
+            return None;
+        }
+        Some((tag, &rest[..len], &rest[len..]))
+    }
+    const SEQUENCE: u8 = 0x30;
+    const BOOLEAN: u8 = 0x01;
+    const OID: u8 = 0x06;
+    const OCTET_STRING: u8 = 0x04;
+    const EXTENSIONS: u8 = 0xa3; // [3] EXPLICIT, constructed
+    const BASIC_CONSTRAINTS: &[u8] = &[0x55, 0x1d, 0x13]; // 2.5.29.19
+    let (SEQUENCE, certificate, _) = element(der)? else {
+        return None;
+    };
+    let (SEQUENCE, mut tbs, _) = element(certificate)? else {
+        return None;
+    };
+    // The fields of TBSCertificate, up to the optional [3] extensions.
+    while !tbs.is_empty() {
+        let (tag, contents, rest) = element(tbs)?;
+        tbs = rest;
+        if tag != EXTENSIONS {
+            continue;
+        }
+        let (SEQUENCE, mut extensions, _) = element(contents)? else {
+            return None;
+        };
+        while !extensions.is_empty() {
+            let (SEQUENCE, extension, rest) = element(extensions)? else {
+                return None;
+            };
+            extensions = rest;
+            let (OID, oid, mut fields) = element(extension)? else {
+                return None;
+            };
+            if oid != BASIC_CONSTRAINTS {
+                continue;
+            }
+            // `critical BOOLEAN DEFAULT FALSE`, then the value.
+            let (mut tag, mut value, rest) = element(fields)?;
+            if tag == BOOLEAN {
+                fields = rest;
+                (tag, value, _) = element(fields)?;
+            }
+            if tag != OCTET_STRING {
+                return None;
+            }
+            // BasicConstraints ::= SEQUENCE { cA BOOLEAN DEFAULT FALSE, pathLen INTEGER OPTIONAL }
+            let (SEQUENCE, constraints, _) = element(value)? else {
+                return None;
+            };
+            return Some(match element(constraints) {
+                Some((BOOLEAN, flag, _)) => flag.first().is_some_and(|b| *b != 0),
+                _ => false,
+            });
+        }
+        return Some(false);
+    }
+    Some(false)
 }
 
 /// The certificate chain and key files of `serve --tls-cert/--tls-key`.
@@ -97,6 +180,13 @@ impl TlsFiles {
             })?;
         if chain.is_empty() {
             return Err(TlsError::NoCertificate {
+                path: self.cert.clone(),
+            });
+        }
+        // Clients would refuse it at every handshake, with an error that points nowhere near
+        // the file; say so here, at start or reload.
+        if is_ca_certificate(&chain[0]) == Some(true) {
+            return Err(TlsError::CaAsLeaf {
                 path: self.cert.clone(),
             });
         }
@@ -206,64 +296,6 @@ pub async fn watch(cert: Arc<ReloadingCert>, poll: Option<Duration>) {
     }
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` resolves, then lets open requests
-/// finish (the caller bounds how long it waits).
-pub async fn serve(
-    listener: TcpListener,
-    app: axum::Router,
-    config: Arc<rustls::ServerConfig>,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let (conns_tx, mut conns_rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => {
-                let (tcp, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let (acceptor, tx) = (acceptor.clone(), conns_tx.clone());
-                // The handshake runs off the accept loop: a slow or silent client holds only
-                // its own task, and only for the handshake timeout.
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => { let _ = tx.send(tls); }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
-                });
-            }
-            Some(tls) = conns_rx.recv() => {
-                // With the client's address, as `axum::serve` gives it (dashboard logins).
-                let peer = tls.get_ref().0.peer_addr().ok().map(axum::extract::ConnectInfo);
-                let app = tower::ServiceBuilder::new()
-                    .option_layer(peer.map(axum::Extension))
-                    .service(app.clone());
-                let service = TowerToHyperService::new(app);
-                let conn = auto::Builder::new(TokioExecutor::new())
-                    .serve_connection_with_upgrades(TokioIo::new(tls), service)
-                    .into_owned();
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "HTTPS connection ended with an error");
-                    }
-                });
-            }
-        }
-    }
-    drop(listener);
-    graceful.shutdown().await;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,6 +349,99 @@ mod tests {
         };
         let e = key_as_cert.load().unwrap_err().to_string();
         assert!(!e.contains(key_pem.lines().nth(1).unwrap()), "{e}");
+    }
+
+    /// A CA certificate (and its key) for `localhost` and 127.0.0.1, written under `dir`.
+    fn ca_as_leaf(dir: &Path) -> TlsFiles {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        params
+            .subject_alt_names
+            .push(rcgen::SanType::IpAddress([127, 0, 0, 1].into()));
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let files = TlsFiles {
+            cert: dir.join("ca.pem"),
+            key: dir.join("ca.key"),
+        };
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        files
+    }
+
+    /// Issue 23 item 15: a CA certificate as the server's own is refused at start (and on
+    /// reload) with the fix, instead of failing every client's handshake.
+    #[test]
+    fn a_ca_certificate_as_the_leaf_is_refused_with_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ca_as_leaf(dir.path());
+        let e = ca.load().unwrap_err();
+        assert!(matches!(e, TlsError::CaAsLeaf { .. }), "{e:?}");
+        let text = e.to_string();
+        for needle in [
+            "ca.pem",
+            "CA certificate",
+            "CaUsedAsEndEntity",
+            "leaf",
+            "--tls-ca",
+            "docs/aws.md",
+        ] {
+            assert!(text.contains(needle), "`{needle}` missing from: {text}");
+        }
+        assert!(
+            ReloadingCert::load(ca.clone()).is_err(),
+            "the broker does not start with it"
+        );
+        // A leaf signed by that CA is what to serve.
+        let issuer_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let issuer = rcgen::Issuer::new(ca_params, issuer_key);
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+        std::fs::write(&ca.cert, leaf.pem()).unwrap();
+        std::fs::write(&ca.key, leaf_key.serialize_pem()).unwrap();
+        let served = ReloadingCert::load(ca.clone()).expect("a leaf is served");
+        // A reload to a CA certificate is refused too; the leaf stays in service.
+        let other = tempfile::tempdir().unwrap();
+        let bad = ca_as_leaf(other.path());
+        std::fs::copy(&bad.cert, &ca.cert).unwrap();
+        std::fs::copy(&bad.key, &ca.key).unwrap();
+        assert!(matches!(served.reload(), Err(TlsError::CaAsLeaf { .. })));
+    }
+
+    #[test]
+    fn basic_constraints_are_read_from_the_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ca_as_leaf(dir.path());
+        let der = |path: &Path| {
+            CertificateDer::pem_slice_iter(&std::fs::read(path).unwrap())
+                .next()
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(is_ca_certificate(&der(&ca.cert)), Some(true));
+        // A self-signed leaf without basicConstraints, and one that says CA:FALSE.
+        let plain = self_signed(dir.path(), "plain.test");
+        assert_eq!(is_ca_certificate(&der(&plain.cert)), Some(false));
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["x.test".to_string()]).unwrap();
+        params.is_ca = rcgen::IsCa::ExplicitNoCa;
+        let explicit = params.self_signed(&key).unwrap();
+        assert_eq!(is_ca_certificate(explicit.der()), Some(false));
+        // Not a certificate: no answer, and no panic on any prefix of one.
+        assert_eq!(is_ca_certificate(b"hello"), None);
+        let whole = der(&ca.cert);
+        for end in 0..whole.len() {
+            assert_ne!(
+                is_ca_certificate(&whole[..end]),
+                Some(true),
+                "prefix of {end} bytes"
+            );
+        }
     }
 
     #[test]

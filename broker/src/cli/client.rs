@@ -103,6 +103,54 @@ pub struct LogsArgs {
     pub output: OutputFormat,
 }
 
+/// Why a request got no answer, for the person at the terminal. A certificate this client
+/// refuses is a TLS set-up problem (the broker is up and answered the handshake), not a broker
+/// that is down, so it is not reported as "is `proteus serve` running?".
+fn no_answer(e: reqwest::Error, what: &str, base: &str) -> anyhow::Error {
+    let message = match certificate_problem(&e) {
+        Some(problem) if problem.contains("CaUsedAsEndEntity") => format!(
+            "{what}: the broker at {base} presents a CA certificate as its own, which TLS clients \
+             refuse (a certificate problem, not a connection one): start `proteus serve` with a \
+             leaf certificate signed by that CA as --tls-cert, and keep the CA for --ca-file \
+             (docs/aws.md, section 6 \"HTTPS for the API\")"
+        ),
+        Some(problem) => format!(
+            "{what}: the broker at {base} answered, but its TLS certificate was refused ({problem}): \
+             a certificate problem, not a connection one; check that --ca-file / PROTEUS_CA_FILE \
+             holds the CA that signed the broker's certificate and that the certificate names \
+             this host (docs/aws.md, section 6 \"HTTPS for the API\")"
+        ),
+        None => format!("{what}: cannot reach the broker at {base} (is `proteus serve` running?)"),
+    };
+    anyhow::Error::new(e).context(message)
+}
+
+/// The reason a TLS handshake refused the server's certificate, found in `e`'s chain of causes
+/// (rustls' error sits inside an `io::Error`, whose `source` skips it).
+fn certificate_problem(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        let inner = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|i| i as &(dyn std::error::Error + 'static));
+        for candidate in std::iter::once(err).chain(inner) {
+            if let Some(rustls::Error::InvalidCertificate(c)) =
+                candidate.downcast_ref::<rustls::Error>()
+            {
+                return Some(format!("{c:?}"));
+            }
+            // Another rustls build than the broker's own would not downcast; its text does.
+            let text = candidate.to_string();
+            if let Some(at) = text.find("invalid peer certificate: ") {
+                return Some(text[at + "invalid peer certificate: ".len()..].to_string());
+            }
+        }
+        next = err.source();
+    }
+    None
+}
+
 /// A thin JSON client of the broker's API.
 pub struct Client {
     base: String,
@@ -134,12 +182,10 @@ impl Client {
             Some(t) => req.bearer_auth(t),
             None => req,
         };
-        let resp = req.send().await.with_context(|| {
-            format!(
-                "{what}: cannot reach the broker at {} (is `proteus serve` running?)",
-                self.base
-            )
-        })?;
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| no_answer(e, what, &self.base))?;
         let status = resp.status();
         let body = resp
             .text()
@@ -572,4 +618,109 @@ fn all_table(reports: &[(JobView, CostReport)]) -> Table {
         ]);
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// A broker-like HTTPS server presenting `cert` (DER) with `key` (PKCS#8 DER); its URL.
+    async fn https_server(
+        cert: rustls::pki_types::CertificateDer<'static>,
+        key: Vec<u8>,
+    ) -> String {
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.into()),
+        )
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!(
+            "https://127.0.0.1:{}",
+            listener.local_addr().unwrap().port()
+        );
+        let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "{}" }));
+        tokio::spawn(crate::api::server::serve(
+            listener,
+            app,
+            Some(Arc::new(config)),
+            crate::api::server::ConnLimits::default(),
+            std::future::pending(),
+        ));
+        url
+    }
+
+    fn client(url: &str, ca_file: Option<PathBuf>) -> Client {
+        Client::new(&Remote {
+            url: url.to_string(),
+            token: None,
+            ca_file,
+        })
+        .unwrap()
+    }
+
+    /// Issue 23 item 15: a broker that serves its CA certificate as its own is a certificate
+    /// problem, and the CLI says so (and how to fix it), not "is `proteus serve` running?".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ca_served_as_the_leaf_is_reported_as_a_certificate_problem() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        params
+            .subject_alt_names
+            .push(rcgen::SanType::IpAddress([127, 0, 0, 1].into()));
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&key).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca.pem()).unwrap();
+        let url = https_server(ca.der().clone(), key.serialize_der()).await;
+        let e = client(&url, Some(ca_file.clone()))
+            .get::<serde_json::Value>("/healthz")
+            .await
+            .unwrap_err();
+        let text = format!("{e:#}");
+        assert!(
+            text.contains("presents a CA certificate as its own")
+                && text.contains("certificate problem")
+                && text.contains("docs/aws.md"),
+            "{text}"
+        );
+        assert!(!text.contains("is `proteus serve` running?"), "{text}");
+
+        // Another certificate problem (a leaf from an issuer this client does not trust) is
+        // one too.
+        let other = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+        let other_url =
+            https_server(other.cert.der().clone(), other.signing_key.serialize_der()).await;
+        let e = client(&other_url, Some(ca_file))
+            .get::<serde_json::Value>("/healthz")
+            .await
+            .unwrap_err();
+        let text = format!("{e:#}");
+        assert!(
+            text.contains("TLS certificate was refused") && text.contains("--ca-file"),
+            "{text}"
+        );
+        assert!(!text.contains("is `proteus serve` running?"), "{text}");
+
+        // Nobody listening is still "is `proteus serve` running?".
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let e = client(&format!("http://127.0.0.1:{port}"), None)
+            .get::<serde_json::Value>("/healthz")
+            .await
+            .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("is `proteus serve` running?"),
+            "{e:#}"
+        );
+    }
 }

@@ -464,8 +464,16 @@ impl Cloud for Ec2Cloud {
             .await
         {
             Ok(_) => Ok(()),
-            // Already gone is what we wanted.
-            Err(e) if e.code() == Some("InvalidInstanceID.NotFound") => Ok(()),
+            // Already gone is what we wanted. A call naming several instances fails whole when
+            // one of them is unknown: end the others one by one.
+            Err(e) if e.code() == Some("InvalidInstanceID.NotFound") => {
+                if cloud_ids.len() > 1 {
+                    for id in cloud_ids {
+                        self.terminate(std::slice::from_ref(id)).await?;
+                    }
+                }
+                Ok(())
+            }
             Err(e) => Err(call_error("TerminateInstances", &e)),
         }
     }

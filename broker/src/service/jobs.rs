@@ -160,14 +160,32 @@ fn is_live(i: &InstanceRow) -> bool {
 
 impl Broker {
     /// Validates and stores a job; the scheduler starts it on its next tick.
-    pub async fn submit(&self, spec: super::spec::JobSpec) -> Result<JobView, ServiceError> {
+    pub async fn submit(&self, mut spec: super::spec::JobSpec) -> Result<JobView, ServiceError> {
         let now = self.clock.now();
+        // The broker's default budget goes into the stored spec, so that a restarted broker
+        // (which validates the stored spec again) keeps it.
+        let default_budget =
+            spec.limits.budget_usd.is_none() && self.settings.default_budget.is_some();
+        if default_budget {
+            spec.limits.budget_usd = self.settings.default_budget.map(|b| b.get());
+        }
         let valid = spec
             .validate(self.settings.default_billing, now)
             .map_err(|e| ServiceError::Invalid {
                 field: e.field,
                 message: e.message,
             })?;
+        let cap = self.settings.instance_cap;
+        if valid.max_instances > cap {
+            return Err(ServiceError::invalid(
+                "limits.max_instances",
+                format!(
+                    "{} is above this broker's cap of {cap} instances across all jobs \
+                     (`proteus serve --instance-cap`, PROTEUS_INSTANCE_CAP)",
+                    valid.max_instances
+                ),
+            ));
+        }
         self.check_workdir_signable(&valid.training.app)?;
         // Resolve now, so that an unknown policy or instance type is the submitter's error.
         let runtime = self.build_runtime(valid.clone())?;
@@ -191,10 +209,17 @@ impl Broker {
                 None,
                 now,
                 "job_submitted",
-                &format!(
-                    "policy {}, up to {} instances",
-                    valid.policy, valid.max_instances
-                ),
+                &match (valid.budget_usd, default_budget) {
+                    (Some(b), true) => format!(
+                        "policy {}, up to {} instances, budget {b} (the broker's default: \
+                         `proteus serve --default-budget-usd`)",
+                        valid.policy, valid.max_instances
+                    ),
+                    _ => format!(
+                        "policy {}, up to {} instances",
+                        valid.policy, valid.max_instances
+                    ),
+                },
             )
             .await?;
         drop(runtime);

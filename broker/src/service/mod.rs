@@ -85,6 +85,11 @@ pub struct Settings {
     pub workdir: programs::WorkdirPolicy,
     /// Agent events kept per job at most (`--max-job-events`); more are refused with 429.
     pub max_job_events: u32,
+    /// Most instances held at once across all jobs (`serve --instance-cap`); a job asking
+    /// for more is refused at submission.
+    pub instance_cap: u32,
+    /// The budget of a job whose spec sets none (`serve --default-budget-usd`).
+    pub default_budget: Option<crate::market::Usd>,
 }
 
 /// Agent events kept per job unless `--max-job-events` says otherwise: far more than a job's
@@ -263,6 +268,9 @@ pub enum ServiceError {
     /// Over a count limit (a job's events): 429.
     #[error("{0}")]
     TooMany(String),
+    /// Over a disk quota (a job's checkpoints in the broker's directory store).
+    #[error("{0}")]
+    InsufficientStorage(String),
     /// The broker is not set up for this (no checkpoint store).
     #[error("{0}")]
     Unavailable(String),

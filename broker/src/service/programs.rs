@@ -84,6 +84,7 @@ impl WorkdirPolicy {
 fn storage_error(e: CheckpointError) -> ServiceError {
     match e {
         CheckpointError::TooLarge(_) => ServiceError::TooLarge(e.to_string()),
+        CheckpointError::QuotaExceeded { .. } => ServiceError::InsufficientStorage(e.to_string()),
         other => ServiceError::Internal(other.to_string()),
     }
 }
@@ -222,12 +223,15 @@ impl Broker {
         ))
     }
 
-    /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically.
+    /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically. An
+    /// upload that `declared` its length is refused before its body is read when that is over
+    /// the per-upload limit or the job's quota.
     pub async fn agent_checkpoint_put<S, E>(
         &self,
         token: Option<&str>,
         cloud_id: &str,
         rank: u32,
+        declared: Option<u64>,
         body: S,
     ) -> Result<u64, ServiceError>
     where
@@ -240,6 +244,11 @@ impl Broker {
         let dir = self.programs()?.checkpoints.dir().ok_or_else(|| {
             ServiceError::BadRequest("checkpoints go to S3 here: ask /checkpoint for a URL".into())
         })?;
+        if let Some(declared) = declared {
+            dir.check_declared(identity.job_id, rank, declared)
+                .await
+                .map_err(storage_error)?;
+        }
         dir.write(identity.job_id, rank, body)
             .await
             .map_err(storage_error)

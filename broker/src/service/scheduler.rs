@@ -78,8 +78,13 @@ impl Broker {
                 .extend(events),
             Err(e) => tracing::warn!(error = %e, "cannot read cloud events"),
         }
-        // One tick at a time applies them (the scheduler loop is the only caller).
-        loop {
+        // One tick at a time applies them (the scheduler loop is the only caller), at most
+        // CLOUD_EVENTS_PER_TICK: the rest wait for the next tick, which comes at once.
+        for applied in 0.. {
+            if applied == CLOUD_EVENTS_PER_TICK {
+                self.nudge.notify_one();
+                return Ok(());
+            }
             let next = self
                 .unrecorded_cloud_events
                 .lock()
@@ -103,6 +108,7 @@ impl Broker {
                 .unwrap_or_else(|e| e.into_inner())
                 .pop_front();
         }
+        Ok(())
     }
 
     async fn apply_cloud_event(
@@ -244,7 +250,9 @@ impl Broker {
             let id = row.id.clone();
             tokio::spawn(async move { launcher.stop(&id, Duration::from_secs(3)).await });
         }
-        self.refresh_ledger(row.job_id, now).await?;
+        // Only this instance's bill changed (for good); the job's live instances are billed by
+        // its next tick. Re-billing them all here made ending N instances O(N²) writes.
+        self.bill_ended(&row.id, now).await?;
         Ok(())
     }
 
@@ -699,6 +707,13 @@ impl Broker {
         let data = self.market_data();
         let mut held = None;
         let mut refused: Vec<(Market, String)> = Vec::new();
+        // The broker-wide cap: what every job holds, counted before this decision launches.
+        let cap = u64::from(self.settings.instance_cap);
+        let mut held_by_all = if decision.acquire.is_empty() {
+            0
+        } else {
+            self.store.count_live_instances().await?
+        };
         for acq in &decision.acquire {
             for _ in 0..acq.count {
                 if refused.iter().any(|(m, _)| *m == acq.market) {
@@ -706,6 +721,13 @@ impl Broker {
                 }
                 let tier = acq.purchase.tier();
                 if limits.room(&footprint, tier, rate(&acq.market), 1) == 0 {
+                    break;
+                }
+                if held_by_all >= cap {
+                    held = Some(format!(
+                        "the broker holds {held_by_all} instances across all jobs, its cap \
+                         (`proteus serve --instance-cap {cap}`)"
+                    ));
                     break;
                 }
                 let period = first_period_cost(&data, &acq.market, acq.purchase, billing, now);
@@ -721,6 +743,7 @@ impl Broker {
                     Launch::Launched => {
                         footprint.add(tier, rate(&acq.market));
                         committed += period;
+                        held_by_all += 1;
                     }
                     // The cloud refused this market: do not ask it again in this decision.
                     Launch::Refused(reason) => refused.push((acq.market.clone(), reason)),
@@ -934,6 +957,37 @@ impl Broker {
         Ok(())
     }
 
+    /// Asks the cloud to end many instances (a job's end), recording the requests first: one
+    /// store update for them all and one cloud call per [`TERMINATE_BATCH`], not one of each
+    /// per instance.
+    async fn terminate_all(&self, rows: &[InstanceRow], reason: &str) -> Result<(), ServiceError> {
+        let live: Vec<&InstanceRow> = rows.iter().filter(|r| !r.state.is_final()).collect();
+        for row in live.iter().filter(|r| r.cloud_id.is_none()) {
+            // Never launched: nothing to terminate in the cloud.
+            self.store
+                .mark_ended(&row.id, self.clock.now(), reason, false, None)
+                .await?;
+        }
+        let launched: Vec<(&str, &String)> = live
+            .iter()
+            .filter_map(|r| r.cloud_id.as_ref().map(|c| (r.id.as_str(), c)))
+            .collect();
+        if launched.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<&str> = launched.iter().map(|(id, _)| *id).collect();
+        self.store.mark_terminating_many(&ids, reason).await?;
+        crate::failpoint::hit("terminate-after-intent");
+        let cloud_ids: Vec<String> = launched.iter().map(|(_, c)| (*c).clone()).collect();
+        for batch in cloud_ids.chunks(TERMINATE_BATCH) {
+            self.metrics.terminations.inc_by(batch.len() as u64);
+            if let Err(e) = self.cloud.terminate(batch).await {
+                tracing::warn!(instances = batch.len(), error = %e, "terminate failed; reconciliation will retry");
+            }
+        }
+        Ok(())
+    }
+
     /// Ends a job: records its final state, stops training, releases every instance.
     pub async fn finish_job(
         &self,
@@ -959,10 +1013,8 @@ impl Broker {
         if let Some(control) = self.control.get(job) {
             control.update(|c| c.cancel(reason));
         }
-        for row in self.store.instances_of_job(job).await? {
-            self.terminate_instance(&row, &format!("job {state}"))
-                .await?;
-        }
+        let rows = self.store.instances_of_job(job).await?;
+        self.terminate_all(&rows, &format!("job {state}")).await?;
         self.refresh_ledger(job, now).await?;
         self.forget_runtime(job);
         // The control plane stays a little longer, so that agents' long polls deliver the stop.
@@ -970,17 +1022,28 @@ impl Broker {
         Ok(())
     }
 
-    /// Recomputes the ledger lines of every instance of a job; returns the job's spend.
+    /// The billing model of a job: its runtime's, or its stored one's once it is over.
+    async fn billing_of(&self, job: JobId) -> Result<Option<BillingModel>, ServiceError> {
+        Ok(match self.runtime(job) {
+            Some(r) => Some(r.lock().unwrap_or_else(|e| e.into_inner()).valid.billing),
+            None => self
+                .store
+                .job(job)
+                .await?
+                .map(|j| j.billing.parse().unwrap_or(self.settings.default_billing)),
+        })
+    }
+
+    /// Recomputes the ledger lines of every instance of a job (one transaction for the job);
+    /// returns the job's spend.
     pub async fn refresh_ledger(&self, job: JobId, now: Timestamp) -> Result<Usd, ServiceError> {
-        let billing: BillingModel = match self.runtime(job) {
-            Some(r) => r.lock().unwrap_or_else(|e| e.into_inner()).valid.billing,
-            None => match self.store.job(job).await? {
-                Some(j) => j.billing.parse().unwrap_or(self.settings.default_billing),
-                None => return Ok(Usd::ZERO),
-            },
+        let Some(billing) = self.billing_of(job).await? else {
+            return Ok(Usd::ZERO);
         };
         let data = self.market_data();
         let mut total = Usd::ZERO;
+        // (instance, its lines, its amount when that is final)
+        let mut bills: Vec<(String, Vec<crate::store::LedgerLine>, Option<Usd>)> = Vec::new();
         for row in self.store.instances_of_job(job).await? {
             if row.launched.is_none() {
                 continue;
@@ -997,21 +1060,54 @@ impl Broker {
                 Ok(lines) => {
                     let amount = lines.iter().map(|l| l.amount_usd).sum::<Usd>();
                     total += amount;
-                    // Live instances are billed again every tick; ended ones once for good.
-                    self.store
-                        .replace_ledger_lines(job, &row.id, &lines)
-                        .await?;
-                    if ended {
-                        self.final_bills
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(row.id.clone(), amount);
-                    }
+                    bills.push((row.id, lines, ended.then_some(amount)));
                 }
                 Err(e) => tracing::warn!(instance = %row.id, error = %e, "cannot bill instance"),
             }
         }
+        // Live instances are billed again every tick; ended ones once for good.
+        let lines: Vec<(&str, &[crate::store::LedgerLine])> = bills
+            .iter()
+            .map(|(id, lines, _)| (id.as_str(), lines.as_slice()))
+            .collect();
+        self.store.replace_ledger_lines_many(job, &lines).await?;
+        let mut billed = self.final_bills.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, _, amount) in bills {
+            if let Some(amount) = amount {
+                billed.insert(id, amount);
+            }
+        }
         Ok(total)
+    }
+
+    /// Writes the final bill of one instance that has just ended (its job's other instances
+    /// are not touched).
+    async fn bill_ended(&self, id: &str, now: Timestamp) -> Result<(), ServiceError> {
+        let Some(row) = self.store.instance(id).await? else {
+            return Ok(());
+        };
+        if row.launched.is_none() {
+            return Ok(());
+        }
+        let Some(billing) = self.billing_of(row.job_id).await? else {
+            return Ok(());
+        };
+        match ledger::bill_instance(&row, now, billing, &self.market_data()) {
+            Ok(lines) => {
+                let amount = lines.iter().map(|l| l.amount_usd).sum::<Usd>();
+                self.store
+                    .replace_ledger_lines(row.job_id, &row.id, &lines)
+                    .await?;
+                if row.state.is_final() && row.ended.is_some() {
+                    self.final_bills
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(row.id.clone(), amount);
+                }
+            }
+            Err(e) => tracing::warn!(instance = %row.id, error = %e, "cannot bill instance"),
+        }
+        Ok(())
     }
 
     pub(crate) fn remember_agent_row(&self, cloud_id: &str, row: &InstanceRow) {
@@ -1106,6 +1202,13 @@ fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> 
     }
     .unwrap_or(UsdPerHour::ZERO)
 }
+
+/// Most cloud events one tick applies; the rest wait for the next tick (which then comes at
+/// once), so that a job ending many instances together never holds up the other jobs' ticks.
+const CLOUD_EVENTS_PER_TICK: usize = 256;
+
+/// Most instances one terminate call names (EC2 takes up to 1000 per TerminateInstances).
+const TERMINATE_BATCH: usize = 500;
 
 /// How far ahead (market seconds, at least two ticks) a job's budget is checked against the
 /// billing periods its instances are about to start.

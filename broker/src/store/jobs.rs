@@ -667,6 +667,52 @@ impl Store {
         Ok(n > 0)
     }
 
+    /// [`Store::mark_terminating`] for many instances at once (a job's end): a few statements,
+    /// not one per instance. Returns how many changed.
+    pub async fn mark_terminating_many(
+        &self,
+        ids: &[&str],
+        reason: &str,
+    ) -> Result<u64, StoreError> {
+        let mut changed = 0;
+        for chunk in ids.chunks(500) {
+            let list = (0..chunk.len())
+                .map(|i| format!("${}", i + 2))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let sql = format!(
+                "UPDATE instances SET state = 'terminating', end_reason = COALESCE(end_reason, $1) \
+                 WHERE state IN ('requested', 'running', 'warned') AND id IN ({list})"
+            );
+            changed += with_db!(self, |pool| {
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(reason);
+                for id in chunk {
+                    query = query.bind(*id);
+                }
+                query
+                    .execute(pool)
+                    .await
+                    .context("recording termination requests")?
+                    .rows_affected()
+            });
+        }
+        Ok(changed)
+    }
+
+    /// How many instances are held now across all jobs: every one not in a final state
+    /// (requested, running, warned or terminating).
+    pub async fn count_live_instances(&self) -> Result<u64, StoreError> {
+        let n: i64 = with_db!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM instances WHERE state NOT IN ('terminated', 'failed')",
+            )
+            .fetch_one(pool)
+            .await
+            .context("counting live instances")?
+        });
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
     /// Records the end of an instance, and `event` with it in the same transaction (see
     /// [`Store::mark_warned`]). The first end recorded wins (times and who ended it).
     pub async fn mark_ended(
@@ -841,28 +887,44 @@ impl Store {
         instance_id: &str,
         lines: &[LedgerLine],
     ) -> Result<(), StoreError> {
+        self.replace_ledger_lines_many(job, &[(instance_id, lines)])
+            .await
+    }
+
+    /// [`Store::replace_ledger_lines`] for several instances of a job, in one transaction (one
+    /// commit for a whole job's bills, not one per instance).
+    pub async fn replace_ledger_lines_many(
+        &self,
+        job: JobId,
+        bills: &[(&str, &[LedgerLine])],
+    ) -> Result<(), StoreError> {
+        if bills.is_empty() {
+            return Ok(());
+        }
         with_db!(self, |pool| {
             let mut tx = pool.begin().await.context("starting a ledger update")?;
-            sqlx::query("DELETE FROM ledger_lines WHERE instance_id = $1")
-                .bind(instance_id)
-                .execute(&mut *tx)
-                .await
-                .context("clearing ledger lines")?;
-            for l in lines {
-                sqlx::query(
-                    "INSERT INTO ledger_lines (job_id, instance_id, start_ms, end_ms, usd_per_hour, amount_usd, free) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                )
-                .bind(job.0)
-                .bind(instance_id)
-                .bind(l.start.millis())
-                .bind(l.end.millis())
-                .bind(l.usd_per_hour.get())
-                .bind(l.amount_usd.get())
-                .bind(i64::from(l.free))
-                .execute(&mut *tx)
-                .await
-                .context("writing ledger lines")?;
+            for (instance_id, lines) in bills {
+                sqlx::query("DELETE FROM ledger_lines WHERE instance_id = $1")
+                    .bind(instance_id)
+                    .execute(&mut *tx)
+                    .await
+                    .context("clearing ledger lines")?;
+                for l in lines.iter() {
+                    sqlx::query(
+                        "INSERT INTO ledger_lines (job_id, instance_id, start_ms, end_ms, usd_per_hour, amount_usd, free) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    )
+                    .bind(job.0)
+                    .bind(instance_id)
+                    .bind(l.start.millis())
+                    .bind(l.end.millis())
+                    .bind(l.usd_per_hour.get())
+                    .bind(l.amount_usd.get())
+                    .bind(i64::from(l.free))
+                    .execute(&mut *tx)
+                    .await
+                    .context("writing ledger lines")?;
+                }
             }
             tx.commit().await.context("committing ledger lines")?;
         });

@@ -7,6 +7,7 @@ mod support;
 mod api;
 mod api_access;
 mod cli_prices;
+mod dos;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
 mod sim_cli;
