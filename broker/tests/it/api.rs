@@ -966,3 +966,53 @@ async fn the_openapi_document_is_truthful_about_refusals() {
     let (status, body) = s.get("/v1/prices").await;
     assert_eq!(status, 400, "{body}");
 }
+
+/// A spot instance the provider warned is an eviction whatever ends it during its notice:
+/// here the user cancels the job before the reclaim. The report counts it, its end is the
+/// provider's (an `evicted` event), and its partial hour is billed under the provider-ended
+/// rule (free under `hourly-2015`) — live as in the simulator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..5 {
+        s.step(60.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let spot = view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["tier"] == "transient" && i["state"] == "running")
+        .map(|i| i["id"].as_str().unwrap().to_string())
+        .unwrap_or_else(|| panic!("no spot instance: {view}"));
+    let (status, body) = s
+        .post(&format!("/v1/instances/{spot}/interruption"), json!({}))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    s.step(1.0).await;
+    // The job ends inside the notice: the user's termination reaches the warned instance
+    // before the provider's reclaim does.
+    let (status, body) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    for _ in 0..3 {
+        s.step(1.0).await;
+    }
+    let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    assert_eq!(cost["evictions"], 1, "{cost}");
+    assert!(
+        cost["free_hours"].as_f64().unwrap_or(0.0) > 0.0,
+        "the evicted partial hour is free under hourly-2015: {cost}"
+    );
+    let (_, events) = s.get(&format!("/v1/jobs/{id}/events")).await;
+    assert!(
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["instance_id"] == spot.as_str() && e["kind"] == "evicted"),
+        "{events}"
+    );
+}
