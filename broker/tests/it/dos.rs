@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const TOKEN: &str = "pt_test-user-token";
+use crate::api::TOKEN;
 
 /// A bound on every wait: what should happen within a fraction of it.
 const BOUND: Duration = Duration::from_secs(20);
@@ -135,6 +135,35 @@ impl TestServer {
             .mark_launched(&row.id, &cloud_id, self.clock.now())
             .await
             .unwrap();
+        (cloud_id, token)
+    }
+
+    /// [`TestServer::agent_of`], registered and ready in the job's control plane: in a
+    /// command job it then holds the lowest free rank (only a rank's holder may upload its
+    /// checkpoint).
+    async fn member_of(&self, job: i64, k: u32) -> (String, String) {
+        let (cloud_id, token) = self.agent_of(job, k).await;
+        let post = |path: String, body: Value| {
+            self.http
+                .post(format!("{}{path}", self.url))
+                .bearer_auth(&token)
+                .json(&body)
+                .send()
+        };
+        let r = post(
+            "/v1/agents/register".into(),
+            json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{:?}", r.text().await);
+        let r = post(
+            format!("/v1/agents/{cloud_id}/events"),
+            json!({"type": "ready", "model_len": 1}),
+        )
+        .await
+        .unwrap();
+        assert!(r.status().is_success(), "{:?}", r.text().await);
         (cloud_id, token)
     }
 }
@@ -367,16 +396,25 @@ async fn checkpoint_uploads_over_the_limit_or_the_quota_are_refused_with_413_and
         a.checkpoint_job_quota = 2500;
     })
     .await;
-    let (_, view) = s.submit(on_demand_job(2, 100.0)).await;
+    let mut spec = on_demand_job(4, 100.0);
+    spec["app"] = json!("command");
+    spec["command"] = json!({"run": ["true"]});
+    let (_, view) = s.submit(spec).await;
     let job = view["id"].as_i64().unwrap();
-    let (cloud_id, token) = s.agent_of(job, 0).await;
+    // Four instances holding ranks 0-3: each uploads its own rank's checkpoint.
+    let mut members = Vec::new();
+    for k in 0..4 {
+        members.push(s.member_of(job, k).await);
+    }
+    let (cloud_id, token) = members[0].clone();
     let put = |rank: u32, body: reqwest::Body| {
+        let (cloud_id, token) = &members[rank as usize];
         s.http
             .put(format!(
                 "{}/v1/agents/{cloud_id}/checkpoint-data/{rank}",
                 s.url
             ))
-            .bearer_auth(&token)
+            .bearer_auth(token)
             .body(body)
             .send()
     };
@@ -403,8 +441,8 @@ async fn checkpoint_uploads_over_the_limit_or_the_quota_are_refused_with_413_and
     // The same, sent chunked (no length to check first): refused as the bytes arrive.
     let (status, text) = put_chunked(
         &s.url,
-        &format!("/v1/agents/{cloud_id}/checkpoint-data/3"),
-        &token,
+        &format!("/v1/agents/{}/checkpoint-data/3", members[3].0),
+        &members[3].1,
         &[vec![3u8; 100], vec![3u8; 100], vec![3u8; 100]],
     )
     .await;
