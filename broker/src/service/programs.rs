@@ -209,18 +209,18 @@ impl Broker {
         let Some(url) = c.workdir.as_deref().filter(|w| w.starts_with("s3://")) else {
             return Ok(());
         };
+        // Without S3 credentials nothing can be signed: say that first, it is the fix.
+        if !self.programs.get().is_some_and(|p| p.checkpoints.is_s3()) {
+            return Err(ServiceError::invalid(
+                "command.workdir",
+                "an s3:// working directory needs a broker started with `--checkpoint-store \
+                 s3://…` (its credentials sign the agents' download); give an absolute local path",
+            ));
+        }
         self.settings
             .workdir
             .check(url)
-            .map_err(|e| ServiceError::invalid("command.workdir", e))?;
-        if self.programs.get().is_some_and(|p| p.checkpoints.is_s3()) {
-            return Ok(());
-        }
-        Err(ServiceError::invalid(
-            "command.workdir",
-            "an s3:// working directory needs a broker started with `--checkpoint-store \
-             s3://…` (its credentials sign the agents' download); give an absolute local path",
-        ))
+            .map_err(|e| ServiceError::invalid("command.workdir", e))
     }
 
     /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically. An
