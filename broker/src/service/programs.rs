@@ -209,18 +209,19 @@ impl Broker {
         let Some(url) = c.workdir.as_deref().filter(|w| w.starts_with("s3://")) else {
             return Ok(());
         };
-        // Without S3 credentials nothing can be signed: say that first, it is the fix.
-        if !self.programs.get().is_some_and(|p| p.checkpoints.is_s3()) {
-            return Err(ServiceError::invalid(
-                "command.workdir",
-                "an s3:// working directory needs a broker started with `--checkpoint-store \
-                 s3://…` (its credentials sign the agents' download); give an absolute local path",
-            ));
-        }
-        self.settings
-            .workdir
-            .check(url)
-            .map_err(|e| ServiceError::invalid("command.workdir", e))
+        const NO_S3: &str = "an s3:// working directory needs a broker started with \
+             `--checkpoint-store s3://…` (its credentials sign the agents' download); give an \
+             absolute local path";
+        let allowed = self.settings.workdir.check(url);
+        let signable = self.programs.get().is_some_and(|p| p.checkpoints.is_s3());
+        // Without S3 credentials nothing can be signed: that comes first, it is the fix.
+        let message = match (signable, allowed) {
+            (true, Ok(())) => return Ok(()),
+            (true, Err(e)) => e,
+            (false, Ok(())) => NO_S3.to_string(),
+            (false, Err(e)) => format!("{NO_S3}; and {e}"),
+        };
+        Err(ServiceError::invalid("command.workdir", message))
     }
 
     /// The directory store's upload: the archive replaces `rank`'s checkpoint atomically. An
