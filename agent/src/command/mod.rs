@@ -171,7 +171,9 @@ struct Runner {
     moving: Option<Instant>,
     run: Option<Run>,
     setup_done: bool,
-    restored: bool,
+    /// The rank whose checkpoint the local checkpoint directory holds (restored once per rank
+    /// held on this instance).
+    restored: Option<u32>,
     leaving: Option<Leaving>,
     /// The program completed the job here; wait for the broker's stop.
     finished: bool,
@@ -282,7 +284,7 @@ pub async fn run(
         moving: None,
         run: None,
         setup_done: false,
-        restored: false,
+        restored: None,
         leaving: None,
         finished: false,
         restart_at: None,
@@ -452,7 +454,25 @@ impl Runner {
         // A rank has one holder at a time, and a holder leaves it only once its program has
         // ended and its checkpoint is up: so this is the rank's newest checkpoint.
         let ck_rank = rank;
-        if !self.restored {
+        if self.restored != Some(ck_rank) {
+            if self.restored.is_some() {
+                // This instance held another rank before: never carry that rank's state into
+                // this rank's lineage.
+                let dir = &self.paths.checkpoint_dir;
+                if let Err(e) =
+                    std::fs::remove_dir_all(dir).and_then(|()| std::fs::create_dir_all(dir))
+                {
+                    self.note(format!("cannot clear the checkpoint directory: {e}"));
+                }
+                if let Some(user) = &self.run_as
+                    && let Err(e) = user.own(dir, false)
+                {
+                    self.note(format!(
+                        "cannot give the checkpoint directory to {}: {e}",
+                        user.name
+                    ));
+                }
+            }
             match checkpoint::restore(&self.broker, &self.me, ck_rank, &self.paths.checkpoint_dir)
                 .await
             {
@@ -478,7 +498,7 @@ impl Runner {
                     return;
                 }
             }
-            self.restored = true;
+            self.restored = Some(ck_rank);
         }
         let mut env = self.env(rank, world);
         if self.cfg.launcher == CommandLauncher::Torchrun {
