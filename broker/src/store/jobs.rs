@@ -811,27 +811,9 @@ impl Store {
         Ok(())
     }
 
+    /// Every event of a job, oldest first.
     pub async fn events_of_job(&self, job: JobId) -> Result<Vec<EventRow>, StoreError> {
-        let rows: Vec<EventTuple> = with_db!(self, |pool| {
-            sqlx::query_as(
-                "SELECT id, job_id, instance_id, ts_ms, kind, detail FROM events WHERE job_id = $1 ORDER BY id",
-            )
-            .bind(job.0)
-            .fetch_all(pool)
-            .await
-            .context("listing a job's events")?
-        });
-        Ok(rows
-            .into_iter()
-            .map(|(id, job_id, instance_id, ts, kind, detail)| EventRow {
-                id,
-                job_id: job_id.map(JobId),
-                instance_id,
-                time: Timestamp::from_millis(ts),
-                kind,
-                detail,
-            })
-            .collect())
+        self.events_of_job_page(job, 0, u32::MAX).await
     }
 
     /// One page of a job's events: those with an id above `after`, oldest first, at most
