@@ -675,7 +675,21 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
             "the job",
         )
         .await;
-    let tails = logs(&broker, id).await;
+    // The job's end reaches the agents on their next poll; each stops its program (notice
+    // file, SIGTERM, exit) and only then sends its last output: wait for that tail.
+    let stopped_at_end = |tails: &[(String, String)]| {
+        tails.iter().filter(|(i, _)| i != &victim).any(|(_, t)| {
+            t.contains("stopping the program") && t.contains("sigterm notice_file=yes")
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let tails = loop {
+        let t = logs(&broker, id).await;
+        if stopped_at_end(&t) || std::time::Instant::now() >= deadline {
+            break t;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
     let story = || {
         tails
             .iter()
@@ -730,11 +744,7 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
         assert!(!t.contains("sigterm notice_file=no"), "{i}:\n{t}");
     }
     assert!(
-        tails
-            .iter()
-            .filter(|(i, _)| i != &victim)
-            .any(|(_, t)| t.contains("stopping the program")
-                && t.contains("sigterm notice_file=yes")),
+        stopped_at_end(&tails),
         "no program was stopped at the job's end:\n{}",
         story()
     );

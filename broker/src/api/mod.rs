@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
-use guard::{AgentAuth, UserRead, UserWrite};
+use guard::{AgentAuth, AgentOutputAuth, UserRead, UserWrite};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
     AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
@@ -671,7 +671,7 @@ async fn agent_checkpoint_get(
     request_body(content = Option<String>, description = "the newest tail of the program's output (empty when it printed nothing)", content_type = "text/plain"),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_output(
-    _: AgentAuth,
+    _: AgentOutputAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
