@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod billing;
+pub mod broker_lock;
 pub mod chart;
 pub mod checkpoint;
 pub mod cli;

@@ -12,6 +12,7 @@ mod parity;
 mod pg_restart;
 mod pipeline;
 mod sim;
+mod single_broker;
 mod tls;
 mod torchrun;
 mod work;

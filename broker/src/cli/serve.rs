@@ -1,6 +1,7 @@
 //! `proteus serve`: the broker service, built by [`crate::startup`].
 
 use super::GlobalArgs;
+use crate::broker_lock::{BrokerLock, lock_postgres};
 pub use crate::startup::ServeArgs;
 use crate::startup::{CloudKind, start};
 use anyhow::{Context, Result, bail};
@@ -13,16 +14,33 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         }
         return dry_run(&args).await;
     }
-    let store = global.open_store().await?;
+    // One broker per state directory and embedded database: locked before anything is
+    // written (the store's migrations, recovery, the agents' files).
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::startup::default_state_dir);
+    let url = global.database_url();
+    let mut lock = BrokerLock::acquire(&state_dir, crate::store::sqlite_file(&url).as_deref())?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let pg = match url.starts_with("postgres") {
+        true => {
+            let addr = listener.local_addr().context("the listener's address")?;
+            Some(lock_postgres(&url, &addr.to_string()).await?)
+        }
+        false => None,
+    };
+    let store = global.open_store().await?;
     let server = start(store, args, listener).await?;
     let scheme = if server.tls.is_some() {
         "https"
     } else {
         "http"
     };
+    lock.announce(&format!("{scheme}://{}", server.addr))
+        .with_context(|| format!("recording this broker in {}", state_dir.display()))?;
     if server.tls.is_none() && !server.addr.ip().is_loopback() {
         tracing::warn!(
             "serving plain HTTP on {}: API and agent tokens cross the network in clear; \
@@ -35,11 +53,45 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         server.addr,
         server.broker.cloud().kind()
     );
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-        tracing::info!("shutting down");
+    // The Postgres lock is kept in the background; losing it to another broker (while
+    // Postgres was away) stops this one.
+    let (stop_keeping, kept) = tokio::sync::oneshot::channel::<()>();
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+    if let Some(pg) = pg {
+        tokio::spawn(async move {
+            if let Err(refused) = pg
+                .keep(url, async {
+                    let _ = kept.await;
+                })
+                .await
+            {
+                let _ = lost_tx.send(refused);
+            }
+        });
+    }
+    let lost = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let shutdown = {
+        let lost = lost.clone();
+        async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => tracing::info!("shutting down"),
+                Ok(refused) = lost_rx => {
+                    tracing::error!("another broker took the database while Postgres was away: stopping");
+                    *lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(refused);
+                }
+            }
+        }
     };
     server.run_until(shutdown).await;
+    let _ = stop_keeping.send(());
+    drop(lock);
+    if let Some(refused) = lost.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        let holder = match refused {
+            crate::store::Refused::Held(h) => h.unwrap_or_else(|| "another session".into()),
+            crate::store::Refused::Store(e) => e.to_string(),
+        };
+        bail!("stopped: the database's broker lock is now held by {holder}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 

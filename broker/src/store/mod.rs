@@ -5,8 +5,11 @@
 //! runs on each driver's native types. Backend-specific code is confined to where it pays, such
 //! as `COPY` for bulk price loads on Postgres.
 
+mod exclusive;
 mod jobs;
 mod prices;
+
+pub use exclusive::{PgExclusive, Refused};
 
 pub use jobs::{
     Cooldown, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
@@ -349,6 +352,15 @@ fn storage_class(declared: &str) -> &'static str {
     } else {
         "other"
     }
+}
+
+/// The file of a `sqlite:` URL; None for Postgres and in-memory databases.
+pub fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    if !url.starts_with("sqlite:") || url.contains(":memory:") || url.contains("mode=memory") {
+        return None;
+    }
+    let options = SqliteConnectOptions::from_str(url).ok()?;
+    Some(options.get_filename().to_path_buf())
 }
 
 /// The embedded default: a SQLite file under the user's data directory.
