@@ -16,6 +16,13 @@ fn main() -> ExitCode {
         );
     }
     let cli = Cli::parse();
+    if cli.command.prints_for_a_reader() {
+        // Like any Unix tool, a command whose reader went away (`proteus logs 7 | head -1`)
+        // ends quietly by SIGPIPE instead of failing on a broken pipe. Not `serve` or `demo`:
+        // a server must survive a client or agent that hung up.
+        // SAFETY: restoring the default action of a signal, before any thread is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     init_tracing_for(&cli.global, &cli.command);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

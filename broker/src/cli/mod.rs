@@ -87,6 +87,14 @@ pub enum Command {
     Simulate(simulate::SimulateArgs),
 }
 
+impl Command {
+    /// Whether this command is a client whose output goes to a reader (a terminal, a pipe)
+    /// and nothing else: everything but the long-running `serve` and `demo`.
+    pub fn prints_for_a_reader(&self) -> bool {
+        !matches!(self, Command::Serve(_) | Command::Demo(_))
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum DbCommand {
     /// Apply pending schema migrations.
