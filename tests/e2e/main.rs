@@ -7,6 +7,7 @@ mod dashboard;
 mod demo;
 mod eviction;
 mod flexrr;
+mod follow;
 mod localstack;
 mod parity;
 mod pg_restart;

@@ -14,8 +14,9 @@ use std::process::ExitCode;
 /// Where the broker is and how to authenticate.
 #[derive(Debug, Clone, Args)]
 pub struct Remote {
-    /// The broker's URL.
-    #[arg(long, env = "PROTEUS_URL", default_value = "http://127.0.0.1:8080")]
+    /// The broker's root URL: scheme, host and port, no path (http://host:8080, or https://
+    /// for a broker that serves TLS).
+    #[arg(long, env = "PROTEUS_URL", default_value = "http://127.0.0.1:8080", value_parser = broker_url)]
     pub url: String,
     /// The user API token (printed by `proteus serve` on first start).
     #[arg(long, env = "PROTEUS_TOKEN", hide_env_values = true)]
@@ -27,7 +28,8 @@ pub struct Remote {
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json"
+    after_help = "Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json\n  \
+proteus submit examples/command/job.toml --follow   # its events, status and output until it ends"
 )]
 pub struct SubmitArgs {
     #[command(flatten)]
@@ -36,10 +38,33 @@ pub struct SubmitArgs {
     pub file: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
+    /// Then follow the job until it ends: its events, status changes and (command jobs) its
+    /// programs' output. Exit 0 if it succeeded, 1 if not; Ctrl-C stops following and leaves
+    /// the job running.
+    #[arg(long)]
+    pub follow: bool,
+    #[command(flatten)]
+    pub every: Every,
+}
+
+/// How often a followed job is polled.
+#[derive(Debug, Clone, Args)]
+pub struct Every {
+    /// Milliseconds between two polls of a followed job.
+    #[arg(long = "interval-ms", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub interval_ms: u64,
+}
+
+impl Every {
+    fn duration(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.interval_ms)
+    }
 }
 
 #[derive(Debug, Args)]
-#[command(after_help = "Examples:\n  proteus status\n  proteus status 3 --output json")]
+#[command(
+    after_help = "Examples:\n  proteus status\n  proteus status 3 --output json\n  proteus status 3 --watch"
+)]
 pub struct StatusArgs {
     #[command(flatten)]
     pub remote: Remote,
@@ -47,6 +72,12 @@ pub struct StatusArgs {
     pub id: Option<i64>,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
+    /// Watch the job until it ends: a line per change of state, progress, spend, instances or
+    /// evictions, and its events. Exit 0 if it succeeded, 1 if not; Ctrl-C stops watching.
+    #[arg(long, short = 'w', requires = "id")]
+    pub watch: bool,
+    #[command(flatten)]
+    pub every: Every,
 }
 
 #[derive(Debug, Args)]
@@ -71,6 +102,7 @@ pub struct ReportArgs {
 pub struct CancelArgs {
     #[command(flatten)]
     pub remote: Remote,
+    /// The job's id (as `proteus status` lists it).
     pub id: i64,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,
@@ -91,10 +123,21 @@ pub struct InterruptArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  proteus logs 4\n  proteus logs 4 -f                  # until the job ends\n  \
+proteus logs 4 -f --output json    # a JSON object per new chunk of output"
+)]
 pub struct LogsArgs {
     #[command(flatten)]
     pub remote: Remote,
+    /// The command job's id.
     pub id: i64,
+    /// Follow the output as the programs print it, until the job ends (exit 0 if it
+    /// succeeded, 1 if not); Ctrl-C stops following and leaves the job running.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    #[command(flatten)]
+    pub every: Every,
     /// Only this instance's output.
     #[arg(long)]
     pub instance: Option<String>,
@@ -149,6 +192,39 @@ fn certificate_problem(e: &(dyn std::error::Error + 'static)) -> Option<String> 
         next = err.source();
     }
     None
+}
+
+/// Checks `--url`: an http(s) URL of the broker's root, and says what to write instead.
+fn broker_url(text: &str) -> Result<String, String> {
+    let text = text.trim();
+    let Some((scheme, rest)) = text.split_once("://") else {
+        return Err(format!(
+            "`{text}` has no scheme: write http://{text} (or https://{text} for a broker that \
+             serves TLS)"
+        ));
+    };
+    if scheme != "http" && scheme != "https" {
+        return Err(format!(
+            "`{text}`: the broker speaks http:// or https://, not {scheme}://"
+        ));
+    }
+    let url = reqwest::Url::parse(text).map_err(|e| format!("`{text}` is not a URL: {e}"))?;
+    let root = format!(
+        "{scheme}://{}",
+        rest.split(['/', '?', '#']).next().unwrap_or_default()
+    );
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(format!(
+            "`{text}` names no host: write e.g. {scheme}://127.0.0.1:8080"
+        ));
+    }
+    if url.path() != "/" || url.query().is_some() || url.fragment().is_some() {
+        return Err(format!(
+            "`{text}`: give the broker's root URL, without a path (the API's /v1/... is added): \
+             write {root}"
+        ));
+    }
+    Ok(text.trim_end_matches('/').to_string())
 }
 
 /// A thin JSON client of the broker's API.
@@ -241,7 +317,27 @@ pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
         .with_context(|| format!("{}: cannot read", args.file.display()))?;
     let spec =
         JobSpec::parse_file(&args.file.display().to_string(), &text).map_err(anyhow::Error::msg)?;
-    let job: JobView = Client::new(&args.remote)?.post("/v1/jobs", &spec).await?;
+    let lines = match args.follow {
+        true => Some(super::follow::lines_for(args.output)?),
+        false => None,
+    };
+    let client = Client::new(&args.remote)?;
+    let job: JobView = client.post("/v1/jobs", &spec).await?;
+    if let Some(lines) = lines {
+        if lines == super::follow::Lines::Text {
+            println!(
+                "submitted job {} ({}) with policy {}; following it (Ctrl-C leaves it running)",
+                job.id, job.name, job.policy
+            );
+        }
+        let show = super::follow::Show {
+            status: true,
+            events: true,
+            output: true,
+            instance: None,
+        };
+        return super::follow::follow(&client, job.id, show, lines, args.every.duration()).await;
+    }
     if args.output == OutputFormat::Table {
         println!(
             "submitted job {} ({}) with policy {}",
@@ -259,6 +355,16 @@ pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
 
 pub async fn status(args: StatusArgs) -> Result<ExitCode> {
     let client = Client::new(&args.remote)?;
+    if let (true, Some(id)) = (args.watch, args.id) {
+        let lines = super::follow::lines_for(args.output)?;
+        let show = super::follow::Show {
+            status: true,
+            events: true,
+            output: false,
+            instance: None,
+        };
+        return super::follow::follow(&client, id, show, lines, args.every.duration()).await;
+    }
     match args.id {
         Some(id) => {
             let job: JobView = client.get(&format!("/v1/jobs/{id}")).await?;
@@ -322,6 +428,17 @@ pub async fn interrupt(args: InterruptArgs) -> Result<ExitCode> {
 
 /// `proteus logs JOB`: the newest output of a command job's program on each instance.
 pub async fn logs(args: LogsArgs) -> Result<ExitCode> {
+    if args.follow {
+        let lines = super::follow::lines_for(args.output)?;
+        let show = super::follow::Show {
+            status: false,
+            events: false,
+            output: true,
+            instance: args.instance.clone(),
+        };
+        let client = Client::new(&args.remote)?;
+        return super::follow::follow(&client, args.id, show, lines, args.every.duration()).await;
+    }
     let tails: Vec<serde_json::Value> = Client::new(&args.remote)?
         .get(&format!("/v1/jobs/{}/logs", args.id))
         .await?;
@@ -624,6 +741,34 @@ fn all_table(reports: &[(JobView, CostReport)]) -> Table {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_broker_url_is_a_root_url_and_a_wrong_one_says_what_to_write() {
+        for ok in [
+            "http://127.0.0.1:8080",
+            "http://127.0.0.1:8080/",
+            "https://broker.example.com",
+            "http://[::1]:8080",
+        ] {
+            assert_eq!(broker_url(ok).unwrap(), ok.trim_end_matches('/'), "{ok}");
+        }
+        let err = |u: &str| broker_url(u).unwrap_err();
+        assert!(
+            err("127.0.0.1:8080").contains("write http://127.0.0.1:8080"),
+            "{}",
+            err("127.0.0.1:8080")
+        );
+        assert!(err("localhost").contains("write http://localhost"));
+        let e = err("http://host:8080/v1");
+        assert!(
+            e.contains("without a path") && e.ends_with("write http://host:8080"),
+            "{e}"
+        );
+        let e = err("http://host/?x=1");
+        assert!(e.ends_with("write http://host"), "{e}");
+        assert!(err("ftp://host").contains("not ftp://"));
+        assert!(err("http://").contains("http://"));
+    }
 
     /// A broker-like HTTPS server presenting `cert` (DER) with `key` (PKCS#8 DER); its URL.
     async fn https_server(

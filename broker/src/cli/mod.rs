@@ -5,6 +5,7 @@
 
 pub mod client;
 mod demo;
+mod follow;
 mod prices;
 pub mod serve;
 mod simulate;

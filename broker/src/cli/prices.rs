@@ -64,11 +64,13 @@ pub struct IngestArgs {
 
 #[derive(Debug, Args)]
 pub struct StatsArgs {
+    /// Instance type, e.g. c3.xlarge. Default: every type.
     #[arg(long)]
     pub instance_type: Option<String>,
     /// Availability zone, e.g. us-east-1a.
     #[arg(long)]
     pub az: Option<String>,
+    /// Region, e.g. us-east-1. Default: every region.
     #[arg(long)]
     pub region: Option<String>,
     /// Window start (RFC 3339 or YYYY-MM-DD). Default: the first stored change.
@@ -83,8 +85,10 @@ pub struct StatsArgs {
 
 #[derive(Debug, Args)]
 pub struct MarketsArgs {
+    /// Instance type, e.g. c3.xlarge. Default: every type.
     #[arg(long)]
     pub instance_type: Option<String>,
+    /// Region, e.g. us-east-1. Default: every region.
     #[arg(long)]
     pub region: Option<String>,
     #[arg(long, value_enum, default_value_t)]
