@@ -258,6 +258,44 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
     browser.wait_text("#events-table", "launched").await;
     browser.screenshot("job").await;
 
+    // A spot instance warned of its end runs on until it leaves: the page shows it as leaving,
+    // beside the instances that stay, as the API does.
+    let job = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            DEADLINE,
+            "a running spot instance",
+            |j| {
+                j["instances"].as_array().is_some_and(|a| {
+                    a.iter()
+                        .any(|i| i["tier"] == "transient" && i["state"] == "running")
+                })
+            },
+        )
+        .await;
+    let spot = job["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["tier"] == "transient" && i["state"] == "running")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (code, _, err) = proteus_e2e::proteus(None, &["interrupt", &spot], &broker.user_env());
+    assert_eq!(code, 0, "proteus interrupt: {err}");
+    api.wait_for(
+        &format!("/v1/jobs/{id}"),
+        DEADLINE,
+        "the warned instance counted as leaving",
+        |j| j["leaving_by_tier"]["transient"] == 1,
+    )
+    .await;
+    browser
+        .wait_text("dd[data-fact=\"instances\"]", "(+1 leaving)")
+        .await;
+    browser.screenshot("job-leaving").await;
+
     // Cancel: two clicks (the first arms the button), then the API says it is cancelled.
     let cancel = browser.client.find(Locator::Id("cancel")).await.unwrap();
     cancel.click().await.unwrap();

@@ -543,6 +543,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         "metric",
         "reliable",
         "spot",
+        "leaving",
         "evictions",
         "spend",
     ]);
@@ -564,6 +565,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
                 .copied()
                 .unwrap_or(0)
                 .to_string(),
+            j.leaving_by_tier.values().sum::<u32>().to_string(),
             j.evictions.to_string(),
             j.spend_usd.to_string(),
         ]);
@@ -571,9 +573,17 @@ fn jobs_table(jobs: &[JobView]) -> Table {
     t
 }
 
+/// ` (+3 leaving)` when instances were warned and still run; empty otherwise.
+pub(crate) fn leaving_text(j: &JobView) -> String {
+    match j.leaving_by_tier.values().sum::<u32>() {
+        0 => String::new(),
+        n => format!(" (+{n} leaving)"),
+    }
+}
+
 fn job_detail(j: &JobView) -> String {
     let mut out = format!(
-        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot; {} evictions\n",
+        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot{}; {} evictions\n",
         j.id,
         j.name,
         j.state,
@@ -591,6 +601,7 @@ fn job_detail(j: &JobView) -> String {
         j.budget_usd.map(|b| format!(" of {b}")).unwrap_or_default(),
         j.instances_by_tier.get("reliable").copied().unwrap_or(0),
         j.instances_by_tier.get("transient").copied().unwrap_or(0),
+        leaving_text(j),
         j.evictions,
     );
     out.push_str(&format!(

@@ -394,7 +394,7 @@ fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
         })
         .unwrap_or_else(|| "-".into());
     bar.set_message(format!(
-        "{} | spent {} | on-demand {}, spot {} | evictions {} | {metric}",
+        "{} | spent {} | on-demand {}, spot {}{} | evictions {} | {metric}",
         now.to_datetime().format("%m-%d %H:%M"),
         view.spend_usd,
         view.instances_by_tier.get("reliable").copied().unwrap_or(0),
@@ -402,6 +402,7 @@ fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
             .get("transient")
             .copied()
             .unwrap_or(0),
+        super::client::leaving_text(view),
         view.evictions,
     ));
 }

@@ -62,6 +62,7 @@ pub enum Line {
         progress: f64,
         spend_usd: f64,
         instances: BTreeMap<String, u32>,
+        leaving: BTreeMap<String, u32>,
         evictions: u32,
     },
     Event {
@@ -88,6 +89,7 @@ impl Line {
                 progress,
                 spend_usd,
                 instances,
+                leaving,
                 evictions,
             } => {
                 let held = if instances.is_empty() {
@@ -99,8 +101,12 @@ impl Line {
                         .collect::<Vec<_>>()
                         .join(", ")
                 };
+                let leaving = match leaving.values().sum::<u32>() {
+                    0 => String::new(),
+                    n => format!(" (+{n} leaving)"),
+                };
                 format!(
-                    "[status] {state}: {:.1}% done, spend ${spend_usd:.4}, {held}, {evictions} eviction{}",
+                    "[status] {state}: {:.1}% done, spend ${spend_usd:.4}, {held}{leaving}, {evictions} eviction{}",
                     progress * 100.0,
                     if *evictions == 1 { "" } else { "s" }
                 )
@@ -179,6 +185,7 @@ impl Follower {
             progress: (job.progress * 1000.0).round() / 1000.0,
             spend_usd: (job.spend_usd.get() * 10_000.0).round() / 10_000.0,
             instances: job.instances_by_tier.clone(),
+            leaving: job.leaving_by_tier.clone(),
             evictions: job.evictions,
         };
         if self.last_status.as_ref() != Some(&status) {
@@ -331,7 +338,8 @@ mod tests {
             "billing": "hourly", "created": "2015-05-01T00:00:00Z", "started": null,
             "finished": null, "progress": progress, "metric": null, "stage": null,
             "sync": "bsp", "spend_usd": spend, "budget_usd": null, "deadline": null,
-            "evictions": 0, "instances_by_tier": {"reliable": 1}, "instances": [],
+            "evictions": 0, "instances_by_tier": {"reliable": 1}, "leaving_by_tier": {},
+            "instances": [],
             "held": null, "unavailable_markets": [],
             "work": {"done_units": 0.0, "expected_units": null, "eta": null}
         }))

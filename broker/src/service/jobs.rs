@@ -50,8 +50,12 @@ pub struct JobView {
     pub budget_usd: Option<Usd>,
     pub deadline: Option<String>,
     pub evictions: u32,
-    /// Live instances per tier: `reliable` (on-demand), `transient` (spot).
+    /// Live instances per tier that stay: `reliable` (on-demand), `transient` (spot). Warned
+    /// instances are not among them: see `leaving_by_tier`.
     pub instances_by_tier: BTreeMap<String, u32>,
+    /// Instances per tier that were warned of their end (a spot interruption notice) and still
+    /// run until they leave: over the limits for a while, as their replacements start.
+    pub leaving_by_tier: BTreeMap<String, u32>,
     pub instances: Vec<InstanceSummary>,
     /// Why launches are being held back, if they are (e.g. the budget).
     pub held: Option<String>,
@@ -149,6 +153,11 @@ pub(super) fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
 
 fn ts(t: Option<Timestamp>) -> Option<String> {
     t.map(|t| t.to_string())
+}
+
+/// A live instance that was warned of its end and will leave.
+fn is_leaving(i: &InstanceRow) -> bool {
+    i.state == InstanceState::Warned || i.warned.is_some()
 }
 
 fn is_live(i: &InstanceRow) -> bool {
@@ -273,8 +282,13 @@ impl Broker {
     ) -> JobView {
         let mut by_tier =
             BTreeMap::from([("reliable".to_string(), 0), ("transient".to_string(), 0)]);
+        let mut leaving = by_tier.clone();
         for i in instances.iter().filter(|i| is_live(i)) {
-            *by_tier.entry(i.tier.to_string()).or_insert(0) += 1;
+            let count = match is_leaving(i) {
+                true => &mut leaving,
+                false => &mut by_tier,
+            };
+            *count.entry(i.tier.to_string()).or_insert(0) += 1;
         }
         let (stage, ranks) = self
             .control
@@ -329,6 +343,7 @@ impl Broker {
             deadline: ts(job.deadline),
             evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
             instances_by_tier: by_tier,
+            leaving_by_tier: leaving,
             instances: instances
                 .iter()
                 .map(|i| {

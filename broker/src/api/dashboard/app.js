@@ -97,6 +97,12 @@ function table(id, headers, rows) {
     h("tbody", {}, rows));
 }
 
+// " (+3 leaving)" when warned instances still run until they leave; "" otherwise.
+function leavingText(j) {
+  const n = Object.values(j.leaving_by_tier || {}).reduce((a, b) => a + b, 0);
+  return n > 0 ? " (+" + n + " leaving)" : "";
+}
+
 function stateBadge(state, id) {
   return h("span", { class: "state state-" + state, id }, state);
 }
@@ -167,7 +173,7 @@ function jobsView(view) {
           j.budget_usd ? bar(j.spend_usd / j.budget_usd, j.spend_usd > j.budget_usd) : null),
         h("td", { class: "num" }, counterfactual(c && c.cost, "on-demand")),
         h("td", { class: "num" }, counterfactual(c && c.cost, "standard-bidding")),
-        h("td", { class: "num" }, (j.instances_by_tier.reliable || 0) + " / " + (j.instances_by_tier.transient || 0)),
+        h("td", { class: "num instances" }, (j.instances_by_tier.reliable || 0) + " / " + (j.instances_by_tier.transient || 0) + leavingText(j)),
         h("td", { class: "num" }, j.evictions),
         h("td", {}, metric));
     });
@@ -250,7 +256,7 @@ function jobView(view, id) {
       ["policy", j.policy + " (" + j.billing + ")"],
       ["progress", pct(j.progress)],
       ["spend", usd(j.spend_usd) + (j.budget_usd ? " of " + usd(j.budget_usd) + " budget" : "")],
-      ["instances", (j.instances_by_tier.reliable || 0) + " on-demand, " + (j.instances_by_tier.transient || 0) + " spot"],
+      ["instances", (j.instances_by_tier.reliable || 0) + " on-demand, " + (j.instances_by_tier.transient || 0) + " spot" + leavingText(j)],
       ["evictions", j.evictions],
       ["stage", j.stage || "–"],
       ["sync", j.sync],
