@@ -16,11 +16,73 @@ pub enum OutputFormat {
     Csv,
 }
 
-/// A table: a header and rows of already-formatted cells.
+/// A table: a header and rows of cells.
 #[derive(Debug, Clone, Default)]
 pub struct Table {
     pub header: Vec<String>,
-    pub rows: Vec<Vec<String>>,
+    pub rows: Vec<Vec<Cell>>,
+}
+
+/// One cell: what people read in a table (`$0.4092`, `42.0%`) and what a script reads in CSV
+/// (`0.4092`, `0.42`: plain numbers, percentages as fractions as in the JSON).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cell {
+    pub shown: String,
+    pub plain: String,
+}
+
+impl Cell {
+    /// Dollars.
+    pub fn usd(v: crate::market::Usd) -> Cell {
+        Cell {
+            shown: v.to_string(),
+            plain: v.get().to_string(),
+        }
+    }
+
+    /// Dollars, from a plain number (shown with four decimals).
+    pub fn dollars(v: f64) -> Cell {
+        Cell {
+            shown: format!("${v:.4}"),
+            plain: v.to_string(),
+        }
+    }
+
+    /// A fraction, shown as a percentage.
+    pub fn pct(fraction: f64) -> Cell {
+        Cell {
+            shown: pct(fraction),
+            plain: fraction.to_string(),
+        }
+    }
+
+    /// Absent or unknown: `?` for people, empty in CSV.
+    pub fn unknown() -> Cell {
+        Cell {
+            shown: "?".into(),
+            plain: String::new(),
+        }
+    }
+
+    /// `f` of the value, or [`Cell::unknown`].
+    pub fn or_unknown<T>(v: Option<T>, f: impl FnOnce(T) -> Cell) -> Cell {
+        v.map_or_else(Cell::unknown, f)
+    }
+}
+
+impl From<String> for Cell {
+    fn from(s: String) -> Cell {
+        Cell {
+            shown: s.clone(),
+            plain: s,
+        }
+    }
+}
+
+impl From<&str> for Cell {
+    fn from(s: &str) -> Cell {
+        Cell::from(s.to_string())
+    }
 }
 
 impl Table {
@@ -31,8 +93,8 @@ impl Table {
         }
     }
 
-    pub fn push(&mut self, row: Vec<String>) {
-        self.rows.push(row);
+    pub fn push<C: Into<Cell>>(&mut self, row: impl IntoIterator<Item = C>) {
+        self.rows.push(row.into_iter().map(Into::into).collect());
     }
 
     /// Renders through comfy-table: columns padded to their widest cell, a rule under the
@@ -58,13 +120,16 @@ impl Table {
             .set_content_arrangement(ContentArrangement::Disabled)
             .set_header(self.header.clone());
         for row in &self.rows {
-            table.add_row((0..cols).map(|i| row.get(i).cloned().unwrap_or_default()));
+            table.add_row(
+                (0..cols).map(|i| row.get(i).map(|c| c.shown.clone()).unwrap_or_default()),
+            );
         }
         for i in 0..cols {
             let numeric = i > 0
                 && !self.rows.is_empty()
                 && self.rows.iter().all(|r| {
                     r.get(i)
+                        .map(|c| c.shown.as_str())
                         .is_none_or(|c| c.is_empty() || c == "?" || is_number(c))
                 });
             if let Some(column) = table.column_mut(i) {
@@ -83,7 +148,7 @@ impl Table {
         let mut w = csv::Writer::from_writer(Vec::new());
         let _ = w.write_record(&self.header);
         for row in &self.rows {
-            let _ = w.write_record(row);
+            let _ = w.write_record(row.iter().map(|c| c.plain.as_str()));
         }
         String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default()
     }
@@ -116,14 +181,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tables_align_numbers_right() {
-        let mut t = Table::new(&["market", "price"]);
-        t.push(vec!["a".into(), "$1.5".into()]);
-        t.push(vec!["bbbbbb".into(), "$10.25".into()]);
+    fn tables_align_numbers_right_and_csv_has_plain_numbers() {
+        let mut t = Table::new(&["market", "price", "share"]);
+        t.push([Cell::from("a"), Cell::dollars(1.5), Cell::pct(0.25)]);
+        t.push([Cell::from("bbbbbb"), Cell::dollars(10.25), Cell::unknown()]);
         assert_eq!(
             t.render(),
-            "market   price\n------- ------\na         $1.5\nbbbbbb  $10.25\n"
+            "market     price  share\n------- --------- -----\na        $1.5000  25.0%\nbbbbbb  $10.2500      ?\n"
         );
-        assert_eq!(t.to_csv(), "market,price\na,$1.5\nbbbbbb,$10.25\n");
+        assert_eq!(
+            t.to_csv(),
+            "market,price,share\na,1.5,0.25\nbbbbbb,10.25,\n"
+        );
     }
 }

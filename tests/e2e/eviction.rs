@@ -54,6 +54,20 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     );
 
     let api = broker.client();
+    // The job's end releases its instances; their ends (an eviction for a warned one) are
+    // recorded when the cloud reports them, a tick or two later.
+    let job = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(60),
+            "every instance's end recorded",
+            |j| {
+                j["instances"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(|i| i["ended"].is_string()))
+            },
+        )
+        .await;
     let events = api.get(&format!("/v1/jobs/{id}/events")).await;
     let events = events.as_array().unwrap();
     let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
@@ -85,7 +99,8 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
         assert_eq!(inst["tier"], "transient");
         let mut own: Vec<&serde_json::Value> =
             lines.iter().filter(|l| l["instance_id"] == iid).collect();
-        own.sort_by_key(|l| l["start"].as_i64().unwrap());
+        // RFC 3339 in one format: ordered as text.
+        own.sort_by_key(|l| l["start"].as_str().unwrap().to_string());
         assert_eq!(
             own.last().map(|l| &l["free"]),
             Some(&serde_json::json!(true)),

@@ -1,7 +1,7 @@
 //! The user commands that talk to a running broker: `submit`, `status`, `report`, `cancel`.
 
 use crate::market::Usd;
-use crate::output::{OutputFormat, Table, emit, pct};
+use crate::output::{Cell, OutputFormat, Table, emit, pct};
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use anyhow::{Context, Result, bail};
@@ -548,26 +548,19 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         "spend",
     ]);
     for j in jobs {
-        t.push(vec![
-            j.id.to_string(),
-            j.name.clone(),
-            j.state.clone(),
-            j.policy.clone(),
-            pct(j.progress),
-            metric_text(&j.metric),
-            j.instances_by_tier
-                .get("reliable")
-                .copied()
-                .unwrap_or(0)
-                .to_string(),
-            j.instances_by_tier
-                .get("transient")
-                .copied()
-                .unwrap_or(0)
-                .to_string(),
-            j.leaving_by_tier.values().sum::<u32>().to_string(),
-            j.evictions.to_string(),
-            j.spend_usd.to_string(),
+        let count = |n: u32| Cell::from(n.to_string());
+        t.push([
+            Cell::from(j.id.to_string()),
+            j.name.as_str().into(),
+            j.state.as_str().into(),
+            j.policy.as_str().into(),
+            Cell::pct(j.progress),
+            metric_text(&j.metric).into(),
+            count(j.instances_by_tier.get("reliable").copied().unwrap_or(0)),
+            count(j.instances_by_tier.get("transient").copied().unwrap_or(0)),
+            count(j.leaving_by_tier.values().sum::<u32>()),
+            count(j.evictions),
+            Cell::usd(j.spend_usd),
         ]);
     }
     t
@@ -719,28 +712,16 @@ fn all_table(reports: &[(JobView, CostReport)]) -> Table {
         "vs standard",
     ]);
     for (j, r) in reports {
-        let saving = |k: &str| {
-            r.savings
-                .get(k)
-                .map(|s| pct(*s))
-                .unwrap_or_else(|| "-".into())
-        };
-        t.push(vec![
-            j.id.to_string(),
-            j.name.clone(),
-            j.state.clone(),
-            r.total_usd.to_string(),
-            r.by_tier
-                .get("reliable")
-                .copied()
-                .unwrap_or(Usd::ZERO)
-                .to_string(),
-            r.by_tier
-                .get("transient")
-                .copied()
-                .unwrap_or(Usd::ZERO)
-                .to_string(),
-            r.evictions.to_string(),
+        let saving = |k: &str| Cell::or_unknown(r.savings.get(k).copied(), Cell::pct);
+        let tier = |k: &str| Cell::usd(r.by_tier.get(k).copied().unwrap_or(Usd::ZERO));
+        t.push([
+            Cell::from(j.id.to_string()),
+            j.name.as_str().into(),
+            j.state.as_str().into(),
+            Cell::usd(r.total_usd),
+            tier("reliable"),
+            tier("transient"),
+            Cell::from(r.evictions.to_string()),
             saving("on-demand"),
             saving("standard-bidding"),
         ]);

@@ -2,7 +2,7 @@
 
 use super::GlobalArgs;
 use crate::market::{InstanceType, Region, Timestamp, UsdPerHour, Zone};
-use crate::output::{OutputFormat, Table, emit, pct};
+use crate::output::{Cell, OutputFormat, Table, emit};
 use crate::prices::{MarketStats, files, stats};
 use crate::store::{IngestCounts, MarketFilter, Store};
 use anyhow::{Context, Result, bail};
@@ -199,22 +199,18 @@ pub(super) fn stats_table(rows: &[MarketStats]) -> Table {
         "spells",
     ]);
     for s in rows {
-        t.push(vec![
-            s.market.clone(),
-            s.changes.to_string(),
-            s.first.map(|t| t.to_string()).unwrap_or_default(),
-            s.last.map(|t| t.to_string()).unwrap_or_default(),
+        t.push([
+            Cell::from(s.market.clone()),
+            Cell::from(s.changes.to_string()),
+            Cell::from(s.first.map(|t| t.to_string()).unwrap_or_default()),
+            Cell::from(s.last.map(|t| t.to_string()).unwrap_or_default()),
             hour(s.min_usd),
             hour(s.median_usd),
             hour(s.max_usd),
             hour(s.time_weighted_mean_usd),
-            s.on_demand_usd.map(hour).unwrap_or_else(|| "?".into()),
-            s.fraction_above_on_demand
-                .map(pct)
-                .unwrap_or_else(|| "?".into()),
-            s.spells_above_on_demand
-                .map(|n| n.to_string())
-                .unwrap_or_else(|| "?".into()),
+            Cell::or_unknown(s.on_demand_usd, hour),
+            Cell::or_unknown(s.fraction_above_on_demand, Cell::pct),
+            Cell::or_unknown(s.spells_above_on_demand, |n| Cell::from(n.to_string())),
         ]);
     }
     t
@@ -373,6 +369,7 @@ async fn ingest_from_ec2(_: &Store, _: &Region, _: &IngestArgs) -> Result<Ingest
 }
 
 /// A price as what an hour of it costs, printed like every amount (the columns are per hour).
-fn hour(p: UsdPerHour) -> String {
-    p.for_hours(1.0).to_string()
+/// An hour at price `p`, as dollars (USD per hour).
+fn hour(p: UsdPerHour) -> Cell {
+    Cell::usd(p.for_hours(1.0))
 }

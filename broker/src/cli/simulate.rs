@@ -8,7 +8,7 @@ use crate::market::{Region, Timestamp};
 use crate::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
-use crate::output::{OutputFormat, Table, emit, pct};
+use crate::output::{Cell, OutputFormat, Table, emit};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::service::spec::JobSpec;
 use crate::sim::inputs::{check_policy, load_history};
@@ -369,8 +369,8 @@ fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> 
     Ok(())
 }
 
-fn ratio(v: Option<f64>) -> String {
-    v.map(pct).unwrap_or_else(|| "?".into())
+fn ratio(v: Option<f64>) -> Cell {
+    Cell::or_unknown(v, Cell::pct)
 }
 
 fn summary_table(rows: &[PolicySummary]) -> Table {
@@ -391,21 +391,28 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
         "units/h held",
     ]);
     for s in rows {
-        t.push(vec![
-            s.policy.clone(),
-            s.runs.to_string(),
-            s.median_cost_usd.to_string(),
-            format!("{}–{}", s.p10_cost_usd, s.p90_cost_usd),
-            format!("{:.2}", s.median_runtime_hours),
-            format!("{:.2}–{:.2}", s.p10_runtime_hours, s.p90_runtime_hours),
-            format!("{:.0}", s.median_evictions),
-            format!("{:.1}", s.median_instance_hours_reliable),
-            format!("{:.1}", s.median_instance_hours_transient),
-            format!("{:.1}", s.median_free_instance_hours),
+        let text = |v: String| Cell::from(v);
+        t.push([
+            text(s.policy.clone()),
+            text(s.runs.to_string()),
+            Cell::usd(s.median_cost_usd),
+            Cell {
+                shown: format!("{}–{}", s.p10_cost_usd, s.p90_cost_usd),
+                plain: format!("{}–{}", s.p10_cost_usd.get(), s.p90_cost_usd.get()),
+            },
+            text(format!("{:.2}", s.median_runtime_hours)),
+            text(format!(
+                "{:.2}–{:.2}",
+                s.p10_runtime_hours, s.p90_runtime_hours
+            )),
+            text(format!("{:.0}", s.median_evictions)),
+            text(format!("{:.1}", s.median_instance_hours_reliable)),
+            text(format!("{:.1}", s.median_instance_hours_transient)),
+            text(format!("{:.1}", s.median_free_instance_hours)),
             ratio(s.cost_ratio_vs_on_demand),
             ratio(s.cost_ratio_vs_standard),
             ratio(s.runtime_ratio_vs_standard),
-            format!("{:.1}", s.median_capacity_units_per_hour),
+            text(format!("{:.1}", s.median_capacity_units_per_hour)),
         ]);
     }
     t
@@ -424,12 +431,12 @@ fn breakdown_table(rows: &[PolicySummary]) -> Table {
         "median cost vs standard",
     ]);
     for s in rows {
-        t.push(vec![
-            s.policy.clone(),
-            format!("${:.4}", s.median_usd_per_paid_unit_hour),
-            pct(s.median_paid_share),
-            pct(s.median_useful_fraction),
-            format!("{:.1}", s.median_lost_work),
+        t.push([
+            Cell::from(s.policy.clone()),
+            Cell::dollars(s.median_usd_per_paid_unit_hour),
+            Cell::pct(s.median_paid_share),
+            Cell::pct(s.median_useful_fraction),
+            Cell::from(format!("{:.1}", s.median_lost_work)),
             ratio(s.median_cost_ratio_vs_on_demand),
             ratio(s.median_cost_ratio_vs_standard),
         ]);

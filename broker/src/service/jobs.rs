@@ -127,8 +127,7 @@ pub struct CostReport {
     pub counterfactuals: Vec<ledger::Counterfactual>,
     /// `1 - total / counterfactual` for each baseline with a cost.
     pub savings: BTreeMap<String, f64>,
-    #[schema(value_type = Vec<Object>)]
-    pub lines: Vec<crate::store::LedgerLine>,
+    pub lines: Vec<LedgerLineView>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -149,6 +148,35 @@ pub(super) fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
         .and_then(|s| s.training)
         .and_then(|t| t.sync_model().ok().flatten())
         .unwrap_or_default()
+}
+
+/// One billed segment of an instance, as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LedgerLineView {
+    pub instance_id: String,
+    /// RFC 3339, market time.
+    pub start: String,
+    /// RFC 3339, market time.
+    pub end: String,
+    #[schema(value_type = f64)]
+    pub usd_per_hour: UsdPerHour,
+    #[schema(value_type = f64)]
+    pub amount_usd: Usd,
+    /// Waived: a provider-ended partial hour under hourly billing.
+    pub free: bool,
+}
+
+impl From<&crate::store::LedgerLine> for LedgerLineView {
+    fn from(l: &crate::store::LedgerLine) -> Self {
+        LedgerLineView {
+            instance_id: l.instance_id.clone(),
+            start: l.start.to_string(),
+            end: l.end.to_string(),
+            usd_per_hour: l.usd_per_hour,
+            amount_usd: l.amount_usd,
+            free: l.free,
+        }
+    }
 }
 
 fn ts(t: Option<Timestamp>) -> Option<String> {
@@ -524,7 +552,7 @@ impl Broker {
             work_note,
             counterfactuals,
             savings,
-            lines,
+            lines: lines.iter().map(LedgerLineView::from).collect(),
         })
     }
 

@@ -403,6 +403,16 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
         .iter()
         .map(|l| l["amount_usd"].as_f64().unwrap())
         .sum();
+    // Times in RFC 3339, as everywhere else in the API.
+    for l in cost["lines"].as_array().unwrap() {
+        for k in ["start", "end"] {
+            let t = l[k].as_str().unwrap_or_else(|| panic!("{k} of {l}"));
+            assert!(
+                chrono::DateTime::parse_from_rfc3339(t).is_ok(),
+                "{k} of {l}"
+            );
+        }
+    }
     let tiers: f64 = cost["by_tier"]
         .as_object()
         .unwrap()

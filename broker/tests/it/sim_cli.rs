@@ -108,6 +108,55 @@ fn compare_prints_one_json_object_per_policy_with_the_contract_fields() {
 }
 
 #[test]
+fn csv_has_plain_numbers_where_the_table_shows_dollars_and_percentages() {
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let run = |output: &str| {
+        let out = simulate(
+            &trace,
+            &od,
+            &job,
+            &[
+                "--compare",
+                "bidbrain",
+                "on-demand",
+                "--starts",
+                "2",
+                "--seed",
+                "7",
+                "--output",
+                output,
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = run("table");
+    assert!(table.contains('$') && table.contains('%'), "{table}");
+    let csv = run("csv");
+    assert!(!csv.contains('$') && !csv.contains('%'), "{csv}");
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let (cost, vs_od) = (col("cost median"), col("vs on-demand"));
+    for line in lines.filter(|l| !l.is_empty()) {
+        let cells: Vec<&str> = line.split(',').collect();
+        let usd: f64 = cells[cost]
+            .parse()
+            .unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(usd > 0.0, "{line}");
+        // A fraction, as in the JSON (the table shows it as a percentage).
+        let ratio: f64 = cells[vs_od]
+            .parse()
+            .unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(ratio > 0.0 && ratio < 5.0, "{line}");
+    }
+}
+
+#[test]
 fn help_shows_examples() {
     let out = proteus(&["simulate", "--help"]);
     assert!(out.status.success());
