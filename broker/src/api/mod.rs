@@ -10,6 +10,7 @@ pub mod error;
 mod guard;
 mod openapi;
 pub mod server;
+pub mod spec_doc;
 pub mod tls;
 
 use crate::market::{Market, Timestamp, UsdPerHour};

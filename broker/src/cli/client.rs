@@ -28,13 +28,14 @@ pub struct Remote {
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json\n  \
-proteus submit examples/command/job.toml --follow   # its events, status and output until it ends"
+    after_help = "Every field of a job spec: docs/job-spec.md (or `proteus openapi --job-spec`).\n\n\
+Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json\n  \
+proteus submit examples/jobs/mnist.toml --follow   # its events, status and output until it ends"
 )]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub remote: Remote,
-    /// A job spec, TOML or JSON (see examples/jobs/mnist.toml).
+    /// A job spec, TOML or JSON (see examples/jobs/mnist.toml and docs/job-spec.md).
     pub file: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     pub output: OutputFormat,

@@ -77,8 +77,8 @@ pub enum Command {
     Interrupt(client::InterruptArgs),
     /// The newest output of a command job's program, per instance.
     Logs(client::LogsArgs),
-    /// Print the REST API's OpenAPI document.
-    Openapi,
+    /// Print the REST API's OpenAPI document (or, with --job-spec, the job spec reference).
+    Openapi(OpenapiArgs),
     /// Run the broker service (REST API, scheduler, cloud driver).
     Serve(Box<serve::ServeArgs>),
     /// Spot and on-demand price history.
@@ -94,6 +94,17 @@ impl Command {
     pub fn prints_for_a_reader(&self) -> bool {
         !matches!(self, Command::Serve(_) | Command::Demo(_))
     }
+}
+
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  proteus openapi > openapi.json\n  proteus openapi --job-spec > docs/job-spec.md"
+)]
+pub struct OpenapiArgs {
+    /// Print the job spec reference (Markdown, as docs/job-spec.md) instead: every field with
+    /// its type, bounds, an example and what it means, from the same schema.
+    #[arg(long)]
+    pub job_spec: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -159,8 +170,11 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Prices(cmd) => prices::run(&cli.global, cmd).await,
         Command::Serve(args) => serve::run(&cli.global, *args).await,
         Command::Submit(args) => client::submit(args).await,
-        Command::Openapi => {
-            println!("{}", crate::api::openapi_json());
+        Command::Openapi(args) => {
+            match args.job_spec {
+                true => print!("{}", crate::api::spec_doc::job_spec_reference()),
+                false => println!("{}", crate::api::openapi_json()),
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Status(args) => client::status(args).await,

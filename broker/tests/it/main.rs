@@ -11,6 +11,7 @@ mod cli_prices;
 mod dos;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
+mod job_spec_doc;
 mod sim_cli;
 mod sim_policies;
 mod store_jobs;
