@@ -8,7 +8,7 @@
 //! state over and training goes on. The demo steps market time itself (see
 //! [`Pacing::Modelled`]) so that the same seed gives the same decisions and the same cost.
 
-use super::GlobalArgs;
+use super::DatabaseArgs;
 use crate::chart::Format;
 use crate::clock::{Clock, ManualClock, SharedClock};
 use crate::market::Timestamp;
@@ -44,6 +44,9 @@ pub enum DemoApp {
     proteus demo --job examples/jobs/demo.toml --policy on-demand --start 2015-05-03T00:00:00Z\n  \
     proteus demo --keep-serving   # then open the printed dashboard URL")]
 pub struct DemoArgs {
+    /// Database URL. Default: a fresh SQLite file in the demo's output directory.
+    #[arg(long, env = "PROTEUS_DATABASE_URL")]
+    pub database_url: Option<String>,
     /// The job (a job spec, as `proteus submit` and `proteus simulate --job` take it).
     /// Default: the repository's examples/jobs/demo.toml. The flags below override its fields.
     #[arg(long, value_name = "FILE")]
@@ -102,10 +105,13 @@ pub struct DemoResult {
     pub decisions_digest: String,
 }
 
-pub async fn run(global: &GlobalArgs, args: DemoArgs) -> Result<ExitCode> {
+pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let out = output_dir(args.out.clone())?;
-    let (store, db_note) = open_store(global, &out).await?;
+    let database = DatabaseArgs {
+        database_url: args.database_url.clone(),
+    };
+    let (store, db_note) = open_store(&database, &out).await?;
     let start = Timestamp::parse(&args.start).context("--start")?;
     if !(args.speed > 0.0 && args.step_secs > 0.0) {
         bail!("--speed and --step-secs must be positive");
@@ -290,9 +296,9 @@ fn tempfile_writable(dir: &std::path::Path) -> bool {
 
 /// The demo's own database: a fresh SQLite file each run (so runs are comparable), unless
 /// `--database-url` names one.
-async fn open_store(global: &GlobalArgs, out: &std::path::Path) -> Result<(Store, String)> {
-    if global.database_url.is_some() {
-        let store = global.open_store().await?;
+async fn open_store(database: &DatabaseArgs, out: &std::path::Path) -> Result<(Store, String)> {
+    if database.database_url.is_some() {
+        let store = database.open_store().await?;
         let url = store.url().to_string();
         return Ok((store, url));
     }

@@ -38,10 +38,6 @@ pub struct Cli {
 
 #[derive(Debug, Args)]
 pub struct GlobalArgs {
-    /// Database URL (`postgres://…` or `sqlite://…`). Default: a SQLite file under your data
-    /// directory (e.g. ~/.local/share/proteus/proteus.db).
-    #[arg(long, env = "PROTEUS_DATABASE_URL", global = true)]
-    pub database_url: Option<String>,
     /// Log format on stderr.
     #[arg(long, env = "PROTEUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
@@ -80,7 +76,7 @@ pub enum Command {
     /// Print the REST API's OpenAPI document (or, with --job-spec, the job spec reference).
     Openapi(OpenapiArgs),
     /// Run the broker service (REST API, scheduler, cloud driver).
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<ServeCommand>),
     /// Spot and on-demand price history.
     #[command(subcommand)]
     Prices(prices::PricesCommand),
@@ -110,10 +106,35 @@ pub struct OpenapiArgs {
 #[derive(Debug, Subcommand)]
 pub enum DbCommand {
     /// Apply pending schema migrations.
-    Migrate,
+    Migrate(MigrateArgs),
 }
 
-impl GlobalArgs {
+/// The database, for the commands that open it (not the clients of a running broker).
+#[derive(Debug, Clone, Default, Args)]
+pub struct DatabaseArgs {
+    /// Database URL (`postgres://…` or `sqlite://…`). Default: a SQLite file under your data
+    /// directory (e.g. ~/.local/share/proteus/proteus.db).
+    #[arg(long, env = "PROTEUS_DATABASE_URL")]
+    pub database_url: Option<String>,
+}
+
+/// `proteus serve`'s flags: its database and the broker's own.
+#[derive(Debug, Args)]
+pub struct ServeCommand {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub serve: serve::ServeArgs,
+}
+
+/// `proteus db migrate`'s flags.
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+}
+
+impl DatabaseArgs {
     pub fn database_url(&self) -> String {
         self.database_url
             .clone()
@@ -161,14 +182,14 @@ fn init_tracing_with_default(global: &GlobalArgs, default: &str) {
 /// 2 bad usage (printed by clap).
 pub async fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Demo(args) => demo::run(&cli.global, args).await,
-        Command::Db(DbCommand::Migrate) => {
-            let store = cli.global.open_store().await?;
+        Command::Demo(args) => demo::run(args).await,
+        Command::Db(DbCommand::Migrate(args)) => {
+            let store = args.database.open_store().await?;
             println!("migrations applied to {}", store.url());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Prices(cmd) => prices::run(&cli.global, cmd).await,
-        Command::Serve(args) => serve::run(&cli.global, *args).await,
+        Command::Prices(cmd) => prices::run(cmd).await,
+        Command::Serve(cmd) => serve::run(cmd.database, cmd.serve).await,
         Command::Submit(args) => client::submit(args).await,
         Command::Openapi(args) => {
             match args.job_spec {

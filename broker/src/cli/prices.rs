@@ -1,6 +1,6 @@
 //! `proteus prices …`: ingest price history and summarise it.
 
-use super::GlobalArgs;
+use super::DatabaseArgs;
 use crate::market::{InstanceType, Region, Timestamp, UsdPerHour, Zone};
 use crate::output::{Cell, OutputFormat, Table, emit};
 use crate::prices::{MarketStats, files, stats};
@@ -34,6 +34,8 @@ pub enum PricesCommand {
 
 #[derive(Debug, Args)]
 pub struct IngestArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
     /// Spot price file(s): CSV with columns timestamp, availability_zone, instance_type,
     /// product_description, spot_price; or the JSON of `aws ec2 describe-spot-price-history`.
     #[arg(long = "file", value_name = "FILE")]
@@ -64,6 +66,8 @@ pub struct IngestArgs {
 
 #[derive(Debug, Args)]
 pub struct StatsArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
     /// Instance type, e.g. c3.xlarge. Default: every type.
     #[arg(long)]
     pub instance_type: Option<String>,
@@ -85,6 +89,8 @@ pub struct StatsArgs {
 
 #[derive(Debug, Args)]
 pub struct MarketsArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
     /// Instance type, e.g. c3.xlarge. Default: every type.
     #[arg(long)]
     pub instance_type: Option<String>,
@@ -95,12 +101,12 @@ pub struct MarketsArgs {
     pub output: OutputFormat,
 }
 
-pub async fn run(global: &GlobalArgs, cmd: PricesCommand) -> Result<ExitCode> {
+pub async fn run(cmd: PricesCommand) -> Result<ExitCode> {
     // Ingestion opens the store itself, so that parsing overlaps the connection.
     match cmd {
-        PricesCommand::Ingest(args) => ingest(global, args).await,
-        PricesCommand::Stats(args) => stats(&global.open_store().await?, args).await,
-        PricesCommand::Markets(args) => markets(&global.open_store().await?, args).await,
+        PricesCommand::Ingest(args) => ingest(args).await,
+        PricesCommand::Stats(args) => stats(&args.database.open_store().await?, args).await,
+        PricesCommand::Markets(args) => markets(&args.database.open_store().await?, args).await,
     }
 }
 
@@ -229,7 +235,7 @@ pub struct IngestReport {
     pub seconds: f64,
 }
 
-async fn ingest(global: &GlobalArgs, args: IngestArgs) -> Result<ExitCode> {
+async fn ingest(args: IngestArgs) -> Result<ExitCode> {
     if args.files.is_empty() && args.on_demand.is_empty() && !args.from_ec2 {
         bail!("nothing to ingest: give --file, --on-demand or --from-ec2 (see --help)");
     }
@@ -247,7 +253,7 @@ async fn ingest(global: &GlobalArgs, args: IngestArgs) -> Result<ExitCode> {
             }
         }
     });
-    let store = global.open_store().await?;
+    let store = args.database.open_store().await?;
     let store = &store;
     let mut reports = Vec::new();
     for path in &args.on_demand {

@@ -1,13 +1,13 @@
 //! `proteus serve`: the broker service, built by [`crate::startup`].
 
-use super::GlobalArgs;
+use super::DatabaseArgs;
 use crate::broker_lock::{BrokerLock, lock_postgres};
 pub use crate::startup::ServeArgs;
 use crate::startup::{CloudKind, start};
 use anyhow::{Context, Result, bail};
 use std::process::ExitCode;
 
-pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
+pub async fn run(database: DatabaseArgs, args: ServeArgs) -> Result<ExitCode> {
     if args.ec2.dry_run {
         if args.cloud != CloudKind::Ec2 {
             bail!("--dry-run checks an EC2 account: use it with --cloud ec2");
@@ -20,7 +20,7 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         .state_dir
         .clone()
         .unwrap_or_else(crate::startup::default_state_dir);
-    let url = global.database_url();
+    let url = database.database_url();
     let mut lock = BrokerLock::acquire(&state_dir, crate::store::sqlite_file(&url).as_deref())?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -32,7 +32,7 @@ pub async fn run(global: &GlobalArgs, args: ServeArgs) -> Result<ExitCode> {
         }
         false => None,
     };
-    let store = global.open_store().await?;
+    let store = database.open_store().await?;
     let server = start(store, args, listener).await?;
     let scheme = if server.tls.is_some() {
         "https"

@@ -6,6 +6,7 @@ mod support;
 
 mod api;
 mod api_access;
+mod cli_help;
 mod cli_pipes;
 mod cli_prices;
 mod dos;
