@@ -154,6 +154,19 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
     assert!(progress.len() >= 2, "{lines:#?}");
     assert!(progress.windows(2).all(|w| w[0] <= w[1]), "{progress:?}");
     let id = api.get("/v1/jobs").await[0]["id"].as_i64().unwrap();
+    // A command job shows none of the built-in apps' facts: no stage, no sync model, no model.
+    let job = api.get(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(job["app"], "command", "{job}");
+    assert!(job["stage"].is_null(), "{job}");
+    assert_eq!(job["sync"], "program", "{job}");
+    let ready: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["type"] == "event" && l["kind"] == "agent_ready")
+        .collect();
+    assert!(!ready.is_empty(), "{lines:#?}");
+    for r in ready {
+        assert_eq!(r["detail"], "ready to run the program", "{r}");
+    }
 
     // `logs -f` of the job that has ended: its output once, then the end line; exit 0.
     let (child, rx) = start(&broker, &["logs", &id.to_string(), "-f"]);

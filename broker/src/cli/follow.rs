@@ -334,7 +334,7 @@ mod tests {
 
     fn job(state: &str, progress: f64, spend: f64) -> JobView {
         let mut j: JobView = serde_json::from_value(serde_json::json!({
-            "id": 7, "name": "j", "state": state, "state_reason": null, "policy": "bidbrain",
+            "id": 7, "name": "j", "app": "mlr", "state": state, "state_reason": null, "policy": "bidbrain",
             "billing": "hourly", "created": "2015-05-01T00:00:00Z", "started": null,
             "finished": null, "progress": progress, "metric": null, "stage": null,
             "sync": "bsp", "spend_usd": spend, "budget_usd": null, "deadline": null,

@@ -294,7 +294,20 @@ impl Broker {
         check_event_text(&event)?;
         self.check_event_room(identity.job_id).await?;
         let now = self.clock.now();
-        let (kind, detail) = describe(&event);
+        let (kind, mut detail) = describe(&event);
+        // A command job's agent has no model: its readiness says what it is ready for.
+        if let AgentEvent::Ready { .. } = event
+            && self.control.get(identity.job_id).is_some_and(|c| {
+                c.read(|c| {
+                    matches!(
+                        c.training().app,
+                        proteus_wire::agent_api::AppConfig::Command(_)
+                    )
+                })
+            })
+        {
+            detail = "ready to run the program".into();
+        }
         let wake = matches!(
             event,
             AgentEvent::TrainingComplete { .. }

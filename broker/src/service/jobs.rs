@@ -26,6 +26,9 @@ pub struct InterruptionSent {
 pub struct JobView {
     pub id: i64,
     pub name: String,
+    /// What the job runs: `mlr`, `mf`, `mlp` (the built-in apps) or `command` (your program).
+    #[schema(value_type = String)]
+    pub app: super::spec::App,
     /// `pending`, `running`, `succeeded`, `failed`, `cancelled`.
     pub state: String,
     pub state_reason: Option<String>,
@@ -40,9 +43,10 @@ pub struct JobView {
     /// Latest evaluation, e.g. `{"kind": "accuracy", "value": 0.91}`.
     #[schema(value_type = Option<Object>)]
     pub metric: Option<serde_json::Value>,
-    /// AgileML stage (1–3) of the current layout.
+    /// AgileML stage (1–3) of the current layout; none for command jobs.
     pub stage: Option<u8>,
-    /// How the workers synchronise, e.g. `bsp` or `flexrr (slack 1, helper groups of 3)`.
+    /// How the workers synchronise, e.g. `bsp` or `flexrr (slack 1, helper groups of 3)`;
+    /// `program` for command jobs (your program synchronises its ranks itself).
     pub sync: String,
     #[schema(value_type = f64)]
     pub spend_usd: Usd,
@@ -349,9 +353,14 @@ impl Broker {
                 )
             })
             .collect();
+        let app = serde_json::from_str::<super::spec::JobSpec>(&job.spec)
+            .map(|s| s.app)
+            .unwrap_or(super::spec::App::Mlr);
+        let command = app == super::spec::App::Command;
         JobView {
             id: job.id.0,
             name: job.name.clone(),
+            app,
             state: job.state.to_string(),
             state_reason: job.state_reason.clone(),
             policy: job.policy.clone(),
@@ -364,8 +373,11 @@ impl Broker {
                 .metric
                 .as_deref()
                 .and_then(|m| serde_json::from_str(m).ok()),
-            stage,
-            sync: sync.to_string(),
+            stage: stage.filter(|_| !command),
+            sync: match command {
+                true => "program".to_string(),
+                false => sync.to_string(),
+            },
             spend_usd: spend,
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),
