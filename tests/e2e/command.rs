@@ -675,21 +675,7 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
             "the job",
         )
         .await;
-    // The job's end reaches the agents on their next poll; each stops its program (notice
-    // file, SIGTERM, exit) and only then sends its last output: wait for that tail.
-    let stopped_at_end = |tails: &[(String, String)]| {
-        tails.iter().filter(|(i, _)| i != &victim).any(|(_, t)| {
-            t.contains("stopping the program") && t.contains("sigterm notice_file=yes")
-        })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let tails = loop {
-        let t = logs(&broker, id).await;
-        if stopped_at_end(&t) || std::time::Instant::now() >= deadline {
-            break t;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let tails = logs(&broker, id).await;
     let story = || {
         tails
             .iter()
@@ -743,11 +729,50 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     for (i, t) in &tails {
         assert!(!t.contains("sigterm notice_file=no"), "{i}:\n{t}");
     }
+    // At the job's end the programs still running are stopped the same way: notice file, then
+    // SIGTERM. The broker's tails may miss these last lines (the instance ends, and its token
+    // with it, while its agent stops the program), so they are read from each program's own
+    // output log on its (local) machine: a stopped program's last words end it. (The handler
+    // prints its line at once; the step under way may finish after it.)
+    let scratch = broker.state_dir.join("scratch");
+    let stopped_at_end = |log: &str| {
+        let lines: Vec<&str> = log.lines().collect();
+        let last_run = &lines[lines.len().saturating_sub(5)..];
+        lines
+            .last()
+            .is_some_and(|l| l.starts_with("notice: saved step "))
+            && last_run.contains(&"sigterm notice_file=yes")
+    };
+    let others: Vec<String> = job["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["id"] != victim.as_str())
+        .filter_map(|i| i["cloud_id"].as_str().map(str::to_string))
+        .collect();
+    let read_logs = || {
+        others
+            .iter()
+            .map(|c| {
+                std::fs::read_to_string(scratch.join(c).join("output.log")).unwrap_or_default()
+            })
+            .collect::<Vec<String>>()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut program_logs = read_logs();
+    while !program_logs.iter().any(|l| stopped_at_end(l)) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        program_logs = read_logs();
+    }
     assert!(
-        stopped_at_end(&tails),
-        "no program was stopped at the job's end:\n{}",
+        program_logs.iter().any(|l| stopped_at_end(l)),
+        "no program was stopped at the job's end:\n{}\n{}",
+        program_logs.join("\n==>\n"),
         story()
     );
+    for l in &program_logs {
+        assert!(!l.contains("sigterm notice_file=no"), "{l}");
+    }
     // The warned instance is an eviction in the report.
     let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
     assert!(

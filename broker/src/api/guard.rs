@@ -45,7 +45,17 @@ impl FromRequestParts<AppState> for AgentAuth {
     async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ApiError> {
         let token = bearer(&parts.headers).map(str::to_string);
         let token = token.as_deref();
-        match path_instance(parts, s).await {
+        // A path that does not decode names no instance: the token is judged on its own.
+        let instance = RawPathParams::from_request_parts(parts, s)
+            .await
+            .ok()
+            .and_then(|params| {
+                params
+                    .iter()
+                    .find(|(name, _)| *name == "instance_id")
+                    .map(|(_, value)| value.to_string())
+            });
+        match instance {
             Some(id) => {
                 s.broker.authenticate_agent(token, &id).await?;
             }
@@ -53,42 +63,6 @@ impl FromRequestParts<AppState> for AgentAuth {
         }
         Ok(AgentAuth)
     }
-}
-
-/// An agent's token for sending its output tail: [`AgentAuth`]'s check, except that the agent
-/// of an instance that ended a moment ago may still send its program's last output (see
-/// `service::agents::LAST_WORDS`).
-pub struct AgentOutputAuth;
-
-impl FromRequestParts<AppState> for AgentOutputAuth {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ApiError> {
-        let token = bearer(&parts.headers).map(str::to_string);
-        match path_instance(parts, s).await {
-            Some(id) => {
-                s.broker
-                    .authenticate_agent_output(token.as_deref(), &id)
-                    .await?;
-            }
-            None => s.broker.authenticate_agent_token(token.as_deref()).await?,
-        }
-        Ok(AgentOutputAuth)
-    }
-}
-
-/// The `{instance_id}` of the request's path, if it has one. A path that does not decode
-/// names no instance: the token is then judged on its own.
-async fn path_instance(parts: &mut Parts, s: &AppState) -> Option<String> {
-    RawPathParams::from_request_parts(parts, s)
-        .await
-        .ok()
-        .and_then(|params| {
-            params
-                .iter()
-                .find(|(name, _)| *name == "instance_id")
-                .map(|(_, value)| value.to_string())
-        })
 }
 
 /// The client's address, when the server recorded it (`ConnectInfo`): what the dashboard's

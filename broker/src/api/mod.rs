@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, ApiJson, ApiQuery};
-use guard::{AgentAuth, AgentOutputAuth, UserRead, UserWrite};
+use guard::{AgentAuth, UserRead, UserWrite};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
     AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
@@ -672,7 +672,7 @@ async fn agent_checkpoint_get(
     request_body(content = Option<String>, description = "the newest tail of the program's output (empty when it printed nothing)", content_type = "text/plain"),
     responses((status = 204), (status = 401, body = error::ErrorBody)), security(("agent" = [])))]
 async fn agent_output(
-    _: AgentOutputAuth,
+    _: AgentAuth,
     State(s): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,

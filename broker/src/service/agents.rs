@@ -3,8 +3,7 @@
 //!
 //! A token is valid only for the instance it was issued to (and so only for that instance's
 //! job), and only while that instance lives: 401 without a token or with an unknown one, 403
-//! with another instance's token or the token of an instance that has ended (its agent may
-//! still send its program's last output for [`LAST_WORDS`]).
+//! with another instance's token or the token of an instance that has ended.
 
 use super::control::wall_ms;
 use super::{Broker, ServiceError, metrics::Metrics};
@@ -16,8 +15,7 @@ use proteus_wire::agent_api::{
 };
 use proteus_wire::coordinator::CoordinatorError;
 use proteus_wire::{InstanceId, JobId, Tier};
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What the broker knows about the agent behind a cloud instance id.
 #[derive(Debug, Clone)]
@@ -141,45 +139,6 @@ impl Broker {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(cloud_id);
-    }
-
-    /// An instance ended: its token stops working, except that for [`LAST_WORDS`] its agent
-    /// may still send the output its program wrote while being stopped (the job's end ends
-    /// instances while their agents stop their programs).
-    pub(crate) fn agent_ended(&self, cloud_id: &str, row: &InstanceRow) {
-        self.forget_agent(cloud_id);
-        self.last_words
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ended(cloud_id, AgentIdentity::from(row), Instant::now());
-    }
-
-    /// Checks an agent's token for sending its output tail: a live instance's, or one that
-    /// ended less than [`LAST_WORDS`] ago.
-    pub async fn authenticate_agent_output(
-        &self,
-        token: Option<&str>,
-        cloud_id: &str,
-    ) -> Result<AgentIdentity, ServiceError> {
-        let refused = match self.authenticate_agent(token, cloud_id).await {
-            Ok(identity) => return Ok(identity),
-            Err(e @ ServiceError::Forbidden(_)) => e,
-            Err(e) => return Err(e),
-        };
-        let last = self
-            .last_words
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .identity(cloud_id, Instant::now())
-            .cloned();
-        match (last, token) {
-            (Some(identity), Some(token))
-                if hashes_match(&hash_token(token), &identity.token_hash) =>
-            {
-                Ok(identity)
-            }
-            _ => Err(refused),
-        }
     }
 
     pub async fn agent_register(
@@ -365,30 +324,6 @@ impl Broker {
         self.control
             .get(job)
             .ok_or(ServiceError::Coordinator(CoordinatorError::JobOver(job)))
-    }
-}
-
-/// How long after its instance ended an agent may still send its program's last output.
-pub const LAST_WORDS: Duration = Duration::from_secs(30);
-
-/// The agents of instances that ended less than [`LAST_WORDS`] ago, by cloud id.
-#[derive(Debug, Default)]
-pub struct LastWords(HashMap<String, (AgentIdentity, Instant)>);
-
-impl LastWords {
-    /// Notes that the instance `cloud_id` ended at `now` (and forgets those ended long ago).
-    pub fn ended(&mut self, cloud_id: &str, identity: AgentIdentity, now: Instant) {
-        self.0
-            .retain(|_, (_, at)| now.saturating_duration_since(*at) < LAST_WORDS);
-        self.0.insert(cloud_id.to_string(), (identity, now));
-    }
-
-    /// The agent of `cloud_id` if its instance ended less than [`LAST_WORDS`] before `now`.
-    pub fn identity(&self, cloud_id: &str, now: Instant) -> Option<&AgentIdentity> {
-        self.0
-            .get(cloud_id)
-            .filter(|(_, at)| now.saturating_duration_since(*at) < LAST_WORDS)
-            .map(|(identity, _)| identity)
     }
 }
 
@@ -690,30 +625,5 @@ mod tests {
             reason: ExitReason::Stopped,
         };
         assert!(check_event_text(&stopped).is_ok());
-    }
-
-    #[test]
-    fn last_words_last_only_their_window_and_name_their_instance() {
-        let identity = |id: &str| AgentIdentity {
-            instance_id: id.into(),
-            job_id: JobId(1),
-            tier: Tier::Transient,
-            token_hash: format!("hash-{id}"),
-        };
-        let t0 = Instant::now();
-        let mut last = LastWords::default();
-        last.ended("i-a", identity("a"), t0);
-        assert_eq!(last.identity("i-a", t0).unwrap().instance_id, "a");
-        assert!(last.identity("i-b", t0).is_none(), "never ended");
-        let almost = t0 + LAST_WORDS - Duration::from_millis(1);
-        assert!(last.identity("i-a", almost).is_some());
-        assert!(last.identity("i-a", t0 + LAST_WORDS).is_none(), "too late");
-        // A later end forgets the earlier ones whose window has passed.
-        last.ended("i-b", identity("b"), t0 + LAST_WORDS);
-        assert_eq!(last.0.len(), 1);
-        assert_eq!(
-            last.identity("i-b", t0 + LAST_WORDS).unwrap().instance_id,
-            "b"
-        );
     }
 }

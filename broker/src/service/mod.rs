@@ -181,9 +181,6 @@ pub struct Broker {
     nudge: Notify,
     /// Agent tokens by cloud id, so heartbeats need no database read.
     pub(crate) agent_cache: Mutex<HashMap<String, agents::AgentIdentity>>,
-    /// Agents of instances that ended a moment ago, by cloud id: they may still send their
-    /// program's last output (see [`agents::LAST_WORDS`]), and nothing else.
-    pub(crate) last_words: Mutex<agents::LastWords>,
     /// Job statuses as last read from the store; see [`status_cache`].
     status_cache: status_cache::StatusCache,
     /// What each ended instance was billed, by instance id: an ended instance's bill cannot
@@ -318,7 +315,6 @@ impl Broker {
             runtimes: Mutex::new(HashMap::new()),
             nudge: Notify::new(),
             agent_cache: Mutex::new(HashMap::new()),
-            last_words: Mutex::new(agents::LastWords::default()),
             final_bills: Mutex::new(HashMap::new()),
             status_cache: Default::default(),
             unrecorded_cloud_events: Mutex::new(Default::default()),

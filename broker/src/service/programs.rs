@@ -280,7 +280,7 @@ impl Broker {
         cloud_id: &str,
         text: &str,
     ) -> Result<(), ServiceError> {
-        let identity = self.authenticate_agent_output(token, cloud_id).await?;
+        let identity = self.authenticate_agent(token, cloud_id).await?;
         self.programs()?
             .write_output(identity.job_id, &identity.instance_id, text)
             .await

@@ -241,7 +241,10 @@ impl Broker {
             control.update(|c| c.remove(&InstanceId(cloud_id.clone()), reason, wall_ms()));
         }
         if let Some(cloud_id) = &row.cloud_id {
-            self.agent_ended(cloud_id, row);
+            self.agent_cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(cloud_id);
         }
         if let Some(launcher) = self.launcher.clone() {
             let id = row.id.clone();
