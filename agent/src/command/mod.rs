@@ -767,6 +767,9 @@ impl Runner {
                 None => self.slot.is_some_and(|(r, _)| r == 0),
             };
         let idle_success = ended.success() && !completes && !after_notice && progress.is_none();
+        // The program's last lines first: its exit may end the job, and the instance's token
+        // with it.
+        self.send_output().await;
         if !idle_success {
             self.event(AgentEvent::ProgramExited {
                 code: ended.code,
@@ -776,7 +779,6 @@ impl Runner {
             })
             .await;
         }
-        self.send_output().await;
         match self.leaving.take() {
             Some(l) if l.exit_after => {
                 return Some(
