@@ -508,6 +508,40 @@ pub fn write_small_prices(dir: &Path) -> (PathBuf, PathBuf) {
     (trace, od)
 }
 
+/// The absolute path of an example program under `examples/command/` (e.g. `train.py`).
+pub fn example_program(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/command")
+        .join(name)
+        .canonicalize()
+        .unwrap_or_else(|e| panic!("examples/command/{name}: {e}"))
+        .display()
+        .to_string()
+}
+
+/// Waits for `child` to exit within `timeout`, killing it (and failing the test, naming
+/// `what`) otherwise; returns its exit code (-1 when a signal ended it) and its stderr.
+pub fn wait_bounded(mut child: Child, timeout: Duration, what: &str) -> (i32, String) {
+    use std::io::Read;
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for a child process") {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not end within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    (status.code().unwrap_or(-1), err)
+}
+
 /// Runs `proteus` (not serve) with a database URL and returns (status, stdout, stderr).
 pub fn proteus(
     database_url: Option<&str>,

@@ -6,16 +6,11 @@
 
 use proteus_e2e::write_c3_trace;
 use proteus_e2e::{BrokerProcess, fresh_pg_database, localstack_url};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 fn program() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples/command/train.py")
-        .canonicalize()
-        .expect("examples/command/train.py")
-        .display()
-        .to_string()
+    proteus_e2e::example_program("train.py")
 }
 
 /// A command job spec: one spot instance under standard bidding (so the spike evicts the

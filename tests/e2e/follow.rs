@@ -1,21 +1,16 @@
 //! Following a job from the CLI (`submit --follow`, `status --watch`, `logs -f`), as a user
 //! would: real broker on the sim cloud, real agents, the real `proteus` binary.
 
-use proteus_e2e::{BrokerProcess, bin, fresh_pg_database, write_c3_trace};
+use proteus_e2e::{BrokerProcess, bin, fresh_pg_database, wait_bounded, write_c3_trace};
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn program() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples/command/train.py")
-        .canonicalize()
-        .expect("examples/command/train.py")
-        .display()
-        .to_string()
+    proteus_e2e::example_program("train.py")
 }
 
 /// A one-instance command job running `train.py` for `steps` steps.
@@ -58,26 +53,6 @@ fn start(broker: &BrokerProcess, args: &[&str]) -> (Child, mpsc::Receiver<String
         }
     });
     (child, rx)
-}
-
-/// Waits for `child` to exit within `timeout` (killing it otherwise, which fails the test);
-/// returns its exit code and stderr.
-fn finish(mut child: Child, timeout: Duration, what: &str) -> (i32, String) {
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} did not end within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut err = String::new();
-    let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
-    (status.code().unwrap_or(-1), err)
 }
 
 fn json_lines(rx: &mpsc::Receiver<String>) -> Vec<Value> {
@@ -130,7 +105,7 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
             "200",
         ],
     );
-    let (code, err) = finish(child, Duration::from_secs(240), "submit --follow");
+    let (code, err) = wait_bounded(child, Duration::from_secs(240), "submit --follow");
     let lines = json_lines(&rx);
     assert_eq!(code, 0, "{err}\n{lines:#?}");
     let last = lines.last().expect("lines");
@@ -170,7 +145,7 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
 
     // `logs -f` of the job that has ended: its output once, then the end line; exit 0.
     let (child, rx) = start(&broker, &["logs", &id.to_string(), "-f"]);
-    let (code, err) = finish(child, Duration::from_secs(60), "logs -f");
+    let (code, err) = wait_bounded(child, Duration::from_secs(60), "logs -f");
     let text: Vec<String> = rx.try_iter().collect();
     assert_eq!(code, 0, "{err}\n{text:#?}");
     assert_eq!(
@@ -206,7 +181,7 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
     );
     // SAFETY: interrupting the process this test started, as Ctrl-C would.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let (code, err) = finish(
+    let (code, err) = wait_bounded(
         child,
         Duration::from_secs(30),
         "status --watch after Ctrl-C",
@@ -220,7 +195,7 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
     );
     // A follower without a job to follow says so.
     let (child, _) = start(&broker, &["status", "999999", "--watch"]);
-    let (code, err) = finish(child, Duration::from_secs(30), "status --watch of no job");
+    let (code, err) = wait_bounded(child, Duration::from_secs(30), "status --watch of no job");
     assert_ne!(code, 0);
     assert!(err.contains("999999"), "{err}");
     api.post(&format!("/v1/jobs/{long}/cancel"), serde_json::json!({}))

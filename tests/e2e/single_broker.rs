@@ -1,15 +1,15 @@
 //! The embedded database and a state directory belong to one broker: a second `proteus serve`
 //! on either is refused before it writes anything, and the first one's job goes on untouched.
 
-use proteus_e2e::{BrokerProcess, TOKEN, bin, free_port, fresh_pg_database};
+use proteus_e2e::{BrokerProcess, TOKEN, bin, free_port, fresh_pg_database, wait_bounded};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Runs `proteus serve` with `db` and `state`, which must exit (refused) within 30 s; returns
 /// its exit code and stderr. A broker that is not refused is killed and fails the test.
 fn second_serve(db: &str, state: &Path) -> (i32, String) {
-    let mut child = Command::new(bin("proteus"))
+    let child = Command::new(bin("proteus"))
         .args(["serve", "--cloud", "sim", "--listen"])
         .arg(format!("127.0.0.1:{}", free_port()))
         .arg("--state-dir")
@@ -22,30 +22,8 @@ fn second_serve(db: &str, state: &Path) -> (i32, String) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start a second proteus serve");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for proteus serve") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "a second broker on {db} / {} was not refused",
-                state.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut err = String::new();
-    use std::io::Read;
-    child
-        .stderr
-        .take()
-        .expect("piped stderr")
-        .read_to_string(&mut err)
-        .expect("read stderr");
-    (status.code().unwrap_or(-1), err)
+    let what = format!("a second broker on {db} / {}", state.display());
+    wait_bounded(child, Duration::from_secs(30), &what)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,19 +10,13 @@
 //! `PROTEUS_TEST_TORCH=0` leaves the test out of the run (libtest's `--skip`).
 
 use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus, write_c3_trace};
-use std::path::PathBuf;
 use std::time::Duration;
 
 const STEPS: u64 = 400;
 const CHECKPOINT_EVERY: u64 = 5;
 
 fn program() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples/command/torch_train.py")
-        .canonicalize()
-        .expect("examples/command/torch_train.py")
-        .display()
-        .to_string()
+    proteus_e2e::example_program("torch_train.py")
 }
 
 /// The numbers after `key` (e.g. `"world="`) on lines starting with `prefix`.
