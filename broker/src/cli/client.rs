@@ -568,8 +568,8 @@ fn jobs_table(jobs: &[JobView]) -> Table {
 }
 
 /// ` (+3 leaving)` when instances were warned and still run; empty otherwise.
-pub(crate) fn leaving_text(j: &JobView) -> String {
-    match j.leaving_by_tier.values().sum::<u32>() {
+pub(crate) fn leaving_text(leaving_by_tier: &std::collections::BTreeMap<String, u32>) -> String {
+    match leaving_by_tier.values().sum::<u32>() {
         0 => String::new(),
         n => format!(" (+{n} leaving)"),
     }
@@ -595,7 +595,7 @@ fn job_detail(j: &JobView) -> String {
         j.budget_usd.map(|b| format!(" of {b}")).unwrap_or_default(),
         j.instances_by_tier.get("reliable").copied().unwrap_or(0),
         j.instances_by_tier.get("transient").copied().unwrap_or(0),
-        leaving_text(j),
+        leaving_text(&j.leaving_by_tier),
         j.evictions,
     );
     out.push_str(&format!(

@@ -408,7 +408,7 @@ fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
             .get("transient")
             .copied()
             .unwrap_or(0),
-        super::client::leaving_text(view),
+        super::client::leaving_text(&view.leaving_by_tier),
         view.evictions,
     ));
 }

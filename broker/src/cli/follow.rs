@@ -101,10 +101,7 @@ impl Line {
                         .collect::<Vec<_>>()
                         .join(", ")
                 };
-                let leaving = match leaving.values().sum::<u32>() {
-                    0 => String::new(),
-                    n => format!(" (+{n} leaving)"),
-                };
+                let leaving = super::client::leaving_text(leaving);
                 format!(
                     "[status] {state}: {:.1}% done, spend ${spend_usd:.4}, {held}{leaving}, {evictions} eviction{}",
                     progress * 100.0,

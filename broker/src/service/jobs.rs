@@ -144,14 +144,31 @@ pub struct MarketCost {
     pub instances: u32,
 }
 
-/// The sync model a stored job runs under (its spec was validated at submission). It parses the
-/// spec: callers on the status path read it once per [`JobRecord`], not per request.
-pub(super) fn sync_of(job: &JobRow) -> proteus_wire::agent_api::SyncModel {
-    serde_json::from_str::<super::spec::JobSpec>(&job.spec)
-        .ok()
-        .and_then(|s| s.training)
-        .and_then(|t| t.sync_model().ok().flatten())
-        .unwrap_or_default()
+/// What a stored job runs, as its view shows it: the app, and the sync model (`program` for a
+/// command job, whose program synchronises its ranks itself).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobKind {
+    pub app: super::spec::App,
+    pub sync: String,
+}
+
+/// A stored job's [`JobKind`] (its spec was validated at submission). It parses the spec:
+/// callers on the status path read it once per [`JobRecord`], not per request.
+///
+/// [`JobRecord`]: super::status_cache::JobRecord
+pub(super) fn kind_of(job: &JobRow) -> JobKind {
+    use super::spec::{App, JobSpec};
+    let spec = serde_json::from_str::<JobSpec>(&job.spec).ok();
+    let app = spec.as_ref().map_or(App::Mlr, |s| s.app);
+    let sync = match app {
+        App::Command => "program".to_string(),
+        _ => spec
+            .and_then(|s| s.training)
+            .and_then(|t| t.sync_model().ok().flatten())
+            .unwrap_or_default()
+            .to_string(),
+    };
+    JobKind { app, sync }
 }
 
 /// One billed segment of an instance, as the API shows it.
@@ -300,7 +317,7 @@ impl Broker {
             &record.instances,
             record.spend_usd,
             &record.cooldowns,
-            &record.sync,
+            &record.kind,
         ))
     }
 
@@ -310,7 +327,7 @@ impl Broker {
         instances: &[InstanceRow],
         spend: Usd,
         cooldowns: &[Cooldown],
-        sync: &str,
+        kind: &JobKind,
     ) -> JobView {
         let mut by_tier =
             BTreeMap::from([("reliable".to_string(), 0), ("transient".to_string(), 0)]);
@@ -353,14 +370,11 @@ impl Broker {
                 )
             })
             .collect();
-        let app = serde_json::from_str::<super::spec::JobSpec>(&job.spec)
-            .map(|s| s.app)
-            .unwrap_or(super::spec::App::Mlr);
-        let command = app == super::spec::App::Command;
+        let command = kind.app == super::spec::App::Command;
         JobView {
             id: job.id.0,
             name: job.name.clone(),
-            app,
+            app: kind.app,
             state: job.state.to_string(),
             state_reason: job.state_reason.clone(),
             policy: job.policy.clone(),
@@ -374,10 +388,7 @@ impl Broker {
                 .as_deref()
                 .and_then(|m| serde_json::from_str(m).ok()),
             stage: stage.filter(|_| !command),
-            sync: match command {
-                true => "program".to_string(),
-                false => sync.to_string(),
-            },
+            sync: kind.sync.clone(),
             spend_usd: spend,
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),
@@ -423,8 +434,8 @@ impl Broker {
         for job in self.store.jobs(false).await? {
             let instances = self.store.instances_of_job(job.id).await?;
             let spend = self.store.spend_of_job(job.id).await?;
-            let sync = sync_of(&job).to_string();
-            out.push(self.view_of(&job, &instances, spend, &cooldowns, &sync));
+            let kind = kind_of(&job);
+            out.push(self.view_of(&job, &instances, spend, &cooldowns, &kind));
         }
         Ok(out)
     }

@@ -36,8 +36,8 @@ pub struct JobRecord {
     pub spend_usd: Usd,
     /// Market cool-downs in force when read; filter by `until` again when shown.
     pub cooldowns: Vec<Cooldown>,
-    /// The job's sync model as shown, from its spec (which never changes).
-    pub sync: String,
+    /// The job's app and sync model as shown, from its spec (which never changes).
+    pub kind: super::jobs::JobKind,
 }
 
 impl JobRecord {
@@ -51,7 +51,7 @@ impl JobRecord {
             return Ok(None);
         };
         Ok(Some(JobRecord {
-            sync: super::jobs::sync_of(&job).to_string(),
+            kind: super::jobs::kind_of(&job),
             job,
             instances: store.instances_of_job(id).await?,
             spend_usd: store.spend_of_job(id).await?,
@@ -185,7 +185,10 @@ mod tests {
             instances: vec![],
             spend_usd: Usd::ZERO,
             cooldowns: vec![],
-            sync: "bsp".into(),
+            kind: crate::service::jobs::JobKind {
+                app: crate::service::spec::App::Mlr,
+                sync: "bsp".into(),
+            },
         })
     }
 
