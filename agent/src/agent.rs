@@ -7,71 +7,23 @@ use crate::imds::{self, Imds, Notice};
 use crate::pipeline::{PipeMsg, member, stage::Notices};
 use crate::ps::{self, PsEvent, PsNode};
 use crate::reassign::{Board, Node};
+use crate::session::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_commands};
 use crate::straggler::Pace;
 use crate::sync::SyncPolicy;
 use crate::transport::{DataPlane, Peers};
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, ExitReason, Heartbeat, Metric, MetricKind, RegisterRequest,
+    AgentEvent, ClusterView, Command, ExitReason, Metric, MetricKind, RegisterRequest,
     RegisterResponse,
 };
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-
-/// How the agent is started.
-#[derive(Debug, Clone)]
-pub struct AgentOptions {
-    pub broker: String,
-    pub token: String,
-    /// PEM CA certificates to verify the broker's HTTPS against (`None`: the system roots).
-    pub ca_file: Option<PathBuf>,
-    /// From the command line; otherwise IMDS `instance-id`.
-    pub instance_id: Option<String>,
-    /// IMDS base URL; `None` disables interruption polling.
-    pub imds_endpoint: Option<String>,
-    pub imds_poll: Duration,
-    pub data_dir: PathBuf,
-    pub listen: SocketAddr,
-    /// `host:port` peers should dial, when it differs from the bound address (NAT, 0.0.0.0).
-    pub advertise: Option<String>,
-    pub vcpus: u32,
-    /// Exit at the latest this long before an interruption's action time.
-    pub exit_margin: Duration,
-    /// This agent's worker is a persistent straggler this many times slower (1: normal).
-    pub slowdown: f64,
-    /// Command jobs: where each instance's working, checkpoint, notice and progress files go.
-    pub scratch_dir: PathBuf,
-    /// Command jobs: the (unprivileged) user the program runs as, when the agent is root.
-    pub run_as: Option<String>,
-}
-
-/// How the agent ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// Told to stop (training done, job cancelled or over).
-    Stopped(String),
-    /// Handed over and left after an interruption warning.
-    Interrupted,
-}
-
-pub(crate) enum Control {
-    Command(Command),
-    JobOver,
-    Forgotten,
-}
-
-pub(crate) fn now_unix() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64)
-}
 
 /// Run the agent to its end.
 pub async fn run(opts: AgentOptions) -> Result<Outcome> {
@@ -221,13 +173,17 @@ impl Agent {
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let progress: SharedProgress = Arc::new(Mutex::new(Default::default()));
         let applied_epoch = Arc::new(AtomicU64::new(0));
-        let ps_cell = Arc::new(OnceLock::new());
+        let ps_cell: Arc<OnceLock<Arc<PsNode>>> = Arc::new(OnceLock::new());
+        let shards = {
+            let ps_cell = ps_cell.clone();
+            move || ps_cell.get().map(|ps| ps.roles())
+        };
         tokio::spawn(heartbeats(
             broker.clone(),
             me.clone(),
             Duration::from_millis(reg.heartbeat_interval_ms),
             progress.clone(),
-            ps_cell.clone(),
+            shards,
             applied_epoch.clone(),
             control_tx.clone(),
         ));
@@ -596,81 +552,4 @@ fn check_view(view: &ClusterView, model_len: u64) -> std::result::Result<(), Str
         return Err(format!("shards cover {next} of {model_len} parameters"));
     }
     Ok(())
-}
-
-pub(crate) async fn poll_commands(
-    broker: Broker,
-    me: InstanceId,
-    wait_ms: u64,
-    tx: mpsc::UnboundedSender<Control>,
-) {
-    let mut after = 0;
-    let mut failing = false;
-    let mut delay = Duration::from_millis(200);
-    loop {
-        match broker.commands(&me, after, wait_ms).await {
-            Ok(cmds) => {
-                failing = false;
-                delay = Duration::from_millis(200);
-                for c in cmds {
-                    after = after.max(c.seq);
-                    if tx.send(Control::Command(c.command)).is_err() {
-                        return;
-                    }
-                }
-            }
-            Err(AgentError::BrokerStatus { status: 409, .. }) => {
-                let _ = tx.send(Control::JobOver);
-                return;
-            }
-            Err(AgentError::BrokerStatus { status: 404, .. }) => {
-                let _ = tx.send(Control::Forgotten);
-                return;
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(error = %e, "cannot poll broker for commands; retrying with backoff");
-                    failing = true;
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
-            }
-        }
-    }
-}
-
-pub(crate) async fn heartbeats(
-    broker: Broker,
-    me: InstanceId,
-    interval: Duration,
-    progress: SharedProgress,
-    ps: Arc<OnceLock<Arc<PsNode>>>,
-    applied_epoch: Arc<AtomicU64>,
-    tx: mpsc::UnboundedSender<Control>,
-) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let mut p = progress.lock().map(|p| p.clone()).unwrap_or_default();
-        if let Some(ps) = ps.get() {
-            (p.active_shards, p.backup_shards) = ps.roles();
-        }
-        let hb = Heartbeat {
-            applied_epoch: applied_epoch.load(Ordering::Relaxed),
-            progress: p,
-        };
-        match broker.heartbeat(&me, &hb).await {
-            Ok(()) => {}
-            Err(AgentError::BrokerStatus { status: 409, .. }) => {
-                let _ = tx.send(Control::JobOver);
-                return;
-            }
-            Err(AgentError::BrokerStatus { status: 404, .. }) => {
-                let _ = tx.send(Control::Forgotten);
-                return;
-            }
-            Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
-        }
-    }
 }

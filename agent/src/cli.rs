@@ -3,7 +3,8 @@
 //! Exit codes: 0 stopped or handed over after an interruption warning; 1 error (message on
 //! stderr); 2 bad command line.
 
-use crate::agent::{self, AgentOptions};
+use crate::agent;
+use crate::session::AgentOptions;
 use anyhow::Context;
 use clap::Parser;
 use std::net::SocketAddr;

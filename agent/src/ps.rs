@@ -2,7 +2,7 @@
 //! holds, background sync, hand-over and promotion.
 
 use crate::apps::App;
-use crate::reassign::{Audit, AuditEvent};
+use crate::audit::{Audit, AuditEvent};
 use crate::transport::{
     ClockState, Handler, Lineage, Peers, PushOutcome, Request, Response, Snapshot,
 };
@@ -1089,7 +1089,7 @@ impl Handler for PsNode {
                     });
                     Response::Snapshot(copy)
                 }
-                Request::Pipe(_) => Response::Error("this agent runs no pipeline stage".into()),
+                Request::Opaque(_) => Response::Error("this agent runs no pipeline stage".into()),
             }
         })
     }

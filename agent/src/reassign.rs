@@ -13,9 +13,8 @@
 //! split range is pushed as two disjoint partition sets, and the shard's apply-once rule holds
 //! unchanged.
 
-use crate::ps::PsNode;
+use crate::audit::{Audit, AuditEvent};
 use crate::transport::{Handler, RangeProgress, Request, Response};
-use crate::worker::WorkerCtx;
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::ClusterView;
 use std::future::Future;
@@ -24,50 +23,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::Notify;
-
-/// What tests learn about the work (the `audit` hook of workers and shards).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AuditEvent {
-    /// `worker` starts `clock` (its pulls for it are answered).
-    Started { worker: InstanceId, clock: u64 },
-    /// `worker` computed the update of `partitions` at `clock`.
-    Processed {
-        worker: InstanceId,
-        clock: u64,
-        partitions: Vec<u32>,
-        how: How,
-    },
-    /// A shard applied a push (recorded before the pusher hears of it).
-    Applied {
-        shard: u32,
-        clock: u64,
-        partitions: Vec<u32>,
-    },
-    /// `owner` answered an offer for `split..end` of `clock`.
-    Offer {
-        owner: InstanceId,
-        clock: u64,
-        split: u32,
-        end: u32,
-        accepted: bool,
-    },
-}
-
-/// Why a worker processed some items.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum How {
-    /// Its own range.
-    Own,
-    /// A chunk taken over from a slower worker.
-    Helped { owner: InstanceId },
-    /// A range handed over by a warned worker.
-    Delegated,
-    /// Recomputed because a shard lacked it (lost push, inherited partition).
-    Resent,
-}
-
-/// A hook told of every [`AuditEvent`].
-pub type Audit = Arc<dyn Fn(AuditEvent) + Send + Sync>;
 
 #[derive(Debug, Clone)]
 struct Current {
@@ -313,20 +268,31 @@ pub fn chunk(remaining: u32, group: u32) -> u32 {
     remaining.div_ceil(group + 1).max(1).min(remaining)
 }
 
-/// The data-plane handler of an agent: shard requests go to its [`PsNode`], RapidReassignment
-/// requests to its worker's [`Board`].
+/// What a worker does for its [`Node`]: compute a range a warned peer hands it.
+pub trait Delegate: Send + Sync + 'static {
+    /// Compute `partitions` of `clock` and push their update; true once applied.
+    fn run_delegated(
+        &self,
+        clock: u64,
+        partitions: Vec<u32>,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send>>;
+}
+
+/// The data-plane handler of an agent: RapidReassignment requests go to its worker's
+/// [`Board`] (and a delegated range to the worker itself), every other request to the handler
+/// it wraps (the agent's parameter-server shards).
 pub struct Node {
-    pub ps: Arc<PsNode>,
-    pub board: Arc<Board>,
+    ps: Arc<dyn Handler>,
+    board: Arc<Board>,
     me: InstanceId,
-    worker: Mutex<Option<WorkerCtx>>,
+    worker: Mutex<Option<Arc<dyn Delegate>>>,
     audit: Option<Audit>,
 }
 
 impl Node {
     pub fn new(
         me: InstanceId,
-        ps: Arc<PsNode>,
+        ps: Arc<dyn Handler>,
         board: Arc<Board>,
         audit: Option<Audit>,
     ) -> Arc<Node> {
@@ -339,12 +305,12 @@ impl Node {
         })
     }
 
-    /// The worker context delegated ranges are computed with (set when the worker starts).
-    pub fn set_worker(&self, ctx: WorkerCtx) {
-        *self.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(ctx);
+    /// The worker delegated ranges are computed by (set when the worker starts).
+    pub fn set_worker(&self, worker: impl Delegate) {
+        *self.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(worker));
     }
 
-    fn worker(&self) -> Option<WorkerCtx> {
+    fn worker(&self) -> Option<Arc<dyn Delegate>> {
         self.worker
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -380,10 +346,10 @@ impl Handler for Node {
                     Response::Ack
                 }
                 Request::Delegate { clock, partitions } => {
-                    let Some(ctx) = self.worker().filter(|_| !self.board.is_leaving()) else {
+                    let Some(worker) = self.worker().filter(|_| !self.board.is_leaving()) else {
                         return Response::Busy;
                     };
-                    if crate::worker::run_delegated(ctx, clock, partitions).await {
+                    if worker.run_delegated(clock, partitions).await {
                         Response::Ack
                     } else {
                         Response::Busy

@@ -281,8 +281,10 @@ pub enum Request {
     /// A warned worker hands `partitions` of `clock` to a helper, which answers
     /// [`Response::Ack`] once it has pushed their update (anything else: not taken).
     Delegate { clock: u64, partitions: Vec<u32> },
-    /// Pipeline mode: activations, gradients and weight synchronisation between stages.
-    Pipe(crate::pipeline::PipeMsg),
+    /// An application's own message, which the transport neither reads nor writes: the bytes
+    /// its sender encoded, carried as the rest of the frame body (tag 10). The receiving
+    /// handler decodes them and answers a malformed one with [`Response::Error`].
+    Opaque(Vec<u8>),
 }
 
 /// A worker's position within a clock, for RapidReassignment.
@@ -469,6 +471,10 @@ impl<'a> Dec<'a> {
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| AgentError::Frame("string is not UTF-8".into()))
     }
+    /// Everything not read yet (an opaque payload runs to the end of its frame).
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.0)
+    }
     pub fn f32s(&mut self) -> Result<Vec<f32>> {
         let n = self.len(4)?;
         let b = self.take(n * 4)?;
@@ -512,7 +518,7 @@ impl Request {
             Request::BackupSync { snapshot, .. } | Request::Handover { snapshot, .. } => {
                 snapshot.values.len() * 4
             }
-            Request::Pipe(m) => m.payload_bytes(),
+            Request::Opaque(bytes) => bytes.len(),
             _ => 0,
         }
     }
@@ -586,9 +592,9 @@ impl Request {
                 e.u32(*start);
                 e.u32(*end);
             }
-            Request::Pipe(m) => {
+            Request::Opaque(bytes) => {
                 e.u8(10);
-                m.encode(e);
+                e.0.extend_from_slice(bytes);
             }
         }
     }
@@ -633,7 +639,7 @@ impl Request {
                 start: d.u32()?,
                 end: d.u32()?,
             },
-            10 => Request::Pipe(crate::pipeline::PipeMsg::decode(d)?),
+            10 => Request::Opaque(d.rest().to_vec()),
             t => return Err(AgentError::Frame(format!("unknown request tag {t}"))),
         })
     }
@@ -1260,6 +1266,8 @@ mod tests {
             start: 5,
             end: 8,
         });
+        roundtrip_req(Request::Opaque(vec![7, 3, 0, 0, 0]));
+        roundtrip_req(Request::Opaque(Vec::new()));
         for resp in [
             Response::Params {
                 seq: 1,

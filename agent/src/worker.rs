@@ -6,12 +6,15 @@
 //! partition it inherited from a worker that left — without double counting.
 
 use crate::apps::{App, Update};
-use crate::reassign::{self, Audit, AuditEvent, Board, How};
+use crate::audit::{Audit, AuditEvent, How};
+use crate::reassign::{self, Board, Delegate};
 use crate::straggler::Pace;
 use crate::sync::SyncPolicy;
 use crate::transport::{Peers, PushOutcome, RangeProgress, Request, Response};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{ClusterView, Metric, PartitionRange, Progress, ShardPlacement};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -121,7 +124,7 @@ pub async fn run(ctx: WorkerCtx) -> WorkerExit {
 }
 
 /// Compute a range of `clock` handed over by a warned worker and push it; true once applied.
-pub async fn run_delegated(ctx: WorkerCtx, clock: u64, partitions: Vec<u32>) -> bool {
+async fn run_delegated(ctx: WorkerCtx, clock: u64, partitions: Vec<u32>) -> bool {
     let Some(view) = ctx.current_view() else {
         return false;
     };
@@ -154,6 +157,17 @@ pub async fn run_delegated(ctx: WorkerCtx, clock: u64, partitions: Vec<u32>) -> 
         "finished a range handed over by a warned worker"
     );
     ok
+}
+
+/// RapidReassignment's node hands a warned peer's range to this agent's worker.
+impl Delegate for WorkerCtx {
+    fn run_delegated(
+        &self,
+        clock: u64,
+        partitions: Vec<u32>,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send>> {
+        Box::pin(run_delegated(self.clone(), clock, partitions))
+    }
 }
 
 /// `3..7` style text for a sorted partition list.

@@ -21,10 +21,10 @@ pub mod checkpoint;
 pub mod program;
 pub mod torchrun;
 
-use crate::agent::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_commands};
 use crate::control::Broker;
 use crate::error::{AgentError, Result};
 use crate::imds::{self, Imds, Notice};
+use crate::session::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_commands};
 use program::{Ended, Launch, OutputTail, RunAs, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
@@ -34,7 +34,7 @@ use proteus_wire::agent_api::{
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -251,7 +251,7 @@ pub async fn run(
         me.clone(),
         Duration::from_millis(reg.heartbeat_interval_ms),
         progress.clone(),
-        Arc::new(OnceLock::new()),
+        || None,
         applied_epoch.clone(),
         control_tx.clone(),
     ));

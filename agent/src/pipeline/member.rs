@@ -46,13 +46,9 @@ impl Router {
 impl Handler for Router {
     fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
         match req {
-            Request::Pipe(m) => Box::pin(async move {
-                if self.pipe.send(m).is_ok() {
-                    Response::Ack
-                } else {
-                    Response::Busy
-                }
-            }),
+            Request::Opaque(payload) => {
+                Box::pin(async move { stage::receive(&self.pipe, &payload) })
+            }
             other => self.ps.clone().handle(other),
         }
     }
@@ -169,7 +165,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
             };
             match ctx
                 .peers
-                .call(addr, &Request::Pipe(msg), stage::MESSAGE_TIMEOUT)
+                .call(addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
                 .await
             {
                 Ok(Response::Ack) => {}
@@ -297,7 +293,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
             let addr = addrs.get(leader as usize).cloned().unwrap_or_default();
             match ctx
                 .peers
-                .call(&addr, &Request::Pipe(msg), stage::MESSAGE_TIMEOUT)
+                .call(&addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
                 .await
             {
                 Ok(Response::Ack) => {}

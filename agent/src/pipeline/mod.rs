@@ -18,7 +18,7 @@ pub mod schedule;
 pub mod stage;
 
 use crate::error::{AgentError, Result};
-use crate::transport::{Dec, Enc};
+use crate::transport::{Dec, Enc, Request};
 use std::fmt;
 use std::ops::Range;
 
@@ -199,7 +199,21 @@ pub enum PipeMsg {
 }
 
 impl PipeMsg {
-    pub(crate) fn payload_bytes(&self) -> usize {
+    /// The data-plane request that carries this message: its encoding, as the transport's
+    /// opaque payload.
+    pub fn to_request(&self) -> Request {
+        let mut e = Enc(Vec::with_capacity(32 + self.payload_bytes()));
+        self.encode(&mut e);
+        Request::Opaque(e.0)
+    }
+
+    /// The message an opaque payload carries (see [`PipeMsg::to_request`]).
+    pub fn from_payload(payload: &[u8]) -> Result<PipeMsg> {
+        PipeMsg::decode(&mut Dec(payload))
+    }
+
+    /// Bytes of tensor payload, to size the encoding buffer once.
+    fn payload_bytes(&self) -> usize {
         match self {
             PipeMsg::Activation { tensor, .. } | PipeMsg::Gradient { tensor, .. } => {
                 tensor.data.len() * 4
@@ -213,7 +227,7 @@ impl PipeMsg {
         }
     }
 
-    pub(crate) fn encode(&self, e: &mut Enc) {
+    fn encode(&self, e: &mut Enc) {
         match self {
             PipeMsg::Activation {
                 to_stage,
@@ -281,7 +295,7 @@ impl PipeMsg {
         }
     }
 
-    pub(crate) fn decode(d: &mut Dec) -> Result<PipeMsg> {
+    fn decode(d: &mut Dec) -> Result<PipeMsg> {
         let tag = d.u8()?;
         Ok(match tag {
             1 | 2 => {
@@ -435,5 +449,36 @@ mod tests {
         }
         .encode(&mut e);
         assert!(PipeMsg::decode(&mut Dec(&e.0)).is_err());
+    }
+
+    #[test]
+    fn messages_travel_as_request_tag_10_followed_by_their_encoding() {
+        // The data plane's bytes from when the transport encoded pipeline messages itself.
+        let activation = PipeMsg::Activation {
+            to_stage: 1,
+            minibatch: 7,
+            tensor: Tensor {
+                rows: 1,
+                cols: 1,
+                data: vec![1.0],
+            },
+        };
+        let activation_bytes = vec![
+            10, 1, 1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0,
+            0, 0, 0, 0x80, 0x3f,
+        ];
+        let warn = PipeMsg::Warn { worker: 3 };
+        for (msg, bytes) in [
+            (activation, activation_bytes),
+            (warn, vec![10, 7, 3, 0, 0, 0]),
+        ] {
+            let mut e = Enc::default();
+            msg.to_request().encode(&mut e);
+            assert_eq!(e.0, bytes);
+            let Request::Opaque(payload) = Request::decode(&mut Dec(&e.0)).unwrap() else {
+                panic!("a pipeline message decodes as an opaque request");
+            };
+            assert_eq!(PipeMsg::from_payload(&payload).unwrap(), msg);
+        }
     }
 }

@@ -409,16 +409,23 @@ impl Handler for Inbox {
     fn handle(self: Arc<Self>, req: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
         Box::pin(async move {
             match req {
-                Request::Pipe(m) => {
-                    if self.0.send(m).is_ok() {
-                        Response::Ack
-                    } else {
-                        Response::Busy
-                    }
-                }
+                Request::Opaque(payload) => receive(&self.0, &payload),
                 _ => Response::Error("this worker runs a pipeline stage only".into()),
             }
         })
+    }
+}
+
+/// Files the pipeline message an opaque request carries in `inbox`: [`Response::Ack`] once it
+/// is there, [`Response::Busy`] when the stage is gone, [`Response::Error`] for bytes that are
+/// no pipeline message.
+pub(super) fn receive(inbox: &mpsc::UnboundedSender<PipeMsg>, payload: &[u8]) -> Response {
+    match PipeMsg::from_payload(payload) {
+        Ok(msg) => match inbox.send(msg) {
+            Ok(()) => Response::Ack,
+            Err(_) => Response::Busy,
+        },
+        Err(e) => Response::Error(e.to_string()),
     }
 }
 
@@ -626,7 +633,7 @@ async fn deliver(
     to: u32,
     msg: PipeMsg,
 ) -> Result<(), StageError> {
-    let req = Request::Pipe(msg);
+    let req = msg.to_request();
     let mut delay = Duration::from_millis(20);
     let mut last = String::new();
     for _ in 0..6 {

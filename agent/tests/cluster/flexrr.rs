@@ -8,8 +8,9 @@
 
 use crate::support::{Cluster, DATA_DIR};
 use proteus_agent::apps::App;
+use proteus_agent::audit::{Audit, AuditEvent, How};
 use proteus_agent::ps::PsNode;
-use proteus_agent::reassign::{Audit, AuditEvent, Board, How, Node};
+use proteus_agent::reassign::{Board, Node};
 use proteus_agent::straggler::Pace;
 use proteus_agent::sync::SyncPolicy;
 use proteus_agent::transport::{DataPlane, MAX_FRAME, Peers, Request, Response};

@@ -3,8 +3,8 @@
 //! never replaces a shard already served, and no applied update is lost across a hand-over.
 
 use proteus_agent::apps::App;
+use proteus_agent::audit::AuditEvent;
 use proteus_agent::ps::{HandoverTiming, PsNode, ShardState};
-use proteus_agent::reassign::AuditEvent;
 use proteus_agent::transport::{
     ClockState, DataPlane, Lineage, MAX_FRAME, Peers, PushOutcome, Request, Response, Snapshot,
 };
