@@ -125,7 +125,7 @@ impl Default for EvictionCostSpec {
 /// What an eviction costs the job, in seconds. The simulator applies it; the live scheduler
 /// reports progress under it. A policy chooses it ([`crate::policy::Policy::eviction_cost`]):
 /// BidBrain runs AgileML, standard bidding runs checkpoint/restart.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "model", rename_all = "kebab-case")]
 pub enum EvictionCost {
     /// See [`EvictionCostSpec::AgileMl`].

@@ -97,7 +97,7 @@ async fn measure(args: &Args) -> Result<bool> {
     let runtime = broker.runtime(job).context("the job's runtime")?;
     let (types, markets) = {
         let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
-        let types: Vec<String> = r.model.rates().map(|(t, _)| t.to_string()).collect();
+        let types: Vec<String> = r.engine.job().rates().map(|(t, _)| t.to_string()).collect();
         let markets = data
             .markets
             .markets()

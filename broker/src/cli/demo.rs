@@ -42,7 +42,8 @@ pub enum DemoApp {
     proteus demo --app mf --start 2015-06-01T00:00:00Z --speed 4000\n  \
     proteus demo --output json > demo.json\n  \
     proteus demo --job examples/jobs/demo.toml --policy on-demand --start 2015-05-03T00:00:00Z\n  \
-    proteus demo --keep-serving   # then open the printed dashboard URL")]
+    proteus demo --keep-serving   # then open the printed dashboard URL\n  \
+    proteus demo --no-agents --job examples/jobs/demo.toml --step-secs 3600 --output json")]
 pub struct DemoArgs {
     /// Database URL. Default: a fresh SQLite file in the demo's output directory.
     #[arg(long, env = "PROTEUS_DATABASE_URL")]
@@ -90,6 +91,12 @@ pub struct DemoArgs {
     /// until Ctrl-C.
     #[arg(long)]
     pub keep_serving: bool,
+    /// Run the broker without agents: its decisions, evictions and bill only (no training; the
+    /// job ends when its modelled work is done, or at its budget or deadline). Market time
+    /// then moves as fast as the broker decides. What `proteus simulate` predicts for the same
+    /// job, start and policy, run through the live broker.
+    #[arg(long)]
+    pub no_agents: bool,
 }
 
 /// What the demo prints at the end (and `--output json`).
@@ -190,7 +197,9 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
             waited_at_completion = true;
             continue;
         }
-        if let Some(rest) = step.checked_sub(tick_started.elapsed()) {
+        if !args.no_agents
+            && let Some(rest) = step.checked_sub(tick_started.elapsed())
+        {
             tokio::time::sleep(rest).await;
         }
         let now = clock.now();
@@ -318,7 +327,7 @@ fn serve_args(out: &std::path::Path, token: &str, args: &DemoArgs) -> ServeArgs 
         token: Some(token.to_string()),
         speed: args.speed,
         start: Some(args.start.clone()),
-        local_agents: Some(true),
+        local_agents: Some(!args.no_agents),
         state_dir: Some(out.join("state")),
         // Market time decides evictions; the demo itself waits for warned agents to hand over.
         min_notice_secs: 0.0,
@@ -474,7 +483,7 @@ async fn keep_pace_with_training(
     };
     let fraction = {
         let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-        (rt.modelled.done() / rt.model.total_work).min(1.0)
+        rt.engine.fraction()
     };
     let Some(control) = broker.control().get(job) else {
         return false;

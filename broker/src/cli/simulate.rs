@@ -16,7 +16,7 @@ use crate::sim::sweep::{
     PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
 };
 use crate::sim::world::HazardTruth;
-use crate::sim::{RunResult, Scenario, World};
+use crate::sim::{Deadline, RunResult, Scenario, World};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -105,6 +105,15 @@ pub struct SimulateArgs {
     /// Default: three times the job's on-demand runtime, at least 48.
     #[arg(long)]
     pub reserve_hours: Option<f64>,
+    /// The job's budget, USD: a run ends (failed) before the billing period that would pass it,
+    /// as the live broker ends the job. Default: the job spec's `limits.budget_usd`, if any.
+    #[arg(long, value_name = "USD")]
+    pub budget: Option<f64>,
+    /// The job's deadline: a duration after each start (`36h`, `90m`, `2d`) or a market time.
+    /// A run still going then ends (failed), as the live broker ends the job. Default: the job
+    /// spec's `limits.deadline_hours` or `limits.deadline`, if any.
+    #[arg(long, value_name = "DURATION|TIME")]
+    pub deadline: Option<String>,
     /// Worker threads for sweeps. Default: the available cores.
     #[arg(long)]
     pub threads: Option<usize>,
@@ -142,7 +151,24 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         bail!("{}: no price rows", trace.display());
     }
     let job_file = args.job.display().to_string();
-    let (job, billing) = load_job(&args.job, &history, &region, args.billing)?;
+    let (job, billing, limits) = load_job(&args.job, &history, &region, args.billing)?;
+    let budget = match args.budget {
+        Some(b) => Some(
+            crate::market::Usd::new(b)
+                .ok()
+                .filter(|b| b.get() > 0.0)
+                .with_context(|| format!("--budget {b}: a positive amount of USD"))?,
+        ),
+        None => limits.budget,
+    };
+    let deadline = match &args.deadline {
+        Some(d) => Some(
+            Deadline::parse(d)
+                .map_err(anyhow::Error::msg)
+                .context("--deadline")?,
+        ),
+        None => limits.deadline,
+    };
     for (t, _) in job.rates() {
         if !history.markets().any(|m| &m.instance_type == t) {
             eprintln!(
@@ -277,6 +303,8 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         threads,
         future_reads: FutureReads::Refuse,
         record_decisions: args.record_decisions,
+        budget,
+        deadline,
     };
     let results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
@@ -327,13 +355,13 @@ fn load_job(
     history: &Arc<crate::prices::PriceHistory>,
     region: &Region,
     billing: BillingModel,
-) -> Result<(JobModel, BillingModel)> {
+) -> Result<(JobModel, BillingModel, SpecLimits)> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {file}"))?;
     if !is_job_spec(&text) {
         let model =
             WorkModelSpec::parse(&file, &text)?.resolve(&file, history.on_demand(), region)?;
-        return Ok((model, billing));
+        return Ok((model, billing, SpecLimits::default()));
     }
     let spec = JobSpec::parse_file(&file, &text).map_err(anyhow::Error::msg)?;
     let valid = spec
@@ -344,7 +372,24 @@ fn load_job(
         .work_model_spec(&usable, crate::job::DEFAULT_STARTUP_MINUTES)
         .map_err(|e| anyhow::anyhow!("{file}: {}: {}", e.field, e.message))?
         .resolve(&file, history.on_demand(), region)?;
-    Ok((model, valid.billing))
+    // Validated against the epoch, a relative deadline is its own length.
+    let deadline = match (&spec.limits.deadline, valid.deadline) {
+        (None, Some(d)) => Some(Deadline::After(d.millis() as f64 / 1000.0)),
+        (Some(_), Some(d)) => Some(Deadline::At(d)),
+        (_, None) => None,
+    };
+    let limits = SpecLimits {
+        budget: valid.budget_usd,
+        deadline,
+    };
+    Ok((model, valid.billing, limits))
+}
+
+/// The limits a job spec sets that the simulator applies as the broker would.
+#[derive(Debug, Default)]
+struct SpecLimits {
+    budget: Option<crate::market::Usd>,
+    deadline: Option<Deadline>,
 }
 
 /// A job spec names its application (`app`); a work model file has none.
@@ -373,6 +418,25 @@ fn ratio(v: Option<f64>) -> Cell {
     Cell::or_unknown(v, Cell::pct)
 }
 
+/// The runs, and how many of them ended at their budget or deadline rather than done.
+fn runs_cell(s: &PolicySummary) -> Cell {
+    let mut shown = s.runs.to_string();
+    let mut ended = Vec::new();
+    if s.ended_by_budget > 0 {
+        ended.push(format!("{} at budget", s.ended_by_budget));
+    }
+    if s.ended_by_deadline > 0 {
+        ended.push(format!("{} at deadline", s.ended_by_deadline));
+    }
+    if !ended.is_empty() {
+        shown = format!("{shown} ({})", ended.join(", "));
+    }
+    Cell {
+        shown,
+        plain: s.runs.to_string(),
+    }
+}
+
 fn summary_table(rows: &[PolicySummary]) -> Table {
     let mut t = Table::new(&[
         "policy",
@@ -394,7 +458,7 @@ fn summary_table(rows: &[PolicySummary]) -> Table {
         let text = |v: String| Cell::from(v);
         t.push([
             text(s.policy.clone()),
-            text(s.runs.to_string()),
+            runs_cell(s),
             Cell::usd(s.median_cost_usd),
             Cell {
                 shown: format!("{}–{}", s.p10_cost_usd, s.p90_cost_usd),

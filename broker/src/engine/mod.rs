@@ -8,6 +8,9 @@
 use crate::market::Timestamp;
 
 pub mod digest;
+pub mod job_engine;
+
+pub use job_engine::JobEngine;
 pub mod limits;
 pub mod progress;
 pub mod view;

@@ -22,7 +22,7 @@ pub const DONE_TOLERANCE_UNITS: f64 = 1e-9;
 pub const COMPLETION_SLACK_MS: f64 = 1e-3;
 
 /// The work state of one job.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct JobWork {
     cost: EvictionCost,
     /// Units done so far (work lost to evictions taken off).

@@ -67,7 +67,7 @@ use std::fmt;
 use thiserror::Error;
 
 /// How an instance is bought. The tier follows from it: on-demand is reliable, spot transient.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
 #[serde(tag = "purchase", rename_all = "kebab-case")]
 pub enum Purchase {
     /// On-demand at the list price; never taken away.
@@ -339,6 +339,35 @@ pub trait Policy: Send {
     ) -> Result<Decision, PolicyError> {
         let _ = event;
         self.decide(ctx)
+    }
+}
+
+/// A borrowed policy is a policy (the simulator runs a caller's policy without owning it).
+impl<P: Policy + ?Sized> Policy for &mut P {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn kind(&self) -> PolicyKind {
+        (**self).kind()
+    }
+    fn eviction_cost(&self, job: &JobModel) -> EvictionCost {
+        (**self).eviction_cost(job)
+    }
+    fn named_markets(&self) -> Vec<Market> {
+        (**self).named_markets()
+    }
+    fn named_instance_types(&self) -> Vec<InstanceType> {
+        (**self).named_instance_types()
+    }
+    fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError> {
+        (**self).decide(ctx)
+    }
+    fn on_event(
+        &mut self,
+        ctx: &DecisionContext<'_>,
+        event: &PolicyEvent,
+    ) -> Result<Decision, PolicyError> {
+        (**self).on_event(ctx, event)
     }
 }
 

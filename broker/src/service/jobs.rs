@@ -246,7 +246,7 @@ impl Broker {
         }
         self.check_workdir_signable(&valid.training.app)?;
         // Resolve now, so that an unknown policy or instance type is the submitter's error.
-        let runtime = self.build_runtime(valid.clone())?;
+        let runtime = self.build_runtime(valid.clone(), self.clock.now(), None)?;
         let spec_json =
             serde_json::to_string(&spec).map_err(|e| ServiceError::Internal(e.to_string()))?;
         let id = self
@@ -355,9 +355,13 @@ impl Broker {
                 })
             })
             .unwrap_or_default();
-        let held = self
-            .runtime(job.id)
-            .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).held.clone());
+        let held = self.runtime(job.id).and_then(|r| {
+            r.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .engine
+                .held()
+                .map(str::to_string)
+        });
         let now = self.clock.now();
         let work = self.work_view(job, instances, now);
         let unavailable = cooldowns
@@ -413,10 +417,10 @@ impl Broker {
             let rt = r.lock().unwrap_or_else(|e| e.into_inner());
             let spans: Vec<WorkingSpan> = instances
                 .iter()
-                .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
+                .filter_map(|i| WorkingSpan::of_instance(i, rt.engine.job()))
                 .collect();
-            let rate = work::rate_at(&spans, Some(&rt.model.stages), now);
-            let total = job.work.expected_units.unwrap_or(rt.model.total_work);
+            let rate = work::rate_at(&spans, Some(&rt.engine.job().stages), now);
+            let total = job.work.expected_units.unwrap_or(rt.engine.total_work());
             let remaining = (total - job.work.done_units).max(0.0);
             (rate > 0.0 && !job.state.is_over())
                 .then(|| now.plus_secs(remaining / rate * 3600.0).to_string())
@@ -584,15 +588,17 @@ impl Broker {
     fn work_model_of(&self, job: &JobRow) -> Option<crate::job::JobModel> {
         if let Some(r) = self.runtime(job.id) {
             let rt = r.lock().unwrap_or_else(|e| e.into_inner());
-            let mut model = rt.model.clone();
-            model.total_work = rt.submitted_work;
+            let mut model = rt.engine.job().clone();
+            model.total_work = rt.engine.submitted_work();
             return Some(model);
         }
         let spec: super::spec::JobSpec = serde_json::from_str(&job.spec).ok()?;
         let valid = spec
             .validate(self.settings.default_billing, job.created)
             .ok()?;
-        self.build_runtime(valid).ok().map(|r| r.model)
+        self.build_runtime(valid, job.created, None)
+            .ok()
+            .map(|r| r.engine.job().clone())
     }
 }
 

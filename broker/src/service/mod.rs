@@ -24,13 +24,14 @@ pub mod status_cache;
 use crate::billing::BillingModel;
 use crate::clock::SharedClock;
 use crate::cloud::Cloud;
+use crate::engine::JobEngine;
+use crate::engine::job_engine::{EngineConfig, EngineState, JobTerms};
 use crate::engine::view::TraceMarkets;
 use crate::job::JobModel;
 use crate::launcher::LocalLauncher;
 use crate::market::{Market, Region};
 use crate::market_model::{HazardModel, HazardPrior, PriceDrivenModel, PriceModelConfig};
 use crate::market_model::{MarketModel, Observation};
-use crate::policy::Policy;
 use crate::prices::PriceHistory;
 use crate::store::{JobRow, Store};
 use control::ControlPlane;
@@ -50,20 +51,7 @@ pub enum ModelChoice {
     Hazard,
 }
 
-/// Where a job's progress comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pacing {
-    /// From the agents' training clocks; an instance is ready once its agent registered.
-    /// What a real deployment does.
-    Measured,
-    /// From the work model (units per instance-hour of every ready, unwarned instance, minus
-    /// what evictions lose), on market time only; an instance is ready `startup` after launch.
-    /// With a stepped clock this makes a replay deterministic: the same trace, seed and policy
-    /// give the same decisions at the same market times, whatever the machine's speed. The
-    /// agents still train for real; the job ends when both the model's work and the agents'
-    /// training are done.
-    Modelled,
-}
+pub use crate::engine::job_engine::Pacing;
 
 /// Settings of a running broker.
 #[derive(Debug, Clone)]
@@ -136,34 +124,14 @@ impl MarketData {
 /// state) and its resolved models.
 pub struct JobRuntime {
     pub valid: ValidJob,
-    /// The job's work model. Under [`Pacing::Measured`] its `total_work` is re-estimated from
-    /// the measured rate once the job has made progress (see [`crate::engine::work`]).
-    pub model: JobModel,
-    /// The total work the job was submitted with (units).
-    pub submitted_work: f64,
-    /// The last re-estimate of the total recorded as an event.
-    pub announced_work: Option<f64>,
-    pub policy: Box<dyn Policy>,
-    /// When the policy is next consulted on its own (see [`crate::engine::next_decision`]);
-    /// `None` before the first decision.
-    pub next_decision: Option<crate::market::Timestamp>,
-    /// What happened to the job's instances since the last tick, for the policy's
-    /// [`Policy::on_event`](crate::policy::Policy::on_event), in the order the simulator
-    /// reports them: warned, evicted, ready.
-    pub pending: PendingEvents,
-    /// Last reason acquisitions were held back (budget), shown in status.
-    pub held: Option<String>,
-    /// [`Pacing::Modelled`]: the work done so far under the policy's eviction-cost model (the
-    /// engine's, as in the simulator), and up to when it is counted.
-    pub modelled: crate::engine::progress::JobWork,
-    pub modelled_at: Option<crate::market::Timestamp>,
-}
-
-/// Instances (by the broker's id) that something happened to since the last tick.
-#[derive(Debug, Default, Clone)]
-pub struct PendingEvents {
-    pub warned: Vec<proteus_wire::InstanceId>,
-    pub evicted: Vec<proteus_wire::InstanceId>,
+    /// Everything decided about the job ([`crate::engine::JobEngine`]).
+    pub engine: crate::engine::JobEngine<'static>,
+    /// What the cloud reported since the last tick, for the engine.
+    pub arrivals: Vec<crate::engine::job_engine::Input>,
+    /// Whether the engine has been told of the store's instances (once, after it is built).
+    pub reconciled: bool,
+    /// The engine state last saved (saved again only when it changes).
+    pub saved_engine: Option<String>,
 }
 
 /// A running broker.
@@ -372,7 +340,11 @@ impl Broker {
                     job.id, e.field, e.message
                 ))
             })?;
-        let runtime = self.build_runtime(valid)?;
+        let runtime = self.build_runtime(
+            valid,
+            job.started.unwrap_or(job.created),
+            job.engine_state.as_deref(),
+        )?;
         self.control
             .ensure(
                 job.id,
@@ -389,7 +361,12 @@ impl Broker {
     }
 
     /// Resolves the policy and the work model of a validated spec against the broker's markets.
-    pub fn build_runtime(&self, valid: ValidJob) -> Result<JobRuntime, ServiceError> {
+    pub fn build_runtime(
+        &self,
+        valid: ValidJob,
+        started_at: crate::market::Timestamp,
+        saved: Option<&str>,
+    ) -> Result<JobRuntime, ServiceError> {
         let dir = crate::policy::policies_dir();
         let path = dir.join(format!("{}.toml", valid.policy));
         if !path.is_file() {
@@ -419,19 +396,35 @@ impl Broker {
             .map_err(|e| ServiceError::invalid("policy", e.to_string()))?;
         let data = self.market_data();
         let model = self.work_model(&valid, &data)?;
-        let modelled =
-            crate::engine::progress::JobWork::new(policy.eviction_cost(&model), self.clock.now());
+        let config = EngineConfig {
+            // The demo's agents train for real: the job ends when they are done too.
+            await_training: self.settings.pacing == Pacing::Modelled && self.launcher.is_some(),
+            budget_lookahead_secs: scheduler::budget_lookahead_secs(
+                self.settings.tick,
+                self.clock.speed(),
+            ),
+            ..EngineConfig::new(self.settings.pacing)
+        };
+        let terms = JobTerms {
+            billing: valid.billing,
+            budget: valid.budget_usd,
+            deadline: valid.deadline,
+            started_at,
+        };
+        let engine = match saved.map(serde_json::from_str::<EngineState>) {
+            Some(Ok(state)) => JobEngine::restore(model, policy, config, terms, state),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "a saved engine state cannot be read; the job's engine starts afresh");
+                JobEngine::new(model, policy, config, terms)
+            }
+            None => JobEngine::new(model, policy, config, terms),
+        };
         Ok(JobRuntime {
             valid,
-            submitted_work: model.total_work,
-            announced_work: None,
-            model,
-            policy,
-            next_decision: None,
-            pending: PendingEvents::default(),
-            held: None,
-            modelled,
-            modelled_at: None,
+            engine,
+            arrivals: Vec::new(),
+            reconciled: false,
+            saved_engine: saved.map(str::to_string),
         })
     }
 

@@ -1,30 +1,28 @@
-//! The control loop. Every tick it (1) applies what the cloud did (warnings, reclaims), then,
-//! for each running job, (2) reads training progress from the job's coordinator, (3) finishes
-//! the job on completion, budget or deadline, (4) asks the job's policy what to buy and
-//! release, with the same [`Policy`](crate::policy::Policy) code the simulator runs, and
-//! (5) applies the answer through the cloud driver, writing every intent to the store first.
+//! The control loop: the live driver of every job's [`JobEngine`](crate::engine::JobEngine).
+//! Every tick it (1) records what the cloud did (warnings, reclaims) and queues it for the
+//! job's engine, then, for each running job, (2) reads the training's state from the job's
+//! coordinator, (3) feeds all of it to the engine, which decides — the same engine the
+//! simulator drives — and (4) carries out the engine's commands: launches through the cloud
+//! driver (every intent written to the store first, each launch answered before the engine
+//! goes on), releases, events, the job's end. It decides nothing itself.
 
 use super::control::wall_ms;
-use super::{Broker, JobRuntime, MarketData, Pacing, PendingEvents, ServiceError, ledger};
+use super::{Broker, JobRuntime, Pacing, ServiceError, ledger};
 use crate::billing::BillingModel;
 use crate::cloud::{CloudEvent, LaunchSpec};
 use crate::engine::NOTICE_SECS;
-use crate::engine::limits::{Budget, Held, Limits};
+use crate::engine::job_engine::{Command, Ctx, Input, JobEnd, Member};
 use crate::engine::view::{FutureReads, TraceView};
-use crate::engine::work::{self, WorkingSpan};
 use crate::launcher::metadata::InstanceFacts;
 use crate::market::{Market, Timestamp, Usd, UsdPerHour};
-use crate::market_model::{EvictionEstimate, ModelError, ModelKind, Observation};
-use crate::policy::{
-    Decision, DecisionContext, InstanceState as PolicyInstanceState, InstanceView, JobProgress,
-    MarketView, PolicyEvent, Purchase, ViewError,
-};
+use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
+use crate::policy::{MarketView, Purchase, ViewError};
 use crate::store::{
     Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, WorkRecord,
 };
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -156,7 +154,11 @@ impl Broker {
         }
         if let Some(runtime) = self.runtime(row.job_id) {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            rt.pending.warned.push(InstanceId(row.id.clone()));
+            rt.arrivals.push(Input::Warned {
+                id: InstanceId(row.id.clone()),
+                at,
+                terminate_at: action_time,
+            });
         }
         // A command job's warned member leaves the working set now (its rank stays reserved
         // until it departs), not when its agent reads the notice.
@@ -219,22 +221,15 @@ impl Broker {
         {
             return Ok(());
         }
-        let data = self.market_data();
-        if let Some(launched) = row.launched {
-            data.observe(Observation::Ran {
-                market: &row.market,
-                hours: at.secs_since(launched).max(0.0) / 3600.0,
-            });
-        }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
-            if let Some(runtime) = self.runtime(row.job_id) {
-                let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-                rt.pending.evicted.push(InstanceId(row.id.clone()));
-            }
-            data.observe(Observation::Interrupted {
-                market: &row.market,
+        }
+        if let Some(runtime) = self.runtime(row.job_id) {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            rt.arrivals.push(Input::Ended {
+                id: InstanceId(row.id.clone()),
                 at,
+                by_provider,
             });
         }
         if let (Some(control), Some(cloud_id)) = (self.control.get(row.job_id), &row.cloud_id) {
@@ -256,85 +251,8 @@ impl Broker {
         Ok(())
     }
 
-    /// Records when each instance started working for the job: when its agent joined the
-    /// training (measured pacing), or start-up after its launch (modelled pacing, so that
-    /// nothing depends on wall time). Updates `instances` to match.
-    async fn record_readiness(
-        &self,
-        instances: &mut [InstanceRow],
-        status: &proteus_wire::coordinator::JobStatus,
-        startup_secs: f64,
-        now: Timestamp,
-    ) -> Result<Vec<InstanceId>, ServiceError> {
-        let joined: HashSet<&str> = status
-            .members
-            .iter()
-            .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
-            .map(|m| m.instance_id.0.as_str())
-            .collect();
-        let mut ready = Vec::new();
-        for row in instances.iter_mut() {
-            // A warned instance still starts up (as in the simulator, which tells the policy
-            // it is ready); it works for nothing, its working span having ended at the warning.
-            if row.ready.is_some()
-                || !matches!(row.state, InstanceState::Running | InstanceState::Warned)
-            {
-                continue;
-            }
-            let Some(launched) = row.launched else {
-                continue;
-            };
-            let ready_at = match self.settings.pacing {
-                Pacing::Measured => row
-                    .cloud_id
-                    .as_deref()
-                    .is_some_and(|c| joined.contains(c))
-                    .then_some(now),
-                Pacing::Modelled => Some(launched.plus_secs(startup_secs)).filter(|&t| t <= now),
-            };
-            if let Some(at) = ready_at
-                && self.store.mark_ready(&row.id, at).await?
-            {
-                row.ready = Some(at);
-                ready.push(InstanceId(row.id.clone()));
-            }
-        }
-        Ok(ready)
-    }
-
-    /// Records a re-estimate of the job's total work as an event when it moved by more than
-    /// 10% since the last one recorded (or is the first).
-    async fn announce_reestimate(
-        &self,
-        job: JobId,
-        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
-        now: Timestamp,
-    ) -> Result<(), ServiceError> {
-        let detail = {
-            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            let total = rt.model.total_work;
-            if total == rt.submitted_work && rt.announced_work.is_none() {
-                return Ok(());
-            }
-            let moved = rt
-                .announced_work
-                .is_none_or(|last| (total - last).abs() > 0.1 * last);
-            if !moved {
-                return Ok(());
-            }
-            rt.announced_work = Some(total);
-            format!(
-                "remaining work re-estimated from the measured rate: {total:.3} units in all \
-                 (submitted estimate {:.3})",
-                rt.submitted_work
-            )
-        };
-        self.store
-            .add_event(Some(job), None, now, "work_reestimated", &detail)
-            .await?;
-        Ok(())
-    }
-
+    /// One job's turn: what its agents report goes to its [`JobEngine`] with what the cloud
+    /// reported since the last tick, and the engine's commands are carried out.
     async fn tick_job(&self, job: &JobRow, now: Timestamp) -> Result<(), ServiceError> {
         let runtime = match self.ensure_runtime(job) {
             Ok(r) => r,
@@ -369,426 +287,318 @@ impl Broker {
             }
         }
         let status = control.read(|c| c.status());
-        let mut instances = self.store.instances_of_job(job.id).await?;
-        let startup = runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .model
-            .startup_secs;
-        let ready = self
-            .record_readiness(&mut instances, &status, startup, now)
-            .await?;
-        let (fraction, work) = {
-            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            let done = work::received(&instances, &rt.model, now);
-            match self.settings.pacing {
-                Pacing::Measured => {
-                    // Heartbeats carry clocks; the end of training may arrive before the
-                    // last of them.
-                    // A command job's program reports its own progress (any units); the
-                    // built-in apps report clocks.
-                    let fraction = if status.state == TrainingState::Completed {
-                        1.0
-                    } else {
-                        status.progress.fraction()
-                    };
-                    let expected = work::reestimate_total(done, fraction);
-                    if let Some(total) = expected {
-                        rt.model.total_work = total;
-                    }
-                    (
-                        fraction,
-                        WorkRecord {
-                            done_units: done,
-                            expected_units: expected,
-                        },
-                    )
-                }
-                Pacing::Modelled => {
-                    advance_modelled_work(&mut rt, &instances, &ready, now);
-                    let total = rt.model.total_work;
-                    (
-                        if rt.modelled.is_complete(total) {
-                            1.0
-                        } else {
-                            (rt.modelled.done() / total).min(1.0)
-                        },
-                        WorkRecord {
-                            done_units: done,
-                            expected_units: None,
-                        },
-                    )
-                }
-            }
-        };
-        self.announce_reestimate(job.id, &runtime, now).await?;
-        let training_done = status.state == TrainingState::Completed;
-        if status.state == TrainingState::Failed {
-            self.save_control(job.id).await?;
-            let reason = status
-                .end_reason
-                .clone()
-                .unwrap_or_else(|| "the program failed".into());
-            self.finish_job(job.id, JobState::Failed, &reason, now)
-                .await?;
-            return Ok(());
+        let instances = self.store.instances_of_job(job.id).await?;
+        self.reconcile(&runtime, &instances);
+        let mut inputs =
+            std::mem::take(&mut runtime.lock().unwrap_or_else(|e| e.into_inner()).arrivals);
+        if self.settings.pacing == Pacing::Measured {
+            inputs.extend(self.joined(&instances, &status, now).await?);
+            // Heartbeats carry clocks; a command job's program reports its own progress.
+            inputs.push(Input::Progress {
+                fraction: status.progress.fraction(),
+            });
         }
+        match status.state {
+            TrainingState::Completed => inputs.push(Input::TrainingComplete {
+                reason: match status.final_metric {
+                    Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
+                    // A command job: the coordinator says how its program completed.
+                    None => status
+                        .end_reason
+                        .clone()
+                        .unwrap_or_else(|| "training complete".to_string()),
+                },
+            }),
+            TrainingState::Failed => inputs.push(Input::TrainingFailed {
+                reason: status
+                    .end_reason
+                    .clone()
+                    .unwrap_or_else(|| "the program failed".into()),
+            }),
+            _ => {}
+        }
+        inputs.push(Input::Tick);
         self.save_control(job.id).await?;
         let metric = status
             .final_metric
             .or(status.latest_metric)
             .and_then(|m| serde_json::to_string(&m).ok());
-        self.store
-            .set_job_progress(job.id, fraction, metric.as_deref(), work)
+        let end = self
+            .drive(job.id, &runtime, inputs, metric.as_deref(), now)
             .await?;
-
-        if training_done && (self.settings.pacing == Pacing::Measured || fraction >= 1.0) {
-            self.store
-                .set_job_progress(job.id, 1.0, metric.as_deref(), work)
-                .await?;
-            let reason = match status.final_metric {
-                Some(m) => format!("training complete: {} {:.4}", m.kind, m.value),
-                // A command job: the coordinator says how its program completed.
-                None => status
-                    .end_reason
-                    .clone()
-                    .unwrap_or_else(|| "training complete".to_string()),
+        if let Some(end) = end {
+            let state = if end.outcome.succeeded() {
+                JobState::Succeeded
+            } else {
+                JobState::Failed
             };
-            self.finish_job(job.id, JobState::Succeeded, &reason, now)
-                .await?;
+            self.finish_job(job.id, state, &end.reason, now).await?;
             return Ok(());
         }
-        let spend = self.refresh_ledger(job.id, now).await?;
-        let (budget, deadline) = {
-            let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            (r.valid.budget_usd, r.valid.deadline)
-        };
-        if let Some(budget) = budget {
-            // Stop before the next billing period that would take spend past the budget, not
-            // after it: the scheduler may not run again until a little market time has passed.
-            let billing = runtime
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .valid
-                .billing;
-            let ahead = BUDGET_LOOKAHEAD_SECS
-                .max(2.0 * self.settings.tick.as_secs_f64() * self.clock.speed());
-            let data = self.market_data();
-            let running_on: Usd = instances
-                .iter()
-                .filter(|i| !i.state.is_final() && i.state != InstanceState::Terminating)
-                .filter_map(|i| {
-                    let launched = i.launched?;
-                    let price = price_now(&data, &i.market, i.tier, now);
-                    Some(billing.cost_of_running_on(price, launched, now, ahead))
-                })
-                .sum();
-            if let Some(reason) = Budget(budget).ends_job(spend, running_on) {
-                self.finish_job(job.id, JobState::Failed, &reason, now)
+        self.record_progress(job.id, &runtime, metric.as_deref(), now)
+            .await?;
+        self.refresh_ledger(job.id, now).await?;
+        if job.state == JobState::Pending {
+            let instances = self.store.instances_of_job(job.id).await?;
+            if instances.iter().any(|i| i.launched.is_some()) {
+                self.store
+                    .set_job_state(job.id, JobState::Running, None, now)
                     .await?;
-                return Ok(());
             }
         }
-        if let Some(deadline) = deadline
-            && now >= deadline
-        {
-            self.finish_job(
-                job.id,
-                JobState::Failed,
-                &format!("deadline {deadline} passed before training completed"),
-                now,
-            )
-            .await?;
-            return Ok(());
-        }
-        if job.state == JobState::Pending && instances.iter().any(|i| i.launched.is_some()) {
-            self.store
-                .set_job_state(job.id, JobState::Running, None, now)
-                .await?;
-        }
-        if self.settings.pacing == Pacing::Modelled && fraction >= 1.0 {
-            // The modelled work is done (the simulator's job ends here): nothing more is bought
-            // or released while the agents finish their training.
-            return Ok(());
-        }
-        let progress = JobProgress {
-            done_work: 0.0,
-            total_work: 0.0,
-            started_at: job.started.unwrap_or(job.created),
-        };
-        // As the simulator does: the policy hears of each kind of event (warned, evicted,
-        // ready), and is consulted on its own when its wake-up time has come.
-        // The pending events are dropped only once every consultation went through: a tick
-        // that fails (the store is down) hears of them again next time.
-        let events = {
-            let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            let pending = rt.pending.clone();
-            let events: Vec<PolicyEvent> = [
-                PolicyEvent::Warned(pending.warned),
-                PolicyEvent::Evicted(pending.evicted),
-                PolicyEvent::Ready(ready),
-            ]
-            .into_iter()
-            .filter(|e| match e {
-                PolicyEvent::Warned(ids) | PolicyEvent::Evicted(ids) | PolicyEvent::Ready(ids) => {
-                    !ids.is_empty()
-                }
-                PolicyEvent::LaunchFailed { .. } => true,
-            })
-            .collect();
-            events
-        };
-        let consult = Consult {
-            job,
-            runtime: &runtime,
-            progress,
-            fraction,
-            spend,
-            now,
-        };
-        for event in events {
-            self.consult(&consult, Some(event)).await?;
-        }
-        // As in the simulator, an answer to an event already set the next wake-up.
-        let due = runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .next_decision
-            .is_none_or(|t| now >= t);
-        if due {
-            self.consult(&consult, None).await?;
-        }
-        runtime.lock().unwrap_or_else(|e| e.into_inner()).pending = PendingEvents::default();
-        Ok(())
+        self.save_engine(job.id, &runtime).await
     }
 
-    /// Consults the policy (a tick when `event` is `None`) and applies its decision. Like the
-    /// simulator, it tells the policy once about each market that refused a launch; what the
-    /// policy asks then is applied, and its own refusals bring the next consultation forward
-    /// ([`crate::engine::after_refusal`]).
-    async fn consult(
-        &self,
-        c: &Consult<'_>,
-        event: Option<PolicyEvent>,
-    ) -> Result<(), ServiceError> {
-        let refused = self.consult_once(c, event.as_ref()).await?;
-        for (market, reason) in refused {
-            let again = self
-                .consult_once(c, Some(&PolicyEvent::LaunchFailed { market, reason }))
-                .await?;
-            if !again.is_empty() {
-                let mut rt = c.runtime.lock().unwrap_or_else(|e| e.into_inner());
-                rt.next_decision = rt
-                    .next_decision
-                    .map(|next| crate::engine::after_refusal(c.now, next));
-            }
+    /// A restored engine learns of the instances the store holds that it does not know: ones
+    /// launched after its state was last saved (or by recovery), and the ended ones it bills.
+    fn reconcile(&self, runtime: &Arc<std::sync::Mutex<JobRuntime>>, instances: &[InstanceRow]) {
+        let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+        if rt.reconciled {
+            return;
         }
-        Ok(())
+        rt.reconciled = true;
+        let data = self.market_data();
+        for row in instances {
+            let Some(launched) = row.launched else {
+                continue;
+            };
+            let purchase = match row.bid {
+                Some(bid) => Purchase::Spot { bid },
+                None => Purchase::OnDemand,
+            };
+            let member = Member {
+                id: InstanceId(row.id.clone()),
+                rate: rt
+                    .engine
+                    .job()
+                    .rate(&row.market.instance_type)
+                    .unwrap_or(0.0),
+                market: row.market.clone(),
+                purchase,
+                launched_at: launched,
+                ready: row.ready,
+                warned: row.warned,
+                terminate_at: row.warned.map(|w| w.plus_secs(NOTICE_SECS)),
+                releasing: row.state == InstanceState::Terminating,
+            };
+            let ended = row
+                .state
+                .is_final()
+                .then(|| (row.ended.unwrap_or(launched), row.ended_by_provider));
+            rt.engine.adopt(member, ended, &data.markets);
+        }
     }
 
-    async fn consult_once(
+    /// [`Pacing::Measured`]: records the instances whose agents joined the training (they
+    /// work for the job from now) and returns them for the engine.
+    async fn joined(
         &self,
-        c: &Consult<'_>,
-        event: Option<&PolicyEvent>,
-    ) -> Result<Vec<(Market, String)>, ServiceError> {
-        // The footprint as stored now: an earlier consult of this tick may have launched.
-        let instances = self.store.instances_of_job(c.job.id).await?;
-        let decision = self
-            .decide(c.runtime, &instances, c.progress, c.fraction, c.now, event)
-            .await?;
-        self.apply(c.job, c.runtime, decision, &instances, c.spend, c.now)
-            .await
-    }
-
-    /// Asks the policy. The market view hides markets in a cool-down, so the policy picks
-    /// elsewhere without knowing why.
-    async fn decide(
-        &self,
-        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
         instances: &[InstanceRow],
-        mut progress: JobProgress,
-        fraction: f64,
+        status: &proteus_wire::coordinator::JobStatus,
         now: Timestamp,
-        event: Option<&PolicyEvent>,
-    ) -> Result<Decision, ServiceError> {
-        let cooled: HashSet<(String, String)> = self
+    ) -> Result<Vec<Input>, ServiceError> {
+        let joined: HashSet<&str> = status
+            .members
+            .iter()
+            .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
+            .map(|m| m.instance_id.0.as_str())
+            .collect();
+        let mut ready = Vec::new();
+        for row in instances {
+            // A warned instance still starts up; it works for nothing, its working span having
+            // ended at the warning.
+            if row.ready.is_some()
+                || !matches!(row.state, InstanceState::Running | InstanceState::Warned)
+                || !row.cloud_id.as_deref().is_some_and(|c| joined.contains(c))
+            {
+                continue;
+            }
+            if self.store.mark_ready(&row.id, now).await? {
+                ready.push(Input::Ready {
+                    id: InstanceId(row.id.clone()),
+                    at: now,
+                });
+            }
+        }
+        Ok(ready)
+    }
+
+    /// Feeds `inputs` to the job's engine and carries out its commands, answering each launch
+    /// before the engine goes on. Returns the job's end when the engine decided it.
+    async fn drive(
+        &self,
+        job: JobId,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+        inputs: Vec<Input>,
+        metric: Option<&str>,
+        now: Timestamp,
+    ) -> Result<Option<JobEnd>, ServiceError> {
+        let mut queue: VecDeque<Input> = inputs.into();
+        let mut cooled = self.cooled(now).await?;
+        let cap = u64::from(self.settings.instance_cap);
+        let mut held_by_all: Option<u64> = None;
+        let mut end = None;
+        while let Some(input) = queue.pop_front() {
+            let commands = {
+                let data = self.market_data();
+                let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
+                let view = LiveView {
+                    inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse),
+                    cooled: &cooled,
+                };
+                let ctx = Ctx {
+                    view: &view,
+                    markets: &data.markets,
+                };
+                let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+                let asked = rt.engine.counts().decisions;
+                let started = Instant::now();
+                let commands = rt.engine.step(now, input, &ctx);
+                if rt.engine.counts().decisions > asked {
+                    self.metrics.record_decision(started.elapsed());
+                }
+                commands.map_err(|e| ServiceError::Internal(e.to_string()))?
+            };
+            for command in commands {
+                match command {
+                    Command::Launch { market, purchase } => {
+                        let all = match held_by_all {
+                            Some(n) => n,
+                            None => self.store.count_live_instances().await?,
+                        };
+                        if all >= cap {
+                            held_by_all = Some(all);
+                            queue.push_front(Input::LaunchHeld {
+                                reason: format!(
+                                    "the broker holds {all} instances across all jobs, its cap \
+                                     (`proteus serve --instance-cap {cap}`)"
+                                ),
+                            });
+                            continue;
+                        }
+                        let answer = match self.launch_instance(job, &market, purchase, now).await?
+                        {
+                            Launch::Launched { id, at } => {
+                                held_by_all = Some(all + 1);
+                                Input::Launched {
+                                    id: InstanceId(id),
+                                    at,
+                                }
+                            }
+                            Launch::Refused(reason) => {
+                                // The market may be cooling down now: the policy's next look
+                                // leaves it out.
+                                cooled = self.cooled(now).await?;
+                                Input::LaunchRefused { reason }
+                            }
+                        };
+                        queue.push_front(answer);
+                    }
+                    Command::Release { id } => {
+                        if let Some(row) = self.store.instance(&id.0).await? {
+                            self.terminate_instance(&row, "released by the policy")
+                                .await?;
+                        }
+                    }
+                    Command::MarkReady { id, at } => {
+                        self.store.mark_ready(&id.0, at).await?;
+                    }
+                    Command::Observe(o) => self.market_data().observe(o.as_observation()),
+                    Command::Record { kind, detail } => {
+                        self.store
+                            .add_event(Some(job), None, now, kind, &detail)
+                            .await?;
+                    }
+                    Command::End(e) => {
+                        if e.outcome.succeeded() {
+                            let work = self.work_record(runtime, now);
+                            self.store.set_job_progress(job, 1.0, metric, work).await?;
+                        }
+                        end = Some(e);
+                    }
+                }
+            }
+        }
+        Ok(end)
+    }
+
+    /// Markets in a cool-down after the cloud refused them: the policy does not see them.
+    async fn cooled(&self, now: Timestamp) -> Result<HashSet<(String, String)>, ServiceError> {
+        Ok(self
             .store
             .cooldowns(now)
             .await?
             .into_iter()
             .map(|c| (c.zone.to_string(), c.instance_type.to_string()))
-            .collect();
-        let data = self.market_data();
-        let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-        progress.total_work = rt.model.total_work;
-        progress.done_work = fraction * rt.model.total_work;
-        let startup = rt.model.startup_secs;
-        let footprint: Vec<InstanceView> = instances
-            .iter()
-            .filter_map(|i| instance_view(i, startup, now))
-            .collect();
-        let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
-        let inner = TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse);
-        let view = LiveView {
-            inner,
-            cooled: &cooled,
-        };
-        let JobRuntime {
-            model: job_model,
-            policy,
-            valid,
-            next_decision,
-            ..
-        } = &mut *rt;
-        let ctx = DecisionContext {
-            market: &view,
-            job: job_model,
-            progress,
-            footprint: &footprint,
-            billing: valid.billing,
-        };
-        let started = Instant::now();
-        let decision = match event {
-            None => policy.decide(&ctx),
-            Some(e) => policy.on_event(&ctx, e),
-        };
-        self.metrics.record_decision(started.elapsed());
-        drop(model);
-        let decision = decision
-            .map_err(|e| ServiceError::Internal(format!("policy {}: {e}", policy.name())))?;
-        *next_decision = Some(crate::engine::next_decision(now, decision.wake_at));
-        Ok(decision)
+            .collect())
     }
 
-    async fn apply(
+    fn work_record(
         &self,
-        job: &JobRow,
         runtime: &Arc<std::sync::Mutex<JobRuntime>>,
-        decision: Decision,
-        instances: &[InstanceRow],
-        spend: Usd,
         now: Timestamp,
-    ) -> Result<Vec<(Market, String)>, ServiceError> {
-        let mut released_any = false;
-        for id in &decision.release {
-            if let Some(row) = instances.iter().find(|i| i.id == id.0) {
-                released_any |= row.state == InstanceState::Running;
-                self.terminate_instance(row, "released by the policy")
-                    .await?;
+    ) -> WorkRecord {
+        let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+        let reestimated = rt.engine.total_work() != rt.engine.submitted_work();
+        WorkRecord {
+            done_units: rt.engine.received_work(now),
+            expected_units: (self.settings.pacing == Pacing::Measured && reestimated)
+                .then(|| rt.engine.total_work()),
+        }
+    }
+
+    async fn record_progress(
+        &self,
+        job: JobId,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+        metric: Option<&str>,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let fraction = runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .engine
+            .fraction();
+        let work = self.work_record(runtime, now);
+        self.store
+            .set_job_progress(job, fraction, metric, work)
+            .await?;
+        Ok(())
+    }
+
+    /// Saves the engine's state when it changed, so that a restarted broker continues the job.
+    async fn save_engine(
+        &self,
+        job: JobId,
+        runtime: &Arc<std::sync::Mutex<JobRuntime>>,
+    ) -> Result<(), ServiceError> {
+        let snapshot = {
+            let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+            let json = serde_json::to_string(rt.engine.state())
+                .map_err(|e| ServiceError::Internal(format!("engine state of job {job}: {e}")))?;
+            if rt.saved_engine.as_deref() == Some(json.as_str()) {
+                return Ok(());
             }
-        }
-        if released_any {
-            runtime
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .modelled
-                .released(now);
-        }
-        let (limits, budget, billing, model) = {
-            let r = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            (
-                Limits::of(&r.model, r.policy.kind()),
-                r.valid.budget_usd,
-                r.valid.billing,
-                r.model.clone(),
-            )
+            rt.saved_engine = Some(json.clone());
+            json
         };
-        let rate = |m: &Market| model.rate(&m.instance_type).unwrap_or(0.0);
-        // Held against the limits as the simulator counts it: launched or requested, not
-        // warned, not being released.
-        let mut footprint = Held::default();
-        for i in instances.iter().filter(|i| {
-            matches!(i.state, InstanceState::Requested | InstanceState::Running)
-                && !decision.release.iter().any(|r| r.0 == i.id)
-        }) {
-            footprint.add(i.tier, rate(&i.market));
-        }
-        let mut committed = spend;
-        let data = self.market_data();
-        let mut held = None;
-        let mut refused: Vec<(Market, String)> = Vec::new();
-        // The broker-wide cap: what every job holds, counted before this decision launches.
-        let cap = u64::from(self.settings.instance_cap);
-        let mut held_by_all = if decision.acquire.is_empty() {
-            0
-        } else {
-            self.store.count_live_instances().await?
-        };
-        for acq in &decision.acquire {
-            for _ in 0..acq.count {
-                if refused.iter().any(|(m, _)| *m == acq.market) {
-                    break;
-                }
-                let tier = acq.purchase.tier();
-                if limits.room(&footprint, tier, rate(&acq.market), 1) == 0 {
-                    break;
-                }
-                if held_by_all >= cap {
-                    held = Some(format!(
-                        "the broker holds {held_by_all} instances across all jobs, its cap \
-                         (`proteus serve --instance-cap {cap}`)"
-                    ));
-                    break;
-                }
-                let period = first_period_cost(&data, &acq.market, acq.purchase, billing, now);
-                if let Some(reason) = budget.and_then(|b| Budget(b).holds_launch(committed, period))
-                {
-                    held = Some(reason);
-                    break;
-                }
-                match self
-                    .launch_instance(job.id, &acq.market, acq.purchase, now)
-                    .await?
-                {
-                    Launch::Launched => {
-                        footprint.add(tier, rate(&acq.market));
-                        committed += period;
-                        held_by_all += 1;
-                    }
-                    // The cloud refused this market: do not ask it again in this decision.
-                    Launch::Refused(reason) => refused.push((acq.market.clone(), reason)),
-                }
-            }
-        }
-        runtime.lock().unwrap_or_else(|e| e.into_inner()).held = held;
-        Ok(refused)
+        self.store.save_engine_state(job, &snapshot).await?;
+        Ok(())
     }
 
     /// The next market time after `now` at which something happens that the control loop acts
-    /// on: the cloud warns or reclaims, an instance becomes ready (modelled pacing), a policy
-    /// wants to be woken, a stall or milestone of a job's work ends, a job's work completes.
-    /// A driver that steps market time itself (the demo) ticks at each, so that the live
-    /// broker decides at the instants the simulator does.
+    /// on: the cloud warns or reclaims, or a job's engine wakes up (see
+    /// [`JobEngine::next_wake`]). A driver that steps market time itself (the demo) ticks at
+    /// each, so that the live broker decides at the instants the simulator does.
     pub async fn next_event_after(
         &self,
         now: Timestamp,
     ) -> Result<Option<Timestamp>, ServiceError> {
         let mut times: Vec<Timestamp> = self.cloud.next_event_after(now).into_iter().collect();
         for job in self.store.jobs(true).await? {
-            let Some(runtime) = self.runtime(job.id) else {
-                continue;
-            };
-            let instances = self.store.instances_of_job(job.id).await?;
-            let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
-            times.extend(rt.next_decision);
-            times.extend(rt.modelled.next_change(now));
-            if self.settings.pacing == Pacing::Modelled {
-                let startup = rt.model.startup_secs;
-                times.extend(
-                    instances
-                        .iter()
-                        .filter(|i| {
-                            matches!(i.state, InstanceState::Running | InstanceState::Warned)
-                                && i.ready.is_none()
-                        })
-                        .filter_map(|i| i.launched.map(|l| l.plus_secs(startup))),
-                );
-                let spans: Vec<WorkingSpan> = instances
-                    .iter()
-                    .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
-                    .collect();
-                let working = rt.modelled.working_rate(&spans, &rt.model.stages, now);
-                times.extend(rt.modelled.completion(now, working, rt.model.total_work));
+            if let Some(runtime) = self.runtime(job.id) {
+                let rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
+                times.extend(rt.engine.next_wake(now));
             }
         }
         Ok(times.into_iter().filter(|&t| t > now).min())
@@ -850,7 +660,10 @@ impl Broker {
                     .await?;
                 self.start_local_agent(row, &ci.cloud_id, token, None)
                     .await?;
-                Ok(Launch::Launched)
+                Ok(Launch::Launched {
+                    id: row.id.clone(),
+                    at: ci.launched.unwrap_or(now),
+                })
             }
             Err(e) => {
                 self.store
@@ -1133,74 +946,10 @@ impl Broker {
 /// What became of a launch the policy asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Launch {
-    Launched,
+    /// Running under this (the broker's) id since `at`.
+    Launched { id: String, at: Timestamp },
     /// The cloud refused it; why, as recorded in the job's events.
     Refused(String),
-}
-
-/// One tick's consultations of a job's policy share these.
-struct Consult<'a> {
-    job: &'a JobRow,
-    runtime: &'a Arc<std::sync::Mutex<JobRuntime>>,
-    progress: JobProgress,
-    fraction: f64,
-    spend: Usd,
-    now: Timestamp,
-}
-
-/// How the policy sees one stored instance; final ones are not part of the footprint. It is
-/// running once it is recorded ready (see [`Broker::record_readiness`]).
-fn instance_view(i: &InstanceRow, startup_secs: f64, now: Timestamp) -> Option<InstanceView> {
-    let purchase = match i.bid {
-        Some(bid) => Purchase::Spot { bid },
-        None => Purchase::OnDemand,
-    };
-    let launched_at = i.launched.unwrap_or(i.requested);
-    let state = match i.state {
-        InstanceState::Terminated | InstanceState::Failed | InstanceState::Terminating => {
-            return None;
-        }
-        InstanceState::Warned => PolicyInstanceState::Warned {
-            terminate_at: i.warned.unwrap_or(launched_at).plus_secs(NOTICE_SECS),
-        },
-        InstanceState::Requested | InstanceState::Running => {
-            if i.ready.is_some_and(|r| r <= now) {
-                PolicyInstanceState::Running
-            } else {
-                PolicyInstanceState::Starting {
-                    ready_at: launched_at.plus_secs(startup_secs),
-                }
-            }
-        }
-    };
-    Some(InstanceView {
-        id: InstanceId(i.id.clone()),
-        market: i.market.clone(),
-        purchase,
-        launched_at,
-        state,
-    })
-}
-
-/// What launching one instance commits the job to before it can be released: one billing
-/// period at the current price.
-fn first_period_cost(
-    data: &MarketData,
-    market: &Market,
-    purchase: Purchase,
-    billing: BillingModel,
-    now: Timestamp,
-) -> Usd {
-    price_now(data, market, purchase.tier(), now).for_hours(billing.billed_hours(0.0))
-}
-
-/// What an hour of `market` on `tier` costs at `now`: its on-demand price, or the spot price.
-fn price_now(data: &MarketData, market: &Market, tier: Tier, now: Timestamp) -> UsdPerHour {
-    match tier {
-        Tier::Reliable => data.markets.on_demand(market),
-        Tier::Transient => data.history.get(market).and_then(|s| s.price_at(now)),
-    }
-    .unwrap_or(UsdPerHour::ZERO)
 }
 
 /// Most cloud events one tick applies; the rest wait for the next tick (which then comes at
@@ -1210,9 +959,11 @@ const CLOUD_EVENTS_PER_TICK: usize = 256;
 /// Most instances one terminate call names (EC2 takes up to 1000 per TerminateInstances).
 const TERMINATE_BATCH: usize = 500;
 
-/// How far ahead (market seconds, at least two ticks) a job's budget is checked against the
-/// billing periods its instances are about to start.
-const BUDGET_LOOKAHEAD_SECS: f64 = 60.0;
+/// How far ahead (market seconds) a job's budget is checked against the billing periods its
+/// instances are about to start: the engine's look interval, or two ticks if they are longer.
+pub(crate) fn budget_lookahead_secs(tick: std::time::Duration, speed: f64) -> f64 {
+    crate::engine::job_engine::BUDGET_LOOK_SECS.max(2.0 * tick.as_secs_f64() * speed)
+}
 
 /// The trace view minus markets the cloud refused recently.
 struct LiveView<'a> {
@@ -1282,50 +1033,4 @@ impl MarketView for LiveView<'_> {
         self.inner
             .eviction_many(market, bid_deltas_usd, horizon_secs, out)
     }
-}
-
-/// [`Pacing::Modelled`]: counts the work since the last count and applies this instant's
-/// warnings and readiness to the job's [`JobWork`](crate::engine::progress::JobWork), in the
-/// simulator's order. Between two counts the footprint is as the last count left it (the demo
-/// steps market time onto every change, see [`Broker::next_event_after`]), so the rate at the
-/// last count holds all the way.
-fn advance_modelled_work(
-    rt: &mut JobRuntime,
-    instances: &[InstanceRow],
-    ready: &[InstanceId],
-    now: Timestamp,
-) {
-    let since = rt.modelled_at.unwrap_or(now);
-    rt.modelled_at = Some(now);
-    let spans: Vec<WorkingSpan> = instances
-        .iter()
-        .filter_map(|i| WorkingSpan::of_instance(i, &rt.model))
-        .collect();
-    let working = rt.modelled.working_rate(&spans, &rt.model.stages, since);
-    let total = rt.model.total_work;
-    // Done when the completion foreseen at the last count has come, as in the simulator.
-    let completion = rt.modelled.completion(since, working, total);
-    rt.modelled.accrue(since, now, working, working);
-    if completion.is_some_and(|c| now >= c) || rt.modelled.is_complete(total) {
-        rt.modelled.complete(total);
-        return;
-    }
-    let mut membership_changed = !ready.is_empty();
-    for id in &rt.pending.warned {
-        if let Some(row) = instances.iter().find(|i| i.id == id.0) {
-            let rate = rt.model.rate(&row.market.instance_type).unwrap_or(0.0);
-            membership_changed |= rt.modelled.warned(now, row.ready, rate);
-        }
-    }
-    if !rt.pending.warned.is_empty() {
-        rt.modelled.after_warnings();
-    }
-    if membership_changed {
-        rt.modelled.rebalance(now);
-    }
-    let live =
-        |i: &&InstanceRow| matches!(i.state, InstanceState::Requested | InstanceState::Running);
-    let any_ready = instances.iter().filter(live).any(|i| i.ready.is_some());
-    let any_starting = instances.iter().filter(live).any(|i| i.ready.is_none());
-    rt.modelled.milestones(now, any_ready, any_starting);
 }

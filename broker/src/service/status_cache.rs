@@ -177,6 +177,7 @@ mod tests {
                 progress: 0.0,
                 metric: None,
                 control_state: None,
+                engine_state: None,
                 created: Timestamp::from_millis(0),
                 started: None,
                 finished: None,

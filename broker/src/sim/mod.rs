@@ -20,18 +20,15 @@ pub mod inputs;
 pub mod sweep;
 pub mod world;
 
-use crate::billing::{BillingError, BillingModel, EndedBy, PriceSource};
-use crate::engine::limits::{Held, Limits};
-use crate::engine::progress::JobWork;
+use crate::billing::{BillingError, EndedBy, PriceSource};
+use crate::engine::job_engine::{
+    Command, Ctx, EngineConfig, EngineError, Input, JobEngine, JobTerms, Outcome, Pacing,
+};
 use crate::engine::view::{FutureReads, TraceMarkets, TraceView};
-use crate::engine::work::WorkingSpan;
 use crate::job::JobModel;
 use crate::market::{Market, Timestamp, Usd, UsdPerHour};
-use crate::market_model::{MarketModel, Observation};
-use crate::policy::{
-    Decision, DecisionContext, InstanceId, InstanceState, InstanceView, JobProgress, Policy,
-    PolicyError, PolicyEvent, PolicyKind, Purchase, Tier,
-};
+use crate::market_model::MarketModel;
+use crate::policy::{Decision, InstanceId, Policy, PolicyError, PolicyKind, Purchase, Tier};
 use crate::prices::PriceHistory;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -56,7 +53,7 @@ pub struct Scenario {
     markets: TraceMarkets,
     trees: HashMap<Market, MaxTree>,
     pub job: JobModel,
-    pub billing: BillingModel,
+    pub billing: crate::billing::BillingModel,
     pub world: World,
     /// The market model the policies consult; every run gets its own copy.
     model: Box<dyn MarketModel>,
@@ -71,7 +68,7 @@ impl Scenario {
     pub fn new(
         history: Arc<PriceHistory>,
         job: JobModel,
-        billing: BillingModel,
+        billing: crate::billing::BillingModel,
         world: World,
         model: Box<dyn MarketModel>,
     ) -> Result<Self, SimError> {
@@ -116,6 +113,54 @@ pub struct RunOptions {
     pub future_reads: FutureReads,
     /// Keep every decision in the result (tests, debugging).
     pub record_decisions: bool,
+    /// The job's budget: it ends before the billing period that would pass it.
+    pub budget: Option<Usd>,
+    /// The job's deadline: it ends (failed) then if not done.
+    pub deadline: Option<Deadline>,
+}
+
+/// When a simulated job must be done by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Deadline {
+    /// Seconds after the run's start (a sweep's runs each get their own).
+    After(f64),
+    /// A market time.
+    At(Timestamp),
+}
+
+impl Deadline {
+    pub fn for_start(self, start: Timestamp) -> Timestamp {
+        match self {
+            Deadline::After(secs) => start.plus_secs(secs),
+            Deadline::At(t) => t,
+        }
+    }
+
+    /// `36h`, `90m`, `2d`, `600s` (after the start) or a market time (RFC 3339 or YYYY-MM-DD).
+    pub fn parse(text: &str) -> Result<Deadline, String> {
+        let t = text.trim();
+        let unit = t
+            .chars()
+            .last()
+            .filter(|c| matches!(c, 's' | 'm' | 'h' | 'd'));
+        if let Some(unit) = unit
+            && let Ok(n) = t[..t.len() - 1].trim().parse::<f64>()
+        {
+            if !(n.is_finite() && n > 0.0) {
+                return Err(format!("deadline `{text}`: the duration must be positive"));
+            }
+            let secs = n * match unit {
+                's' => 1.0,
+                'm' => 60.0,
+                'h' => 3600.0,
+                _ => 86_400.0,
+            };
+            return Ok(Deadline::After(secs));
+        }
+        Timestamp::parse(t).map(Deadline::At).map_err(|e| {
+            format!("deadline `{text}`: neither a duration (36h, 90m, 2d) nor a time ({e})")
+        })
+    }
 }
 
 /// Why a run could not complete.
@@ -148,6 +193,8 @@ pub enum SimError {
     },
     #[error("{0}")]
     PolicyFile(String),
+    #[error("engine: {0}")]
+    Engine(String),
     #[error("billing: {0}")]
     Billing(#[from] BillingError),
     #[error("no spot price series for {0}")]
@@ -168,6 +215,10 @@ pub struct RunResult {
     pub start: Timestamp,
     pub end: Timestamp,
     pub runtime_hours: f64,
+    /// How the run ended: its work done, or its budget or deadline first.
+    pub outcome: Outcome,
+    /// Why, as the live broker records it.
+    pub end_reason: String,
     pub cost_usd: Usd,
     /// Instances the provider took away.
     pub evictions: u32,
@@ -211,20 +262,7 @@ pub struct RunResult {
     pub instances: Vec<InstanceRecord>,
 }
 
-/// Capacity that did no useful work, in units (rate × hours).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Overheads {
-    /// Starting instances (billed, not yet working).
-    pub startup: f64,
-    /// Warned instances handing over their work before termination.
-    pub warned: f64,
-    /// Ready instances paused: rebalancing, writing checkpoints, waiting for a restart.
-    pub stalled: f64,
-    /// Reliable instances holding only backup shards (AgileML stage 3).
-    pub idle: f64,
-    /// Billed but unused: the rest of each charged hour after a user ended the instance.
-    pub unused_billed: f64,
-}
+pub use crate::engine::job_engine::Overheads;
 
 /// One instance's life, for calibration and debugging: what the market model expected at
 /// launch (spot only) and what happened.
@@ -255,583 +293,384 @@ pub fn run(
     if start < first || start >= last {
         return Err(SimError::StartOutsideTrace { start, first, last });
     }
-    Engine::new(scenario, policy, start, options).run()
+    Run::new(scenario, Box::new(policy), start, options).run()
 }
 
-/// The simulator's record of an instance beside the policy's [`InstanceView`].
-#[derive(Debug, Clone)]
-struct SimInstance {
-    predicted: Option<(f64, f64)>,
-    rate: f64,
-    ready_at: Timestamp,
-    ready: bool,
-    /// When the world will warn it (evict it), if ever within the trace.
+/// What the simulated world holds for one instance: when the provider will warn it and, once
+/// warned, when it takes it.
+#[derive(Debug, Clone, Copy)]
+struct Fate {
     warn_at: Option<Timestamp>,
     terminate_at: Option<Timestamp>,
 }
 
-/// An instance that has ended, to be billed.
-struct Ended {
-    /// The model's estimate at launch (probability, seconds), when recording.
-    predicted: Option<(f64, f64)>,
-    market: Market,
-    purchase: Purchase,
-    launch: Timestamp,
-    end: Timestamp,
-    by: EndedBy,
-    rate: f64,
-}
-
 const MAX_STEPS: u64 = 5_000_000;
 
-struct Engine<'a> {
+/// One run: the simulated world around a [`JobEngine`], fed in time order.
+struct Run<'a> {
     sc: &'a Scenario,
-    policy: &'a mut dyn Policy,
     options: &'a RunOptions,
+    engine: JobEngine<'a>,
     model: Box<dyn MarketModel>,
     hazard: Option<HazardWorld>,
     rng: ChaCha8Rng,
     start: Timestamp,
-    now: Timestamp,
-    views: Vec<InstanceView>,
-    sims: Vec<SimInstance>,
+    fates: HashMap<InstanceId, Fate>,
+    /// The model's estimate at launch (probability, seconds), when recording.
+    predicted: HashMap<InstanceId, (f64, f64)>,
     next_id: u64,
-    /// Work done, lost, stalls: the engine's one model of it.
-    work: JobWork,
-    next_decision: Timestamp,
-    ended: Vec<Ended>,
-    evictions: u32,
-    eviction_events: u32,
-    launches: u32,
-    failed_launches: u32,
-    decisions_made: u32,
-    overheads: Overheads,
-    decisions: Vec<(Timestamp, Decision)>,
 }
 
-impl<'a> Engine<'a> {
+impl<'a> Run<'a> {
     fn new(
         sc: &'a Scenario,
-        policy: &'a mut dyn Policy,
+        policy: Box<dyn Policy + 'a>,
         start: Timestamp,
         options: &'a RunOptions,
     ) -> Self {
-        let cost_model = policy.eviction_cost(&sc.job);
         let hazard = match &sc.world {
             World::Price => None,
             World::Hazard(truth) => Some(HazardWorld::new(truth.clone(), options.seed, start)),
         };
-        Engine {
+        let config = EngineConfig {
+            record_decisions: options.record_decisions,
+            ..EngineConfig::new(Pacing::Modelled)
+        };
+        let terms = JobTerms {
+            billing: sc.billing,
+            budget: options.budget,
+            deadline: options.deadline.map(|d| d.for_start(start)),
+            started_at: start,
+        };
+        Run {
             sc,
-            policy,
             options,
+            engine: JobEngine::new(sc.job.clone(), policy, config, terms),
             model: sc.model.boxed_clone(),
             hazard,
             rng: ChaCha8Rng::seed_from_u64(options.seed ^ 0x5eed),
             start,
-            now: start,
-            views: Vec::new(),
-            sims: Vec::new(),
+            fates: HashMap::new(),
+            predicted: HashMap::new(),
             next_id: 0,
-            work: JobWork::new(cost_model, start),
-            next_decision: start,
-            ended: Vec::new(),
-            evictions: 0,
-            eviction_events: 0,
-            launches: 0,
-            failed_launches: 0,
-            decisions_made: 0,
-            overheads: Overheads::default(),
-            decisions: Vec::new(),
         }
     }
 
     fn run(mut self) -> Result<RunResult, SimError> {
-        self.consult(None)?;
-        let total = self.sc.job.total_work;
+        let mut now = self.start;
+        self.step(now, Input::Tick)?;
         let mut steps = 0u64;
-        let done_at = loop {
+        while self.engine.end().is_none() {
             steps += 1;
             if steps > MAX_STEPS {
                 return Err(SimError::Runaway(MAX_STEPS));
             }
-            let (t, completion) = self.next_event_time();
+            let world = self
+                .fates
+                .values()
+                .filter_map(|f| f.terminate_at.or(f.warn_at))
+                .min();
+            let Some(t) = [self.engine.next_wake(now), world]
+                .into_iter()
+                .flatten()
+                .min()
+            else {
+                return Err(SimError::Runaway(steps));
+            };
+            let t = t.max(now);
             if t > self.sc.end {
                 return Err(SimError::TraceTooShort {
                     start: self.start,
                     trace_end: self.sc.end,
-                    done: self.work.done(),
-                    total,
+                    done: self.engine.done_work(),
+                    total: self.sc.job.total_work,
                 });
             }
-            self.advance(t);
-            self.now = t;
-            if completion.is_some_and(|c| t >= c) || self.work.is_complete(total) {
-                self.work.complete(total);
-                break t;
-            }
-            let (evicted, warned, ready) = self.process_events();
-            if !warned.is_empty() {
-                self.consult(Some(PolicyEvent::Warned(warned)))?;
-            }
-            if !evicted.is_empty() {
-                self.consult(Some(PolicyEvent::Evicted(evicted)))?;
-            }
-            if !ready.is_empty() {
-                self.consult(Some(PolicyEvent::Ready(ready)))?;
-            }
-            if self.now >= self.next_decision {
-                self.consult(None)?;
-            }
-        };
-        self.finish(done_at)
+            now = t;
+            self.world_at(now)?;
+            self.step(now, Input::Tick)?;
+        }
+        self.finish()
     }
 
-    /// Units per hour the footprint is doing right now (0 while down; stalls are applied by
-    /// the caller).
-    fn working_rate(&self) -> f64 {
-        self.rates().0
-    }
-
-    /// (working rate, rate of every ready instance that is not warned). The working rate is
-    /// the engine's ([`JobWork::working_rate`]).
-    fn rates(&self) -> (f64, f64) {
-        let spans: Vec<WorkingSpan> = self
-            .views
-            .iter()
-            .zip(&self.sims)
-            .filter(|(_, s)| s.ready && s.terminate_at.is_none())
-            .map(|(v, s)| WorkingSpan {
-                tier: v.tier(),
-                units_per_hour: s.rate,
-                from: self.now,
-                until: None,
-            })
-            .collect();
-        let ready = spans.iter().map(|s| s.units_per_hour).sum();
-        (
-            self.work
-                .working_rate(&spans, &self.sc.job.stages, self.now),
-            ready,
-        )
-    }
-
-    /// The next time anything happens, and when the job would complete at the current rate.
-    fn next_event_time(&self) -> (Timestamp, Option<Timestamp>) {
-        let mut t = self.next_decision;
-        for s in &self.sims {
-            if !s.ready {
-                t = t.min(s.ready_at);
-            }
-            match s.terminate_at {
-                Some(end) => t = t.min(end),
-                None => {
-                    if let Some(w) = s.warn_at {
-                        t = t.min(w);
-                    }
-                }
+    /// What the world does at `now`: warned instances are taken, others warned.
+    fn world_at(&mut self, now: Timestamp) -> Result<(), SimError> {
+        let mut ids: Vec<&InstanceId> = self.fates.keys().collect();
+        ids.sort_by_key(|id| id.0.trim_start_matches("sim-").parse::<u64>().unwrap_or(0));
+        let mut ended = Vec::new();
+        let mut warned = Vec::new();
+        for id in ids {
+            let fate = self.fates[id];
+            match fate.terminate_at {
+                Some(end) if end <= now => ended.push(id.clone()),
+                Some(_) => {}
+                None if fate.warn_at.is_some_and(|w| w <= now) => warned.push(id.clone()),
+                None => {}
             }
         }
-        if let Some(x) = self.work.next_change(self.now) {
-            t = t.min(x);
+        for id in ended {
+            self.fates.remove(&id);
+            self.step(
+                now,
+                Input::Ended {
+                    id,
+                    at: now,
+                    by_provider: true,
+                },
+            )?;
         }
-        let completion =
-            self.work
-                .completion(self.now, self.working_rate(), self.sc.job.total_work);
-        if let Some(c) = completion {
-            t = t.min(c);
-        }
-        (t.max(self.now), completion)
-    }
-
-    /// Accrues work from `now` to `t` (the rate is constant in between by construction).
-    fn advance(&mut self, t: Timestamp) {
-        let (working, ready) = self.rates();
-        let idle = self.work.accrue(self.now, t, working, ready);
-        self.overheads.stalled += idle.stalled;
-        self.overheads.idle += idle.backups_only;
-    }
-
-    fn index_of(&self, id: &InstanceId) -> Option<usize> {
-        self.views.iter().position(|v| &v.id == id)
-    }
-
-    /// Applies what happens at `now`: terminations, warnings, instances becoming ready,
-    /// checkpoint and restart milestones. Returns the ids evicted, warned and made ready.
-    fn process_events(&mut self) -> (Vec<InstanceId>, Vec<InstanceId>, Vec<InstanceId>) {
-        let now = self.now;
-        let (mut evicted, mut warned, mut ready) = (Vec::new(), Vec::new(), Vec::new());
-        // Terminations of warned instances.
-        let mut i = 0;
-        while i < self.views.len() {
-            if self.sims[i].terminate_at.is_some_and(|e| e <= now) {
-                evicted.push(self.views[i].id.clone());
-                self.end_instance(i, EndedBy::Provider);
-            } else {
-                i += 1;
+        for id in warned {
+            let terminate_at = now.plus_secs(self.sc.warning_secs);
+            if let Some(f) = self.fates.get_mut(&id) {
+                f.terminate_at = Some(terminate_at);
             }
-        }
-        // Warnings.
-        let mut membership_changed = false;
-        for i in 0..self.views.len() {
-            let s = &self.sims[i];
-            if s.terminate_at.is_some() || s.warn_at.is_none_or(|w| w > now) {
-                continue;
-            }
-            let terminate_at =
-                Timestamp::from_millis(now.millis() + (self.sc.warning_secs * 1000.0) as i64);
-            self.sims[i].terminate_at = Some(terminate_at);
-            self.views[i].state = InstanceState::Warned { terminate_at };
-            warned.push(self.views[i].id.clone());
-            self.evictions += 1;
-            let market = self.views[i].market.clone();
-            self.model.observe(Observation::Interrupted {
-                market: &market,
-                at: now,
-            });
-            let s = &self.sims[i];
-            membership_changed |= self.work.warned(now, s.ready.then_some(s.ready_at), s.rate);
-        }
-        if !warned.is_empty() {
-            self.eviction_events += 1;
-            self.work.after_warnings();
-        }
-        // Instances becoming ready.
-        for i in 0..self.views.len() {
-            let s = &mut self.sims[i];
-            if !s.ready && s.ready_at <= now {
-                s.ready = true;
-                if s.terminate_at.is_none() {
-                    self.views[i].state = InstanceState::Running;
-                }
-                ready.push(self.views[i].id.clone());
-                membership_changed = true;
-            }
-        }
-        if membership_changed {
-            self.work.rebalance(now);
-        }
-        let any_ready = self
-            .sims
-            .iter()
-            .any(|s| s.ready && s.terminate_at.is_none());
-        let any_starting = self
-            .sims
-            .iter()
-            .any(|s| !s.ready && s.terminate_at.is_none());
-        self.work.milestones(now, any_ready, any_starting);
-        (evicted, warned, ready)
-    }
-
-    fn end_instance(&mut self, i: usize, by: EndedBy) {
-        let v = self.views.remove(i);
-        let s = self.sims.remove(i);
-        let hours = self.now.secs_since(v.launched_at) / 3600.0;
-        self.overheads.startup += s.rate * (hours.min(self.sc.job.startup_secs / 3600.0));
-        if let Some(end) = s.terminate_at {
-            let warned_at =
-                Timestamp::from_millis(end.millis() - (self.sc.warning_secs * 1000.0) as i64)
-                    .max(s.ready_at);
-            self.overheads.warned += s.rate * (self.now.secs_since(warned_at) / 3600.0).max(0.0);
-        }
-        self.model.observe(Observation::Ran {
-            market: &v.market,
-            hours,
-        });
-        self.ended.push(Ended {
-            predicted: s.predicted,
-            market: v.market,
-            purchase: v.purchase,
-            launch: v.launched_at,
-            end: self.now,
-            by,
-            rate: s.rate,
-        });
-    }
-
-    /// Asks the policy (a tick when `event` is `None`) and applies its decision.
-    fn consult(&mut self, event: Option<PolicyEvent>) -> Result<(), SimError> {
-        let decision = self.ask(event.as_ref())?;
-        let failures = self.apply(decision);
-        // Tell the policy once about launches that failed; what it asks then is applied, and
-        // its own failures are only counted (a policy must not loop on an impossible launch),
-        // but bring the next consultation forward (the live scheduler does the same).
-        for (market, reason) in failures {
-            let d = self.ask(Some(&PolicyEvent::LaunchFailed { market, reason }))?;
-            if !self.apply(d).is_empty() {
-                self.next_decision = crate::engine::after_refusal(self.now, self.next_decision);
-            }
+            self.step(
+                now,
+                Input::Warned {
+                    id,
+                    at: now,
+                    terminate_at,
+                },
+            )?;
         }
         Ok(())
     }
 
-    fn ask(&mut self, event: Option<&PolicyEvent>) -> Result<Decision, SimError> {
-        let view = TraceView::new(
-            self.now,
-            &self.sc.markets,
-            self.model.as_ref(),
-            self.options.future_reads,
-        );
-        let ctx = DecisionContext {
-            market: &view,
-            job: &self.sc.job,
-            progress: JobProgress {
-                done_work: self.work.done(),
-                total_work: self.sc.job.total_work,
-                started_at: self.start,
-            },
-            footprint: &self.views,
-            billing: self.sc.billing,
-        };
-        self.decisions_made += 1;
-        let result = match event {
-            None => self.policy.decide(&ctx),
-            Some(e) => self.policy.on_event(&ctx, e),
-        };
-        let decision = result.map_err(|source| SimError::Policy {
-            policy: self.policy.name().to_string(),
-            at: self.now,
-            source,
-        })?;
-        if self.options.record_decisions {
-            self.decisions.push((self.now, decision.clone()));
-        }
-        Ok(decision)
-    }
-
-    /// What the footprint holds against its limits: every instance not warned.
-    fn held(&self) -> Held {
-        let mut held = Held::default();
-        for (v, s) in self.views.iter().zip(&self.sims) {
-            if s.terminate_at.is_none() {
-                held.add(v.tier(), s.rate);
-            }
-        }
-        held
-    }
-
-    /// Releases and launches what the decision says; returns the launches that failed.
-    fn apply(&mut self, decision: Decision) -> Vec<(Market, String)> {
-        let now = self.now;
-        let mut released_any = false;
-        for id in &decision.release {
-            if let Some(i) = self
-                .index_of(id)
-                .filter(|&i| self.sims[i].terminate_at.is_none())
-            {
-                self.end_instance(i, EndedBy::User);
-                released_any = true;
-            }
-        }
-        if released_any {
-            self.work.released(now);
-        }
-        let mut failures = Vec::new();
-        let limits = Limits::of(&self.sc.job, self.policy.kind());
-        for acq in &decision.acquire {
-            let held = self.held();
-            let rate = self.sc.job.rate(&acq.market.instance_type);
-            let count = limits.room(&held, acq.tier(), rate.unwrap_or(0.0), acq.count) as usize;
-            if count == 0 {
-                continue;
-            }
-            let Some(rate) = rate else {
-                self.failed_launches += 1;
-                failures.push((
-                    acq.market.clone(),
-                    format!("the job does not run on {}", acq.market.instance_type),
-                ));
-                continue;
-            };
-            let series = self.sc.markets.series(&acq.market);
-            let price = series.and_then(|s| s.price_at(now));
-            let warn_at = match acq.purchase {
-                Purchase::OnDemand => {
-                    if self.sc.markets.on_demand(&acq.market).is_none() {
-                        self.failed_launches += 1;
-                        failures.push((acq.market.clone(), "no on-demand price".into()));
-                        continue;
-                    }
-                    None
-                }
-                Purchase::Spot { bid } => {
-                    let (Some(series), Some(price)) = (series, price) else {
-                        self.failed_launches += 1;
-                        failures.push((acq.market.clone(), "no spot price in this market".into()));
-                        continue;
-                    };
-                    if price > bid {
-                        self.failed_launches += 1;
-                        failures.push((
-                            acq.market.clone(),
-                            format!("bid {bid} is below the price {price}"),
-                        ));
-                        continue;
-                    }
-                    let Some(tree) = self.sc.trees.get(&acq.market) else {
-                        self.failed_launches += 1;
-                        failures.push((acq.market.clone(), "no spot price in this market".into()));
-                        continue;
-                    };
-                    world::first_above(series, tree, now, bid.get())
-                }
-            };
-            for _ in 0..count {
-                let hazard_at = match (&mut self.hazard, acq.purchase) {
-                    (Some(h), Purchase::Spot { .. }) => {
-                        h.interruption(&acq.market, now, self.sc.end, &mut self.rng)
-                    }
-                    _ => None,
-                };
-                let warn = match (warn_at, hazard_at) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                self.next_id += 1;
-                let ready_at = Timestamp::from_millis(
-                    now.millis() + (self.sc.job.startup_secs * 1000.0) as i64,
+    /// Feeds `input` to the engine and carries out what it asks, answering launches at once.
+    /// The ends of released instances come back after the engine's answer is complete.
+    fn step(&mut self, now: Timestamp, input: Input) -> Result<(), SimError> {
+        let mut next = Some(input);
+        let mut ends = Vec::new();
+        while let Some(input) = next.take() {
+            let commands = {
+                let view = TraceView::new(
+                    now,
+                    &self.sc.markets,
+                    self.model.as_ref(),
+                    self.options.future_reads,
                 );
-                self.views.push(InstanceView {
-                    id: InstanceId(format!("sim-{}", self.next_id)),
-                    market: acq.market.clone(),
-                    purchase: acq.purchase,
-                    launched_at: now,
-                    state: InstanceState::Starting { ready_at },
-                });
-                let predicted = match (self.options.record_decisions, acq.purchase, price) {
-                    (true, Purchase::Spot { bid }, Some(p)) => self
-                        .model
-                        .eviction(&acq.market, bid.get() - p.get(), 3600.0, now)
-                        .ok()
-                        .map(|e| (e.probability, e.expected_secs)),
-                    _ => None,
+                let ctx = Ctx {
+                    view: &view,
+                    markets: &self.sc.markets,
                 };
-                self.sims.push(SimInstance {
-                    predicted,
-                    rate,
-                    ready_at,
-                    ready: false,
-                    warn_at: warn,
-                    terminate_at: None,
-                });
-                self.launches += 1;
+                self.engine.step(now, input, &ctx).map_err(SimError::from)?
+            };
+            for command in commands {
+                match command {
+                    Command::Launch { market, purchase } => {
+                        next = Some(self.launch(now, &market, purchase));
+                    }
+                    Command::Release { id } => ends.push(id),
+                    Command::Observe(o) => self.model.observe(o.as_observation()),
+                    Command::MarkReady { .. } | Command::Record { .. } => {}
+                    // The job is over: it releases everything it holds.
+                    Command::End(_) => {
+                        ends.extend(self.engine.members().iter().map(|m| m.id.clone()))
+                    }
+                }
             }
         }
-        self.next_decision = crate::engine::next_decision(now, decision.wake_at);
-        failures
+        for id in ends {
+            self.fates.remove(&id);
+            self.engine
+                .step(
+                    now,
+                    Input::Ended {
+                        id,
+                        at: now,
+                        by_provider: false,
+                    },
+                    &Ctx {
+                        view: &TraceView::new(
+                            now,
+                            &self.sc.markets,
+                            self.model.as_ref(),
+                            self.options.future_reads,
+                        ),
+                        markets: &self.sc.markets,
+                    },
+                )
+                .map_err(SimError::from)?;
+        }
+        Ok(())
     }
 
-    fn finish(mut self, done_at: Timestamp) -> Result<RunResult, SimError> {
-        self.now = done_at;
-        while !self.views.is_empty() {
-            // The job is done and releases what it holds. A warned instance among them was
-            // reclaimed by the provider all the same (it is an eviction in every report), and
-            // is billed under the provider-ended rule, as the live broker does.
-            let by = if self.sims[0].terminate_at.is_some() {
-                EndedBy::Provider
-            } else {
-                EndedBy::User
-            };
-            self.end_instance(0, by);
+    /// The simulated cloud's answer to a launch: refused when the market has no price for the
+    /// purchase or the bid is below the price; otherwise running, with its fate drawn.
+    fn launch(&mut self, now: Timestamp, market: &Market, purchase: Purchase) -> Input {
+        let refused = |reason: String| Input::LaunchRefused { reason };
+        let series = self.sc.markets.series(market);
+        let price = series.and_then(|s| s.price_at(now));
+        let warn_at = match purchase {
+            Purchase::OnDemand => {
+                if self.sc.markets.on_demand(market).is_none() {
+                    return refused("no on-demand price".into());
+                }
+                None
+            }
+            Purchase::Spot { bid } => {
+                let (Some(series), Some(price)) = (series, price) else {
+                    return refused("no spot price in this market".into());
+                };
+                if price > bid {
+                    return refused(format!("bid {bid} is below the price {price}"));
+                }
+                let Some(tree) = self.sc.trees.get(market) else {
+                    return refused("no spot price in this market".into());
+                };
+                world::first_above(series, tree, now, bid.get())
+            }
+        };
+        let hazard_at = match (&mut self.hazard, purchase) {
+            (Some(h), Purchase::Spot { .. }) => {
+                h.interruption(market, now, self.sc.end, &mut self.rng)
+            }
+            _ => None,
+        };
+        let warn_at = match (warn_at, hazard_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.next_id += 1;
+        let id = InstanceId(format!("sim-{}", self.next_id));
+        if let (true, Purchase::Spot { bid }, Some(p)) =
+            (self.options.record_decisions, purchase, price)
+            && let Ok(e) = self
+                .model
+                .eviction(market, bid.get() - p.get(), 3600.0, now)
+        {
+            self.predicted
+                .insert(id.clone(), (e.probability, e.expected_secs));
         }
+        self.fates.insert(
+            id.clone(),
+            Fate {
+                warn_at,
+                terminate_at: None,
+            },
+        );
+        Input::Launched { id, at: now }
+    }
+
+    fn finish(mut self) -> Result<RunResult, SimError> {
+        let Some(end) = self.engine.end().cloned() else {
+            return Err(SimError::Runaway(0));
+        };
+        let counts = self.engine.counts();
         let mut r = RunResult {
-            policy: self.policy.name().to_string(),
-            kind: self.policy.kind(),
+            policy: self.engine.policy().name().to_string(),
+            kind: self.engine.policy().kind(),
             start: self.start,
-            end: done_at,
-            runtime_hours: done_at.secs_since(self.start) / 3600.0,
+            end: end.at,
+            runtime_hours: end.at.secs_since(self.start) / 3600.0,
+            outcome: end.outcome,
+            end_reason: end.reason.clone(),
             cost_usd: Usd::ZERO,
-            evictions: self.evictions,
-            eviction_events: self.eviction_events,
-            launches: self.launches,
-            failed_launches: self.failed_launches,
-            decisions_made: self.decisions_made,
+            evictions: counts.evictions,
+            eviction_events: counts.eviction_events,
+            launches: counts.launches,
+            failed_launches: counts.failed_launches,
+            decisions_made: counts.decisions,
             instance_hours_reliable: 0.0,
             instance_hours_transient: 0.0,
             free_instance_hours: 0.0,
             free_value_usd: Usd::ZERO,
-            lost_work: self.work.lost(),
+            lost_work: self.engine.lost_work(),
             capacity_units: 0.0,
             paid_capacity_units: 0.0,
             free_capacity_units: 0.0,
-            overheads: self.overheads,
+            overheads: self.engine.overheads(),
             cost_by_type: BTreeMap::new(),
             hours_by_type: BTreeMap::new(),
-            decisions_digest: crate::engine::digest::decisions_digest(self.ended.iter().map(|e| {
-                crate::engine::digest::Launched {
-                    at: e.launch,
-                    market: &e.market,
-                    tier: e.purchase.tier(),
-                    bid: e.purchase.bid().map(|b| b.get()),
-                    ended: Some(e.end),
-                    ended_by_provider: e.by == EndedBy::Provider,
-                }
-            })),
-            decisions: std::mem::take(&mut self.decisions),
+            decisions_digest: crate::engine::digest::decisions_digest(
+                self.engine
+                    .ended()
+                    .iter()
+                    .map(|e| crate::engine::digest::Launched {
+                        at: e.member.launched_at,
+                        market: &e.member.market,
+                        tier: e.member.purchase.tier(),
+                        bid: e.member.purchase.bid().map(|b| b.get()),
+                        ended: Some(e.end),
+                        ended_by_provider: e.by == EndedBy::Provider,
+                    }),
+            ),
+            decisions: self.engine.take_decisions(),
             instances: Vec::new(),
         };
-        for e in &self.ended {
-            let source = match e.purchase {
+        for e in self.engine.ended() {
+            let m = &e.member;
+            let source = match m.purchase {
                 Purchase::OnDemand => PriceSource::Fixed(
                     self.sc
                         .markets
-                        .on_demand(&e.market)
-                        .ok_or_else(|| SimError::NoOnDemandPrice(e.market.to_string()))?,
+                        .on_demand(&m.market)
+                        .ok_or_else(|| SimError::NoOnDemandPrice(m.market.to_string()))?,
                 ),
                 // Spot launches are refused in markets without a series, so this always exists.
                 Purchase::Spot { .. } => PriceSource::Spot(
                     self.sc
                         .markets
-                        .series(&e.market)
-                        .ok_or_else(|| SimError::NoSpotPrice(e.market.to_string()))?,
+                        .series(&m.market)
+                        .ok_or_else(|| SimError::NoSpotPrice(m.market.to_string()))?,
                 ),
             };
-            let items = self.sc.billing.bill(e.launch, e.end, e.by, source)?;
-            let hours = e.end.secs_since(e.launch) / 3600.0;
+            let items = self.sc.billing.bill(m.launched_at, e.end, e.by, source)?;
+            let hours = e.end.secs_since(m.launched_at) / 3600.0;
             let cost: Usd = items.iter().map(|i| i.amount_usd).sum();
             for item in &items {
                 if item.free {
                     r.free_instance_hours += item.used_hours();
                     // The free period is an hour (only `hourly-2015` has them).
                     r.free_value_usd += item.price_usd_per_hour.for_hours(1.0);
-                    r.free_capacity_units += e.rate * item.used_hours();
+                    r.free_capacity_units += m.rate * item.used_hours();
                 } else {
-                    r.paid_capacity_units += e.rate * item.billed_seconds / 3600.0;
+                    r.paid_capacity_units += m.rate * item.billed_seconds / 3600.0;
                 }
             }
             r.cost_usd += cost;
-            match e.purchase.tier() {
+            match m.purchase.tier() {
                 Tier::Reliable => r.instance_hours_reliable += hours,
                 Tier::Transient => r.instance_hours_transient += hours,
             }
-            r.capacity_units += e.rate * hours;
+            r.capacity_units += m.rate * hours;
             *r.cost_by_type
-                .entry(e.market.instance_type.to_string())
+                .entry(m.market.instance_type.to_string())
                 .or_default() += cost;
             if self.options.record_decisions {
+                let predicted = self.predicted.get(&m.id);
                 r.instances.push(InstanceRecord {
-                    market: e.market.to_string(),
-                    tier: e.purchase.tier(),
-                    bid: e.purchase.bid(),
-                    launch: e.launch,
+                    market: m.market.to_string(),
+                    tier: m.purchase.tier(),
+                    bid: m.purchase.bid(),
+                    launch: m.launched_at,
                     end: e.end,
                     ended_by: e.by,
                     price_at_launch: self
                         .sc
                         .markets
-                        .series(&e.market)
-                        .and_then(|s| s.price_at(e.launch)),
-                    predicted_probability: e.predicted.map(|p| p.0),
-                    predicted_secs: e.predicted.map(|p| p.1),
+                        .series(&m.market)
+                        .and_then(|s| s.price_at(m.launched_at)),
+                    predicted_probability: predicted.map(|p| p.0),
+                    predicted_secs: predicted.map(|p| p.1),
                     cost_usd: cost,
                 });
             }
             *r.hours_by_type
-                .entry(e.market.instance_type.to_string())
+                .entry(m.market.instance_type.to_string())
                 .or_default() += hours;
         }
         r.overheads.unused_billed =
             (r.paid_capacity_units + r.free_capacity_units - r.capacity_units).max(0.0);
         Ok(r)
+    }
+}
+
+impl From<EngineError> for SimError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Policy { policy, at, source } => SimError::Policy { policy, at, source },
+            other => SimError::Engine(other.to_string()),
+        }
     }
 }

@@ -90,6 +90,10 @@ pub struct SweepOptions {
     pub threads: usize,
     pub future_reads: FutureReads,
     pub record_decisions: bool,
+    /// Every run's budget ([`RunOptions::budget`]).
+    pub budget: Option<crate::market::Usd>,
+    /// Every run's deadline ([`RunOptions::deadline`]).
+    pub deadline: Option<super::Deadline>,
 }
 
 /// Runs every policy from every start time. `results[p][k]` is policy `p` from start `k`;
@@ -115,6 +119,8 @@ pub fn run_sweep(
                 seed: run_seed(sweep.seed, k),
                 future_reads: sweep.future_reads,
                 record_decisions: sweep.record_decisions,
+                budget: sweep.budget,
+                deadline: sweep.deadline,
             };
             let outcome = match policies[p].build() {
                 Ok(mut policy) => run(scenario, policy.as_mut(), starts[k], &options),
@@ -168,6 +174,11 @@ pub struct PolicySummary {
     pub policy: String,
     pub kind: PolicyKind,
     pub runs: usize,
+    /// Runs whose work was done; the others ended at their budget or deadline (only with
+    /// `--budget` or `--deadline`, or a job spec that sets them).
+    pub completed_runs: usize,
+    pub ended_by_budget: usize,
+    pub ended_by_deadline: usize,
     pub median_cost_usd: Usd,
     pub p10_cost_usd: Usd,
     pub p90_cost_usd: Usd,
@@ -242,6 +253,15 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 decisions_digest: (runs.len() == 1).then(|| runs[0].decisions_digest.clone()),
                 kind: runs[0].kind,
                 runs: runs.len(),
+                completed_runs: runs.iter().filter(|r| r.outcome.succeeded()).count(),
+                ended_by_budget: runs
+                    .iter()
+                    .filter(|r| r.outcome == crate::engine::job_engine::Outcome::Budget)
+                    .count(),
+                ended_by_deadline: runs
+                    .iter()
+                    .filter(|r| r.outcome == crate::engine::job_engine::Outcome::Deadline)
+                    .count(),
                 // A percentile of amounts is one of them or between two: an amount.
                 median_cost_usd: Usd::computed(percentile(&costs, 50.0)),
                 p10_cost_usd: Usd::computed(percentile(&costs, 10.0)),

@@ -92,6 +92,8 @@ pub struct JobRow {
     pub progress: f64,
     pub metric: Option<String>,
     pub control_state: Option<String>,
+    /// The job's engine state (JSON), as the scheduler last saved it.
+    pub engine_state: Option<String>,
     pub created: Timestamp,
     pub started: Option<Timestamp>,
     pub finished: Option<Timestamp>,
@@ -253,6 +255,7 @@ struct JobRecord {
     progress: f64,
     metric: Option<String>,
     control_state: Option<String>,
+    engine_state: Option<String>,
     created_ms: i64,
     started_ms: Option<i64>,
     finished_ms: Option<i64>,
@@ -264,7 +267,7 @@ struct JobRecord {
 type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
 
 const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
-     progress, metric, control_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units";
+     progress, metric, control_state, engine_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units";
 
 fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
     Ok(JobRow {
@@ -284,6 +287,7 @@ fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
         progress: t.progress,
         metric: t.metric,
         control_state: t.control_state,
+        engine_state: t.engine_state,
         created: Timestamp::from_millis(t.created_ms),
         started: t.started_ms.map(Timestamp::from_millis),
         finished: t.finished_ms.map(Timestamp::from_millis),
@@ -460,6 +464,18 @@ impl Store {
                 .execute(pool)
                 .await
                 .context("saving a job's control state")?;
+        });
+        Ok(())
+    }
+
+    pub async fn save_engine_state(&self, id: JobId, state: &str) -> Result<(), StoreError> {
+        with_db!(self, |pool| {
+            sqlx::query("UPDATE jobs SET engine_state = $2 WHERE id = $1")
+                .bind(id.0)
+                .bind(state)
+                .execute(pool)
+                .await
+                .context("saving a job's engine state")?;
         });
         Ok(())
     }

@@ -252,6 +252,7 @@ fn same_seed_same_result_and_threads_do_not_matter() {
             threads,
             future_reads: FutureReads::Panic,
             record_decisions: false,
+            ..SweepOptions::default()
         };
         run_sweep(&sc, &entries, &starts, &options, &|| {}).unwrap()
     };
@@ -311,6 +312,7 @@ fn policies_never_read_the_future_on_the_2015_trace() {
         threads: 2,
         future_reads: FutureReads::Panic,
         record_decisions: false,
+        ..SweepOptions::default()
     };
     let results = run_sweep(&sc, &entries, &starts, &options, &|| {}).unwrap();
     assert!(results.iter().flatten().all(|r| r.cost_usd > Usd::ZERO));
@@ -365,6 +367,7 @@ fn decisions_do_not_change_when_the_future_changes() {
                 seed: 1,
                 future_reads: FutureReads::Panic,
                 record_decisions: true,
+                ..RunOptions::default()
             };
             let r = run(&sc, policy.as_mut(), start, &options).unwrap();
             r.decisions
@@ -431,6 +434,7 @@ fn every_line_item_of_a_real_run_is_billed_from_the_price_at_its_start() {
         seed: 1,
         future_reads: FutureReads::Panic,
         record_decisions: true,
+        ..RunOptions::default()
     };
     let r = run(
         &sc,
@@ -497,7 +501,12 @@ proptest! {
         let sc = Scenario::new(history.clone(), job, billing, World::Price, price_model(&history, 2.0)).unwrap();
         let mut p = shipped(["bidbrain", "standard-bidding", "on-demand"][policy]);
         let start = Timestamp::from_millis(T0 + 3 * 24 * H + (seed as i64 % 24) * H);
-        let options = RunOptions { seed, future_reads: FutureReads::Panic, record_decisions: true };
+        let options = RunOptions {
+            seed,
+            future_reads: FutureReads::Panic,
+            record_decisions: true,
+            ..RunOptions::default()
+        };
         let r = run(&sc, p.as_mut(), start, &options).unwrap();
         prop_assert!(r.cost_usd >= Usd::ZERO);
         prop_assert!(r.instances.iter().all(|i| i.cost_usd >= Usd::ZERO));
