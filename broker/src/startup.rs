@@ -349,6 +349,9 @@ pub async fn start(
 pub struct StartOptions {
     pub clock: Option<SharedClock>,
     pub pacing: Option<crate::service::Pacing>,
+    /// A simulated cloud that outlives the broker, as EC2 does (tests that restart a broker on
+    /// the simulated cloud). Default: a new one.
+    pub cloud: Option<Arc<dyn Cloud>>,
 }
 
 pub async fn start_with(
@@ -423,13 +426,14 @@ pub async fn start_with(
             (Arc::new(history), Arc::new(WallClock))
         }
     };
-    let cloud: Arc<dyn Cloud> = match args.cloud {
-        CloudKind::Sim => Arc::new(SimCloud::new(
+    let cloud: Arc<dyn Cloud> = match (args.cloud, options.cloud.clone()) {
+        (CloudKind::Sim, Some(cloud)) => cloud,
+        (CloudKind::Sim, None) => Arc::new(SimCloud::new(
             history.clone(),
             clock.clone(),
             Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
         )),
-        CloudKind::Ec2 => ec2_cloud(&args, &region, addr).await?,
+        (CloudKind::Ec2, _) => ec2_cloud(&args, &region, addr).await?,
     };
     let cloud: Arc<dyn Cloud> = match &args.inject_launch_faults {
         Some(rules) => Arc::new(FaultyCloud::new(

@@ -146,6 +146,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
         StartOptions {
             clock: Some(shared),
             pacing: Some(Pacing::Modelled),
+            ..Default::default()
         },
     )
     .await?;

@@ -62,10 +62,13 @@ pub enum Pacing {
     Modelled,
 }
 
-/// How often (market seconds) the engine looks at a job's budget, and how far ahead: the job
-/// ends at the first look at which the spend plus what the next look's interval would add
-/// passes the budget. Looks are on a grid from the job's start, so that every driver looks at
-/// the same instants.
+/// How far ahead (market seconds, at least) the engine looks when it checks a job's budget,
+/// and, under `per-second` billing, how often it checks. The job ends at the first look at
+/// which the spend plus what the next `BUDGET_LOOK_SECS` would add passes the budget. Looks
+/// come at instants the engine fixes, whatever else wakes a driver, so that every driver looks
+/// at the same instants: under `hourly-2015` just before each instance's next billing hour
+/// (`BUDGET_LOOK_SECS` before it: only a new hour can take the spend past the budget), under
+/// `per-second` on a grid every `BUDGET_LOOK_SECS` from the job's start.
 pub const BUDGET_LOOK_SECS: f64 = 60.0;
 
 /// How a driver runs the engine.
@@ -323,7 +326,8 @@ pub struct EngineState {
     #[serde(skip)]
     ended: Vec<Ended>,
     next_decision: Option<Timestamp>,
-    next_budget_look: Option<Timestamp>,
+    /// When the budget was last checked.
+    budget_looked_at: Option<Timestamp>,
     /// [`Pacing::Measured`]: the last reported fraction.
     fraction: f64,
     training_complete: Option<String>,
@@ -361,6 +365,8 @@ struct Round {
     refused: Vec<(Market, String)>,
     /// Spent, or committed by this decision's launches (only with a budget).
     committed: Usd,
+    /// A launch the budget held back: what was committed then, and what it would have added.
+    budget_hold: Option<(Usd, Usd)>,
     awaiting: Option<Awaiting>,
 }
 
@@ -403,7 +409,7 @@ impl<'p> JobEngine<'p> {
             members: Vec::new(),
             ended: Vec::new(),
             next_decision: None,
-            next_budget_look: terms.budget.map(|_| terms.started_at),
+            budget_looked_at: None,
             fraction: 0.0,
             training_complete: None,
             arrived: Arrivals::default(),
@@ -597,7 +603,8 @@ impl<'p> JobEngine<'p> {
             .iter()
             .map(|m| self.bill(m, now.max(m.launched_at), EndedBy::User, markets))
             .sum();
-        ended + live
+        // From +0.0: an empty sum is -0.0, which would print as "$-0.00".
+        Usd::ZERO + ended + live
     }
 
     /// The next instant after `now` at which the engine acts on its own: the policy's wake-up,
@@ -611,7 +618,7 @@ impl<'p> JobEngine<'p> {
         let s = &self.state;
         let mut times: Vec<Timestamp> = Vec::new();
         times.extend(s.next_decision);
-        times.extend(s.next_budget_look);
+        times.extend(self.next_budget_look(now));
         times.extend(self.terms.deadline);
         if self.config.pacing == Pacing::Modelled {
             times.extend(
@@ -929,6 +936,12 @@ impl<'p> JobEngine<'p> {
             };
             m.warned = Some(at);
             m.terminate_at = Some(terminate_at);
+            if m.releasing {
+                // Warned while its release is on its way: it no longer works for the job, so the
+                // warning costs no work and is not the policy's business; it is only billed as
+                // reclaimed (its last partial hour free).
+                continue;
+            }
             let (ready, rate) = (m.ready, m.rate);
             out.push(Command::Observe(MarketObservation::Interrupted {
                 market: m.market.clone(),
@@ -1025,19 +1038,56 @@ impl<'p> JobEngine<'p> {
         }
     }
 
+    fn budget_ahead(&self) -> f64 {
+        self.config.budget_lookahead_secs.max(BUDGET_LOOK_SECS)
+    }
+
+    /// The first budget look after `after` (see [`BUDGET_LOOK_SECS`]).
+    fn next_budget_look(&self, after: Timestamp) -> Option<Timestamp> {
+        self.terms.budget?;
+        match self.terms.billing {
+            BillingModel::Hourly2015 => {
+                let ahead = self.budget_ahead();
+                self.state
+                    .members
+                    .iter()
+                    .filter(|m| !m.releasing)
+                    .map(|m| {
+                        let hour = self
+                            .terms
+                            .billing
+                            .period_end(m.launched_at, after.plus_secs(ahead));
+                        Timestamp::from_millis(hour.millis() - (ahead * 1000.0) as i64)
+                    })
+                    .min()
+            }
+            BillingModel::PerSecond => {
+                let since = after.secs_since(self.terms.started_at);
+                let n = if since < 0.0 {
+                    0.0
+                } else {
+                    (since / BUDGET_LOOK_SECS).floor() + 1.0
+                };
+                Some(self.terms.started_at.plus_secs(n * BUDGET_LOOK_SECS))
+            }
+        }
+    }
+
     /// At a budget look: why the job must end, if it must.
     fn budget_end(&mut self, now: Timestamp, ctx: &Ctx<'_>) -> Option<String> {
         let budget = self.terms.budget?;
-        let look = self.state.next_budget_look?;
-        if now < look {
+        let since = self
+            .state
+            .budget_looked_at
+            .unwrap_or(Timestamp::from_millis(self.terms.started_at.millis() - 1));
+        if self.next_budget_look(since).is_none_or(|look| look > now) {
             return None;
         }
-        // The next look on the grid from the start.
-        let since = now.secs_since(self.terms.started_at).max(0.0);
-        let n = (since / BUDGET_LOOK_SECS).floor() + 1.0;
-        self.state.next_budget_look = Some(self.terms.started_at.plus_secs(n * BUDGET_LOOK_SECS));
+        self.state.budget_looked_at = Some(now);
         let spent = self.spend(now, ctx.markets);
-        let ahead = self.config.budget_lookahead_secs.max(BUDGET_LOOK_SECS);
+        // A millisecond past the horizon: the hour that starts right at it counts (a look comes
+        // exactly `ahead` before an hour boundary).
+        let ahead = self.budget_ahead() + 0.001;
         let running_on: Usd = self
             .state
             .members
@@ -1092,6 +1142,22 @@ impl<'p> JobEngine<'p> {
                 let Some(round) = self.round.take() else {
                     continue;
                 };
+                // A job that holds nothing and cannot afford what it asks for would wait for
+                // ever: it ends at its budget.
+                if let (Some((committed, period)), Some(budget)) =
+                    (round.budget_hold, self.terms.budget)
+                    && !self.state.members.iter().any(|m| !m.releasing)
+                {
+                    let reason = format!(
+                        "budget too small to go on: ${:.2} spent of ${:.2}, the job holds no \
+                         instance, and the launch asked for would commit ${:.2} more",
+                        committed.get(),
+                        budget.get(),
+                        period.get()
+                    );
+                    self.finish(now, Outcome::Budget, reason, out);
+                    return Ok(());
+                }
                 if round.retry {
                     if !round.refused.is_empty()
                         && let Some(next) = self.state.next_decision
@@ -1127,6 +1193,7 @@ impl<'p> JobEngine<'p> {
                 acquisitions: decision.acquire.into_iter().collect(),
                 refused: Vec::new(),
                 committed,
+                budget_hold: None,
                 awaiting: None,
             });
         }
@@ -1236,6 +1303,7 @@ impl<'p> JobEngine<'p> {
                         .for_hours(self.terms.billing.billed_hours(0.0));
                     if let Some(reason) = Budget(budget).holds_launch(round.committed, period) {
                         self.state.held = Some(reason);
+                        round.budget_hold = Some((round.committed, period));
                         round.acquisitions.pop_front();
                         continue;
                     }
@@ -1291,4 +1359,1139 @@ pub fn price_now(
         Tier::Transient => markets.series(market).and_then(|s| s.price_at(now)),
     }
     .unwrap_or(UsdPerHour::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The engine's rules, each pinned by a driver written here: a scripted policy (it answers
+    //! with queued decisions, or keeps a number of instances in a market, and records every
+    //! question) over a two-market trace with constant prices.
+
+    use super::*;
+    use crate::engine::view::{FutureReads, TraceView};
+    use crate::engine::{NOTICE_SECS, RETRY_AFTER_REFUSAL_SECS};
+    use crate::job::{EvictionCost, WorkModelSpec};
+    use crate::market::{InstanceType, Region};
+    use crate::market_model::{MarketModel, PriceDrivenModel, PriceModelConfig};
+    use crate::policy::PolicyKind;
+    use crate::prices::{InstanceOffer, OnDemandCatalog, PriceHistory, PriceSeries};
+    use std::sync::{Arc, Mutex};
+
+    /// 2015-01-01T00:00:00Z.
+    const T0_MS: i64 = 1_420_070_400_000;
+    const A: &str = "us-east-1a/c3.xlarge";
+    const B: &str = "us-east-1b/c3.xlarge";
+    const SPOT_A: f64 = 0.05;
+    const SPOT_B: f64 = 0.06;
+    const ON_DEMAND: f64 = 0.21;
+
+    fn t0() -> Timestamp {
+        Timestamp::from_millis(T0_MS)
+    }
+
+    /// `secs` after [`t0`].
+    fn at(secs: f64) -> Timestamp {
+        t0().plus_secs(secs)
+    }
+
+    fn market(name: &str) -> Market {
+        Market::parse(name).unwrap()
+    }
+
+    fn usd(v: f64) -> Usd {
+        Usd::new(v).unwrap()
+    }
+
+    fn spot(bid: f64) -> Purchase {
+        Purchase::Spot {
+            bid: UsdPerHour::new(bid).unwrap(),
+        }
+    }
+
+    fn acquire(name: &str, purchase: Purchase, count: u32) -> Acquisition {
+        Acquisition {
+            market: market(name),
+            purchase,
+            count,
+        }
+    }
+
+    fn id(n: u32) -> InstanceId {
+        InstanceId(format!("i-{n}"))
+    }
+
+    /// Two c3.xlarge markets whose spot prices never change (A at 0.05, B at 0.06), priced
+    /// from a day before [`t0`].
+    struct World {
+        markets: TraceMarkets,
+        model: Box<dyn MarketModel>,
+    }
+
+    impl World {
+        fn new() -> Self {
+            let since = Timestamp::from_millis(T0_MS - 86_400_000);
+            let series = [(A, SPOT_A), (B, SPOT_B)]
+                .into_iter()
+                .map(|(m, p)| {
+                    PriceSeries::new(market(m), vec![(since, UsdPerHour::new(p).unwrap())])
+                })
+                .collect::<Vec<_>>();
+            let od = OnDemandCatalog::new([InstanceOffer {
+                region: Region::parse("us-east-1").unwrap(),
+                instance_type: InstanceType::parse("c3.xlarge").unwrap(),
+                vcpus: None,
+                memory_gib: None,
+                on_demand: UsdPerHour::new(ON_DEMAND).unwrap(),
+            }]);
+            let history = Arc::new(PriceHistory::new(series, od));
+            World {
+                markets: TraceMarkets::new(history.clone()),
+                model: Box::new(PriceDrivenModel::new(history, PriceModelConfig::default())),
+            }
+        }
+
+        /// One step, with the view at `now` (built as the simulator builds it).
+        fn step(
+            &self,
+            engine: &mut JobEngine<'_>,
+            now: Timestamp,
+            input: Input,
+        ) -> Result<Vec<Command>, EngineError> {
+            let view = TraceView::new(now, &self.markets, self.model.as_ref(), FutureReads::Panic);
+            let ctx = Ctx {
+                view: &view,
+                markets: &self.markets,
+            };
+            engine.step(now, input, &ctx)
+        }
+
+        /// Feeds `input`, then answers every launch with `answer`; every command, in order.
+        fn feed(
+            &self,
+            engine: &mut JobEngine<'_>,
+            now: Timestamp,
+            input: Input,
+            answer: &mut dyn FnMut(Timestamp, &Market, Purchase) -> Input,
+        ) -> Vec<Command> {
+            let mut out = Vec::new();
+            let mut next = Some(input);
+            while let Some(input) = next.take() {
+                let commands = self.step(engine, now, input).unwrap();
+                assert!(
+                    commands
+                        .iter()
+                        .position(|c| matches!(c, Command::Launch { .. }))
+                        .is_none_or(|i| i + 1 == commands.len()),
+                    "a launch is always the last command: {commands:?}"
+                );
+                if let Some(Command::Launch { market, purchase }) = commands.last() {
+                    next = Some(answer(now, market, *purchase));
+                }
+                out.extend(commands);
+            }
+            out
+        }
+
+        /// What the simulator does once the job ended: every instance it holds ends, by the user.
+        fn end_all(&self, engine: &mut JobEngine<'_>, now: Timestamp) {
+            let ids: Vec<InstanceId> = engine.members().iter().map(|m| m.id.clone()).collect();
+            for id in ids {
+                self.step(
+                    engine,
+                    now,
+                    Input::Ended {
+                        id,
+                        at: now,
+                        by_provider: false,
+                    },
+                )
+                .unwrap();
+            }
+        }
+    }
+
+    /// Answers every launch: running, as `i-1`, `i-2`, … from `next`.
+    fn accept_from(mut next: u32) -> impl FnMut(Timestamp, &Market, Purchase) -> Input {
+        move |now, _, _| {
+            next += 1;
+            Input::Launched {
+                id: id(next - 1),
+                at: now,
+            }
+        }
+    }
+
+    fn accept() -> impl FnMut(Timestamp, &Market, Purchase) -> Input {
+        accept_from(1)
+    }
+
+    fn launches(commands: &[Command]) -> Vec<Market> {
+        commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Launch { market, .. } => Some(market.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn ends(commands: &[Command]) -> Vec<JobEnd> {
+        commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::End(e) => Some(e.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// One question the policy was asked.
+    #[derive(Debug, Clone)]
+    struct Asked {
+        at: Timestamp,
+        event: Option<PolicyEvent>,
+        footprint: Vec<InstanceView>,
+    }
+
+    #[derive(Default)]
+    struct Script {
+        /// Answered first, in order.
+        queue: VecDeque<Decision>,
+        /// Once the queue is empty: keep this many active instances in the market (what the
+        /// real policies do: they ask for what they want given the footprint).
+        keep: Option<(Market, Purchase, u32)>,
+        /// The wake-up every answer from `keep` (or an empty queue) asks for.
+        wake_at: Option<Timestamp>,
+        asked: Vec<Asked>,
+    }
+
+    /// A policy whose answers the test writes; clones share the script.
+    #[derive(Clone, Default)]
+    struct Scripted(Arc<Mutex<Script>>);
+
+    impl Scripted {
+        fn push(&self, decision: Decision) {
+            self.0.lock().unwrap().queue.push_back(decision);
+        }
+
+        fn keep(&self, name: &str, purchase: Purchase, n: u32, wake_at: Option<Timestamp>) {
+            let mut s = self.0.lock().unwrap();
+            s.keep = Some((market(name), purchase, n));
+            s.wake_at = wake_at;
+        }
+
+        fn asked(&self) -> Vec<Asked> {
+            self.0.lock().unwrap().asked.clone()
+        }
+
+        fn answer(&self, ctx: &DecisionContext<'_>, event: Option<&PolicyEvent>) -> Decision {
+            let mut s = self.0.lock().unwrap();
+            s.asked.push(Asked {
+                at: ctx.now(),
+                event: event.cloned(),
+                footprint: ctx.footprint.to_vec(),
+            });
+            if let Some(d) = s.queue.pop_front() {
+                return d;
+            }
+            let mut d = Decision {
+                wake_at: s.wake_at,
+                ..Decision::default()
+            };
+            if let Some((m, purchase, n)) = s.keep.clone() {
+                let active = ctx
+                    .footprint
+                    .iter()
+                    .filter(|i| i.is_active() && i.market == m)
+                    .count() as u32;
+                if active < n {
+                    d.acquire.push(Acquisition {
+                        market: m,
+                        purchase,
+                        count: n - active,
+                    });
+                }
+            }
+            d
+        }
+    }
+
+    impl Policy for Scripted {
+        fn name(&self) -> &str {
+            "scripted"
+        }
+        fn kind(&self) -> PolicyKind {
+            PolicyKind::BidBrain
+        }
+        fn eviction_cost(&self, job: &JobModel) -> EvictionCost {
+            job.eviction_cost
+        }
+        fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError> {
+            Ok(self.answer(ctx, None))
+        }
+        fn on_event(
+            &mut self,
+            ctx: &DecisionContext<'_>,
+            event: &PolicyEvent,
+        ) -> Result<Decision, PolicyError> {
+            Ok(self.answer(ctx, Some(event)))
+        }
+    }
+
+    /// A c3.xlarge job (one unit per instance-hour unless `extra` sets a throughput).
+    fn job(
+        w: &World,
+        total_work: f64,
+        max_instances: u32,
+        startup_minutes: f64,
+        extra: &str,
+    ) -> JobModel {
+        let spec = format!(
+            "total_work = {total_work}\nreference_type = \"c3.xlarge\"\n\
+             instance_types = [\"c3.xlarge\"]\nmax_instances = {max_instances}\n\
+             startup_minutes = {startup_minutes}\n{extra}"
+        );
+        WorkModelSpec::parse("job.toml", &spec)
+            .unwrap()
+            .resolve(
+                "job.toml",
+                w.markets.history().on_demand(),
+                &Region::parse("us-east-1").unwrap(),
+            )
+            .unwrap()
+    }
+
+    fn terms(budget: Option<f64>, deadline: Option<Timestamp>) -> JobTerms {
+        JobTerms {
+            billing: BillingModel::Hourly2015,
+            budget: budget.map(usd),
+            deadline,
+            started_at: t0(),
+        }
+    }
+
+    fn engine(job: JobModel, policy: &Scripted, terms: JobTerms) -> JobEngine<'static> {
+        JobEngine::new(
+            job,
+            Box::new(policy.clone()),
+            EngineConfig::new(Pacing::Modelled),
+            terms,
+        )
+    }
+
+    /// Ticks at every wake-up after `*now` up to `until` (or the job's end), answering launches;
+    /// every tick's time and commands.
+    fn run_until(
+        w: &World,
+        e: &mut JobEngine<'_>,
+        now: &mut Timestamp,
+        until: Timestamp,
+        answer: &mut dyn FnMut(Timestamp, &Market, Purchase) -> Input,
+    ) -> Vec<(Timestamp, Vec<Command>)> {
+        let mut ticks = Vec::new();
+        while e.end().is_none() {
+            let Some(t) = e.next_wake(*now) else { break };
+            if t > until {
+                break;
+            }
+            assert!(t > *now, "a wake-up after now: {t} after {now}");
+            *now = t;
+            ticks.push((t, w.feed(e, t, Input::Tick, answer)));
+        }
+        ticks
+    }
+
+    // ---- 1. launches are answered first ----
+
+    #[test]
+    fn a_launch_must_be_answered_before_anything_else() {
+        let w = World::new();
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 2)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(None, None));
+        // Nothing asked yet: an answer is unexpected, whichever it is.
+        for answer in [
+            Input::Launched {
+                id: id(9),
+                at: t0(),
+            },
+            Input::LaunchRefused {
+                reason: "no".into(),
+            },
+            Input::LaunchHeld {
+                reason: "no".into(),
+            },
+        ] {
+            assert!(
+                matches!(
+                    w.step(&mut e, t0(), answer.clone()),
+                    Err(EngineError::UnexpectedAnswer(_))
+                ),
+                "{answer:?} with nothing asked"
+            );
+        }
+        assert!(e.members().is_empty());
+
+        let out = w.step(&mut e, t0(), Input::Tick).unwrap();
+        assert_eq!(launches(&out), vec![market(A)], "one launch at a time");
+        assert!(
+            matches!(out.last(), Some(Command::Launch { .. })),
+            "{out:?}"
+        );
+        // Anything but the answer is refused, and changes nothing.
+        for input in [
+            Input::Tick,
+            Input::Warned {
+                id: id(9),
+                at: t0(),
+                terminate_at: at(NOTICE_SECS),
+            },
+            Input::Ended {
+                id: id(9),
+                at: t0(),
+                by_provider: true,
+            },
+            Input::TrainingFailed {
+                reason: "boom".into(),
+            },
+        ] {
+            assert!(
+                matches!(
+                    w.step(&mut e, t0(), input.clone()),
+                    Err(EngineError::Unanswered(_))
+                ),
+                "{input:?} while a launch is asked"
+            );
+        }
+        assert!(e.end().is_none(), "the refused failure did not end the job");
+        // The answer still goes through, and the next launch follows.
+        let out = w
+            .step(
+                &mut e,
+                t0(),
+                Input::Launched {
+                    id: id(1),
+                    at: t0(),
+                },
+            )
+            .unwrap();
+        assert_eq!(launches(&out), vec![market(A)]);
+        let out = w
+            .step(
+                &mut e,
+                t0(),
+                Input::Launched {
+                    id: id(2),
+                    at: t0(),
+                },
+            )
+            .unwrap();
+        assert!(launches(&out).is_empty(), "{out:?}");
+        assert_eq!(e.members().len(), 2);
+        assert_eq!(e.counts().launches, 2);
+        // Answered twice: the second answer is unexpected.
+        assert!(matches!(
+            w.step(
+                &mut e,
+                t0(),
+                Input::Launched {
+                    id: id(3),
+                    at: t0()
+                }
+            ),
+            Err(EngineError::UnexpectedAnswer(_))
+        ));
+        assert_eq!(e.members().len(), 2);
+        assert_eq!(e.counts().launches, 2);
+    }
+
+    // ---- 2. limits ----
+
+    #[test]
+    fn max_instances_bounds_the_launches_of_a_decision() {
+        let w = World::new();
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 5)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 3, 5.0, ""), &policy, terms(None, None));
+        let mut out = w.step(&mut e, t0(), Input::Tick).unwrap();
+        for n in 1..=3 {
+            assert_eq!(launches(&out), vec![market(A)], "launch {n}: {out:?}");
+            out = w
+                .step(
+                    &mut e,
+                    t0(),
+                    Input::Launched {
+                        id: id(n),
+                        at: t0(),
+                    },
+                )
+                .unwrap();
+        }
+        assert!(launches(&out).is_empty(), "a fourth launch: {out:?}");
+        assert_eq!(e.members().len(), 3);
+        assert_eq!(e.counts().launches, 3);
+        assert_eq!(e.counts().failed_launches, 0, "a limit is not a refusal");
+
+        // The next consultation asks for five more: the footprint is full.
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 5)],
+            ..Decision::default()
+        });
+        let asked = policy.asked().len();
+        let out = w.feed(&mut e, at(200.0), Input::Tick, &mut accept_from(4));
+        let out2 = w.feed(&mut e, at(600.0), Input::Tick, &mut accept_from(4));
+        assert!(policy.asked().len() > asked, "the policy was asked again");
+        assert!(launches(&out).is_empty() && launches(&out2).is_empty());
+        assert_eq!(e.members().len(), 3);
+
+        // A warned instance is leaving: it no longer holds a place, so one replacement fits.
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 5)],
+            ..Decision::default()
+        });
+        w.step(
+            &mut e,
+            at(700.0),
+            Input::Warned {
+                id: id(1),
+                at: at(700.0),
+                terminate_at: at(700.0 + NOTICE_SECS),
+            },
+        )
+        .unwrap();
+        let out = w.feed(&mut e, at(700.0), Input::Tick, &mut accept_from(4));
+        assert_eq!(launches(&out), vec![market(A)], "{out:?}");
+        assert_eq!(e.members().len(), 4, "three held and one warned");
+    }
+
+    // ---- 3. refusals ----
+
+    /// A decision for 3 × A then 1 × B; A refuses. The answer to the refusal (one B, waking in
+    /// three hours) is refused if `refuse_retry`. Returns the engine and its policy.
+    fn refusal(w: &World, refuse_retry: bool) -> (JobEngine<'static>, Scripted, Vec<Command>) {
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 3), acquire(B, spot(0.10), 1)],
+            ..Decision::default()
+        });
+        policy.push(Decision {
+            acquire: vec![acquire(B, spot(0.10), 1)],
+            release: Vec::new(),
+            wake_at: Some(at(3.0 * 3600.0)),
+        });
+        // Start-up takes half an hour: readiness is no early wake-up.
+        let mut e = engine(job(w, 100.0, 8, 30.0, ""), &policy, terms(None, None));
+        let mut all = Vec::new();
+        let out = w.step(&mut e, t0(), Input::Tick).unwrap();
+        assert_eq!(launches(&out), vec![market(A)]);
+        all.extend(out);
+        let out = w
+            .step(
+                &mut e,
+                t0(),
+                Input::LaunchRefused {
+                    reason: "no capacity in A".into(),
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            launches(&out),
+            vec![market(B)],
+            "A is not asked again in this decision; B still launches"
+        );
+        all.extend(out);
+        let out = w
+            .step(
+                &mut e,
+                t0(),
+                Input::Launched {
+                    id: id(1),
+                    at: t0(),
+                },
+            )
+            .unwrap();
+        assert_eq!(launches(&out), vec![market(B)], "the answer to the refusal");
+        all.extend(out);
+        let answer = if refuse_retry {
+            Input::LaunchRefused {
+                reason: "no capacity in B".into(),
+            }
+        } else {
+            Input::Launched {
+                id: id(2),
+                at: t0(),
+            }
+        };
+        let out = w.step(&mut e, t0(), answer).unwrap();
+        assert!(launches(&out).is_empty(), "{out:?}");
+        all.extend(out);
+        (e, policy, all)
+    }
+
+    #[test]
+    fn a_refused_market_is_skipped_told_once_and_retried_soon() {
+        let w = World::new();
+        let (mut e, policy, all) = refusal(&w, true);
+        assert_eq!(
+            launches(&all),
+            vec![market(A), market(B), market(B)],
+            "the rest of A's count was skipped"
+        );
+        assert_eq!(e.counts().failed_launches, 2);
+        assert_eq!(e.counts().launches, 1);
+        let asked = policy.asked();
+        assert_eq!(asked.len(), 2, "{asked:?}");
+        assert_eq!(asked[0].event, None);
+        assert_eq!(
+            asked[1].event,
+            Some(PolicyEvent::LaunchFailed {
+                market: market(A),
+                reason: "no capacity in A".into()
+            })
+        );
+        assert_eq!(
+            asked[1].footprint.iter().map(|i| &i.id).collect::<Vec<_>>(),
+            vec![&id(1)],
+            "told after the rest of the decision was applied"
+        );
+        // Its answer was refused too: it is asked again within the retry interval, not at the
+        // three hours it asked for (nor at the instance's readiness, half an hour on).
+        let wake = e.next_wake(t0()).unwrap();
+        assert!(
+            wake > t0() && wake <= at(RETRY_AFTER_REFUSAL_SECS),
+            "{wake}"
+        );
+        // Then it is consulted on its own: the refusals are not told again.
+        let out = w.feed(&mut e, wake, Input::Tick, &mut accept_from(2));
+        assert!(launches(&out).is_empty());
+        let asked = policy.asked();
+        assert_eq!(asked.len(), 3);
+        assert_eq!(asked[2].event, None, "a consultation on its own");
+        let told = asked
+            .iter()
+            .filter(|a| matches!(a.event, Some(PolicyEvent::LaunchFailed { .. })))
+            .count();
+        assert_eq!(told, 1, "each refusal is told once; the retry's own is not");
+    }
+
+    #[test]
+    fn an_accepted_retry_keeps_the_policys_wake_up() {
+        // The control of the test above: the wake-up moves forward only because the answer
+        // to the refusal was refused too.
+        let w = World::new();
+        let (e, policy, _) = refusal(&w, false);
+        assert_eq!(policy.asked().len(), 2);
+        assert_eq!(
+            e.next_wake(t0()),
+            Some(at(1800.0)),
+            "the readiness comes first"
+        );
+    }
+
+    // ---- 4. budget ----
+
+    #[test]
+    fn a_launch_whose_first_period_would_pass_the_budget_is_held() {
+        let w = World::new();
+        // (a) The first period alone (an hour at 0.05) passes a 0.04 budget.
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 1)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(Some(0.04), None));
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        assert!(launches(&out).is_empty(), "{out:?}");
+        assert!(
+            e.held().is_some_and(|h| h.contains("launches held")),
+            "{:?}",
+            e.held()
+        );
+        assert_eq!(e.counts().launches, 0);
+        assert_eq!(e.counts().failed_launches, 0, "held is not refused");
+        assert_eq!(policy.asked().len(), 1, "nor told as a refusal");
+
+        // (b) Launches already made count: 0.12 holds two hours of A, not three.
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 3)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(Some(0.12), None));
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        assert_eq!(launches(&out).len(), 2, "{out:?}");
+        assert!(e.held().is_some());
+        assert_eq!(e.members().len(), 2);
+        assert!(
+            e.end().is_none(),
+            "a held launch does not end a job that holds instances"
+        );
+    }
+
+    /// Two A instances launched `launch_secs` after the start under a 0.25 budget: each hour
+    /// of both costs 0.10, so the third hour (from launch + 2 h) would pass it.
+    fn budget_run(launch_secs: f64) -> (Timestamp, JobEnd, Usd, Vec<Ended>) {
+        let w = World::new();
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 2)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(Some(0.25), None));
+        let mut now = at(launch_secs);
+        let mut accept = accept();
+        let out = w.feed(&mut e, now, Input::Tick, &mut accept);
+        assert_eq!(launches(&out).len(), 2);
+        let ticks = run_until(&w, &mut e, &mut now, at(10.0 * 3600.0), &mut accept);
+        let end = e.end().cloned().expect("the budget ended the job");
+        let (last, out) = ticks.last().unwrap();
+        assert_eq!(*last, end.at);
+        assert_eq!(ends(out), vec![end.clone()], "one End, at the last tick");
+        assert!(
+            ticks[..ticks.len() - 1]
+                .iter()
+                .all(|(_, o)| ends(o).is_empty())
+        );
+        assert!(e.members().iter().all(|m| m.releasing));
+        w.end_all(&mut e, end.at);
+        assert!(e.members().is_empty());
+        let spend = e.spend(end.at, &w.markets);
+        (at(launch_secs), end, spend, e.ended().to_vec())
+    }
+
+    #[test]
+    fn the_budget_ends_the_job_at_the_last_look_before_the_period_that_would_pass_it() {
+        let (launch, end, spend, ended) = budget_run(30.0);
+        assert_eq!(end.outcome, Outcome::Budget, "{end:?}");
+        let boundary = launch.plus_secs(2.0 * 3600.0);
+        assert!(end.at < boundary, "ended at {} ≥ {boundary}", end.at);
+        let billed: Usd = ended.iter().map(|e| e.cost).sum();
+        assert!((billed.get() - spend.get()).abs() < 1e-12);
+        assert!(spend <= usd(0.25), "{spend}");
+        assert!(
+            (billed.get() - 4.0 * SPOT_A).abs() < 1e-9,
+            "two hours each: {billed}"
+        );
+        // Where the looks are under hourly billing: `BUDGET_LOOK_SECS` before each instance's
+        // next hour, so the job ends exactly that long before the boundary.
+        assert_eq!(
+            boundary.secs_since(end.at),
+            BUDGET_LOOK_SECS,
+            "the look just before the boundary: {}",
+            end.at
+        );
+    }
+
+    #[test]
+    fn a_launch_at_the_start_ends_a_look_before_the_hour_boundary() {
+        // Launched at the start: the look falls `BUDGET_LOOK_SECS` before the instances' second
+        // hour, and sees that hour coming (the hour starting right at the horizon counts).
+        let (launch, end, spend, _) = budget_run(0.0);
+        assert_eq!(end.outcome, Outcome::Budget);
+        let boundary = launch.plus_secs(2.0 * 3600.0);
+        assert_eq!(boundary.secs_since(end.at), BUDGET_LOOK_SECS, "{}", end.at);
+        assert!(spend <= usd(0.25), "{spend}");
+    }
+
+    // ---- 5. deadline ----
+
+    #[test]
+    fn the_deadline_wakes_the_engine_and_ends_the_job_then() {
+        let w = World::new();
+        let deadline = at(2.0 * 3600.0 + 17.0);
+        let policy = Scripted::default();
+        // Keeps one instance and asks to be woken only well after the deadline.
+        policy.keep(A, spot(0.10), 1, Some(deadline.plus_secs(3600.0)));
+        let mut e = engine(
+            job(&w, 100.0, 8, 5.0, ""),
+            &policy,
+            terms(None, Some(deadline)),
+        );
+        assert_eq!(e.next_wake(t0()), Some(deadline), "before anything else");
+        let mut now = t0();
+        let mut accept = accept();
+        let out = w.feed(&mut e, now, Input::Tick, &mut accept);
+        assert_eq!(launches(&out).len(), 1);
+        let ticks = run_until(
+            &w,
+            &mut e,
+            &mut now,
+            deadline.plus_secs(7200.0),
+            &mut accept,
+        );
+        assert!(ticks.iter().all(|(t, _)| *t <= deadline), "{ticks:?}");
+        let (last, out) = ticks.last().unwrap();
+        assert_eq!(*last, deadline, "ticked at the deadline: it was a wake-up");
+        let end = e.end().cloned().unwrap();
+        assert_eq!(end.outcome, Outcome::Deadline);
+        assert_eq!(end.at, deadline);
+        assert_eq!(ends(out), vec![end]);
+        assert!(launches(out).is_empty());
+        assert_eq!(e.next_wake(deadline), None);
+
+        // After the end the policy is not asked again and nothing is launched, although it
+        // would replace the instance that ends.
+        let asked = policy.asked().len();
+        w.end_all(&mut e, deadline);
+        let out = w.feed(&mut e, deadline.plus_secs(600.0), Input::Tick, &mut accept);
+        assert!(launches(&out).is_empty(), "{out:?}");
+        assert_eq!(policy.asked().len(), asked);
+        assert_eq!(e.counts().launches, 1);
+        assert_eq!(e.ended().len(), 1);
+    }
+
+    // ---- 6. billing ----
+
+    #[test]
+    fn a_warned_instance_ended_by_the_user_is_billed_as_provider_ended() {
+        let w = World::new();
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 2)],
+            ..Decision::default()
+        });
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(None, None));
+        w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        let warned = at(5400.0);
+        w.step(
+            &mut e,
+            warned,
+            Input::Warned {
+                id: id(1),
+                at: warned,
+                terminate_at: warned.plus_secs(NOTICE_SECS),
+            },
+        )
+        .unwrap();
+        w.feed(&mut e, warned, Input::Tick, &mut accept_from(3));
+        // Both end by the user's hand during i-1's notice.
+        let gone = warned.plus_secs(30.0);
+        for n in [1, 2] {
+            w.step(
+                &mut e,
+                gone,
+                Input::Ended {
+                    id: id(n),
+                    at: gone,
+                    by_provider: false,
+                },
+            )
+            .unwrap();
+        }
+        w.feed(&mut e, gone, Input::Tick, &mut accept_from(3));
+        let ended = e.ended();
+        assert_eq!(ended.len(), 2);
+        let of = |n: u32| ended.iter().find(|x| x.member.id == id(n)).unwrap();
+        assert_eq!(of(1).by, EndedBy::Provider, "warned: reclaimed");
+        assert!(
+            (of(1).cost.get() - SPOT_A).abs() < 1e-12,
+            "its last partial hour is free: {}",
+            of(1).cost
+        );
+        assert_eq!(of(2).by, EndedBy::User);
+        assert!(
+            (of(2).cost.get() - 2.0 * SPOT_A).abs() < 1e-12,
+            "{}",
+            of(2).cost
+        );
+
+        // The same rule when a restarted broker adopts an instance that ended while it was
+        // down.
+        let mut e = engine(job(&w, 100.0, 8, 5.0, ""), &policy, terms(None, None));
+        let member = Member {
+            id: id(7),
+            market: market(A),
+            purchase: spot(0.10),
+            launched_at: t0(),
+            rate: 1.0,
+            ready: Some(at(300.0)),
+            warned: Some(warned),
+            terminate_at: Some(warned.plus_secs(NOTICE_SECS)),
+            releasing: false,
+        };
+        e.adopt(member, Some((gone, false)), &w.markets);
+        assert_eq!(e.ended()[0].by, EndedBy::Provider);
+        assert!((e.ended()[0].cost.get() - SPOT_A).abs() < 1e-12);
+    }
+
+    // ---- 7. restore ----
+
+    /// What the live driver's `reconcile` builds from a stored instance.
+    fn as_stored(job: &JobModel, m: &Member) -> Member {
+        Member {
+            id: m.id.clone(),
+            rate: job.rate(&m.market.instance_type).unwrap_or(0.0),
+            market: m.market.clone(),
+            purchase: m.purchase,
+            launched_at: m.launched_at,
+            ready: m.ready,
+            warned: m.warned,
+            terminate_at: m.warned.map(|w| w.plus_secs(NOTICE_SECS)),
+            releasing: m.releasing,
+        }
+    }
+
+    #[test]
+    fn a_restored_engine_continues_exactly_as_the_original() {
+        let w = World::new();
+        let job = job(&w, 5.0, 4, 5.0, "");
+        let keep = |p: &Scripted| p.keep(A, spot(0.10), 2, None);
+        let policy = Scripted::default();
+        keep(&policy);
+        let mut original = engine(job.clone(), &policy, terms(Some(5.0), None));
+        let mut now = t0();
+        let mut accept_a = accept();
+        w.feed(&mut original, now, Input::Tick, &mut accept_a);
+        run_until(&w, &mut original, &mut now, at(700.0), &mut accept_a);
+        // i-1 is warned and taken; a replacement (i-3) launches during its notice.
+        let warned = at(900.0);
+        w.step(
+            &mut original,
+            warned,
+            Input::Warned {
+                id: id(1),
+                at: warned,
+                terminate_at: warned.plus_secs(NOTICE_SECS),
+            },
+        )
+        .unwrap();
+        let out = w.feed(&mut original, warned, Input::Tick, &mut accept_a);
+        assert_eq!(launches(&out).len(), 1);
+        let gone = warned.plus_secs(NOTICE_SECS);
+        w.step(
+            &mut original,
+            gone,
+            Input::Ended {
+                id: id(1),
+                at: gone,
+                by_provider: true,
+            },
+        )
+        .unwrap();
+        now = gone;
+        w.feed(&mut original, now, Input::Tick, &mut accept_a);
+        assert_eq!(original.members().len(), 2);
+        assert_eq!(original.ended().len(), 1);
+        assert!(original.end().is_none());
+
+        // Saved between instants, restored, and the store's instances adopted.
+        let json = serde_json::to_string(original.state()).unwrap();
+        let policy_b = Scripted::default();
+        keep(&policy_b);
+        let state: EngineState = serde_json::from_str(&json).unwrap();
+        let mut restored = JobEngine::restore(
+            job.clone(),
+            Box::new(policy_b.clone()),
+            EngineConfig::new(Pacing::Modelled),
+            terms(Some(5.0), None),
+            state,
+        );
+        for x in original.ended() {
+            restored.adopt(
+                as_stored(&job, &x.member),
+                Some((x.end, x.by == EndedBy::Provider)),
+                &w.markets,
+            );
+        }
+        for m in original.members() {
+            restored.adopt(as_stored(&job, m), None, &w.markets);
+        }
+        assert_eq!(restored.members(), original.members());
+        assert_eq!(restored.ended(), original.ended());
+        assert_eq!(restored.next_wake(now), original.next_wake(now));
+
+        // The same world for both from here on: i-2 is warned and taken, launches succeed.
+        let asked_before = policy.asked().len();
+        let mut accept_b = accept_from(4);
+        let mut accept_a = accept_from(4);
+        let warn_2 = at(2000.0);
+        let mut steps = 0;
+        while original.end().is_none() {
+            steps += 1;
+            assert!(steps < 1000, "no end");
+            let wake = original.next_wake(now);
+            assert_eq!(restored.next_wake(now), wake, "next wake after {now}");
+            let world = [warn_2, warn_2.plus_secs(NOTICE_SECS)]
+                .into_iter()
+                .find(|&t| t > now);
+            let t = [wake, world].into_iter().flatten().min().unwrap();
+            now = t;
+            let mut inputs = Vec::new();
+            if t == warn_2 {
+                inputs.push(Input::Warned {
+                    id: id(2),
+                    at: t,
+                    terminate_at: t.plus_secs(NOTICE_SECS),
+                });
+            }
+            if t == warn_2.plus_secs(NOTICE_SECS) {
+                inputs.push(Input::Ended {
+                    id: id(2),
+                    at: t,
+                    by_provider: true,
+                });
+            }
+            inputs.push(Input::Tick);
+            for input in inputs {
+                let a = w.feed(&mut original, t, input.clone(), &mut accept_a);
+                let b = w.feed(&mut restored, t, input.clone(), &mut accept_b);
+                assert_eq!(a, b, "{input:?} at {t}");
+            }
+        }
+        assert_eq!(restored.end(), original.end());
+        assert_eq!(original.end().unwrap().outcome, Outcome::Completed);
+        assert_eq!(restored.members(), original.members());
+        assert_eq!(restored.ended(), original.ended());
+        assert_eq!(restored.counts(), original.counts());
+        assert_eq!(
+            serde_json::to_string(restored.state()).unwrap(),
+            serde_json::to_string(original.state()).unwrap()
+        );
+        // Both policies were asked the same questions after the save.
+        let after: Vec<_> = policy.asked()[asked_before..]
+            .iter()
+            .map(|a| (a.at, a.event.clone(), a.footprint.clone()))
+            .collect();
+        let restored_asked: Vec<_> = policy_b
+            .asked()
+            .iter()
+            .map(|a| (a.at, a.event.clone(), a.footprint.clone()))
+            .collect();
+        assert!(after.len() > 2, "{after:?}");
+        assert_eq!(restored_asked, after);
+    }
+
+    // ---- a warning for an instance the policy already released ----
+
+    #[test]
+    fn a_warning_for_a_released_instance_costs_no_work() {
+        let w = World::new();
+        let job = job(
+            &w,
+            100.0,
+            4,
+            5.0,
+            "[eviction_cost]\nmodel = \"agileml\"\nsync_interval_minutes = 2\n\
+             rebalance_seconds = 0\n",
+        );
+        let policy = Scripted::default();
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 2)],
+            ..Decision::default()
+        });
+        let mut e = engine(job, &policy, terms(None, None));
+        let mut accept = accept();
+        w.feed(&mut e, t0(), Input::Tick, &mut accept);
+        let mut now = t0();
+        run_until(&w, &mut e, &mut now, at(900.0), &mut accept);
+        // The policy releases i-1 at its next look; its end is on its way (a live termination
+        // takes a while), and the provider's warning arrives first.
+        let released = e.next_wake(now).unwrap();
+        policy.push(Decision {
+            release: vec![id(1)],
+            ..Decision::default()
+        });
+        let out = w.feed(&mut e, released, Input::Tick, &mut accept);
+        assert!(out.contains(&Command::Release { id: id(1) }), "{out:?}");
+        assert_eq!(e.lost_work(), 0.0);
+        let warned = released.plus_secs(30.0);
+        w.step(
+            &mut e,
+            warned,
+            Input::Warned {
+                id: id(1),
+                at: warned,
+                terminate_at: warned.plus_secs(NOTICE_SECS),
+            },
+        )
+        .unwrap();
+        w.feed(&mut e, warned, Input::Tick, &mut accept);
+        assert_eq!(
+            e.lost_work(),
+            0.0,
+            "i-1 did no work for the job after its release, so its warning loses none"
+        );
+        assert_eq!(
+            e.counts().evictions,
+            0,
+            "a released instance is not an eviction"
+        );
+        let ended = warned.plus_secs(60.0);
+        w.end_all(&mut e, ended);
+        w.feed(&mut e, ended, Input::Tick, &mut accept);
+        let billed = e.ended().iter().find(|x| x.member.id == id(1)).unwrap();
+        assert_eq!(billed.by, EndedBy::Provider, "billed as reclaimed");
+    }
+
+    // ---- 8. modelled pacing ----
+
+    #[test]
+    fn modelled_instances_are_ready_after_startup_and_the_job_completes_on_the_millisecond() {
+        let w = World::new();
+        let rate = 3.0;
+        let total = 1.234;
+        let job = job(
+            &w,
+            total,
+            1,
+            5.0,
+            "[throughput]\n\"c3.xlarge\" = 3.0\n\
+             [eviction_cost]\nmodel = \"agileml\"\nrebalance_seconds = 0\n",
+        );
+        assert_eq!(job.rate(&market(A).instance_type), Some(rate));
+        let policy = Scripted::default();
+        policy.keep(A, spot(0.10), 1, None);
+        let mut e = engine(job, &policy, terms(None, None));
+        let mut accept = accept();
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept);
+        assert_eq!(launches(&out).len(), 1);
+        assert!(!out.iter().any(|c| matches!(c, Command::MarkReady { .. })));
+        let ready = at(300.0);
+        assert_eq!(e.next_wake(t0()), Some(ready), "woken at the readiness");
+        // A look during the start-up finds it still starting.
+        let out = w.feed(&mut e, at(120.0), Input::Tick, &mut accept);
+        assert!(
+            !out.iter().any(|c| matches!(c, Command::MarkReady { .. })),
+            "{out:?}"
+        );
+        assert_eq!(e.members()[0].ready, None);
+        assert_eq!(e.next_wake(at(120.0)), Some(ready));
+        let out = w.feed(&mut e, ready, Input::Tick, &mut accept);
+        assert!(
+            out.contains(&Command::MarkReady {
+                id: id(1),
+                at: ready
+            }),
+            "{out:?}"
+        );
+        // Looks in between (the policy's, and one at an odd millisecond) change nothing.
+        w.feed(
+            &mut e,
+            Timestamp::from_millis(T0_MS + 1_000_123),
+            Input::Tick,
+            &mut accept,
+        );
+        let mut now = Timestamp::from_millis(T0_MS + 1_000_123);
+        let expected =
+            Timestamp::from_millis(ready.millis() + (total / rate * 3_600_000.0).round() as i64);
+        assert_eq!(expected.millis() - T0_MS, 1_780_800);
+        let ticks = run_until(&w, &mut e, &mut now, at(3.0 * 3600.0), &mut accept);
+        let end = e.end().cloned().expect("completed");
+        assert_eq!(end.outcome, Outcome::Completed);
+        assert_eq!(end.at, expected, "{} vs {expected}", end.at);
+        assert_eq!(
+            ticks.last().unwrap().0,
+            expected,
+            "the completion was a wake-up"
+        );
+        assert_eq!(ends(&ticks.last().unwrap().1), vec![end]);
+        assert_eq!(e.fraction(), 1.0);
+        assert!(e.work_complete());
+    }
 }

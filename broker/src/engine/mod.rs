@@ -1,9 +1,10 @@
-//! What the simulator and the live scheduler share around the policy: the rules of the world
-//! (how long a notice lasts), when the policy is consulted, the market [`view`] it reads, the
-//! footprint's [`limits`] and the [`work`] accounting (what a footprint's instances deliver).
+//! Everything decided about a job, in one place: [`JobEngine`] (a pure, deterministic state
+//! machine, one per job) and what it is built from — the rules of the world (how long a notice
+//! lasts), when the policy is consulted, the market [`view`] it reads, the footprint's
+//! [`limits`], the [`work`] and [`progress`] accounting, and the [`digest`] of its decisions.
 //!
-//! Both drivers credit work through [`work`], so the figure the simulator measures and the one
-//! the broker reports for a live job come from one definition.
+//! The simulator ([`crate::sim`]) and the live scheduler ([`crate::service`]) are its two
+//! drivers: what the simulator measures is what the broker does.
 
 use crate::market::Timestamp;
 

@@ -1,13 +1,13 @@
 //! The trace-driven simulator: a job's work model and a policy against a spot price trace.
 //!
-//! One run ([`run`]) starts the job at a time inside the trace, asks the policy (through the same
-//! [`Policy`] trait the live scheduler uses, with a [`crate::engine::view::TraceView`] that refuses reads after
-//! the decision time), and replays the market: instances start (billed, not working, for the
-//! job's start-up time), work at their type's rate, are warned and evicted when the world says
-//! so ([`world`]), and lose work according to the eviction-cost model the policy runs the job
-//! under. When the work is done every instance is terminated and the whole life of every
-//! instance is billed with [`crate::billing`]. [`sweep`] runs several policies over the same
-//! start times and summarises.
+//! One run ([`run`]) is a thin driver of the job's [`JobEngine`] — the one the live scheduler
+//! runs — with a [`crate::engine::view::TraceView`] that refuses reads after the decision time.
+//! It plays the world in time order: it answers the engine's launches as the 2015 market would
+//! (refused below the price), draws each instance's fate ([`world`]: warned at the first price
+//! above its bid, or by the hazard world), and feeds warnings, reclaims and the engine's own
+//! wake-ups as they come. The engine decides everything else: when instances are ready, the
+//! work they do and lose, the limits, budget and deadline, the bill, the job's end. [`sweep`]
+//! runs several policies over the same start times and summarises.
 //!
 //! Simplifications, all stated: the market has unlimited capacity at the trace's price (our
 //! purchases do not move it); the job's throughput is the sum of its instances' rates (linear

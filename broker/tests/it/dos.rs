@@ -54,6 +54,7 @@ impl TestServer {
             StartOptions {
                 clock: Some(Arc::new(clock.clone())),
                 pacing: Some(Pacing::Modelled),
+                ..Default::default()
             },
         )
         .await

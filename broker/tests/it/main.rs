@@ -12,6 +12,7 @@ mod cli_prices;
 mod dos;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
+mod engine_restart;
 mod job_spec_doc;
 mod sim_cli;
 mod sim_policies;
