@@ -201,3 +201,73 @@ async fn a_followed_job_streams_until_it_ends_and_ctrl_c_leaves_it_running() {
     api.post(&format!("/v1/jobs/{long}/cancel"), serde_json::json!({}))
         .await;
 }
+
+/// `proteus submit --dry-run`, as a user runs it: the plan as a table and as JSON, and nothing
+/// submitted; a bad spec gets the submission's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_prints_the_plan_and_submits_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &["--trace", &trace, "--on-demand", &od],
+    )
+    .await;
+    let file = job_file(dir.path(), "planned", 40);
+    // A dry run ends on its own: its whole output is read after it exits.
+    let run = |args: &[&str]| {
+        let mut cmd = Command::new(bin("proteus"));
+        cmd.args(args)
+            .env("PROTEUS_LOG", "warn")
+            .stdin(Stdio::null());
+        for (k, v) in broker.user_env() {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("run proteus");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, table, err) = run(&["submit", &file, "--dry-run"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        table.contains("nothing submitted, nothing launched") && table.contains("c3.xlarge"),
+        "{table}"
+    );
+    assert!(table.contains("per unit of work"), "{table}");
+    let (code, json, err) = run(&["submit", &file, "--dry-run", "--output", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    let purchases = plan["purchases"].as_array().unwrap();
+    assert_eq!(purchases.len(), 1, "{plan}");
+    assert_eq!(purchases[0]["count"], 1, "max_instances = 1: {plan}");
+    assert_eq!(purchases[0]["tier"], "reliable", "on-demand: {plan}");
+    assert!(plan["expected_finish"].is_string(), "{plan}");
+    // Nothing was stored: no job, no instance.
+    let (status, jobs) = broker
+        .client()
+        .call(reqwest::Method::GET, "/v1/jobs", None)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(jobs.as_array().map(Vec::len), Some(0), "{jobs}");
+    // A spec the broker refuses: the same error a submission gets, exit 1.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("policy = \"on-demand\"", "policy = \"no-such-policy\""),
+    )
+    .unwrap();
+    let (code, _, err) = run(&["submit", bad.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("policy") && err.contains("no-such-policy"),
+        "{err}"
+    );
+}

@@ -65,6 +65,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi::document))
         .route("/v1/jobs", post(submit_job).get(list_jobs))
+        .route("/v1/jobs/dry-run", post(dry_run_job))
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job_by_delete))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/cost", get(job_cost))
@@ -210,6 +211,20 @@ async fn submit_job(
 ) -> Result<Response, ApiError> {
     let view = s.broker.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(view)).into_response())
+}
+
+/// What the job would buy if it were submitted now: its engine's first decision (markets, tiers,
+/// counts, bids, prices) with the expected cost per unit of work and finish at today's prices.
+/// Checks the spec as a submission does; stores and launches nothing.
+#[utoipa::path(post, path = "/v1/jobs/dry-run", request_body = JobSpec,
+    responses((status = 200, body = crate::service::dry_run::DryRun), (status = 422, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn dry_run_job(
+    _: UserRead,
+    State(s): State<AppState>,
+    ApiJson(spec): ApiJson<JobSpec>,
+) -> Result<Json<crate::service::dry_run::DryRun>, ApiError> {
+    Ok(Json(s.broker.dry_run(spec).await?))
 }
 
 #[utoipa::path(get, path = "/v1/jobs", responses((status = 200, body = Vec<JobView>), (status = 401, body = error::ErrorBody)),

@@ -11,6 +11,7 @@ use utoipa::{Modify, OpenApi};
         super::healthz,
         super::metrics,
         super::submit_job,
+        super::dry_run_job,
         super::list_jobs,
         super::get_job,
         super::cancel_job,

@@ -2,6 +2,7 @@
 
 use crate::market::Usd;
 use crate::output::{Cell, OutputFormat, Table, emit, pct};
+use crate::service::dry_run::DryRun;
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
 use anyhow::{Context, Result, bail};
@@ -30,7 +31,8 @@ pub struct Remote {
 #[command(
     after_help = "Every field of a job spec: docs/job-spec.md (or `proteus openapi --job-spec`).\n\n\
 Examples:\n  proteus submit examples/jobs/mnist.toml\n  proteus submit job.json --output json\n  \
-proteus submit examples/jobs/mnist.toml --follow   # its events, status and output until it ends"
+proteus submit examples/jobs/mnist.toml --follow   # its events, status and output until it ends\n  \
+proteus submit examples/jobs/mnist.toml --dry-run  # what it would buy now, without launching"
 )]
 pub struct SubmitArgs {
     #[command(flatten)]
@@ -44,6 +46,11 @@ pub struct SubmitArgs {
     /// the job running.
     #[arg(long)]
     pub follow: bool,
+    /// Check the spec and show what the job would buy if submitted now — its policy's first
+    /// decision (markets, tiers, counts, bids, prices) and the expected cost per unit of work
+    /// and finish at today's prices — without submitting or launching anything.
+    #[arg(long, conflicts_with = "follow")]
+    pub dry_run: bool,
     #[command(flatten)]
     pub every: Every,
 }
@@ -323,6 +330,15 @@ pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
         false => None,
     };
     let client = Client::new(&args.remote)?;
+    if args.dry_run {
+        let plan: DryRun = client.post("/v1/jobs/dry-run", &spec).await?;
+        if args.output == OutputFormat::Table {
+            print!("{}", dry_run_text(&plan));
+        } else {
+            emit(args.output, &plan, || dry_run_table(&plan))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let job: JobView = client.post("/v1/jobs", &spec).await?;
     if let Some(lines) = lines {
         if lines == super::follow::Lines::Text {
@@ -344,6 +360,9 @@ pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
             "submitted job {} ({}) with policy {}",
             job.id, job.name, job.policy
         );
+        if !job.instance_types.is_empty() {
+            println!("on {}", job.instance_types.join(", "));
+        }
         println!(
             "follow it with `proteus status {}`; its cost with `proteus report {}`",
             job.id, job.id
@@ -352,6 +371,79 @@ pub async fn submit(args: SubmitArgs) -> Result<ExitCode> {
     }
     emit(args.output, &job, || jobs_table(std::slice::from_ref(&job)))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// One row per purchase.
+fn dry_run_table(plan: &DryRun) -> Table {
+    let mut t = Table::new(&[
+        "market",
+        "tier",
+        "purchase",
+        "bid $/h",
+        "count",
+        "price $/h",
+        "units/h each",
+    ]);
+    for p in &plan.purchases {
+        t.push([
+            Cell::from(p.market.clone()),
+            Cell::from(p.tier.clone()),
+            Cell::from(p.purchase.clone()),
+            Cell::or_unknown(p.bid_usd_per_hour, |b| Cell {
+                shown: format!("{b:.4}"),
+                plain: b.to_string(),
+            }),
+            Cell::from(p.count.to_string()),
+            Cell {
+                shown: format!("{:.4}", p.usd_per_hour),
+                plain: p.usd_per_hour.to_string(),
+            },
+            Cell {
+                shown: format!("{:.2}", p.units_per_hour),
+                plain: p.units_per_hour.to_string(),
+            },
+        ]);
+    }
+    t
+}
+
+fn dry_run_text(plan: &DryRun) -> String {
+    let mut out = format!(
+        "dry run of {} with policy {} at {} (nothing submitted, nothing launched)\n\
+         instance types: {}\n\n",
+        plan.name,
+        plan.policy,
+        plan.market_time,
+        plan.instance_types.join(", ")
+    );
+    if plan.purchases.is_empty() {
+        out.push_str("the policy would buy nothing now\n");
+    } else {
+        out.push_str(&dry_run_table(plan).render());
+    }
+    if let Some(held) = &plan.held {
+        out.push_str(&format!("held back: {held}\n"));
+    }
+    out.push_str(&format!(
+        "\n${:.4}/h for {:.2} units/h",
+        plan.usd_per_hour, plan.units_per_hour
+    ));
+    if let Some(u) = plan.usd_per_unit {
+        out.push_str(&format!(" = ${u:.4} per unit of work"));
+    }
+    out.push('\n');
+    if let (Some(h), Some(finish), Some(cost)) = (
+        plan.expected_hours,
+        &plan.expected_finish,
+        plan.expected_cost_usd,
+    ) {
+        out.push_str(&format!(
+            "{:.2} units of work: about {h:.2} h, done by {finish}, ${cost:.4}\n",
+            plan.total_work
+        ));
+    }
+    out.push_str(&format!("({})\n", plan.assumptions));
+    out
 }
 
 pub async fn status(args: StatusArgs) -> Result<ExitCode> {

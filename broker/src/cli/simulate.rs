@@ -308,7 +308,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     };
     let results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
-    let summaries = summarize(&results, scenario.job.total_work);
+    let summaries = summarize(&results);
 
     if let Some(path) = &args.runs_out {
         write_runs(path, &results)?;

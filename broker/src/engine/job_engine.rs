@@ -776,6 +776,10 @@ impl<'p> JobEngine<'p> {
                 .clone()
                 .unwrap_or_else(|| "work complete".to_string());
             self.apply_ends(ctx, out);
+            if self.config.pacing == Pacing::Measured {
+                // The last re-estimate, at the whole work: the total is what was done.
+                self.reestimate(now, out);
+            }
             self.finish(now, Outcome::Completed, reason, out);
             return;
         }

@@ -10,7 +10,31 @@ use crate::market::InstanceType;
 pub struct KnownType {
     pub vcpus: u32,
     pub memory_gib: f64,
+    /// Its GPUs, if it has any.
+    pub accelerator: Option<Accelerator>,
 }
+
+/// GPUs of one model, as SkyPilot users name them (`V100:1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accelerator {
+    pub name: &'static str,
+    pub count: u32,
+}
+
+/// GPU instance types: name, vCPUs, memory (GiB), GPU model, GPUs.
+const GPU_TYPES: &[(&str, u32, f64, &str, u32)] = &[
+    ("g2.2xlarge", 8, 15.0, "K520", 1),
+    ("g2.8xlarge", 32, 60.0, "K520", 4),
+    ("p2.xlarge", 4, 61.0, "K80", 1),
+    ("p2.8xlarge", 32, 488.0, "K80", 8),
+    ("p3.2xlarge", 8, 61.0, "V100", 1),
+    ("p3.8xlarge", 32, 244.0, "V100", 4),
+    ("p3.16xlarge", 64, 488.0, "V100", 8),
+    ("g4dn.xlarge", 4, 16.0, "T4", 1),
+    ("g4dn.12xlarge", 48, 192.0, "T4", 4),
+    ("g5.xlarge", 4, 16.0, "A10G", 1),
+    ("g5.12xlarge", 48, 192.0, "A10G", 4),
+];
 
 const KNOWN: &[(&str, u32, f64)] = &[
     // 2015 trace types
@@ -23,8 +47,6 @@ const KNOWN: &[(&str, u32, f64)] = &[
     ("d2.2xlarge", 8, 61.0),
     ("d2.4xlarge", 16, 122.0),
     ("d2.8xlarge", 36, 244.0),
-    ("g2.2xlarge", 8, 15.0),
-    ("g2.8xlarge", 32, 60.0),
     ("m3.medium", 1, 3.75),
     ("m3.large", 2, 7.5),
     ("m3.xlarge", 4, 15.0),
@@ -49,8 +71,28 @@ const KNOWN: &[(&str, u32, f64)] = &[
 ];
 
 pub fn lookup(instance_type: &InstanceType) -> Option<KnownType> {
+    let name = instance_type.as_str();
+    if let Some(&(_, vcpus, memory_gib, gpu, count)) = GPU_TYPES.iter().find(|t| t.0 == name) {
+        return Some(KnownType {
+            vcpus,
+            memory_gib,
+            accelerator: Some(Accelerator { name: gpu, count }),
+        });
+    }
     KNOWN
         .iter()
-        .find(|(name, _, _)| *name == instance_type.as_str())
-        .map(|&(_, vcpus, memory_gib)| KnownType { vcpus, memory_gib })
+        .find(|(known, _, _)| *known == name)
+        .map(|&(_, vcpus, memory_gib)| KnownType {
+            vcpus,
+            memory_gib,
+            accelerator: None,
+        })
+}
+
+/// The GPU models the catalog knows, for messages.
+pub fn accelerator_names() -> Vec<&'static str> {
+    let mut names: Vec<&str> = GPU_TYPES.iter().map(|t| t.3).collect();
+    names.sort();
+    names.dedup();
+    names
 }

@@ -1,5 +1,6 @@
 //! The user side: submit, list, inspect, cancel jobs and read their cost.
 
+use super::spec::ValidJob;
 use super::status_cache::JobRecord;
 use super::{Broker, ServiceError, ledger};
 use crate::engine::work::{self, WorkingSpan};
@@ -34,6 +35,10 @@ pub struct JobView {
     pub state_reason: Option<String>,
     pub policy: String,
     pub billing: String,
+    /// The instance types the job may run on (chosen by its `resources` or listed in its
+    /// `work.instance_types`); empty: every type the broker has prices for.
+    #[serde(default)]
+    pub instance_types: Vec<String>,
     /// Market time (RFC 3339).
     pub created: String,
     pub started: Option<String>,
@@ -150,6 +155,9 @@ pub struct MarketCost {
 pub struct JobKind {
     pub app: super::spec::App,
     pub sync: String,
+    /// The spec's `work.instance_types` (what `resources` chose is stored there); empty: every
+    /// type the broker has prices for.
+    pub instance_types: Vec<String>,
 }
 
 /// A stored job's [`JobKind`] (its spec was validated at submission). It parses the spec:
@@ -160,6 +168,11 @@ pub(super) fn kind_of(job: &JobRow) -> JobKind {
     use super::spec::{App, JobSpec};
     let spec = serde_json::from_str::<JobSpec>(&job.spec).ok();
     let app = spec.as_ref().map_or(App::Mlr, |s| s.app);
+    let instance_types = spec
+        .as_ref()
+        .and_then(|s| s.work.as_ref())
+        .and_then(|w| w.instance_types.clone())
+        .unwrap_or_default();
     let sync = match app {
         App::Command => "program".to_string(),
         _ => spec
@@ -168,7 +181,11 @@ pub(super) fn kind_of(job: &JobRow) -> JobKind {
             .unwrap_or_default()
             .to_string(),
     };
-    JobKind { app, sync }
+    JobKind {
+        app,
+        sync,
+        instance_types,
+    }
 }
 
 /// One billed segment of an instance, as the API shows it.
@@ -220,6 +237,74 @@ impl Broker {
     /// Validates and stores a job; the scheduler starts it on its next tick.
     pub async fn submit(&self, mut spec: super::spec::JobSpec) -> Result<JobView, ServiceError> {
         let now = self.clock.now();
+        let (valid, default_budget) = self.validate_submission(&mut spec, now)?;
+        // Resolve now, so that an unknown policy or instance type is the submitter's error.
+        let runtime = self.build_runtime(valid.clone(), self.clock.now(), None)?;
+        // The types `resources` chose are stored with the job: a restarted broker runs it on
+        // the same ones, and they are shown with it.
+        let chosen: Option<Vec<String>> = spec.resources.as_ref().map(|_| {
+            runtime
+                .engine
+                .job()
+                .rates()
+                .map(|(t, _)| t.to_string())
+                .collect()
+        });
+        if let Some(types) = &chosen {
+            spec.work
+                .get_or_insert_with(Default::default)
+                .instance_types = Some(types.clone());
+        }
+        let spec_json =
+            serde_json::to_string(&spec).map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let id = self
+            .store
+            .create_job(&NewJob {
+                name: valid.name.clone(),
+                spec: spec_json,
+                policy: valid.policy.clone(),
+                billing: valid.billing.to_string(),
+                budget_usd: valid.budget_usd,
+                deadline: valid.deadline,
+                created: now,
+            })
+            .await?;
+        let mut detail = match (valid.budget_usd, default_budget) {
+            (Some(b), true) => format!(
+                "policy {}, up to {} instances, budget {b} (the broker's default: \
+                 `proteus serve --default-budget-usd`)",
+                valid.policy, valid.max_instances
+            ),
+            _ => format!(
+                "policy {}, up to {} instances",
+                valid.policy, valid.max_instances
+            ),
+        };
+        if let (Some(types), Some(r)) = (&chosen, &valid.resources) {
+            detail.push_str(&format!(
+                ", on {} (resources {})",
+                types.join(", "),
+                r.describe()
+            ));
+        }
+        self.store
+            .add_event(Some(id), None, now, "job_submitted", &detail)
+            .await?;
+        drop(runtime);
+        let job = self.job_row(id).await?;
+        self.ensure_runtime(&job)?;
+        self.nudge.notify_one();
+        self.job_view(id).await
+    }
+
+    /// What [`Broker::submit`] checks before it stores anything: the spec (with the broker's
+    /// default budget applied, which the returned flag says), the broker-wide cap, the work
+    /// directory. `spec` gains the default budget.
+    pub(crate) fn validate_submission(
+        &self,
+        spec: &mut super::spec::JobSpec,
+        now: Timestamp,
+    ) -> Result<(ValidJob, bool), ServiceError> {
         // The broker's default budget goes into the stored spec, so that a restarted broker
         // (which validates the stored spec again) keeps it.
         let default_budget =
@@ -245,46 +330,7 @@ impl Broker {
             ));
         }
         self.check_workdir_signable(&valid.training.app)?;
-        // Resolve now, so that an unknown policy or instance type is the submitter's error.
-        let runtime = self.build_runtime(valid.clone(), self.clock.now(), None)?;
-        let spec_json =
-            serde_json::to_string(&spec).map_err(|e| ServiceError::Internal(e.to_string()))?;
-        let id = self
-            .store
-            .create_job(&NewJob {
-                name: valid.name.clone(),
-                spec: spec_json,
-                policy: valid.policy.clone(),
-                billing: valid.billing.to_string(),
-                budget_usd: valid.budget_usd,
-                deadline: valid.deadline,
-                created: now,
-            })
-            .await?;
-        self.store
-            .add_event(
-                Some(id),
-                None,
-                now,
-                "job_submitted",
-                &match (valid.budget_usd, default_budget) {
-                    (Some(b), true) => format!(
-                        "policy {}, up to {} instances, budget {b} (the broker's default: \
-                         `proteus serve --default-budget-usd`)",
-                        valid.policy, valid.max_instances
-                    ),
-                    _ => format!(
-                        "policy {}, up to {} instances",
-                        valid.policy, valid.max_instances
-                    ),
-                },
-            )
-            .await?;
-        drop(runtime);
-        let job = self.job_row(id).await?;
-        self.ensure_runtime(&job)?;
-        self.nudge.notify_one();
-        self.job_view(id).await
+        Ok((valid, default_budget))
     }
 
     async fn job_row(&self, id: JobId) -> Result<JobRow, ServiceError> {
@@ -383,6 +429,7 @@ impl Broker {
             state_reason: job.state_reason.clone(),
             policy: job.policy.clone(),
             billing: job.billing.clone(),
+            instance_types: kind.instance_types.clone(),
             created: job.created.to_string(),
             started: ts(job.started),
             finished: ts(job.finished),

@@ -12,6 +12,7 @@
 
 pub mod agents;
 pub mod control;
+pub mod dry_run;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;

@@ -293,9 +293,14 @@ impl Broker {
             std::mem::take(&mut runtime.lock().unwrap_or_else(|e| e.into_inner()).arrivals);
         if self.settings.pacing == Pacing::Measured {
             inputs.extend(self.joined(&instances, &status, now).await?);
-            // Heartbeats carry clocks; a command job's program reports its own progress.
+            // Heartbeats carry clocks; a command job's program reports its own progress. The
+            // end of training may arrive before the last of them: then it is all done.
             inputs.push(Input::Progress {
-                fraction: status.progress.fraction(),
+                fraction: if status.state == TrainingState::Completed {
+                    1.0
+                } else {
+                    status.progress.fraction()
+                },
             });
         }
         match status.state {
@@ -523,7 +528,10 @@ impl Broker {
     }
 
     /// Markets in a cool-down after the cloud refused them: the policy does not see them.
-    async fn cooled(&self, now: Timestamp) -> Result<HashSet<(String, String)>, ServiceError> {
+    pub(super) async fn cooled(
+        &self,
+        now: Timestamp,
+    ) -> Result<HashSet<(String, String)>, ServiceError> {
         Ok(self
             .store
             .cooldowns(now)
@@ -966,9 +974,9 @@ pub(crate) fn budget_lookahead_secs(tick: std::time::Duration, speed: f64) -> f6
 }
 
 /// The trace view minus markets the cloud refused recently.
-struct LiveView<'a> {
-    inner: TraceView<'a>,
-    cooled: &'a HashSet<(String, String)>,
+pub(super) struct LiveView<'a> {
+    pub(super) inner: TraceView<'a>,
+    pub(super) cooled: &'a HashSet<(String, String)>,
 }
 
 impl LiveView<'_> {

@@ -67,6 +67,11 @@ pub struct JobSpec {
     /// The work estimate the policy plans with; see [`WorkSpec`].
     #[serde(default)]
     pub work: Option<WorkSpec>,
+    /// What each instance must have, as SkyPilot users write it: the job runs on the types the
+    /// broker has prices for that have all of it (among `work.instance_types` when given too).
+    /// The types chosen are stored with the job and shown at submission.
+    #[serde(default)]
+    pub resources: Option<ResourcesSpec>,
     /// Training hyperparameters and AgileML settings.
     #[serde(default)]
     pub training: Option<TrainingSpec>,
@@ -273,6 +278,118 @@ pub struct Limits {
     pub deadline_hours: Option<f64>,
 }
 
+/// What each instance of a job must have.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesSpec {
+    /// GPUs per instance, `MODEL:COUNT` or `MODEL` (one), e.g. `V100:1`, `K520:4`, `T4`: the
+    /// types with exactly that many of that model (K520, K80, V100, T4, A10G).
+    #[serde(default)]
+    #[schema(example = "V100:1")]
+    pub accelerators: Option<String>,
+    /// At least this many vCPUs per instance.
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 1024, example = 8)]
+    pub vcpus: Option<u32>,
+    /// At least this much memory per instance, GiB.
+    #[serde(default)]
+    #[schema(minimum = 0.5, maximum = 24576, example = 16)]
+    pub memory_gib: Option<f64>,
+}
+
+/// [`ResourcesSpec`], checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resources {
+    /// GPU model (as the catalog spells it) and count.
+    pub accelerator: Option<(String, u32)>,
+    pub vcpus: Option<u32>,
+    pub memory_gib: Option<f64>,
+}
+
+impl Resources {
+    fn parse(spec: &ResourcesSpec) -> Result<Resources, FieldError> {
+        let accelerator = match &spec.accelerators {
+            None => None,
+            Some(text) => {
+                let (name, count) = match text.split_once(':') {
+                    Some((n, c)) => (n.trim(), c.trim()),
+                    None => (text.trim(), "1"),
+                };
+                let count: u32 = count
+                    .parse()
+                    .ok()
+                    .filter(|c| (1..=16).contains(c))
+                    .ok_or_else(|| {
+                        bad(
+                            "resources.accelerators",
+                            format!(
+                                "`{text}`: the count after `:` must be a whole number from 1 to 16"
+                            ),
+                        )
+                    })?;
+                let known = crate::prices::catalog::accelerator_names();
+                let Some(model) = known.iter().find(|k| k.eq_ignore_ascii_case(name)) else {
+                    return Err(bad(
+                        "resources.accelerators",
+                        format!(
+                            "`{text}`: unknown GPU model `{name}` (known: {}); write MODEL:COUNT, e.g. V100:1",
+                            known.join(", ")
+                        ),
+                    ));
+                };
+                Some((model.to_string(), count))
+            }
+        };
+        if let Some(v) = spec.vcpus
+            && !(1..=1024).contains(&v)
+        {
+            return Err(bad("resources.vcpus", "must be between 1 and 1024"));
+        }
+        if let Some(m) = spec.memory_gib
+            && !(m.is_finite() && (0.5..=24_576.0).contains(&m))
+        {
+            return Err(bad(
+                "resources.memory_gib",
+                "must be between 0.5 and 24576 GiB",
+            ));
+        }
+        Ok(Resources {
+            accelerator,
+            vcpus: spec.vcpus,
+            memory_gib: spec.memory_gib,
+        })
+    }
+
+    /// Whether instances of `t` have all of it (a type the catalog does not know has none).
+    pub fn admits(&self, t: &InstanceType) -> bool {
+        let Some(k) = crate::prices::catalog::lookup(t) else {
+            return false;
+        };
+        let gpus = match (&self.accelerator, k.accelerator) {
+            (None, _) => true,
+            (Some((name, count)), Some(a)) => a.name == name && a.count == *count,
+            (Some(_), None) => false,
+        };
+        gpus && self.vcpus.is_none_or(|v| k.vcpus >= v)
+            && self.memory_gib.is_none_or(|m| k.memory_gib >= m)
+    }
+
+    /// `V100:1, ≥ 8 vCPUs, ≥ 16 GiB`, for messages.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some((name, count)) = &self.accelerator {
+            parts.push(format!("{name}:{count}"));
+        }
+        if let Some(v) = self.vcpus {
+            parts.push(format!("≥ {v} vCPUs"));
+        }
+        if let Some(m) = self.memory_gib {
+            parts.push(format!("≥ {m} GiB"));
+        }
+        parts.join(", ")
+    }
+}
+
 /// The policy's work model. Work is counted in instance-hours of `reference_type`; throughput
 /// of other types is proportional to vCPUs. Progress is measured by the agents; this estimate
 /// only sizes the footprint the policy buys.
@@ -425,6 +542,7 @@ pub struct ValidJob {
     pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub work: WorkSpec,
+    pub resources: Option<Resources>,
 }
 
 impl ValidJob {
@@ -437,10 +555,41 @@ impl ValidJob {
         default_startup_minutes: f64,
     ) -> Result<WorkModelSpec, FieldError> {
         let work: &WorkSpec = &self.work;
-        let types: Vec<String> = match &work.instance_types {
+        let mut types: Vec<String> = match &work.instance_types {
             Some(t) => t.clone(),
             None => usable.iter().map(|t| t.to_string()).collect(),
         };
+        if let Some(resources) = &self.resources {
+            types.retain(|t| {
+                InstanceType::parse(t).is_ok_and(|t| usable.contains(&t) && resources.admits(&t))
+            });
+            if types.is_empty() {
+                let gpus: Vec<String> = usable
+                    .iter()
+                    .filter_map(|t| {
+                        let a = crate::prices::catalog::lookup(t)?.accelerator?;
+                        Some(format!("{t} has {}:{}", a.name, a.count))
+                    })
+                    .collect();
+                return Err(bad(
+                    "resources",
+                    format!(
+                        "no instance type {} has {} (GPU types here: {})",
+                        if work.instance_types.is_some() {
+                            "in `work.instance_types` with prices here"
+                        } else {
+                            "with prices here"
+                        },
+                        resources.describe(),
+                        if gpus.is_empty() {
+                            "none".to_string()
+                        } else {
+                            gpus.join(", ")
+                        }
+                    ),
+                ));
+            }
+        }
         if types.is_empty() {
             return Err(bad(
                 "work.instance_types",
@@ -674,6 +823,7 @@ impl JobSpec {
             budget_usd,
             deadline,
             work,
+            resources: self.resources.as_ref().map(Resources::parse).transpose()?,
         })
     }
 
@@ -924,6 +1074,65 @@ impl JobSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resources_resolve_to_the_types_that_have_them() {
+        let usable: Vec<InstanceType> = ["c3.xlarge", "g2.2xlarge", "d2.8xlarge", "m3.medium"]
+            .iter()
+            .map(|t| InstanceType::parse(t).unwrap())
+            .collect();
+        let types = |resources: &str| {
+            let s = spec(&format!(
+                r#"{{"app":"mlr","policy":"x","limits":{{"max_instances":4}},"resources":{resources}}}"#
+            ));
+            s.validate(BillingModel::PerSecond, NOW)
+                .and_then(|v| v.work_model_spec(&usable, 5.0))
+                .map(|w| w.instance_types)
+        };
+        assert_eq!(
+            types(r#"{"accelerators":"K520:1"}"#).unwrap(),
+            ["g2.2xlarge"]
+        );
+        assert_eq!(
+            types(r#"{"accelerators":"k520"}"#).unwrap(),
+            ["g2.2xlarge"],
+            "one GPU when no count is given; the model's case does not matter"
+        );
+        assert_eq!(
+            types(r#"{"vcpus":8}"#).unwrap(),
+            ["g2.2xlarge", "d2.8xlarge"]
+        );
+        assert_eq!(
+            types(r#"{"vcpus":4,"memory_gib":30}"#).unwrap(),
+            ["d2.8xlarge"]
+        );
+        // Exactly the count asked: g2.2xlarge has one K520, not four.
+        let e = types(r#"{"accelerators":"K520:4"}"#).unwrap_err();
+        assert_eq!(e.field, "resources");
+        assert!(e.message.contains("g2.2xlarge has K520:1"), "{}", e.message);
+        let e = types(r#"{"accelerators":"V100:1"}"#).unwrap_err();
+        assert!(e.message.contains("V100:1"), "{}", e.message);
+        for (bad, field) in [
+            (r#"{"accelerators":"H900:1"}"#, "resources.accelerators"),
+            (r#"{"accelerators":"V100:0"}"#, "resources.accelerators"),
+            (r#"{"accelerators":"V100:x"}"#, "resources.accelerators"),
+            (r#"{"vcpus":0}"#, "resources.vcpus"),
+            (r#"{"memory_gib":-1}"#, "resources.memory_gib"),
+        ] {
+            assert_eq!(types(bad).unwrap_err().field, field, "{bad}");
+        }
+        // With `work.instance_types` too: only those of them that qualify.
+        let s = spec(
+            r#"{"app":"mlr","policy":"x","limits":{"max_instances":4},"resources":{"vcpus":8},
+                "work":{"instance_types":["c3.xlarge","d2.8xlarge"]}}"#,
+        );
+        let w = s
+            .validate(BillingModel::PerSecond, NOW)
+            .unwrap()
+            .work_model_spec(&usable, 5.0)
+            .unwrap();
+        assert_eq!(w.instance_types, ["d2.8xlarge"]);
+    }
 
     #[test]
     fn mlp_jobs_choose_their_parallelism() {

@@ -189,6 +189,7 @@ mod tests {
             kind: crate::service::jobs::JobKind {
                 app: crate::service::spec::App::Mlr,
                 sync: "bsp".into(),
+                instance_types: vec![],
             },
         })
     }

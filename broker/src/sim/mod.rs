@@ -237,6 +237,9 @@ pub struct RunResult {
     pub free_value_usd: Usd,
     /// Units of work lost to evictions (and redone).
     pub lost_work: f64,
+    /// Units of work done: the job's total when it completed, less when it ended at its budget
+    /// or deadline.
+    pub done_work: f64,
     /// Units the instances could have done had they worked every second they ran
     /// (Σ rate × instance-hours); `total_work / capacity` is the useful fraction.
     pub capacity_units: f64,
@@ -576,6 +579,11 @@ impl<'a> Run<'a> {
             free_instance_hours: 0.0,
             free_value_usd: Usd::ZERO,
             lost_work: self.engine.lost_work(),
+            done_work: if end.outcome.succeeded() {
+                self.sc.job.total_work
+            } else {
+                self.engine.done_work()
+            },
             capacity_units: 0.0,
             paid_capacity_units: 0.0,
             free_capacity_units: 0.0,

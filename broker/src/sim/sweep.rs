@@ -221,7 +221,7 @@ pub struct PolicySummary {
 }
 
 /// Summarises `results[p][k]`; ratios are against the first policy of each baseline kind.
-pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySummary> {
+pub fn summarize(results: &[Vec<RunResult>]) -> Vec<PolicySummary> {
     let baseline = |kind: PolicyKind| {
         results
             .iter()
@@ -301,7 +301,7 @@ pub fn summarize(results: &[Vec<RunResult>], total_work: f64) -> Vec<PolicySumma
                 ),
                 median_useful_fraction: percentile(
                     &col(&|r| {
-                        total_work / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
+                        r.done_work / (r.paid_capacity_units + r.free_capacity_units).max(1e-9)
                     }),
                     50.0,
                 ),

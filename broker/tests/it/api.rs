@@ -611,6 +611,7 @@ async fn the_openapi_document_describes_every_route() {
     let paths = doc["paths"].as_object().unwrap();
     for p in [
         "/v1/jobs",
+        "/v1/jobs/dry-run",
         "/v1/jobs/{id}",
         "/v1/jobs/{id}/cancel",
         "/v1/jobs/{id}/cost",
@@ -1025,5 +1026,140 @@ async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
             .iter()
             .any(|e| e["instance_id"] == spot.as_str() && e["kind"] == "evicted"),
         "{events}"
+    );
+}
+
+/// A dry run answers with the engine's first decision and stores and launches nothing; the job
+/// submitted next buys exactly that at its first tick. Bad specs get the submission's errors,
+/// and the route needs a token before it reads the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_shows_the_first_decision_and_launches_nothing() {
+    let s = TestServer::start(|_| {}).await;
+    let mut body = job("bidbrain");
+    body["limits"]["max_instances"] = json!(3);
+    let (status, _) = s
+        .call(
+            reqwest::Method::POST,
+            "/v1/jobs/dry-run",
+            None,
+            Some(body.clone()),
+        )
+        .await;
+    assert_eq!(status, 401);
+    let (status, plan) = s.post("/v1/jobs/dry-run", body.clone()).await;
+    assert_eq!(status, 200, "{plan}");
+    let purchases = plan["purchases"].as_array().unwrap();
+    let count: u64 = purchases.iter().map(|p| p["count"].as_u64().unwrap()).sum();
+    assert!((1..=3).contains(&count), "{plan}");
+    let per_hour: f64 = purchases
+        .iter()
+        .map(|p| p["usd_per_hour"].as_f64().unwrap() * p["count"].as_f64().unwrap())
+        .sum();
+    assert!((per_hour - plan["usd_per_hour"].as_f64().unwrap()).abs() < 1e-9);
+    assert!(plan["expected_finish"].as_str().unwrap() > "2015-05-01T00:00:00Z");
+    // Nothing stored, nothing launched.
+    let (_, jobs) = s.get("/v1/jobs").await;
+    assert_eq!(jobs.as_array().unwrap().len(), 0, "{jobs}");
+    assert!(s.broker.cloud().describe().await.unwrap().is_empty());
+    // Submitted at the same market time, the job buys what the dry run said.
+    let (_, view) = s.post("/v1/jobs", body.clone()).await;
+    let id = proteus_wire::JobId(view["id"].as_i64().unwrap());
+    s.step(0.0).await;
+    let mut bought: Vec<(String, String, u64)> = Vec::new();
+    for row in s.broker.store().instances_of_job(id).await.unwrap() {
+        let bid = row
+            .bid
+            .map_or("-".to_string(), |b| format!("{:.6}", b.get()));
+        match bought
+            .iter_mut()
+            .find(|(m, b, _)| *m == row.market.to_string() && *b == bid)
+        {
+            Some((_, _, n)) => *n += 1,
+            None => bought.push((row.market.to_string(), bid, 1)),
+        }
+    }
+    let planned: Vec<(String, String, u64)> = purchases
+        .iter()
+        .map(|p| {
+            (
+                p["market"].as_str().unwrap().to_string(),
+                p["bid_usd_per_hour"]
+                    .as_f64()
+                    .map_or("-".to_string(), |b| format!("{b:.6}")),
+                p["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        bought, planned,
+        "the dry run and the first tick decided otherwise"
+    );
+    // A budget below one first hour: nothing bought, and why.
+    let mut poor = job("on-demand");
+    poor["limits"]["budget_usd"] = json!(0.01);
+    let (status, plan) = s.post("/v1/jobs/dry-run", poor).await;
+    assert_eq!(status, 200, "{plan}");
+    assert!(plan["purchases"].as_array().unwrap().is_empty(), "{plan}");
+    assert!(plan["held"].as_str().unwrap().contains("budget"), "{plan}");
+    // A spec a submission would refuse, refused the same way.
+    let mut bad = job("no-such-policy");
+    bad["name"] = json!("bad");
+    let (status, err) = s.post("/v1/jobs/dry-run", bad).await;
+    assert_eq!(status, 422, "{err}");
+    assert!(err.to_string().contains("policy"), "{err}");
+}
+
+/// `resources` as SkyPilot users write it: the job runs on the types that have it, stored with
+/// the job and shown at submission; what no type here has is refused, naming what there is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resources_choose_the_instance_types_and_are_shown_at_submission() {
+    let s = TestServer::start(|_| {}).await;
+    let mut body = job("bidbrain");
+    body["resources"] = json!({"accelerators": "K520:1"});
+    let (status, view) = s.post("/v1/jobs", body.clone()).await;
+    assert_eq!(status, 201, "{view}");
+    assert_eq!(view["instance_types"], json!(["g2.2xlarge"]), "{view}");
+    let id = view["id"].as_i64().unwrap();
+    let (_, events) = s.get(&format!("/v1/jobs/{id}/events")).await;
+    let submitted = events["events"]
+        .as_array()
+        .or(events.as_array())
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "job_submitted")
+        .cloned()
+        .unwrap_or_else(|| panic!("{events}"));
+    assert!(
+        submitted["detail"]
+            .as_str()
+            .unwrap()
+            .contains("on g2.2xlarge (resources K520:1)"),
+        "{submitted}"
+    );
+    s.step(0.0).await;
+    let rows = s
+        .broker
+        .store()
+        .instances_of_job(proteus_wire::JobId(id))
+        .await
+        .unwrap();
+    assert!(!rows.is_empty());
+    assert!(
+        rows.iter()
+            .all(|r| r.market.instance_type.as_str() == "g2.2xlarge"),
+        "{rows:?}"
+    );
+    // The dry run shows the same types.
+    let (_, plan) = s.post("/v1/jobs/dry-run", body).await;
+    assert_eq!(plan["instance_types"], json!(["g2.2xlarge"]), "{plan}");
+    // No V100 in the 2015 market: refused, saying what there is.
+    let mut body = job("bidbrain");
+    body["resources"] = json!({"accelerators": "V100:1"});
+    let (status, err) = s.post("/v1/jobs", body).await;
+    assert_eq!(status, 422, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("resources") && text.contains("g2.2xlarge has K520:1"),
+        "{text}"
     );
 }
