@@ -104,7 +104,15 @@ pub struct JobTerms {
     pub deadline: Option<Timestamp>,
     /// When the job started (its policy plans from here; the budget's grid starts here).
     pub started_at: Timestamp,
+    /// Whether the job's spec estimates its work (`work.total_work`). Under
+    /// [`Pacing::Measured`], a job without an estimate holds at most [`PROBE_INSTANCES`]
+    /// until its work is measured, rather than sizing a large footprint on a default guess.
+    pub estimated: bool,
 }
+
+/// Instances at most, under [`Pacing::Measured`], of a job whose spec gives no work estimate,
+/// until its total is re-estimated from measured progress (see [`work::reestimate_total`]).
+pub const PROBE_INSTANCES: u32 = 2;
 
 /// What the engine reads about the market at an instant: the policy's view (the live driver's
 /// hides markets in a cool-down) and the prices it bills with.
@@ -390,6 +398,8 @@ pub struct JobEngine<'p> {
     agenda: VecDeque<Option<PolicyEvent>>,
     round: Option<Round>,
     decisions: Vec<(Timestamp, Decision)>,
+    /// How the policy sees the footprint: every instance not being released.
+    footprint: Vec<InstanceView>,
 }
 
 impl<'p> JobEngine<'p> {
@@ -442,6 +452,7 @@ impl<'p> JobEngine<'p> {
             agenda: VecDeque::new(),
             round: None,
             decisions: Vec::new(),
+            footprint: Vec::new(),
         }
     }
 
@@ -616,21 +627,27 @@ impl<'p> JobEngine<'p> {
             return None;
         }
         let s = &self.state;
-        let mut times: Vec<Timestamp> = Vec::new();
-        times.extend(s.next_decision);
-        times.extend(self.next_budget_look(now));
-        times.extend(self.terms.deadline);
+        let mut next: Option<Timestamp> = None;
+        let mut consider = |t: Option<Timestamp>| {
+            if let Some(t) = t.filter(|&t| t > now) {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        };
+        consider(s.next_decision);
+        consider(self.next_budget_look(now));
+        consider(self.terms.deadline);
         if self.config.pacing == Pacing::Modelled {
-            times.extend(
-                s.members
-                    .iter()
-                    .filter(|m| m.ready.is_none() && !m.releasing)
-                    .map(|m| self.ready_at(m)),
-            );
-            times.extend(s.work.next_change(now));
-            times.extend(s.work.completion(now, self.working_rate(now), s.total_work));
+            for m in s
+                .members
+                .iter()
+                .filter(|m| m.ready.is_none() && !m.releasing)
+            {
+                consider(Some(self.ready_at(m)));
+            }
+            consider(s.work.next_change(now));
+            consider(s.work.completion(now, self.working_rate(now), s.total_work));
         }
-        times.into_iter().filter(|&t| t > now).min()
+        next
     }
 
     // ---- the one entry point ----
@@ -837,10 +854,17 @@ impl<'p> JobEngine<'p> {
         self.agenda.push_back(None);
     }
 
-    /// Units per hour the footprint delivers at `at` (0 while the job is down).
-    fn working_rate(&self, at: Timestamp) -> f64 {
-        let spans = self.current_spans(at);
-        self.state.work.working_rate(&spans, &self.job.stages, at)
+    /// Units per hour the footprint delivers now (0 while the job is down). Between two
+    /// instants the footprint is constant: drivers step onto every change.
+    fn working_rate(&self, _at: Timestamp) -> f64 {
+        self.state.work.working_rate_of(
+            self.state
+                .members
+                .iter()
+                .filter(|m| m.works())
+                .map(|m| (m.purchase.tier(), m.rate)),
+            &self.job.stages,
+        )
     }
 
     /// Units per hour of every ready instance that is held.
@@ -851,20 +875,6 @@ impl<'p> JobEngine<'p> {
             .filter(|m| m.works())
             .map(|m| m.rate)
             .sum()
-    }
-
-    fn current_spans(&self, at: Timestamp) -> Vec<WorkingSpan> {
-        self.state
-            .members
-            .iter()
-            .filter(|m| m.works())
-            .map(|m| WorkingSpan {
-                tier: m.purchase.tier(),
-                units_per_hour: m.rate,
-                from: at,
-                until: None,
-            })
-            .collect()
     }
 
     fn ready_at(&self, m: &Member) -> Timestamp {
@@ -1209,7 +1219,7 @@ impl<'p> JobEngine<'p> {
         ctx: &Ctx<'_>,
         event: Option<&PolicyEvent>,
     ) -> Result<Decision, EngineError> {
-        let footprint = self.footprint();
+        self.footprint();
         let dctx = DecisionContext {
             market: ctx.view,
             job: &self.job,
@@ -1218,7 +1228,7 @@ impl<'p> JobEngine<'p> {
                 total_work: self.state.total_work,
                 started_at: self.terms.started_at,
             },
-            footprint: &footprint,
+            footprint: &self.footprint,
             billing: self.terms.billing,
         };
         self.state.counts.decisions += 1;
@@ -1238,25 +1248,35 @@ impl<'p> JobEngine<'p> {
     }
 
     /// How the policy sees the footprint: every instance not being released.
-    fn footprint(&self) -> Vec<InstanceView> {
-        self.state
-            .members
-            .iter()
-            .filter(|m| !m.releasing)
-            .map(|m| InstanceView {
-                id: m.id.clone(),
-                market: m.market.clone(),
-                purchase: m.purchase,
-                launched_at: m.launched_at,
-                state: match (m.terminate_at, m.ready) {
-                    (Some(terminate_at), _) => InstanceState::Warned { terminate_at },
-                    (None, Some(_)) => InstanceState::Running,
-                    (None, None) => InstanceState::Starting {
-                        ready_at: self.ready_at(m),
-                    },
+    fn footprint(&mut self) {
+        let views = self.state.members.iter().filter(|m| !m.releasing).map(|m| {
+            let state = match (m.terminate_at, m.ready) {
+                (Some(terminate_at), _) => InstanceState::Warned { terminate_at },
+                (None, Some(_)) => InstanceState::Running,
+                (None, None) => InstanceState::Starting {
+                    ready_at: m.launched_at.plus_secs(self.job.startup_secs),
                 },
-            })
-            .collect()
+            };
+            (m, state)
+        });
+        // Kept between consultations (a policy is asked far more often than the footprint
+        // changes): rebuilt only when it no longer matches, which costs no allocation to check.
+        let current = views.clone().count() == self.footprint.len()
+            && views
+                .clone()
+                .zip(&self.footprint)
+                .all(|((m, state), v)| v.id == m.id && v.state == state);
+        if !current {
+            self.footprint = views
+                .map(|(m, state)| InstanceView {
+                    id: m.id.clone(),
+                    market: m.market.clone(),
+                    purchase: m.purchase,
+                    launched_at: m.launched_at,
+                    state,
+                })
+                .collect();
+        }
     }
 
     fn release(&mut self, now: Timestamp, decision: &Decision, out: &mut Vec<Command>) {
@@ -1282,6 +1302,7 @@ impl<'p> JobEngine<'p> {
     /// done.
     fn next_launch(&mut self, now: Timestamp, ctx: &Ctx<'_>) -> Option<Command> {
         let held = self.held_footprint();
+        let probing = self.probing();
         let round = self.round.as_mut()?;
         loop {
             let acq = round.acquisitions.front_mut()?;
@@ -1291,6 +1312,14 @@ impl<'p> JobEngine<'p> {
             }
             let rate = self.job.rate(&acq.market.instance_type);
             if self.limits.room(&held, acq.tier(), rate.unwrap_or(0.0), 1) == 0 {
+                round.acquisitions.pop_front();
+                continue;
+            }
+            if probing && held.instances >= PROBE_INSTANCES {
+                self.state.held = Some(format!(
+                    "launches held: at most {PROBE_INSTANCES} instances until the job's work is \
+                     measured (its spec gives no `work.total_work`)"
+                ));
                 round.acquisitions.pop_front();
                 continue;
             }
@@ -1325,6 +1354,13 @@ impl<'p> JobEngine<'p> {
             });
             return Some(Command::Launch { market, purchase });
         }
+    }
+
+    /// Whether the job is still sizing itself on a default estimate ([`PROBE_INSTANCES`]).
+    fn probing(&self) -> bool {
+        self.config.pacing == Pacing::Measured
+            && !self.terms.estimated
+            && self.state.total_work == self.state.submitted_work
     }
 
     fn held_footprint(&self) -> Held {
@@ -1667,6 +1703,7 @@ mod tests {
 
     fn terms(budget: Option<f64>, deadline: Option<Timestamp>) -> JobTerms {
         JobTerms {
+            estimated: true,
             billing: BillingModel::Hourly2015,
             budget: budget.map(usd),
             deadline,
@@ -1813,6 +1850,67 @@ mod tests {
     }
 
     // ---- 2. limits ----
+
+    #[test]
+    fn without_an_estimate_a_measured_job_holds_two_instances_until_its_work_is_measured() {
+        let w = World::new();
+        let policy = Scripted::default();
+        let ask = || Decision {
+            acquire: vec![acquire(A, spot(0.10), 5)],
+            ..Decision::default()
+        };
+        policy.push(ask());
+        let unestimated = JobTerms {
+            estimated: false,
+            ..terms(None, None)
+        };
+        let mut e = JobEngine::new(
+            job(&w, 100.0, 8, 5.0, ""),
+            Box::new(policy.clone()),
+            EngineConfig::new(Pacing::Measured),
+            unestimated,
+        );
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        assert_eq!(launches(&out).len(), 2, "{out:?}");
+        assert_eq!(e.members().len(), 2);
+        assert!(
+            e.held()
+                .is_some_and(|h| h.contains("until the job's work is measured")),
+            "{:?}",
+            e.held()
+        );
+        // Both agents join; an hour later a tenth of the job is done: the total is measured.
+        for n in 1..=2 {
+            w.step(
+                &mut e,
+                at(60.0),
+                Input::Ready {
+                    id: id(n),
+                    at: at(60.0),
+                },
+            )
+            .unwrap();
+        }
+        w.step(&mut e, at(3600.0), Input::Progress { fraction: 0.1 })
+            .unwrap();
+        policy.push(ask());
+        let out = w.feed(&mut e, at(3600.0), Input::Tick, &mut accept_from(3));
+        assert_ne!(e.total_work(), 100.0, "re-estimated from the measured rate");
+        assert!(!launches(&out).is_empty(), "no longer held back: {out:?}");
+        assert!(e.members().len() > 2);
+
+        // With an estimate in the spec, the policy's footprint is bought at once.
+        let policy = Scripted::default();
+        policy.push(ask());
+        let mut e = JobEngine::new(
+            job(&w, 100.0, 8, 5.0, ""),
+            Box::new(policy.clone()),
+            EngineConfig::new(Pacing::Measured),
+            terms(None, None),
+        );
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        assert_eq!(launches(&out).len(), 5, "{out:?}");
+    }
 
     #[test]
     fn max_instances_bounds_the_launches_of_a_decision() {

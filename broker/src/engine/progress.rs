@@ -95,11 +95,26 @@ impl JobWork {
         stages: &StageThresholds,
         at: Timestamp,
     ) -> f64 {
+        self.working_rate_of(
+            spans
+                .iter()
+                .filter(|s| s.from <= at && s.until.is_none_or(|u| u > at))
+                .map(|s| (s.tier, s.units_per_hour)),
+            stages,
+        )
+    }
+
+    /// [`working_rate`](Self::working_rate) of the instances working now (tier and rate each).
+    pub fn working_rate_of(
+        &self,
+        working: impl Iterator<Item = (proteus_wire::Tier, f64)>,
+        stages: &StageThresholds,
+    ) -> f64 {
         if self.down {
             return 0.0;
         }
         let stages = matches!(self.cost, EvictionCost::AgileMl { .. }).then_some(stages);
-        work::rate_at(spans, stages, at)
+        work::rate_of(working, stages)
     }
 
     /// Counts the work from `now` to `t` at `working` units per hour (constant in between: the

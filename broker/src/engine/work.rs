@@ -66,19 +66,32 @@ pub fn work_between(
 
 /// Units per hour the spans deliver at `at`, under the stage rule when `stages` is given.
 pub fn rate_at(spans: &[WorkingSpan], stages: Option<&StageThresholds>, at: Timestamp) -> f64 {
+    rate_of(
+        spans
+            .iter()
+            .filter(|s| s.from <= at && s.until.is_none_or(|u| u > at))
+            .map(|s| (s.tier, s.units_per_hour)),
+        stages,
+    )
+}
+
+/// Units per hour that instances working now (tier and rate each) deliver, under the stage
+/// rule when `stages` is given.
+pub fn rate_of(
+    working: impl Iterator<Item = (Tier, f64)>,
+    stages: Option<&StageThresholds>,
+) -> f64 {
     let (mut transient, mut reliable) = (0usize, 0usize);
     let (mut t_rate, mut r_rate) = (0.0, 0.0);
-    for s in spans {
-        if s.from <= at && s.until.is_none_or(|u| u > at) {
-            match s.tier {
-                Tier::Transient => {
-                    transient += 1;
-                    t_rate += s.units_per_hour;
-                }
-                Tier::Reliable => {
-                    reliable += 1;
-                    r_rate += s.units_per_hour;
-                }
+    for (tier, units_per_hour) in working {
+        match tier {
+            Tier::Transient => {
+                transient += 1;
+                t_rate += units_per_hour;
+            }
+            Tier::Reliable => {
+                reliable += 1;
+                r_rate += units_per_hour;
             }
         }
     }

@@ -407,6 +407,7 @@ impl Broker {
             ..EngineConfig::new(self.settings.pacing)
         };
         let terms = JobTerms {
+            estimated: valid.work.total_work.is_some(),
             billing: valid.billing,
             budget: valid.budget_usd,
             deadline: valid.deadline,

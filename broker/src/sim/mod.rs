@@ -301,8 +301,9 @@ pub fn run(
 
 /// What the simulated world holds for one instance: when the provider will warn it and, once
 /// warned, when it takes it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Fate {
+    id: InstanceId,
     warn_at: Option<Timestamp>,
     terminate_at: Option<Timestamp>,
 }
@@ -318,7 +319,8 @@ struct Run<'a> {
     hazard: Option<HazardWorld>,
     rng: ChaCha8Rng,
     start: Timestamp,
-    fates: HashMap<InstanceId, Fate>,
+    /// By launch order, so that what happens at one instant happens in that order.
+    fates: BTreeMap<u64, Fate>,
     /// The model's estimate at launch (probability, seconds), when recording.
     predicted: HashMap<InstanceId, (f64, f64)>,
     next_id: u64,
@@ -340,6 +342,8 @@ impl<'a> Run<'a> {
             ..EngineConfig::new(Pacing::Modelled)
         };
         let terms = JobTerms {
+            // The simulator's work model is the truth: nothing to measure.
+            estimated: true,
             billing: sc.billing,
             budget: options.budget,
             deadline: options.deadline.map(|d| d.for_start(start)),
@@ -353,7 +357,7 @@ impl<'a> Run<'a> {
             hazard,
             rng: ChaCha8Rng::seed_from_u64(options.seed ^ 0x5eed),
             start,
-            fates: HashMap::new(),
+            fates: BTreeMap::new(),
             predicted: HashMap::new(),
             next_id: 0,
         }
@@ -398,35 +402,36 @@ impl<'a> Run<'a> {
 
     /// What the world does at `now`: warned instances are taken, others warned.
     fn world_at(&mut self, now: Timestamp) -> Result<(), SimError> {
-        let mut ids: Vec<&InstanceId> = self.fates.keys().collect();
-        ids.sort_by_key(|id| id.0.trim_start_matches("sim-").parse::<u64>().unwrap_or(0));
         let mut ended = Vec::new();
         let mut warned = Vec::new();
-        for id in ids {
-            let fate = self.fates[id];
+        for (&seq, fate) in &self.fates {
             match fate.terminate_at {
-                Some(end) if end <= now => ended.push(id.clone()),
+                Some(end) if end <= now => ended.push(seq),
                 Some(_) => {}
-                None if fate.warn_at.is_some_and(|w| w <= now) => warned.push(id.clone()),
+                None if fate.warn_at.is_some_and(|w| w <= now) => warned.push(seq),
                 None => {}
             }
         }
-        for id in ended {
-            self.fates.remove(&id);
+        for seq in ended {
+            let Some(fate) = self.fates.remove(&seq) else {
+                continue;
+            };
             self.step(
                 now,
                 Input::Ended {
-                    id,
+                    id: fate.id,
                     at: now,
                     by_provider: true,
                 },
             )?;
         }
-        for id in warned {
+        for seq in warned {
             let terminate_at = now.plus_secs(self.sc.warning_secs);
-            if let Some(f) = self.fates.get_mut(&id) {
-                f.terminate_at = Some(terminate_at);
-            }
+            let Some(f) = self.fates.get_mut(&seq) else {
+                continue;
+            };
+            f.terminate_at = Some(terminate_at);
+            let id = f.id.clone();
             self.step(
                 now,
                 Input::Warned {
@@ -474,7 +479,7 @@ impl<'a> Run<'a> {
             }
         }
         for id in ends {
-            self.fates.remove(&id);
+            self.fates.retain(|_, f| f.id != id);
             self.engine
                 .step(
                     now,
@@ -546,8 +551,9 @@ impl<'a> Run<'a> {
                 .insert(id.clone(), (e.probability, e.expected_secs));
         }
         self.fates.insert(
-            id.clone(),
+            self.next_id,
             Fate {
+                id: id.clone(),
                 warn_at,
                 terminate_at: None,
             },
