@@ -508,18 +508,7 @@ async fn keep_pace_with_training(
 /// engine's one digest ([`crate::engine::digest`]), which `proteus simulate` prints too.
 async fn decisions_digest(store: &Store, job: proteus_wire::JobId) -> Result<String> {
     let rows = store.instances_of_job(job).await?;
-    Ok(crate::engine::digest::decisions_digest(
-        rows.iter()
-            .filter(|i| i.launched.is_some())
-            .map(|i| crate::engine::digest::Launched {
-                at: i.requested,
-                market: &i.market,
-                tier: i.tier,
-                bid: i.bid.map(|b| b.get()),
-                ended: i.ended,
-                ended_by_provider: i.ended_by_provider,
-            }),
-    ))
+    Ok(crate::engine::digest::of_stored(&rows))
 }
 
 fn summary(r: &DemoResult) -> String {

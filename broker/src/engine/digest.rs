@@ -22,6 +22,22 @@ pub struct Launched<'a> {
     pub ended_by_provider: bool,
 }
 
+/// [`decisions_digest`] of a live job's stored instances (those that were launched).
+pub fn of_stored(rows: &[crate::store::InstanceRow]) -> String {
+    decisions_digest(
+        rows.iter()
+            .filter(|i| i.launched.is_some())
+            .map(|i| Launched {
+                at: i.requested,
+                market: &i.market,
+                tier: i.tier,
+                bid: i.bid.map(|b| b.get()),
+                ended: i.ended,
+                ended_by_provider: i.ended_by_provider,
+            }),
+    )
+}
+
 /// The first 8 bytes of SHA-256 over the instances' lines, sorted (instances launched at the
 /// same instant may be listed in any order), in hex.
 pub fn decisions_digest<'a>(instances: impl IntoIterator<Item = Launched<'a>>) -> String {

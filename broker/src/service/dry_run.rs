@@ -3,11 +3,9 @@
 //! market view the scheduler would use — with every launch answered as if the cloud accepted
 //! it, and nothing stored or launched.
 
-use super::scheduler::LiveView;
 use super::spec::JobSpec;
 use super::{Broker, ServiceError};
-use crate::engine::job_engine::{Command, Ctx, Input, price_now};
-use crate::engine::view::{FutureReads, TraceView};
+use crate::engine::job_engine::{Command, Input, price_now};
 use crate::market::Market;
 use crate::policy::Purchase;
 use proteus_wire::{InstanceId, Tier};
@@ -81,21 +79,7 @@ impl Broker {
         let mut launched = 0u64;
         let mut input = Input::Tick;
         loop {
-            let commands = {
-                let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
-                let view = LiveView {
-                    inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse),
-                    cooled: &cooled,
-                };
-                let ctx = Ctx {
-                    view: &view,
-                    markets: &data.markets,
-                };
-                runtime
-                    .engine
-                    .step(now, input, &ctx)
-                    .map_err(|e| ServiceError::Internal(e.to_string()))?
-            };
+            let commands = self.step_engine(&mut runtime.engine, now, input, &cooled)?;
             let Some((market, purchase)) = commands.into_iter().find_map(|c| match c {
                 Command::Launch { market, purchase } => Some((market, purchase)),
                 _ => None,

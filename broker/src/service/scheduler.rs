@@ -445,24 +445,14 @@ impl Broker {
         let mut end = None;
         while let Some(input) = queue.pop_front() {
             let commands = {
-                let data = self.market_data();
-                let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
-                let view = LiveView {
-                    inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse),
-                    cooled: &cooled,
-                };
-                let ctx = Ctx {
-                    view: &view,
-                    markets: &data.markets,
-                };
                 let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
                 let asked = rt.engine.counts().decisions;
                 let started = Instant::now();
-                let commands = rt.engine.step(now, input, &ctx);
+                let commands = self.step_engine(&mut rt.engine, now, input, &cooled);
                 if rt.engine.counts().decisions > asked {
                     self.metrics.record_decision(started.elapsed());
                 }
-                commands.map_err(|e| ServiceError::Internal(e.to_string()))?
+                commands?
             };
             for command in commands {
                 match command {
@@ -525,6 +515,30 @@ impl Broker {
             }
         }
         Ok(end)
+    }
+
+    /// One step of a job's engine against the broker's market: the trace view at `now`,
+    /// without the markets in a cool-down (the policy picks elsewhere without knowing why).
+    pub(super) fn step_engine(
+        &self,
+        engine: &mut crate::engine::JobEngine<'static>,
+        now: Timestamp,
+        input: Input,
+        cooled: &HashSet<(String, String)>,
+    ) -> Result<Vec<Command>, ServiceError> {
+        let data = self.market_data();
+        let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
+        let view = LiveView {
+            inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse),
+            cooled,
+        };
+        let ctx = Ctx {
+            view: &view,
+            markets: &data.markets,
+        };
+        engine
+            .step(now, input, &ctx)
+            .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 
     /// Markets in a cool-down after the cloud refused them: the policy does not see them.
@@ -974,9 +988,9 @@ pub(crate) fn budget_lookahead_secs(tick: std::time::Duration, speed: f64) -> f6
 }
 
 /// The trace view minus markets the cloud refused recently.
-pub(super) struct LiveView<'a> {
-    pub(super) inner: TraceView<'a>,
-    pub(super) cooled: &'a HashSet<(String, String)>,
+struct LiveView<'a> {
+    inner: TraceView<'a>,
+    cooled: &'a HashSet<(String, String)>,
 }
 
 impl LiveView<'_> {

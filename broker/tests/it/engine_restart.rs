@@ -64,18 +64,7 @@ async fn step(broker: &Broker, clock: &ManualClock, job: JobId) -> bool {
 /// What the broker decided (launch times, markets, bids, ends) and what it charged.
 async fn outcome(broker: &Broker, job: JobId) -> (String, f64, String, Option<String>) {
     let rows = broker.store().instances_of_job(job).await.unwrap();
-    let digest = proteus_broker::engine::digest::decisions_digest(
-        rows.iter().filter(|i| i.launched.is_some()).map(|i| {
-            proteus_broker::engine::digest::Launched {
-                at: i.requested,
-                market: &i.market,
-                tier: i.tier,
-                bid: i.bid.map(|b| b.get()),
-                ended: i.ended,
-                ended_by_provider: i.ended_by_provider,
-            }
-        }),
-    );
+    let digest = proteus_broker::engine::digest::of_stored(&rows);
     let view = broker.job_view(job).await.unwrap();
     (digest, view.spend_usd.get(), view.state, view.state_reason)
 }
