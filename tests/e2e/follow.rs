@@ -1,7 +1,7 @@
 //! Following a job from the CLI (`submit --follow`, `status --watch`, `logs -f`), as a user
 //! would: real broker on the sim cloud, real agents, the real `proteus` binary.
 
-use proteus_e2e::{BrokerProcess, bin, fresh_pg_database, wait_bounded, write_c3_trace};
+use proteus_e2e::{BrokerProcess, bin, fresh_pg_database, proteus, wait_bounded, write_c3_trace};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -218,21 +218,8 @@ async fn a_dry_run_prints_the_plan_and_submits_nothing() {
     .await;
     let file = job_file(dir.path(), "planned", 40);
     // A dry run ends on its own: its whole output is read after it exits.
-    let run = |args: &[&str]| {
-        let mut cmd = Command::new(bin("proteus"));
-        cmd.args(args)
-            .env("PROTEUS_LOG", "warn")
-            .stdin(Stdio::null());
-        for (k, v) in broker.user_env() {
-            cmd.env(k, v);
-        }
-        let out = cmd.output().expect("run proteus");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let env = broker.user_env();
+    let run = |args: &[&str]| proteus(None, args, &env);
     let (code, table, err) = run(&["submit", &file, "--dry-run"]);
     assert_eq!(code, 0, "{err}");
     assert!(

@@ -1,8 +1,7 @@
 //! The limits a job's footprint is held to, the same in the simulator and the live scheduler:
 //! instances at once, reliable (on-demand) instances at once, and capacity in work units per
-//! hour. A job's [`Budget`] is judged here too, on the figures only the live driver has (the
-//! ledger's spend, what its instances' next billing periods add); the deadline is a time the
-//! driver compares with its clock.
+//! hour. A job's [`Budget`] is judged here too, on the spend and on what its instances' next
+//! billing periods add, both of which the [`JobEngine`](super::JobEngine) computes.
 //!
 //! What counts as held: every instance that is not warned and not gone. A warned instance is
 //! leaving (it hands its work over and is taken at its deadline), so its replacement may be

@@ -2,9 +2,9 @@
 //! the job cannot work (AgileML rebalancing; checkpoint/restart writing checkpoints, stopped
 //! after an eviction, restarting).
 //!
-//! The simulator drives it from its event queue; the live scheduler, under
-//! [`Pacing::Modelled`](crate::service::Pacing::Modelled), from the instances it stores. Both
-//! call it in the same order at each instant — [`JobWork::accrue`] up to now, then
+//! The [`JobEngine`](super::JobEngine) drives it under
+//! [`Pacing::Modelled`](super::job_engine::Pacing::Modelled), for both drivers. It calls it in
+//! the same order at each instant — [`JobWork::accrue`] up to now, then
 //! [`JobWork::warned`] per warning, [`JobWork::after_warnings`], [`JobWork::rebalance`] on a
 //! membership change, [`JobWork::milestones`], and [`JobWork::released`] when the policy
 //! releases — so the same events give the same progress to the millisecond.
