@@ -14,6 +14,12 @@ both for a node that leaves the job while the others go on:
 2. Workers die with torchrun. torchrun starts each worker in a new session, out of reach of the
    agent's signals to its process group; a SIGKILLed torchrun (the kill margin) would leave
    them running. Each worker gets PR_SET_PDEATHSIG=SIGKILL.
+3. A node that leaves at the very end does not hold the others for five minutes. When its
+   workers finish, torchrun waits in an exit barrier (300 s) for every node of the round; a
+   node warned or released by the policy between the last step and that barrier never comes,
+   and the survivors' torchrun would sit there long after the training is done. Proteus ends
+   the job when the first node's program exits with its work done (and stops the others), so
+   the barrier here waits at most `EXIT_BARRIER_SECS` (10 s).
 """
 
 import ctypes
@@ -21,8 +27,11 @@ import os
 import signal
 import sys
 
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+EXIT_BARRIER_SECS = 10.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
@@ -71,7 +80,16 @@ def _shutdown_or_leave(self):
         return False
 
 
+_exit_barrier = SimpleElasticAgent._exit_barrier
+
+
+def _exit_barrier_bounded(self):
+    self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_SECS)
+    return _exit_barrier(self)
+
+
 subprocess_handler.SubprocessHandler._popen = _popen_tied
+SimpleElasticAgent._exit_barrier = _exit_barrier_bounded
 dr.DynamicRendezvousHandler.shutdown = _shutdown_or_leave
 
 if __name__ == "__main__":
