@@ -9,7 +9,11 @@
 //!   hour is free; if the user ends it, the partial hour is charged in full. An hour that ran to
 //!   its end is always charged.
 //! - [`BillingModel::PerSecond`]: today's Linux billing. Every second is billed at the price in
-//!   force during it, with a minimum of 60 seconds per instance. Nothing is free.
+//!   force during it, with a minimum of 60 seconds per instance, with one exception: a spot
+//!   instance the provider interrupts within its first hour is not charged at all (AWS EC2 User
+//!   Guide, "Billing for interrupted Spot Instances": "If Amazon EC2 interrupts your Spot
+//!   Instance in the first instance hour, you are not charged"). An instance the user ends, or
+//!   one the provider interrupts after its first hour, pays every second it ran.
 //!
 //! On-demand instances are billed by the same rules with a fixed price ([`PriceSource::Fixed`]);
 //! the provider never ends them, so the free partial hour does not arise in practice.
@@ -25,6 +29,9 @@ use thiserror::Error;
 pub const HOUR_MS: i64 = 3_600_000;
 /// The per-second model's minimum charge per instance, in milliseconds.
 pub const PER_SECOND_MINIMUM_MS: i64 = 60_000;
+/// Under `per-second`, a spot instance the provider interrupts before it has run this long is
+/// not charged (the first instance hour).
+pub const FREE_INTERRUPTION_MS: i64 = HOUR_MS;
 
 /// A billing model, named in files and on the command line as `hourly-2015` or `per-second`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -35,7 +42,8 @@ pub enum BillingModel {
     #[value(name = "hourly-2015")]
     #[serde(rename = "hourly-2015")]
     Hourly2015,
-    /// Per second at the price in force, 60 s minimum.
+    /// Per second at the price in force, 60 s minimum; free when the provider interrupts the
+    /// instance within its first hour.
     PerSecond,
 }
 
@@ -49,10 +57,15 @@ impl BillingModel {
         }
     }
 
-    /// Whether an eviction makes the current billing period free. This is the lever BidBrain
-    /// pulls under `hourly-2015`: an allocation likely to be evicted is cheap in expectation.
-    pub fn provider_end_is_free(self) -> bool {
-        matches!(self, BillingModel::Hourly2015)
+    /// Whether the provider ending an instance that ran `secs` makes billed time free: the
+    /// partial hour under `hourly-2015` (always some time free), the whole life under
+    /// `per-second` if that life was under an hour. This is the lever BidBrain pulls: an
+    /// allocation likely to be evicted early is cheap in expectation.
+    pub fn provider_end_is_free(self, secs: f64) -> bool {
+        match self {
+            BillingModel::Hourly2015 => true,
+            BillingModel::PerSecond => secs < FREE_INTERRUPTION_MS as f64 / 1000.0,
+        }
     }
 
     /// Hours charged for an instance the user runs for `secs` and then ends: every started
@@ -113,7 +126,8 @@ impl BillingModel {
     /// Bills one instance: launched at `launch`, ended at `end` by `ended_by`, priced by `price`.
     /// Returns the line items in time order. An instance that never ran (`end <= launch`) has
     /// none, except under `per-second`, whose 60 s minimum applies to any launched instance
-    /// (`end == launch` still pays a minute).
+    /// the user ends (`end == launch` still pays a minute); under `per-second` an instance the
+    /// provider ends within its first hour gets its segments, each free.
     pub fn bill(
         self,
         launch: Timestamp,
@@ -126,7 +140,19 @@ impl BillingModel {
         }
         match self {
             BillingModel::Hourly2015 => bill_hourly(launch, end, ended_by, price),
-            BillingModel::PerSecond => bill_per_second(launch, end, price),
+            BillingModel::PerSecond => {
+                let mut items = bill_per_second(launch, end, price)?;
+                if ended_by == EndedBy::Provider
+                    && end.millis() - launch.millis() < FREE_INTERRUPTION_MS
+                {
+                    for item in &mut items {
+                        item.billed_seconds = 0.0;
+                        item.amount_usd = Usd::ZERO;
+                        item.free = true;
+                    }
+                }
+                Ok(items)
+            }
         }
     }
 }
@@ -197,7 +223,8 @@ pub struct LineItem {
     pub billed_seconds: f64,
     /// `price × billed_seconds / 3600`, never negative.
     pub amount_usd: Usd,
-    /// The provider ended the instance inside this hour, so it is not charged.
+    /// Not charged: the provider ended the instance inside this hour (`hourly-2015`) or within
+    /// its first hour (`per-second`).
     pub free: bool,
 }
 
@@ -327,10 +354,10 @@ mod tests {
     }
 
     #[test]
-    fn models_are_named_as_in_files_and_only_hourly_frees_an_eviction() {
+    fn models_are_named_as_in_files_and_free_evictions_are_as_documented() {
         for (model, name, free) in [
-            (BillingModel::Hourly2015, "hourly-2015", true),
-            (BillingModel::PerSecond, "per-second", false),
+            (BillingModel::Hourly2015, "hourly-2015", [true, true, true]),
+            (BillingModel::PerSecond, "per-second", [true, true, false]),
         ] {
             assert_eq!((model.as_str(), model.to_string()), (name, name.into()));
             assert_eq!(name.parse::<BillingModel>(), Ok(model));
@@ -338,7 +365,8 @@ mod tests {
                 serde_json::to_string(&model).unwrap(),
                 format!("\"{name}\"")
             );
-            assert_eq!(model.provider_end_is_free(), free, "{name}");
+            let lives = [0.0, 3599.999, 3600.0];
+            assert_eq!(lives.map(|l| model.provider_end_is_free(l)), free, "{name}");
         }
         assert!(
             "hourly"
@@ -602,7 +630,7 @@ mod tests {
         assert!((total_usd(&items).get() - expected).abs() < 1e-12);
         assert!(
             items.iter().all(|i| !i.free),
-            "per-second has no free hours"
+            "an interruption at the end of the first hour is charged"
         );
         // Launched a millisecond after a price change: that change is in the past, not a cut.
         let items = BillingModel::PerSecond
@@ -622,6 +650,49 @@ mod tests {
             ),
             (Timestamp::from_millis(30 * M + 1), usd(0.30), 599.999)
         );
+    }
+
+    #[test]
+    fn per_second_an_interruption_within_the_first_hour_is_free_and_after_it_is_not() {
+        let s = series();
+        let bill = |end_ms: i64, by: EndedBy| {
+            BillingModel::PerSecond
+                .bill(
+                    Timestamp::from_millis(0),
+                    Timestamp::from_millis(end_ms),
+                    by,
+                    PriceSource::Spot(&s),
+                )
+                .unwrap()
+        };
+        // Interrupted one millisecond before the first hour ends: every segment free.
+        let items = bill(H - 1, EndedBy::Provider);
+        assert_eq!(items.len(), 2, "{items:?}");
+        assert!(items.iter().all(|i| i.free && i.billed_seconds == 0.0));
+        assert_eq!(total_usd(&items), Usd::ZERO);
+        // The same life ended by the user pays every second.
+        let user = total_usd(&bill(H - 1, EndedBy::User)).get();
+        assert!((user - (0.10 * 1800.0 + 0.30 * 1799.999) / 3600.0).abs() < 1e-12);
+        // Interrupted at exactly one hour, or later: every second charged, as a user's end.
+        for end in [H, 90 * M] {
+            let provider = bill(end, EndedBy::Provider);
+            assert!(provider.iter().all(|i| !i.free));
+            assert_eq!(total_usd(&provider), total_usd(&bill(end, EndedBy::User)));
+        }
+        // An interruption right after launch: free, not the 60 s minimum.
+        let early = bill(10_000, EndedBy::Provider);
+        assert_eq!(total_usd(&early), Usd::ZERO);
+        assert!(early.iter().all(|i| i.free));
+        // On-demand is never ended by the provider in practice, but the rule is the same.
+        let od = BillingModel::PerSecond
+            .bill(
+                Timestamp::from_millis(0),
+                Timestamp::from_millis(2 * H),
+                EndedBy::User,
+                PriceSource::Fixed(usd(3.06)),
+            )
+            .unwrap();
+        assert!((total_usd(&od).get() - 6.12).abs() < 1e-12);
     }
 
     #[test]

@@ -49,7 +49,7 @@ use super::{
     Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
     PolicyKind, Purchase, cheapest_on_demand, rate_of,
 };
-use crate::billing::BillingModel;
+use crate::billing::{BillingModel, FREE_INTERRUPTION_MS};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{InstanceType, Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
@@ -337,7 +337,7 @@ impl JobCosts {
         let secs = est.expected_secs - self.startup / periods - p * self.loss;
         let overhead = self.rebalance_units * (1.0 / periods + p) / self.batch;
         Economics {
-            cost: spot_cost(billing, price, est),
+            cost: spot_cost(billing, price, est, 0.0),
             work: (rate * secs / 3600.0 - overhead).max(0.0),
         }
     }
@@ -628,7 +628,12 @@ impl BidBrain {
                 let p = est.probability;
                 let secs = est.expected_secs.min(useful_cap) - startup_left - p * costs.loss;
                 Economics {
-                    cost: spot_cost(ctx.billing, price, &est),
+                    cost: spot_cost(
+                        ctx.billing,
+                        price,
+                        &est,
+                        now.secs_since(inst.launched_at).max(0.0),
+                    ),
                     work: (rate * secs / 3600.0 - costs.rebalance_units * p / costs.batch).max(0.0),
                 }
             }
@@ -636,14 +641,31 @@ impl BidBrain {
     }
 }
 
-/// Expected charge of a spot instance over the estimate's horizon.
-fn spot_cost(billing: BillingModel, price: UsdPerHour, est: &EvictionEstimate) -> Usd {
+/// Expected charge of a spot instance `age_secs` old (0 for a new one) over the estimate's
+/// horizon.
+fn spot_cost(
+    billing: BillingModel,
+    price: UsdPerHour,
+    est: &EvictionEstimate,
+    age_secs: f64,
+) -> Usd {
     match billing {
         // The period is charged at its start price unless the provider ends it inside.
         BillingModel::Hourly2015 => {
             price.for_hours(1.0 - est.probability) * billing.billed_hours(est.horizon_secs)
         }
-        BillingModel::PerSecond => price.for_hours(billing.billed_hours(est.expected_secs)),
+        // The seconds it runs, unless the provider ends it within its first hour: then its
+        // whole life is free. The share of the horizon's eviction risk that falls inside the
+        // first hour is taken as proportional to the time (a constant hazard over the horizon).
+        BillingModel::PerSecond => {
+            let free_window = (FREE_INTERRUPTION_MS as f64 / 1000.0 - age_secs).max(0.0);
+            let p_free = if est.horizon_secs > 0.0 {
+                est.probability * (free_window / est.horizon_secs).min(1.0)
+            } else {
+                0.0
+            };
+            price.for_hours(billing.billed_hours(est.expected_secs) * (1.0 - p_free))
+        }
     }
 }
 
