@@ -83,6 +83,7 @@ fn decision(c: &mut Criterion) {
             done_work: 300.0,
             total_work: job.total_work,
             started_at: Timestamp::from_millis(now.millis() - 5 * 3_600_000),
+            deadline: None,
         },
         footprint: &footprint,
         billing: BillingModel::Hourly2015,

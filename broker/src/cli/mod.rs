@@ -9,6 +9,7 @@ mod follow;
 mod prices;
 pub mod serve;
 mod simulate;
+mod simulate_today;
 
 use crate::store::{Store, default_database_url};
 use anyhow::{Context, Result};
@@ -81,7 +82,7 @@ pub enum Command {
     #[command(subcommand)]
     Prices(prices::PricesCommand),
     /// Replay a spot price trace against a job and policies; compare cost and runtime.
-    Simulate(simulate::SimulateArgs),
+    Simulate(Box<simulate::SimulateArgs>),
 }
 
 impl Command {
@@ -203,6 +204,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Cancel(args) => client::cancel(args).await,
         Command::Interrupt(args) => client::interrupt(args).await,
         Command::Logs(args) => client::logs(args).await,
-        Command::Simulate(args) => simulate::run(args),
+        Command::Simulate(args) => simulate::run(*args),
     }
 }

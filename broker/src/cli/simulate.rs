@@ -31,6 +31,9 @@ use std::time::Instant;
       --starts 50 --seed 1\n  \
     # one run from a given time, as JSON\n  \
     proteus simulate --job examples/jobs/reference-2015.toml --policy bidbrain --start 2015-05-01T00:00:00Z --output json\n  \
+    # today's market from real availability traces, with a deadline\n  \
+    proteus simulate --availability data/spot/skypilot-spot-traces/availability/1-node/aws-10-26-2022/us-west-2a_v100_1.json \\\n      \
+      --work-hours 48 --deadline-hours 52 --restart-overhead-hours 0.2 --policy uniform-progress --starts 20 --output json\n  \
     # today's market: per-second billing, interruption-hazard model\n  \
     proteus simulate --trace data/spot/aws-us-east-1-2021-03-to-05.csv.gz \\\n      \
       --on-demand data/spot/on-demand-us-east-1-2021.csv --job examples/jobs/reference-2021.toml \\\n      \
@@ -51,20 +54,53 @@ pub struct SimulateArgs {
     /// Region for on-demand rows without a region column.
     #[arg(long, default_value = "us-east-1")]
     pub region: String,
-    /// The policy to simulate (file or name).
+    /// The policy to simulate (file or name). With --availability and neither this nor
+    /// --compare: bidbrain, uniform-progress and skypilot-default.
     #[arg(
         long,
         value_name = "POLICY",
         conflicts_with = "compare",
-        required_unless_present = "compare"
+        required_unless_present_any = ["compare", "availability"]
     )]
     pub policy: Option<String>,
     /// Several policies, run on the same start times.
     #[arg(long, value_name = "POLICY", num_args = 1..)]
     pub compare: Vec<String>,
     /// The job's work model (TOML or JSON), e.g. examples/jobs/reference-2015.toml.
-    #[arg(long, value_name = "FILE")]
-    pub job: PathBuf,
+    /// Not with --availability (the flags below describe that job).
+    #[arg(long, value_name = "FILE", required_unless_present = "availability")]
+    pub job: Option<PathBuf>,
+    /// Today's market from availability traces instead of a price trace: one file per zone,
+    /// the zone named by the file name (`us-west-2a_v100_1.json`), all covering the same
+    /// period (SkyPilot's `{"metadata": {"gap_seconds": G}, "data": [...]}`). Repeat the flag
+    /// or give several files. Per-second billing, free if EC2 interrupts in the first hour.
+    #[arg(long, value_name = "FILE", num_args = 1.., conflicts_with_all = ["trace", "job", "start"])]
+    pub availability: Vec<PathBuf>,
+    /// How a 0/1 availability value is read: `available` (1: spot can be had; the upstream
+    /// README's reading) or `preempted` (1: no spot).
+    #[arg(long, value_enum, default_value_t = crate::sim::availability::Reading::Available)]
+    pub availability_reading: crate::sim::availability::Reading,
+    /// With --availability: the instance type the traces are of.
+    #[arg(long, default_value = "p3.2xlarge")]
+    pub instance_type: String,
+    /// With --availability: instances the job runs on (all at once at full speed).
+    #[arg(long, default_value_t = 1)]
+    pub instances: u32,
+    /// With --availability: the job's compute at full width, hours.
+    #[arg(long, value_name = "HOURS", requires = "availability")]
+    pub work_hours: Option<f64>,
+    /// With --availability: the deadline, hours after each start.
+    #[arg(long, value_name = "HOURS", requires = "availability")]
+    pub deadline_hours: Option<f64>,
+    /// With --availability: time from each launch to useful work, hours.
+    #[arg(long, value_name = "HOURS", default_value_t = 0.02)]
+    pub restart_overhead_hours: f64,
+    /// With --availability: the spot price of every pool, USD/h (the traces carry none).
+    #[arg(long, value_name = "USD", default_value_t = crate::sim::availability::TRACE_SPOT_USD_PER_HOUR)]
+    pub spot_price: f64,
+    /// With --availability: the on-demand price, USD/h (p3.2xlarge's list price).
+    #[arg(long, value_name = "USD", default_value_t = super::simulate_today::P3_2XLARGE_ON_DEMAND)]
+    pub on_demand_price: f64,
     /// One start time (RFC 3339 or YYYY-MM-DD) instead of a sweep.
     #[arg(long, conflicts_with_all = ["starts"])]
     pub start: Option<String>,
@@ -135,6 +171,12 @@ pub enum ModelChoice {
 }
 
 pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    if !args.availability.is_empty() {
+        return super::simulate_today::run(args);
+    }
+    let Some(job_path) = args.job.clone() else {
+        bail!("--job FILE is needed (or --availability FILE… for today's market)");
+    };
     let began = Instant::now();
     let region = Region::parse(&args.region).context("--region")?;
     let trace = args
@@ -150,8 +192,8 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     if history.is_empty() {
         bail!("{}: no price rows", trace.display());
     }
-    let job_file = args.job.display().to_string();
-    let (job, billing, limits) = load_job(&args.job, &history, &region, args.billing)?;
+    let job_file = job_path.display().to_string();
+    let (job, billing, limits) = load_job(&job_path, &history, &region, args.billing)?;
     let budget = match args.budget {
         Some(b) => Some(
             crate::market::Usd::new(b)

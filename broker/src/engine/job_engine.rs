@@ -44,7 +44,7 @@ use crate::policy::{
 };
 use proteus_wire::{InstanceId, Tier};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use thiserror::Error;
 
 /// Where a job's progress comes from.
@@ -397,6 +397,10 @@ pub struct JobEngine<'p> {
     /// Consultations still to make at this instant.
     agenda: VecDeque<Option<PolicyEvent>>,
     round: Option<Round>,
+    /// Markets whose refusal the policy has been told of at this instant: a refusal in a
+    /// consultation about a refusal is told only if its market is new, so a policy can fail
+    /// over through several pools at one instant but cannot make the engine spin.
+    told: (Option<Timestamp>, BTreeSet<Market>),
     decisions: Vec<(Timestamp, Decision)>,
     /// How the policy sees the footprint: every instance not being released.
     footprint: Vec<InstanceView>,
@@ -451,6 +455,7 @@ impl<'p> JobEngine<'p> {
             state,
             agenda: VecDeque::new(),
             round: None,
+            told: (None, BTreeSet::new()),
             decisions: Vec::new(),
             footprint: Vec::new(),
         }
@@ -1172,15 +1177,23 @@ impl<'p> JobEngine<'p> {
                     self.finish(now, Outcome::Budget, reason, out);
                     return Ok(());
                 }
-                if round.retry {
-                    if !round.refused.is_empty()
-                        && let Some(next) = self.state.next_decision
-                    {
+                if self.told.0 != Some(now) {
+                    self.told = (Some(now), BTreeSet::new());
+                }
+                let any_refused = !round.refused.is_empty();
+                let fresh: Vec<(Market, String)> = round
+                    .refused
+                    .into_iter()
+                    .filter(|(m, _)| !round.retry || self.told.1.insert(m.clone()))
+                    .collect();
+                if round.retry && fresh.is_empty() {
+                    if any_refused && let Some(next) = self.state.next_decision {
                         self.state.next_decision = Some(super::after_refusal(now, next));
                     }
                 } else {
                     // The policy hears of each refusal once, before anything else.
-                    for (market, reason) in round.refused.into_iter().rev() {
+                    for (market, reason) in fresh.into_iter().rev() {
+                        self.told.1.insert(market.clone());
                         self.agenda
                             .push_front(Some(PolicyEvent::LaunchFailed { market, reason }));
                     }
@@ -1227,6 +1240,7 @@ impl<'p> JobEngine<'p> {
                 done_work: self.done_work(),
                 total_work: self.state.total_work,
                 started_at: self.terms.started_at,
+                deadline: self.terms.deadline,
             },
             footprint: &self.footprint,
             billing: self.terms.billing,

@@ -1,7 +1,8 @@
 //! Policy files: `policies/*.toml`, one policy each, selected by `kind`.
 //!
 //! ```toml
-//! kind = "bidbrain"            # bidbrain | on-demand | standard-bidding
+//! kind = "bidbrain"            # bidbrain | on-demand | standard-bidding | skypilot-default
+//!                              # | uniform-progress
 //! name = "bidbrain"            # optional; default: the file's stem
 //! # …the kind's keys: see BidBrainConfig, OnDemandConfig, StandardBiddingConfig
 //! ```
@@ -10,8 +11,9 @@
 //! file, the key and the allowed values.
 
 use super::{
-    BidBrain, BidBrainConfig, OnDemandConfig, OnDemandPolicy, Policy, PolicyKind, StandardBidding,
-    StandardBiddingConfig,
+    BidBrain, BidBrainConfig, OnDemandConfig, OnDemandPolicy, Policy, PolicyKind, SkypilotConfig,
+    SkypilotDefault, StandardBidding, StandardBiddingConfig, UniformProgress,
+    UniformProgressConfig,
 };
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -27,6 +29,10 @@ pub enum PolicySpec {
     OnDemand(OnDemandConfig),
     #[serde(rename = "standard-bidding")]
     StandardBidding(StandardBiddingConfig),
+    #[serde(rename = "skypilot-default")]
+    SkypilotDefault(SkypilotConfig),
+    #[serde(rename = "uniform-progress")]
+    UniformProgress(UniformProgressConfig),
 }
 
 impl PolicySpec {
@@ -35,6 +41,8 @@ impl PolicySpec {
             PolicySpec::BidBrain(_) => PolicyKind::BidBrain,
             PolicySpec::OnDemand(_) => PolicyKind::OnDemand,
             PolicySpec::StandardBidding(_) => PolicyKind::StandardBidding,
+            PolicySpec::SkypilotDefault(_) => PolicyKind::SkypilotDefault,
+            PolicySpec::UniformProgress(_) => PolicyKind::UniformProgress,
         }
     }
 
@@ -54,6 +62,12 @@ impl PolicySpec {
             }
             PolicySpec::StandardBidding(c) => {
                 Box::new(StandardBidding::new(name(&c.name), c).map_err(field)?)
+            }
+            PolicySpec::SkypilotDefault(c) => {
+                Box::new(SkypilotDefault::new(name(&c.name), c).map_err(field)?)
+            }
+            PolicySpec::UniformProgress(c) => {
+                Box::new(UniformProgress::new(name(&c.name), c).map_err(field)?)
             }
         })
     }

@@ -48,14 +48,18 @@
 mod bidbrain;
 mod config;
 mod on_demand;
+mod skypilot;
 mod standard;
+mod uniform_progress;
 
 pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice};
 pub use config::{
     PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path,
 };
 pub use on_demand::{OnDemandConfig, OnDemandPolicy};
+pub use skypilot::{SkypilotConfig, SkypilotDefault};
 pub use standard::{RankBy, StandardBidding, StandardBiddingConfig};
+pub use uniform_progress::{UniformProgress, UniformProgressConfig, Zones};
 
 use crate::billing::BillingModel;
 use crate::job::{EvictionCost, JobModel};
@@ -135,11 +139,19 @@ pub struct JobProgress {
     pub total_work: f64,
     /// When the job was submitted.
     pub started_at: Timestamp,
+    /// When the job must be done by, if it has a deadline: a policy plans against it (the
+    /// engine ends the job when it passes).
+    pub deadline: Option<Timestamp>,
 }
 
 impl JobProgress {
     pub fn remaining(&self) -> f64 {
         (self.total_work - self.done_work).max(0.0)
+    }
+
+    /// Seconds until the deadline (negative once past), or `None` without one.
+    pub fn secs_to_deadline(&self, now: Timestamp) -> Option<f64> {
+        self.deadline.map(|d| d.secs_since(now))
     }
 }
 
@@ -275,16 +287,23 @@ pub enum PolicyKind {
     BidBrain,
     OnDemand,
     StandardBidding,
+    /// SkyPilot managed jobs' default recovery (today's market baseline).
+    SkypilotDefault,
+    /// Can't Be Late's Uniform Progress (today's market baseline).
+    UniformProgress,
 }
 
 impl PolicyKind {
-    pub const ALLOWED: &'static str = "bidbrain, on-demand, standard-bidding";
+    pub const ALLOWED: &'static str =
+        "bidbrain, on-demand, standard-bidding, skypilot-default, uniform-progress";
 
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyKind::BidBrain => "bidbrain",
             PolicyKind::OnDemand => "on-demand",
             PolicyKind::StandardBidding => "standard-bidding",
+            PolicyKind::SkypilotDefault => "skypilot-default",
+            PolicyKind::UniformProgress => "uniform-progress",
         }
     }
 }

@@ -100,6 +100,9 @@ pub fn check_policy(
                 crate::policy::PolicyKind::BidBrain => "reliable.instance_type",
                 crate::policy::PolicyKind::OnDemand => "instance_type",
                 crate::policy::PolicyKind::StandardBidding => "instance_types",
+                // Neither names a type.
+                crate::policy::PolicyKind::SkypilotDefault
+                | crate::policy::PolicyKind::UniformProgress => "instance_type",
             };
             return Err(type_not_in_job(entry, key, t.to_string(), job));
         }

@@ -16,6 +16,7 @@
 //! rebalance time; a checkpoint/restart job stops entirely on any eviction until replacements
 //! have started and the checkpoint is reloaded.
 
+pub mod availability;
 pub mod inputs;
 pub mod sweep;
 pub mod world;
@@ -39,13 +40,19 @@ use thiserror::Error;
 use world::{HazardTruth, HazardWorld, MaxTree};
 
 /// Who decides when an instance is taken away.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 #[serde(tag = "world", rename_all = "kebab-case")]
 pub enum World {
     /// 2015: at the first price change above the bid.
     Price,
     /// Today: per-pool interruption events (see [`HazardTruth`]), or a price above the bid.
     Hazard(HazardTruth),
+    /// Today, from real availability traces ([`availability`]): a spot launch into a pool
+    /// without spare capacity is refused (`InsufficientInstanceCapacity`), and when a pool's
+    /// capacity falls below what the job holds there, that many instances (the newest first)
+    /// get the 2-minute notice.
+    #[serde(skip)]
+    Availability(Arc<availability::Availability>),
 }
 
 /// Everything that stays the same across the runs of a sweep.
@@ -304,6 +311,8 @@ pub fn run(
 #[derive(Debug, Clone)]
 struct Fate {
     id: InstanceId,
+    market: Market,
+    spot: bool,
     warn_at: Option<Timestamp>,
     terminate_at: Option<Timestamp>,
 }
@@ -334,7 +343,7 @@ impl<'a> Run<'a> {
         options: &'a RunOptions,
     ) -> Self {
         let hazard = match &sc.world {
-            World::Price => None,
+            World::Price | World::Availability(_) => None,
             World::Hazard(truth) => Some(HazardWorld::new(truth.clone(), options.seed, start)),
         };
         let config = EngineConfig {
@@ -376,6 +385,7 @@ impl<'a> Run<'a> {
                 .fates
                 .values()
                 .filter_map(|f| f.terminate_at.or(f.warn_at))
+                .chain(self.capacity_changes(now))
                 .min();
             let Some(t) = [self.engine.next_wake(now), world]
                 .into_iter()
@@ -400,8 +410,51 @@ impl<'a> Run<'a> {
         self.finish()
     }
 
+    /// The next change of capacity in a pool where the job holds spot instances.
+    fn capacity_changes(&self, now: Timestamp) -> Option<Timestamp> {
+        let World::Availability(a) = &self.sc.world else {
+            return None;
+        };
+        self.fates
+            .values()
+            .filter(|f| f.spot && f.terminate_at.is_none())
+            .filter_map(|f| a.next_change(&f.market, now))
+            .min()
+    }
+
+    /// Spot instances the job holds in `market` that the world has not warned.
+    fn held(&self, market: &Market) -> impl Iterator<Item = (&u64, &Fate)> {
+        self.fates
+            .iter()
+            .filter(move |(_, f)| f.spot && &f.market == market && f.warn_at.is_none())
+    }
+
+    /// Availability world: where a pool now has less capacity than the job holds there, the
+    /// newest instances get their notice now.
+    fn reclaim_capacity(&mut self, now: Timestamp) {
+        let World::Availability(a) = &self.sc.world else {
+            return;
+        };
+        let pools: std::collections::BTreeSet<Market> = self
+            .fates
+            .values()
+            .filter(|f| f.spot && f.warn_at.is_none())
+            .map(|f| f.market.clone())
+            .collect();
+        for market in pools {
+            let held: Vec<u64> = self.held(&market).map(|(&seq, _)| seq).collect();
+            let capacity = a.capacity(&market, now) as usize;
+            for seq in held.iter().rev().take(held.len().saturating_sub(capacity)) {
+                if let Some(f) = self.fates.get_mut(seq) {
+                    f.warn_at = Some(now);
+                }
+            }
+        }
+    }
+
     /// What the world does at `now`: warned instances are taken, others warned.
     fn world_at(&mut self, now: Timestamp) -> Result<(), SimError> {
+        self.reclaim_capacity(now);
         let mut ended = Vec::new();
         let mut warned = Vec::new();
         for (&seq, fate) in &self.fates {
@@ -529,6 +582,17 @@ impl<'a> Run<'a> {
                 world::first_above(series, tree, now, bid.get())
             }
         };
+        if let (World::Availability(a), Purchase::Spot { .. }) = (&self.sc.world, purchase) {
+            let capacity = a.capacity(market, now) as usize;
+            if self.held(market).count() >= capacity {
+                return refused(format!(
+                    "InsufficientInstanceCapacity: {} has no spare spot capacity \
+                     ({capacity} available, the job holds {})",
+                    market.zone,
+                    self.held(market).count()
+                ));
+            }
+        }
         let hazard_at = match (&mut self.hazard, purchase) {
             (Some(h), Purchase::Spot { .. }) => {
                 h.interruption(market, now, self.sc.end, &mut self.rng)
@@ -554,6 +618,8 @@ impl<'a> Run<'a> {
             self.next_id,
             Fate {
                 id: id.clone(),
+                market: market.clone(),
+                spot: matches!(purchase, Purchase::Spot { .. }),
                 warn_at,
                 terminate_at: None,
             },

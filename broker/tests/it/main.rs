@@ -16,5 +16,6 @@ mod engine_restart;
 mod job_spec_doc;
 mod sim_cli;
 mod sim_policies;
+mod sim_today;
 mod store_jobs;
 mod store_prices;

@@ -405,6 +405,7 @@ fn a_decision_is_a_function_of_the_past() {
                 done_work: 100.0,
                 total_work: 400.0,
                 started_at: Timestamp::from_millis(now.millis() - 2 * H),
+                deadline: None,
             },
             footprint: &[],
             billing: BillingModel::Hourly2015,

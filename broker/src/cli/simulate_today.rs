@@ -1,0 +1,298 @@
+//! `proteus simulate --availability FILE…`: a job with a deadline on today's market, from
+//! real availability traces (see [`crate::sim::availability`]), under per-second billing.
+//!
+//! The job is given by flags, as in Can't Be Late's evaluation: `--instances N` of
+//! `--instance-type`, `--work-hours W` of compute at full width (the job's total is W × N
+//! instance-hours), `--deadline-hours D` after each start, and `--restart-overhead-hours O`
+//! between a launch and useful work (every (re)start pays it; nothing else is lost on an
+//! interruption beyond a few seconds since the last sync, as the 2-minute notice lets the job
+//! save). Every run of every policy meets the same trace from the same start times; on-demand
+//! is always run too, as the baseline of `cost_vs_on_demand`.
+
+use super::simulate::SimulateArgs;
+use crate::billing::BillingModel;
+use crate::engine::job_engine::Outcome;
+use crate::engine::view::FutureReads;
+use crate::job::WorkModelSpec;
+use crate::market::{InstanceType, Timestamp, UsdPerHour};
+use crate::market_model::{HazardModel, HazardPrior};
+use crate::output::{Table, emit};
+use crate::policy::{PolicyKind, resolve_policy_path};
+use crate::sim::availability::{Availability, AvailabilityTrace, origin_of};
+use crate::sim::sweep::{PolicyEntry, SweepOptions, run_sweep, start_times};
+use crate::sim::{Deadline, RunResult, Scenario, World};
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// p3.2xlarge's on-demand list price in the traces' regions (the catalog's, and the paper's).
+pub const P3_2XLARGE_ON_DEMAND: f64 = 3.06;
+
+/// One policy's figures over the start times.
+#[derive(Debug, Clone, Serialize)]
+pub struct TodaySummary {
+    pub policy: String,
+    pub kind: PolicyKind,
+    pub runs: usize,
+    /// Runs that finished their work by the deadline.
+    pub deadline_met_rate: f64,
+    /// Mean over start times of cost ÷ on-demand's cost from the same start.
+    pub cost_vs_on_demand: f64,
+    pub median_cost_usd: f64,
+    pub mean_cost_usd: f64,
+    /// Mean spot interruptions per run.
+    pub mean_interruptions: f64,
+    /// Mean refused launches per run.
+    pub mean_refused_launches: f64,
+    /// Mean share of the instance-hours on spot.
+    pub spot_share: f64,
+}
+
+/// What `--output json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct TodayReport {
+    pub availability: Vec<String>,
+    pub reading: crate::sim::availability::Reading,
+    pub instance_type: String,
+    pub instances: u32,
+    pub work_hours: f64,
+    pub deadline_hours: f64,
+    pub restart_overhead_hours: f64,
+    pub spot_usd_per_hour: f64,
+    pub on_demand_usd_per_hour: f64,
+    pub starts: Vec<Timestamp>,
+    pub policies: Vec<TodaySummary>,
+    /// The asked policy's figures (`--policy`), also at the top level for scripts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline_met_rate: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost_vs_on_demand: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub median_cost_usd: Option<f64>,
+}
+
+/// Runs the sweep the flags describe and returns it (the bench calls this too).
+pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
+    let work_hours = args
+        .work_hours
+        .context("--availability needs --work-hours (the job's compute at full width, hours)")?;
+    let deadline_hours = args
+        .deadline_hours
+        .context("--availability needs --deadline-hours (after each start)")?;
+    let overhead_hours = args.restart_overhead_hours;
+    let n = args.instances;
+    for (flag, v, ok) in [
+        ("--work-hours", work_hours, work_hours > 0.0),
+        ("--deadline-hours", deadline_hours, deadline_hours > 0.0),
+        (
+            "--restart-overhead-hours",
+            overhead_hours,
+            overhead_hours >= 0.0,
+        ),
+    ] {
+        if !(v.is_finite() && ok) {
+            bail!("{flag} {v}: must be a positive number of hours (overhead: zero or more)");
+        }
+    }
+    if n == 0 {
+        bail!("--instances must be at least 1");
+    }
+    let instance_type = InstanceType::parse(&args.instance_type)
+        .map_err(|e| anyhow::anyhow!("--instance-type {}: {e}", args.instance_type))?;
+    let mut traces = Vec::new();
+    for path in &args.availability {
+        traces.push(AvailabilityTrace::load(path, args.availability_reading)?);
+    }
+    let origin = args
+        .availability
+        .first()
+        .map(|p| origin_of(p))
+        .context("no --availability file")?;
+    let files: Vec<String> = args
+        .availability
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let availability = Arc::new(Availability::new(traces, instance_type.clone(), origin)?);
+    let spot = UsdPerHour::new(args.spot_price).context("--spot-price")?;
+    let on_demand = UsdPerHour::new(args.on_demand_price).context("--on-demand-price")?;
+    let history = Arc::new(availability.price_history(spot, on_demand));
+    let region = availability
+        .markets()
+        .next()
+        .map(|m| m.region())
+        .context("no pool in the availability files")?;
+
+    let spec = format!(
+        "name = \"today\"\ntotal_work = {total}\nreference_type = \"{t}\"\n\
+         instance_types = [\"{t}\"]\nmax_instances = {n}\nmax_reliable_instances = {n}\n\
+         startup_minutes = {startup}\n\
+         [eviction_cost]\nmodel = \"agileml\"\nsync_interval_minutes = 0.5\nrebalance_seconds = 1.0\n",
+        total = work_hours * n as f64,
+        t = instance_type,
+        startup = (overhead_hours * 60.0).max(1e-6),
+    );
+    let job = WorkModelSpec::parse("--work-hours", &spec)?.resolve(
+        "--work-hours",
+        history.on_demand(),
+        &region,
+    )?;
+
+    let asked: Vec<String> = match &args.policy {
+        Some(p) => vec![p.clone()],
+        None if args.compare.is_empty() => vec![
+            "bidbrain".into(),
+            "uniform-progress".into(),
+            "skypilot-default".into(),
+        ],
+        None => args.compare.clone(),
+    };
+    let mut entries = Vec::new();
+    for name in &asked {
+        entries.push(PolicyEntry::load(&resolve_policy_path(name)?)?);
+    }
+    if !entries.iter().any(|e| e.kind == PolicyKind::OnDemand) {
+        entries.push(PolicyEntry::load(&resolve_policy_path("on-demand")?)?);
+    }
+    let od_index = entries
+        .iter()
+        .position(|e| e.kind == PolicyKind::OnDemand)
+        .context("no on-demand baseline")?;
+
+    let scenario = Scenario::new(
+        history.clone(),
+        job,
+        BillingModel::PerSecond,
+        World::Availability(availability.clone()),
+        Box::new(HazardModel::new(HazardPrior::default())),
+    )?;
+    let (first, last) = availability.span();
+    // Every start leaves the deadline (and a day to spare for runs that miss it) in the traces.
+    let hi = Timestamp::from_millis(last.millis() - ((deadline_hours + 24.0) * 3_600_000.0) as i64);
+    if hi <= first {
+        bail!(
+            "the availability traces cover {:.1} days; a job with a {deadline_hours} h deadline \
+             needs more than that plus a day after each start",
+            last.secs_since(first) / 86_400.0
+        );
+    }
+    if args.starts == 0 {
+        bail!("--starts must be at least 1");
+    }
+    let starts = start_times(first, hi, args.starts, args.seed);
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let options = SweepOptions {
+        seed: args.seed,
+        threads,
+        future_reads: FutureReads::Refuse,
+        record_decisions: false,
+        budget: None,
+        deadline: Some(Deadline::After(deadline_hours * 3600.0)),
+    };
+    let results = run_sweep(&scenario, &entries, &starts, &options, &|| {})?;
+    let od_costs: Vec<f64> = results[od_index].iter().map(|r| r.cost_usd.get()).collect();
+    let policies: Vec<TodaySummary> = entries
+        .iter()
+        .zip(&results)
+        .map(|(e, runs)| summarize(e, runs, &od_costs))
+        .collect();
+    let asked_summary = args.policy.as_ref().and_then(|_| policies.first().cloned());
+    Ok(TodayReport {
+        availability: files,
+        reading: args.availability_reading,
+        instance_type: instance_type.to_string(),
+        instances: n,
+        work_hours,
+        deadline_hours,
+        restart_overhead_hours: overhead_hours,
+        spot_usd_per_hour: spot.get(),
+        on_demand_usd_per_hour: on_demand.get(),
+        starts,
+        deadline_met_rate: asked_summary.as_ref().map(|s| s.deadline_met_rate),
+        cost_vs_on_demand: asked_summary.as_ref().map(|s| s.cost_vs_on_demand),
+        median_cost_usd: asked_summary.as_ref().map(|s| s.median_cost_usd),
+        policies,
+    })
+}
+
+fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> TodaySummary {
+    let k = runs.len().max(1) as f64;
+    let costs: Vec<f64> = runs.iter().map(|r| r.cost_usd.get()).collect();
+    let met = runs
+        .iter()
+        .filter(|r| r.outcome == Outcome::Completed)
+        .count() as f64;
+    let ratios: Vec<f64> = costs
+        .iter()
+        .zip(od_costs)
+        .filter(|(_, od)| **od > 0.0)
+        .map(|(c, od)| c / od)
+        .collect();
+    let hours: f64 = runs
+        .iter()
+        .map(|r| r.instance_hours_reliable + r.instance_hours_transient)
+        .sum();
+    let spot_hours: f64 = runs.iter().map(|r| r.instance_hours_transient).sum();
+    TodaySummary {
+        policy: entry.name.clone(),
+        kind: entry.kind,
+        runs: runs.len(),
+        deadline_met_rate: met / k,
+        cost_vs_on_demand: ratios.iter().sum::<f64>() / ratios.len().max(1) as f64,
+        median_cost_usd: median(&costs),
+        mean_cost_usd: costs.iter().sum::<f64>() / k,
+        mean_interruptions: runs.iter().map(|r| r.evictions as f64).sum::<f64>() / k,
+        mean_refused_launches: runs.iter().map(|r| r.failed_launches as f64).sum::<f64>() / k,
+        spot_share: if hours > 0.0 { spot_hours / hours } else { 0.0 },
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    let began = std::time::Instant::now();
+    let report = sweep(&args)?;
+    eprintln!(
+        "{} starts × {} policies on {} pool(s) of {} in {:.2} s",
+        report.starts.len(),
+        report.policies.len(),
+        report.availability.len(),
+        report.instance_type,
+        began.elapsed().as_secs_f64()
+    );
+    emit(args.output, &report, || {
+        let mut table = Table::new(&[
+            "policy",
+            "deadline met",
+            "cost vs on-demand",
+            "median cost",
+            "interruptions",
+            "refused launches",
+            "spot share",
+        ]);
+        for s in &report.policies {
+            table.push([
+                s.policy.clone(),
+                format!("{:.2}", s.deadline_met_rate),
+                format!("{:.3}", s.cost_vs_on_demand),
+                format!("${:.2}", s.median_cost_usd),
+                format!("{:.1}", s.mean_interruptions),
+                format!("{:.1}", s.mean_refused_launches),
+                format!("{:.2}", s.spot_share),
+            ]);
+        }
+        table
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
