@@ -60,7 +60,7 @@ pub struct SimulateArgs {
         long,
         value_name = "POLICY",
         conflicts_with = "compare",
-        required_unless_present_any = ["compare", "availability"]
+        required_unless_present_any = ["compare", "availability", "optimal"]
     )]
     pub policy: Option<String>,
     /// Several policies, run on the same start times.
@@ -80,6 +80,11 @@ pub struct SimulateArgs {
     /// README's reading) or `preempted` (1: no spot).
     #[arg(long, value_enum, default_value_t = crate::sim::availability::Reading::Available)]
     pub availability_reading: crate::sim::availability::Reading,
+    /// With --availability (one file, one instance): also compute the hindsight optimum, the
+    /// cheapest schedule that meets the deadline knowing the whole trace (a lower bound, not a
+    /// policy); its figures are printed as the asked policy's.
+    #[arg(long, requires = "availability", conflicts_with_all = ["policy", "compare"])]
+    pub optimal: bool,
     /// With --availability: the instance type the traces are of.
     #[arg(long, default_value = "p3.2xlarge")]
     pub instance_type: String,

@@ -19,6 +19,7 @@ use crate::market_model::{HazardModel, HazardPrior};
 use crate::output::{Table, emit};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::availability::{Availability, AvailabilityTrace, origin_of};
+use crate::sim::optimal::{OptimalCase, Optimum, optimum};
 use crate::sim::sweep::{PolicyEntry, SweepOptions, run_sweep, start_times};
 use crate::sim::{Deadline, RunResult, Scenario, World};
 use anyhow::{Context, Result, bail};
@@ -33,7 +34,8 @@ pub const P3_2XLARGE_ON_DEMAND: f64 = 3.06;
 #[derive(Debug, Clone, Serialize)]
 pub struct TodaySummary {
     pub policy: String,
-    pub kind: PolicyKind,
+    /// The policy's kind, or `hindsight-optimal` for `--optimal`.
+    pub kind: String,
     pub runs: usize,
     /// Runs that finished their work by the deadline.
     pub deadline_met_rate: f64,
@@ -47,6 +49,17 @@ pub struct TodaySummary {
     pub mean_refused_launches: f64,
     /// Mean share of the instance-hours on spot.
     pub spot_share: f64,
+    /// Every run, in the order of the report's `starts`.
+    pub runs_by_start: Vec<TodayRun>,
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct TodayRun {
+    pub cost_usd: f64,
+    /// Instance-hours of work done (the job's total when it met its deadline).
+    pub done_work: f64,
+    pub deadline_met: bool,
 }
 
 /// What `--output json` prints.
@@ -139,8 +152,15 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         &region,
     )?;
 
+    if args.optimal && (args.availability.len() != 1 || n != 1) {
+        bail!(
+            "--optimal is computed for one zone and one instance: give one --availability file \
+             and --instances 1"
+        );
+    }
     let asked: Vec<String> = match &args.policy {
         Some(p) => vec![p.clone()],
+        None if args.optimal => Vec::new(),
         None if args.compare.is_empty() => vec![
             "bidbrain".into(),
             "uniform-progress".into(),
@@ -194,12 +214,51 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     };
     let results = run_sweep(&scenario, &entries, &starts, &options, &|| {})?;
     let od_costs: Vec<f64> = results[od_index].iter().map(|r| r.cost_usd.get()).collect();
-    let policies: Vec<TodaySummary> = entries
+    let mut policies: Vec<TodaySummary> = entries
         .iter()
         .zip(&results)
         .map(|(e, runs)| summarize(e, runs, &od_costs))
         .collect();
-    let asked_summary = args.policy.as_ref().and_then(|_| policies.first().cloned());
+    if args.optimal {
+        let market = availability
+            .markets()
+            .next()
+            .context("no pool in the availability file")?
+            .clone();
+        let runs: Vec<TodayRun> = starts
+            .iter()
+            .map(|&start| {
+                let case = OptimalCase {
+                    capacity: availability.capacity_from(&market, start),
+                    gap_secs: availability.gap_secs(),
+                    work_secs: work_hours * 3600.0,
+                    deadline_secs: deadline_hours * 3600.0,
+                    overhead_secs: overhead_hours * 3600.0,
+                    spot_usd_per_hour: spot.get(),
+                    on_demand_usd_per_hour: on_demand.get(),
+                };
+                match optimum(&case) {
+                    Optimum::Cost(c) => TodayRun {
+                        cost_usd: c,
+                        done_work: work_hours,
+                        deadline_met: true,
+                    },
+                    Optimum::Infeasible => TodayRun {
+                        cost_usd: 0.0,
+                        done_work: 0.0,
+                        deadline_met: false,
+                    },
+                }
+            })
+            .collect();
+        policies.insert(
+            0,
+            summarize_runs("hindsight-optimal", "hindsight-optimal", runs, &od_costs),
+        );
+    }
+    let asked_summary = (args.policy.is_some() || args.optimal)
+        .then(|| policies.first().cloned())
+        .flatten();
     Ok(TodayReport {
         availability: files,
         reading: args.availability_reading,
@@ -216,6 +275,31 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         median_cost_usd: asked_summary.as_ref().map(|s| s.median_cost_usd),
         policies,
     })
+}
+
+/// Summary of runs that are not simulations (the hindsight optimum): no instance figures.
+fn summarize_runs(policy: &str, kind: &str, runs: Vec<TodayRun>, od_costs: &[f64]) -> TodaySummary {
+    let k = runs.len().max(1) as f64;
+    let costs: Vec<f64> = runs.iter().map(|r| r.cost_usd).collect();
+    let ratios: Vec<f64> = costs
+        .iter()
+        .zip(od_costs)
+        .filter(|(_, od)| **od > 0.0)
+        .map(|(c, od)| c / od)
+        .collect();
+    TodaySummary {
+        policy: policy.to_string(),
+        kind: kind.to_string(),
+        runs: runs.len(),
+        deadline_met_rate: runs.iter().filter(|r| r.deadline_met).count() as f64 / k,
+        cost_vs_on_demand: ratios.iter().sum::<f64>() / ratios.len().max(1) as f64,
+        median_cost_usd: median(&costs),
+        mean_cost_usd: costs.iter().sum::<f64>() / k,
+        mean_interruptions: 0.0,
+        mean_refused_launches: 0.0,
+        spot_share: 0.0,
+        runs_by_start: runs,
+    }
 }
 
 fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> TodaySummary {
@@ -238,7 +322,7 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
     let spot_hours: f64 = runs.iter().map(|r| r.instance_hours_transient).sum();
     TodaySummary {
         policy: entry.name.clone(),
-        kind: entry.kind,
+        kind: entry.kind.as_str().to_string(),
         runs: runs.len(),
         deadline_met_rate: met / k,
         cost_vs_on_demand: ratios.iter().sum::<f64>() / ratios.len().max(1) as f64,
@@ -247,6 +331,14 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
         mean_interruptions: runs.iter().map(|r| r.evictions as f64).sum::<f64>() / k,
         mean_refused_launches: runs.iter().map(|r| r.failed_launches as f64).sum::<f64>() / k,
         spot_share: if hours > 0.0 { spot_hours / hours } else { 0.0 },
+        runs_by_start: runs
+            .iter()
+            .map(|r| TodayRun {
+                cost_usd: r.cost_usd.get(),
+                done_work: r.done_work,
+                deadline_met: r.outcome == Outcome::Completed,
+            })
+            .collect(),
     }
 }
 

@@ -642,6 +642,16 @@ impl<'p> JobEngine<'p> {
         consider(self.next_budget_look(now));
         consider(self.terms.deadline);
         if self.config.pacing == Pacing::Modelled {
+            // A readiness due now (an instance launched at this instant that starts at once)
+            // is a wake-up now: until the instant is opened again it would count as neither
+            // working nor starting.
+            let ready_now = s
+                .members
+                .iter()
+                .any(|m| m.ready.is_none() && !m.releasing && self.ready_at(m) == now);
+            if ready_now {
+                return Some(now);
+            }
             for m in s
                 .members
                 .iter()
@@ -919,7 +929,8 @@ impl<'p> JobEngine<'p> {
             }));
             let ready_at = m.ready.unwrap_or(self.ready_at(&m));
             let o = &mut self.state.overheads;
-            o.startup += m.rate * hours.min(self.job.startup_secs / 3600.0);
+            // Up to the readiness as the clock has it (to the millisecond), as the work counts.
+            o.startup += m.rate * (end.min(ready_at).secs_since(m.launched_at) / 3600.0).max(0.0);
             if let Some(warned) = m.warned {
                 let from = warned.max(ready_at);
                 o.warned += m.rate * (end.secs_since(from) / 3600.0).max(0.0);
@@ -1989,7 +2000,9 @@ mod tests {
     // ---- 3. refusals ----
 
     /// A decision for 3 × A then 1 × B; A refuses. The answer to the refusal (one B, waking in
-    /// three hours) is refused if `refuse_retry`. Returns the engine and its policy.
+    /// three hours) is refused if `refuse_retry`; then the policy, told of B's refusal (a pool it
+    /// had not heard of at this instant), asks for B again, and that is refused too. Returns
+    /// the engine and its policy.
     fn refusal(w: &World, refuse_retry: bool) -> (JobEngine<'static>, Scripted, Vec<Command>) {
         let policy = Scripted::default();
         policy.push(Decision {
@@ -2001,6 +2014,13 @@ mod tests {
             release: Vec::new(),
             wake_at: Some(at(3.0 * 3600.0)),
         });
+        if refuse_retry {
+            policy.push(Decision {
+                acquire: vec![acquire(B, spot(0.10), 1)],
+                release: Vec::new(),
+                wake_at: Some(at(3.0 * 3600.0)),
+            });
+        }
         // Start-up takes half an hour: readiness is no early wake-up.
         let mut e = engine(job(w, 100.0, 8, 30.0, ""), &policy, terms(None, None));
         let mut all = Vec::new();
@@ -2044,25 +2064,50 @@ mod tests {
                 at: t0(),
             }
         };
-        let out = w.step(&mut e, t0(), answer).unwrap();
+        let mut out = w.step(&mut e, t0(), answer).unwrap();
+        if refuse_retry {
+            assert_eq!(
+                launches(&out),
+                vec![market(B)],
+                "B again, told of its refusal"
+            );
+            all.extend(out);
+            out = w
+                .step(
+                    &mut e,
+                    t0(),
+                    Input::LaunchRefused {
+                        reason: "no capacity in B".into(),
+                    },
+                )
+                .unwrap();
+        }
         assert!(launches(&out).is_empty(), "{out:?}");
         all.extend(out);
         (e, policy, all)
     }
 
     #[test]
-    fn a_refused_market_is_skipped_told_once_and_retried_soon() {
+    fn a_refused_market_is_skipped_each_new_refusal_told_once_and_retried_soon() {
         let w = World::new();
         let (mut e, policy, all) = refusal(&w, true);
         assert_eq!(
             launches(&all),
-            vec![market(A), market(B), market(B)],
+            vec![market(A), market(B), market(B), market(B)],
             "the rest of A's count was skipped"
         );
-        assert_eq!(e.counts().failed_launches, 2);
+        assert_eq!(e.counts().failed_launches, 3);
         assert_eq!(e.counts().launches, 1);
         let asked = policy.asked();
-        assert_eq!(asked.len(), 2, "{asked:?}");
+        assert_eq!(asked.len(), 3, "{asked:?}");
+        assert_eq!(
+            asked[2].event,
+            Some(PolicyEvent::LaunchFailed {
+                market: market(B),
+                reason: "no capacity in B".into()
+            }),
+            "B's refusal is news at this instant: told, so the policy can fail over"
+        );
         assert_eq!(asked[0].event, None);
         assert_eq!(
             asked[1].event,
@@ -2076,8 +2121,9 @@ mod tests {
             vec![&id(1)],
             "told after the rest of the decision was applied"
         );
-        // Its answer was refused too: it is asked again within the retry interval, not at the
-        // three hours it asked for (nor at the instance's readiness, half an hour on).
+        // Its answer was a pool already refused at this instant, refused again: not told twice,
+        // it is asked again within the retry interval, not at the three hours it asked for (nor
+        // at the instance's readiness, half an hour on).
         let wake = e.next_wake(t0()).unwrap();
         assert!(
             wake > t0() && wake <= at(RETRY_AFTER_REFUSAL_SECS),
@@ -2087,13 +2133,13 @@ mod tests {
         let out = w.feed(&mut e, wake, Input::Tick, &mut accept_from(2));
         assert!(launches(&out).is_empty());
         let asked = policy.asked();
-        assert_eq!(asked.len(), 3);
-        assert_eq!(asked[2].event, None, "a consultation on its own");
+        assert_eq!(asked.len(), 4);
+        assert_eq!(asked[3].event, None, "a consultation on its own");
         let told = asked
             .iter()
             .filter(|a| matches!(a.event, Some(PolicyEvent::LaunchFailed { .. })))
             .count();
-        assert_eq!(told, 1, "each refusal is told once; the retry's own is not");
+        assert_eq!(told, 2, "each pool's refusal is told once an instant");
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub struct JobWork {
     checkpoint_done: Option<Timestamp>,
     /// No work before this (rebalancing, checkpoint writing).
     stall_until: Timestamp,
+    /// AgileML: the pauses of the last sync interval, so that a warned instance loses only the
+    /// work it did since its last sync, not the time it was paused (counted as stalled).
+    #[serde(default)]
+    recent_stalls: Vec<(Timestamp, Timestamp)>,
 }
 
 /// Where ready capacity did no work while [`JobWork::accrue`] counted, in units.
@@ -61,6 +65,7 @@ impl JobWork {
             next_checkpoint: None,
             checkpoint_done: None,
             stall_until: start,
+            recent_stalls: Vec::new(),
         }
     }
 
@@ -158,7 +163,15 @@ impl JobWork {
         if let Some(ready_at) = ready_at {
             let since_ready = (now.millis() - ready_at.millis()) as f64 / 1000.0;
             let unsynced = since_ready % sync_interval_secs;
-            let lost = (units_per_hour * unsynced / 3600.0).min(self.done);
+            // Paused time in the unsynced window did no work, so none of it is lost.
+            let window = (now.millis() - (unsynced * 1000.0) as i64, now.millis());
+            let paused_ms: i64 = self
+                .recent_stalls
+                .iter()
+                .map(|(a, b)| (b.millis().min(window.1) - a.millis().max(window.0)).max(0))
+                .sum();
+            let worked = (unsynced - paused_ms as f64 / 1000.0).max(0.0);
+            let lost = (units_per_hour * worked / 3600.0).min(self.done);
             self.done -= lost;
             self.lost += lost;
         }
@@ -175,9 +188,20 @@ impl JobWork {
 
     /// AgileML pauses every worker while partitions are re-split.
     pub fn rebalance(&mut self, now: Timestamp) {
-        if let EvictionCost::AgileMl { rebalance_secs, .. } = self.cost {
+        if let EvictionCost::AgileMl {
+            rebalance_secs,
+            sync_interval_secs,
+        } = self.cost
+        {
             let until = Timestamp::from_millis(now.millis() + (rebalance_secs * 1000.0) as i64);
+            // The pause runs from the later of now and the current pause's end.
+            let from = now.max(self.stall_until);
             self.stall_until = self.stall_until.max(until);
+            if from < self.stall_until {
+                self.recent_stalls.push((from, self.stall_until));
+            }
+            let keep_after = now.millis() - (sync_interval_secs * 1000.0) as i64;
+            self.recent_stalls.retain(|(_, b)| b.millis() > keep_after);
         }
     }
 

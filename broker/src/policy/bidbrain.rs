@@ -40,6 +40,16 @@
 //!    needs if none is evicted (a whole hour each), and none once it is covered: an instance
 //!    bought in the job's last hour is paid in full unless evicted, however little it works.
 //!
+//! **Deadlines (today's market).** With a deadline, BidBrain paces the job against the straight
+//! line from its start to its deadline, as Can't Be Late's Uniform Progress does ([`Plan`]):
+//! behind the line it may buy on-demand (spot still wins on cost when a pool has capacity);
+//! a restart or more ahead it buys spot only and lets on-demand go; in between it keeps what
+//! runs. When the slack is down to two restarts and a tick it commits to on-demand to the end.
+//! Its own cost model still chooses among every pool of the job's types, with the interruption
+//! risk its market model learns per pool; pools that refused a launch are left out until the
+//! next tick. Under `per-second` an instance the provider interrupts within its first hour is
+//! free, and the expected cost counts that.
+//!
 //! The free partial hour of `hourly-2015` is exploited through the cost term: a small delta in a
 //! market that is about to move gives a high eviction probability, hence a low expected cost, and
 //! the grid search picks it when the expected work stays worth it. How well that works depends
@@ -54,6 +64,7 @@ use crate::job::{EvictionCost, JobModel};
 use crate::market::{InstanceType, Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The keys of a `kind = "bidbrain"` policy file. Every key has a default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -374,6 +385,10 @@ pub struct BidBrain {
     name: String,
     config: BidBrainConfig,
     markets: Vec<Market>,
+    /// Pools that refused a spot launch, and when: left out until the next tick.
+    refused: BTreeMap<Market, Timestamp>,
+    /// The deadline's slack ran out: on-demand to the end.
+    committed: bool,
     // Scratch space reused across decisions (a decision allocates little).
     deltas: Vec<f64>,
     estimates: Vec<EvictionEstimate>,
@@ -386,6 +401,8 @@ impl BidBrain {
             name,
             config,
             markets,
+            refused: BTreeMap::new(),
+            committed: false,
             deltas: Vec::new(),
             estimates: Vec::new(),
         })
@@ -406,8 +423,18 @@ impl BidBrain {
 
     /// Units per hour BidBrain fills up to: the job's full speed on the slots the backup tier
     /// leaves, times `capacity_target`.
+    /// The backup tier's size: the configured count, within the job's reliable limit, and
+    /// leaving at least one slot for a worker (a one-instance job has no tier to keep).
+    fn tier(&self, job: &JobModel) -> u32 {
+        self.config
+            .reliable
+            .count
+            .min(job.max_reliable_instances)
+            .min(job.max_instances.saturating_sub(1))
+    }
+
     fn target_speed(&self, job: &JobModel) -> f64 {
-        let tier = self.config.reliable.count.min(job.max_reliable_instances);
+        let tier = self.tier(job);
         let worker_slots = f64::from(job.max_instances.saturating_sub(tier).max(1));
         self.config.capacity_target * job.full_speed() * worker_slots
             / f64::from(job.max_instances.max(1))
@@ -432,6 +459,36 @@ impl BidBrain {
             } else {
                 f64::INFINITY
             },
+        }
+    }
+
+    /// Where the job stands against its deadline (see [`Plan`]). The line runs straight from
+    /// (start, nothing done) to (deadline, all done), as Uniform Progress draws it.
+    fn plan(&mut self, ctx: &DecisionContext<'_>, tick_secs: f64) -> Plan {
+        let Some(deadline) = ctx.progress.deadline else {
+            return Plan::Free;
+        };
+        let now = ctx.now();
+        let job = ctx.job;
+        let remaining = ctx.progress.remaining();
+        let speed = job.full_speed().max(1e-9);
+        let overhead = job.startup_secs;
+        let slack = deadline.secs_since(now) - remaining / speed * 3600.0;
+        if self.committed || slack <= 2.0 * overhead + tick_secs {
+            self.committed = true;
+            return Plan::Commit;
+        }
+        let span = deadline.secs_since(ctx.progress.started_at).max(1.0);
+        let elapsed = now.secs_since(ctx.progress.started_at).max(0.0);
+        let target = ctx.progress.total_work * (elapsed / span).min(1.0);
+        let done = ctx.progress.done_work;
+        let lead = overhead / 3600.0 * speed;
+        if done < target {
+            Plan::Behind
+        } else if done >= target + lead {
+            Plan::Ahead
+        } else {
+            Plan::Keep
         }
     }
 
@@ -486,6 +543,9 @@ impl BidBrain {
                 rate,
                 per_instance: costs.new_on_demand(ctx.billing, od, rate, h),
             });
+            if self.refused.contains_key(market) {
+                continue;
+            }
             self.deltas.clear();
             if price_driven {
                 self.deltas
@@ -669,6 +729,24 @@ fn spot_cost(
     }
 }
 
+/// How a deadline shapes a decision: the job's progress against Uniform Progress's line, with
+/// its hysteresis and safety net (see `policy/uniform_progress.rs`). BidBrain's own cost model
+/// still picks the pools, the bids and the counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    /// No deadline: cost per unit of work alone.
+    Free,
+    /// Behind the line: on-demand may be bought (spot is still cheaper when it can be had),
+    /// and on-demand held is kept.
+    Behind,
+    /// Between the line and a restart ahead of it: no new on-demand, what runs keeps running.
+    Keep,
+    /// A restart or more ahead: spot only; on-demand held is released (waiting is allowed).
+    Ahead,
+    /// The slack is down to two restarts and a tick: on-demand to the end.
+    Commit,
+}
+
 impl Policy for BidBrain {
     fn name(&self) -> &str {
         &self.name
@@ -691,6 +769,17 @@ impl Policy for BidBrain {
             ReliableTypeChoice::Type(t) => vec![t.clone()],
             _ => Vec::new(),
         }
+    }
+
+    fn on_event(
+        &mut self,
+        ctx: &DecisionContext<'_>,
+        event: &super::PolicyEvent,
+    ) -> Result<Decision, PolicyError> {
+        if let super::PolicyEvent::LaunchFailed { market, .. } = event {
+            self.refused.insert(market.clone(), ctx.now());
+        }
+        self.decide(ctx)
     }
 
     fn decide(&mut self, ctx: &DecisionContext<'_>) -> Result<Decision, PolicyError> {
@@ -720,7 +809,7 @@ impl Policy for BidBrain {
 
         // The footprint: the backup tier is the oldest active on-demand instances, up to the
         // tier's size; they hold state, not work (stage 3), and are never released.
-        let tier_size = self.config.reliable.count.min(job.max_reliable_instances) as usize;
+        let tier_size = self.tier(job) as usize;
         let mut active: Vec<&InstanceView> =
             ctx.footprint.iter().filter(|i| i.is_active()).collect();
         active.sort_by_key(|i| (i.launched_at, i.id.clone()));
@@ -737,7 +826,15 @@ impl Policy for BidBrain {
             .map(|(i, _)| rate_of(job, &i.market).unwrap_or(0.0))
             .sum();
         let mut costs = self.job_costs(ctx, working_rate);
-        let candidates = self.gather_candidates(ctx, &costs)?;
+        let tick_secs = self.config.tick_minutes * 60.0;
+        self.refused.retain(|_, at| now.secs_since(*at) < tick_secs);
+        let plan = self.plan(ctx, tick_secs);
+        let mut candidates = self.gather_candidates(ctx, &costs)?;
+        match plan {
+            Plan::Free | Plan::Behind => {}
+            Plan::Ahead | Plan::Keep => candidates.retain(|c| c.purchase != Purchase::OnDemand),
+            Plan::Commit => candidates.retain(|c| c.purchase == Purchase::OnDemand),
+        }
         // On-demand candidates carry start-up like any other: measure the ceiling the same way,
         // so that with no usable spot market BidBrain still runs the job on-demand.
         if let Some(od_new) = candidates
@@ -852,12 +949,23 @@ impl Policy for BidBrain {
             } else {
                 f64::INFINITY
             };
-            let release = releasable_now
-                && (cpw > ceiling
-                    || (cpw > best_replacement * margin && (full || fast_enough))
-                    // The paper's rule: keeping it raises the footprint's cost per work, and
-                    // the footprint stays at its target speed without it.
-                    || (cpw > others_cpw * margin && rate_left - inst_rate >= target));
+            let on_demand = inst.purchase == Purchase::OnDemand;
+            let release = match plan {
+                // Well ahead: on-demand goes (waiting for spot is allowed); on-demand to the
+                // end: spot goes. Both at the usual moment (never a backup, never a paid hour).
+                Plan::Ahead if on_demand => releasable_now,
+                Plan::Commit if !on_demand => releasable_now,
+                // Hysteresis: on-demand bought to keep pace stays until well ahead.
+                Plan::Behind | Plan::Keep | Plan::Commit if on_demand => false,
+                _ => {
+                    releasable_now
+                        && (cpw > ceiling
+                            || (cpw > best_replacement * margin && (full || fast_enough))
+                            // The paper's rule: keeping it raises the footprint's cost per
+                            // work, and the footprint stays at its target speed without it.
+                            || (cpw > others_cpw * margin && rate_left - inst_rate >= target))
+                }
+            };
             if release {
                 decision.release.push(inst.id.clone());
                 rate_left -= inst_rate;

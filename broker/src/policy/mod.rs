@@ -23,9 +23,13 @@
 //!
 //! Decisions must be idempotent with respect to the footprint: a policy asks for what it wants
 //! *given* the instances it is shown, so a driver that crashed after launching can rebuild the
-//! footprint, ask again and not launch twice. The three policies here keep no state between
-//! decisions beyond scratch buffers (standard bidding finds "its" market from the survivors'
-//! market), so a restarted driver can build fresh instances with [`load_policy_file`].
+//! footprint, ask again and not launch twice. The policies here keep no state between decisions
+//! beyond scratch buffers (standard bidding finds "its" market from the survivors' market) and
+//! soft memories a restart may lose at the cost of one more try: pools that refused a launch
+//! recently (BidBrain, skypilot-default, uniform-progress), the last preempted pool
+//! (skypilot-default), and a deadline's commitment to on-demand, which the next decision
+//! derives again from the slack. A restarted driver can build fresh instances with
+//! [`load_policy_file`].
 //!
 //! # The market view in production
 //!
@@ -41,8 +45,9 @@
 //! # Policies are data
 //!
 //! `policies/*.toml`, loaded by [`load_policy_file`] (or [`resolve_policy_path`] for a bare
-//! name); `kind` selects the implementation, see [`BidBrainConfig`], [`OnDemandConfig`] and
-//! [`StandardBiddingConfig`] for the documented keys. Errors name the file, the key and the
+//! name); `kind` selects the implementation, see [`BidBrainConfig`], [`OnDemandConfig`],
+//! [`StandardBiddingConfig`], [`SkypilotConfig`] and [`UniformProgressConfig`] for the
+//! documented keys. Errors name the file, the key and the
 //! allowed values ([`PolicyLoadError`]).
 
 mod bidbrain;

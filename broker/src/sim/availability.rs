@@ -140,11 +140,18 @@ impl AvailabilityTrace {
             .and_then(|n| n.to_str())
             .unwrap_or_default();
         let zone_text = stem.split(['_', '.']).next().unwrap_or_default();
-        let zone = Zone::parse(zone_text).map_err(|e| AvailabilityError::Zone {
+        let zone_error = |problem: String| AvailabilityError::Zone {
             file: file.clone(),
             zone: zone_text.to_string(),
-            problem: e.to_string(),
-        })?;
+            problem,
+        };
+        if !looks_like_a_zone(zone_text) {
+            return Err(zone_error(
+                "a zone is a region and a letter, like us-west-2a; name the file <zone>_….json"
+                    .into(),
+            ));
+        }
+        let zone = Zone::parse(zone_text).map_err(|e| zone_error(e.to_string()))?;
         Ok(AvailabilityTrace {
             file: path.to_path_buf(),
             zone,
@@ -157,6 +164,22 @@ impl AvailabilityTrace {
     pub fn available_share(&self) -> f64 {
         self.counts.iter().filter(|&&c| c > 0).count() as f64 / self.counts.len().max(1) as f64
     }
+}
+
+/// `us-west-2a`: lowercase words, then a number, then one letter.
+fn looks_like_a_zone(text: &str) -> bool {
+    let Some((region, letter)) = text.len().checked_sub(1).map(|i| text.split_at(i)) else {
+        return false;
+    };
+    let parts: Vec<&str> = region.split('-').collect();
+    letter.chars().all(|c| c.is_ascii_lowercase())
+        && parts.len() >= 3
+        && parts
+            .last()
+            .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+        && parts[..parts.len() - 1]
+            .iter()
+            .all(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase()))
 }
 
 /// The date a folder named like SkyPilot's (`aws-10-26-2022`) says a trace starts, else
@@ -274,6 +297,14 @@ impl Availability {
         match (self.pools.get(market), self.tick(t)) {
             (Some(c), Some(i)) => c[i],
             _ => 0,
+        }
+    }
+
+    /// The pool's capacity from the tick that contains `t` to the end of the period.
+    pub fn capacity_from(&self, market: &Market, t: Timestamp) -> &[u32] {
+        match (self.pools.get(market), self.tick(t)) {
+            (Some(c), Some(i)) => &c[i..],
+            _ => &[],
         }
     }
 

@@ -18,6 +18,7 @@
 
 pub mod availability;
 pub mod inputs;
+pub mod optimal;
 pub mod sweep;
 pub mod world;
 

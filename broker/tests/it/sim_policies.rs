@@ -519,7 +519,7 @@ proptest! {
         // Capacity reconciles: work + lost + overheads (up to float rounding).
         let accounted = sc.job.total_work + r.lost_work + o.startup + o.warned + o.stalled + o.idle;
         prop_assert!((accounted - r.capacity_units).abs() < 1e-6 * r.capacity_units.max(1.0),
-            "accounted {accounted} vs capacity {}", r.capacity_units);
+            "accounted {accounted} vs capacity {}: {:?} lost {} runtime {} instances {:?}", r.capacity_units, r.overheads, r.lost_work, r.runtime_hours, r.instances.iter().map(|i| (i.market.as_str(), (i.launch.millis() - start.millis()) / 1000, (i.end.millis() - start.millis()) / 1000, i.ended_by)).collect::<Vec<_>>());
     }
 }
 

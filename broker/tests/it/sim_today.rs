@@ -262,3 +262,52 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--work-hours"));
 }
+
+#[test]
+fn bidbrain_paces_against_the_deadline_on_spot_and_buys_on_demand_only_when_it_must() {
+    // Spot for 2 h, none for 2 h, then spot again.
+    let a = world(&[(
+        "us-west-2a",
+        &format!("{}{}{}", "1".repeat(12), "0".repeat(12), "1".repeat(60)),
+    )]);
+    let od = simulate(&a, "on-demand", 4.0, 9.0);
+    // A loose deadline: it waits out the gap on spot.
+    let loose = simulate(&a, "bidbrain", 4.0, 9.0);
+    assert_eq!(loose.outcome, Outcome::Completed, "{}", loose.end_reason);
+    assert!(loose.instance_hours_transient > 0.0, "{loose:?}");
+    assert!(loose.cost_usd.get() < od.cost_usd.get() / 2.0, "{loose:?}");
+    // A tight one: behind the line in the gap, it buys on-demand and still finishes in time.
+    let tight = simulate(&a, "bidbrain", 4.0, 4.6);
+    assert_eq!(tight.outcome, Outcome::Completed, "{}", tight.end_reason);
+    assert!(tight.instance_hours_reliable > 0.0, "{tight:?}");
+    assert!(tight.instance_hours_transient > 0.0, "{tight:?}");
+    // No spot at all: the safety net and the line put the whole job on on-demand in time.
+    let none = world(&[("us-west-2a", &"0".repeat(84))]);
+    let forced = simulate(&none, "bidbrain", 4.0, 5.0);
+    assert_eq!(forced.outcome, Outcome::Completed, "{}", forced.end_reason);
+    assert_eq!(forced.instance_hours_transient, 0.0);
+    // The hindsight optimum is below every policy's cost on the same trace.
+    let capacity: Vec<u32> = format!("{}{}{}", "1".repeat(12), "0".repeat(12), "1".repeat(60))
+        .chars()
+        .map(|c| c.to_digit(10).unwrap())
+        .collect();
+    let best = proteus_broker::sim::optimal::optimum(&proteus_broker::sim::optimal::OptimalCase {
+        capacity: &capacity,
+        gap_secs: 600.0,
+        work_secs: 4.0 * H,
+        deadline_secs: 4.6 * H,
+        overhead_secs: 0.1 * H,
+        spot_usd_per_hour: SPOT,
+        on_demand_usd_per_hour: OD,
+    });
+    let proteus_broker::sim::optimal::Optimum::Cost(best) = best else {
+        panic!("feasible")
+    };
+    for r in [&tight, &od] {
+        assert!(
+            best <= r.cost_usd.get() + 1e-9,
+            "{best} vs {}",
+            r.cost_usd.get()
+        );
+    }
+}
