@@ -9,8 +9,8 @@
 //!   on-demand only for a ready spot instance, and only while at least one restart overhead
 //!   ahead of the line), so that it does not flap and pay the restart overhead twice;
 //! - the safety net: when the slack left (time to the deadline minus the compute still needed
-//!   on the instances the job may hold) falls to two restart overheads, it commits to on-demand
-//!   to the end.
+//!   on the instances the job may hold) falls to two restart overheads and one look (it acts at
+//!   its looks, every `tick_minutes`), it commits to on-demand to the end.
 //!
 //! As published the policy uses one zone (`zones = "one"`, the cheapest pool, ties by name);
 //! `zones = "all"` lets it take spot in any pool, trying them in that order. Without a deadline
@@ -159,7 +159,9 @@ impl Policy for UniformProgress {
             }
             None => (true, false, f64::INFINITY),
         };
-        if slack <= 2.0 * overhead {
+        // Two restarts and one look of margin: it acts at its looks, so the net must hold until
+        // the next one (the same margin BidBrain's deadline plan uses).
+        if slack <= 2.0 * overhead + self.tick.as_secs_f64() {
             self.committed = true;
         }
         let active = |spot: bool| {

@@ -174,7 +174,6 @@ fn uniform_progress_falls_back_to_on_demand_when_behind_and_skypilot_misses_the_
         od.cost_usd.get()
     );
     assert!(relaxed.cost_usd.get() < od.cost_usd.get());
-    assert!(up.cost_usd.get() <= od.cost_usd.get() + 1e-9);
 }
 
 #[test]
