@@ -114,6 +114,12 @@ pub struct BidBrainConfig {
     /// work (0.15 = 15%); damps flapping between near-equal markets.
     #[serde(default = "default_switch_margin")]
     pub switch_margin: f64,
+    /// With a deadline: how far behind Uniform Progress's line the job may fall, waiting for
+    /// spot, before it buys on-demand, as a share of its slack at the start (the time the
+    /// deadline leaves beyond the work at full speed). 0 is Uniform Progress's rule; 1 waits
+    /// until the slack is gone (the safety net then commits to on-demand).
+    #[serde(default)]
+    pub deadline_allowance: f64,
     /// The reliable (on-demand) tier for backup parameter-server shards.
     #[serde(default)]
     pub reliable: ReliableTier,
@@ -227,6 +233,14 @@ impl BidBrainConfig {
                 "bid_deltas",
                 format!("{:?} has a negative or non-finite value", self.bid_deltas),
                 "fractions ≥ 0",
+            );
+        }
+        if !(self.deadline_allowance.is_finite() && (0.0..=1.0).contains(&self.deadline_allowance))
+        {
+            return bad(
+                "deadline_allowance",
+                format!("{} is not a share between 0 and 1", self.deadline_allowance),
+                "a number from 0 to 1",
             );
         }
         for (k, v) in [
@@ -483,7 +497,10 @@ impl BidBrain {
         let target = ctx.progress.total_work * (elapsed / span).min(1.0);
         let done = ctx.progress.done_work;
         let lead = overhead / 3600.0 * speed;
-        if done < target {
+        // The allowance: a share of the slack the job started with, in units of work.
+        let initial_slack_h = span / 3600.0 - ctx.progress.total_work / speed;
+        let allowance = self.config.deadline_allowance * initial_slack_h.max(0.0) * speed;
+        if done < target - allowance {
             Plan::Behind
         } else if done >= target + lead {
             Plan::Ahead
