@@ -80,6 +80,15 @@ pub struct ServeArgs {
     /// sim: on-demand price table. Default: the 2015 table built into proteus.
     #[arg(long, env = "PROTEUS_ON_DEMAND")]
     pub on_demand: Option<PathBuf>,
+    /// sim: today's market from availability traces instead of a price trace (one file per
+    /// zone, as `proteus simulate --availability`; see docs/today.md): spot launches refused
+    /// without capacity, notices when a pool shrinks, $0.918/h spot and $3.06/h on-demand.
+    /// Use with `--billing per-second`.
+    #[arg(long, value_name = "FILE", num_args = 1.., conflicts_with_all = ["trace", "on_demand"])]
+    pub availability: Vec<PathBuf>,
+    /// sim with --availability: the instance type the traces are of.
+    #[arg(long, default_value = "p3.2xlarge")]
+    pub availability_instance_type: String,
     /// sim: market seconds per wall second.
     #[arg(long, env = "PROTEUS_SPEED", default_value_t = 60.0)]
     pub speed: f64,
@@ -231,6 +240,8 @@ impl ServeArgs {
             token: None,
             trace: None,
             on_demand: None,
+            availability: Vec::new(),
+            availability_instance_type: "p3.2xlarge".into(),
             speed: 60.0,
             start: None,
             billing: None,
@@ -392,9 +403,26 @@ pub async fn start_with(
         bail!("--instance-cap must be at least 1");
     }
     let region = Region::parse(&args.region).context("--region")?;
+    let mut availability = None;
     let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
         CloudKind::Sim => {
-            let history = Arc::new(load_sim_trace(&store, &args, &region).await?);
+            let history = if args.availability.is_empty() {
+                Arc::new(load_sim_trace(&store, &args, &region).await?)
+            } else {
+                let (history, a) = load_availability(&store, &args).await?;
+                let regions: std::collections::BTreeSet<String> =
+                    a.markets().map(|m| m.region().to_string()).collect();
+                if !regions.contains(&region.to_string()) {
+                    bail!(
+                        "--region {region}: the --availability pools are in {} (jobs are priced \
+                         in the broker's region): pass --region {}",
+                        regions.iter().cloned().collect::<Vec<_>>().join(", "),
+                        regions.iter().next().cloned().unwrap_or_default()
+                    );
+                }
+                availability = Some(a);
+                Arc::new(history)
+            };
             let (first, last) = history.span().context("the trace has no prices")?;
             let start = match &args.start {
                 Some(s) => Timestamp::parse(s).context("--start")?,
@@ -428,11 +456,17 @@ pub async fn start_with(
     };
     let cloud: Arc<dyn Cloud> = match (args.cloud, options.cloud.clone()) {
         (CloudKind::Sim, Some(cloud)) => cloud,
-        (CloudKind::Sim, None) => Arc::new(SimCloud::new(
-            history.clone(),
-            clock.clone(),
-            Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
-        )),
+        (CloudKind::Sim, None) => {
+            let cloud = SimCloud::new(
+                history.clone(),
+                clock.clone(),
+                Duration::from_secs_f64(args.min_notice_secs.max(0.0)),
+            );
+            Arc::new(match availability.clone() {
+                Some(a) => cloud.with_availability(a),
+                None => cloud,
+            })
+        }
         (CloudKind::Ec2, _) => ec2_cloud(&args, &region, addr).await?,
     };
     let cloud: Arc<dyn Cloud> = match &args.inject_launch_faults {
@@ -625,6 +659,53 @@ pub fn default_state_dir() -> PathBuf {
 
 /// The sim trace: the file given, or the one built in. It is also ingested into the store so
 /// that the markets and prices endpoints show what the simulated cloud sells.
+/// `--availability`: the pools and their constant prices, stored as a price trace would be.
+async fn load_availability(
+    store: &Store,
+    args: &ServeArgs,
+) -> Result<(PriceHistory, Arc<crate::sim::availability::Availability>)> {
+    use crate::sim::availability::{
+        Availability, AvailabilityTrace, P3_2XLARGE_ON_DEMAND_USD_PER_HOUR, Reading,
+        TRACE_SPOT_USD_PER_HOUR, origin_of,
+    };
+    let instance_type = crate::market::InstanceType::parse(&args.availability_instance_type)
+        .map_err(|e| anyhow::anyhow!("--availability-instance-type: {e}"))?;
+    let mut traces = Vec::new();
+    for path in &args.availability {
+        traces.push(AvailabilityTrace::load(path, Reading::Available)?);
+    }
+    let origin = origin_of(&args.availability[0]);
+    let availability = Arc::new(Availability::new(traces, instance_type, origin)?);
+    let spot = crate::market::UsdPerHour::new(TRACE_SPOT_USD_PER_HOUR).context("spot price")?;
+    let on_demand = crate::market::UsdPerHour::new(P3_2XLARGE_ON_DEMAND_USD_PER_HOUR)
+        .context("on-demand price")?;
+    let history = availability.price_history(spot, on_demand);
+    let rows: Vec<files::SpotPriceRow> = history
+        .series()
+        .flat_map(|s| {
+            s.times()
+                .iter()
+                .zip(s.prices())
+                .map(|(&time, &price)| files::SpotPriceRow {
+                    market: s.market().clone(),
+                    time,
+                    price: crate::market::UsdPerHour::new(price).unwrap_or(spot),
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let offers: Vec<_> = history.on_demand().offers().cloned().collect();
+    store
+        .ingest_on_demand(&offers)
+        .await
+        .context("storing on-demand prices")?;
+    store
+        .ingest_spot_prices(&rows)
+        .await
+        .context("storing the availability pools' prices")?;
+    Ok((history, availability))
+}
+
 async fn load_sim_trace(store: &Store, args: &ServeArgs, region: &Region) -> Result<PriceHistory> {
     let rows = match &args.trace {
         Some(path) => files::read_spot_file(path)?,

@@ -832,3 +832,112 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     }
     assert!(dumps >= 4, "{dumps} probes ran (3 + the replacement)");
 }
+
+/// Today's market live (`serve --cloud sim --availability`): a command job with a deadline on
+/// BidBrain. Its zone loses all spot capacity 40 market minutes in and the other zone never has
+/// any: the instance gets its notice, saves and leaves; relaunches are refused for capacity
+/// until the zone is back; the replacement resumes from the checkpoint and the job completes
+/// before its deadline. Interrupted inside its first hour, the first instance costs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_todays_market_a_capacity_drop_is_ridden_out_before_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    // A folder named as SkyPilot's are: the traces start at its date, the brokers' SIM_START.
+    let traces = dir.path().join("aws-05-01-2015");
+    std::fs::create_dir_all(&traces).unwrap();
+    let write = |zone: &str, ticks: String| {
+        let data: Vec<String> = ticks.chars().map(|c| c.to_string()).collect();
+        let path = traces.join(format!("{zone}_v100_1.json"));
+        std::fs::write(
+            &path,
+            format!(
+                "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
+                data.join(",")
+            ),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let a = write(
+        "us-west-2a",
+        format!("{}{}{}", "1".repeat(4), "0".repeat(3), "1".repeat(200)),
+    );
+    let b = write("us-west-2b", "0".repeat(207));
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "120",
+        &[
+            "--availability",
+            &a,
+            &b,
+            "--region",
+            "us-west-2",
+            "--billing",
+            "per-second",
+            "--market-model",
+            "hazard",
+            "--min-notice-secs",
+            "5",
+        ],
+    )
+    .await;
+    let spec = format!(
+        "name = \"today\"\napp = \"command\"\npolicy = \"bidbrain\"\n\
+         [limits]\nmax_instances = 1\nmax_reliable_instances = 1\ndeadline_hours = 4.0\n\
+         [work]\ntotal_work = 1.0\ninstance_types = [\"p3.2xlarge\"]\nstartup_minutes = 1.0\n\
+         [command]\nrun = [\"python3\", \"{}\"]\ncheckpoint_interval_secs = 1\nkill_margin_secs = 2\n\
+         [command.env]\nSTEPS = \"300\"\nSTEP_SECS = \"0.1\"\nCHECKPOINT_EVERY = \"5\"\n",
+        program()
+    );
+    let id = submit(&broker, dir.path(), "today", &spec);
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(240),
+            "the job on today's market",
+        )
+        .await;
+    assert_eq!(job["evictions"], 1, "{job}");
+    let instances = job["instances"].as_array().unwrap();
+    assert!(
+        instances
+            .iter()
+            .filter(|i| i["ready"].is_string())
+            .all(|i| i["market"] == "us-west-2a/p3.2xlarge"),
+        "only the zone with capacity ran anything: {job}"
+    );
+    let ev = events(&broker, id).await;
+    assert!(
+        ev.iter().any(|(_, kind, detail)| kind == "launch_failed"
+            && detail.contains("InsufficientInstanceCapacity")),
+        "relaunches were refused for capacity: {ev:?}"
+    );
+    let tails = logs(&broker, id).await;
+    let (last, resumed, _) = evicted_then_resumed(&tails);
+    assert!(
+        resumed > 0 && resumed + 5 >= last && resumed <= last + 1,
+        "resumed from {resumed}, the interrupted run reached {last}"
+    );
+    // Per-second billing: the interrupted instance ran under an hour, so it is free; the job
+    // paid only for the replacement.
+    let report = broker.client().get(&format!("/v1/jobs/{id}/cost")).await;
+    let lines = report["lines"].as_array().cloned().unwrap_or_default();
+    let evicted = instances
+        .iter()
+        .find(|i| i["end_reason"] == "evicted")
+        .unwrap_or_else(|| panic!("no evicted instance: {job}"))["id"]
+        .clone();
+    let of_evicted: Vec<_> = lines
+        .iter()
+        .filter(|l| l["instance_id"] == evicted)
+        .collect();
+    assert!(
+        !of_evicted.is_empty()
+            && of_evicted
+                .iter()
+                .all(|l| l["amount_usd"] == 0.0 && l["free"] == true),
+        "{report}"
+    );
+    assert!(job["spend_usd"].as_f64().unwrap() > 0.0, "{job}");
+}

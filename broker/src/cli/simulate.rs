@@ -104,7 +104,7 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "USD", default_value_t = crate::sim::availability::TRACE_SPOT_USD_PER_HOUR)]
     pub spot_price: f64,
     /// With --availability: the on-demand price, USD/h (p3.2xlarge's list price).
-    #[arg(long, value_name = "USD", default_value_t = super::simulate_today::P3_2XLARGE_ON_DEMAND)]
+    #[arg(long, value_name = "USD", default_value_t = crate::sim::availability::P3_2XLARGE_ON_DEMAND_USD_PER_HOUR)]
     pub on_demand_price: f64,
     /// One start time (RFC 3339 or YYYY-MM-DD) instead of a sweep.
     #[arg(long, conflicts_with_all = ["starts"])]

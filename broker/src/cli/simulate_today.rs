@@ -27,9 +27,6 @@ use serde::Serialize;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// p3.2xlarge's on-demand list price in the traces' regions (the catalog's, and the paper's).
-pub const P3_2XLARGE_ON_DEMAND: f64 = 3.06;
-
 /// One policy's figures over the start times.
 #[derive(Debug, Clone, Serialize)]
 pub struct TodaySummary {

@@ -6,11 +6,17 @@
 //! faster than wall time, two market minutes can be a fraction of a wall second; the reclaim is
 //! therefore also held back until `min_notice` of *wall* time has passed since the warning, so
 //! that real agents get a real chance to hand over. Billing still uses the market time.
+//!
+//! With availability traces ([`SimCloud::with_availability`], today's market) the bid decides
+//! nothing: a spot launch into a pool without spare capacity is refused as EC2 refuses it
+//! (`InsufficientInstanceCapacity`), and when a pool's capacity falls below what is held there,
+//! the newest instances get the notice at the first look after the drop.
 
 use super::{Cloud, CloudError, CloudEvent, CloudInstance, CloudState, LaunchSpec};
 use crate::clock::SharedClock;
 use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::prices::PriceHistory;
+use crate::sim::availability::Availability;
 use async_trait::async_trait;
 use proteus_wire::{JobId, Tier};
 use std::collections::BTreeMap;
@@ -21,6 +27,7 @@ use std::time::{Duration, Instant};
 struct SimInstance {
     instance_id: String,
     job_id: JobId,
+    market: Market,
     launched: Timestamp,
     spot: bool,
     /// When the provider warns: the trace's price crosses the bid, or an interruption was sent
@@ -41,6 +48,7 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct SimCloud {
     trace: Arc<PriceHistory>,
+    availability: Option<Arc<Availability>>,
     clock: SharedClock,
     min_notice: Duration,
     state: Arc<Mutex<State>>,
@@ -50,6 +58,7 @@ impl SimCloud {
     pub fn new(trace: Arc<PriceHistory>, clock: SharedClock, min_notice: Duration) -> Self {
         SimCloud {
             trace,
+            availability: None,
             clock,
             min_notice,
             state: Arc::new(Mutex::new(State::default())),
@@ -58,6 +67,25 @@ impl SimCloud {
 
     pub fn trace(&self) -> &Arc<PriceHistory> {
         &self.trace
+    }
+
+    /// Today's market: capacity from availability traces decides launches and notices.
+    pub fn with_availability(mut self, availability: Arc<Availability>) -> Self {
+        self.availability = Some(availability);
+        self
+    }
+
+    /// Spot instances held in `market` that are neither ended nor warned, oldest first.
+    fn held<'s>(state: &'s State, market: &Market) -> Vec<(&'s String, &'s SimInstance)> {
+        let mut held: Vec<_> = state
+            .instances
+            .iter()
+            .filter(|(_, i)| {
+                i.spot && &i.market == market && i.ended.is_none() && i.warn_at.is_none()
+            })
+            .collect();
+        held.sort_by_key(|(id, i)| (i.launched, (*id).clone()));
+        held
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -99,11 +127,33 @@ impl Cloud for SimCloud {
                         message: format!("bid {bid} is below the spot price {price}"),
                     });
                 }
-                let series = self.trace.get(&spec.market).expect("priced above");
-                series.first_above(now, bid.get(), Timestamp::MAX)
+                match &self.availability {
+                    Some(_) => None,
+                    None => {
+                        let series = self.trace.get(&spec.market).expect("priced above");
+                        series.first_above(now, bid.get(), Timestamp::MAX)
+                    }
+                }
             }
         };
         let mut state = self.lock();
+        if let (Some(a), Tier::Transient) = (&self.availability, spec.tier) {
+            let capacity = a.capacity(&spec.market, now) as usize;
+            let held = Self::held(&state, &spec.market).len();
+            let again = state
+                .instances
+                .values()
+                .any(|i| i.instance_id == spec.instance_id);
+            if held >= capacity && !again {
+                return Err(CloudError::InsufficientCapacity {
+                    market: spec.market.to_string(),
+                    message: format!(
+                        "no spare spot capacity in {} ({capacity} available, {held} held)",
+                        spec.market.zone
+                    ),
+                });
+            }
+        }
         // Idempotent like EC2's ClientToken: the same broker id returns the same instance.
         if let Some((cloud_id, i)) = state
             .instances
@@ -117,6 +167,7 @@ impl Cloud for SimCloud {
         let instance = SimInstance {
             instance_id: spec.instance_id.clone(),
             job_id: spec.job_id,
+            market: spec.market.clone(),
             launched: now,
             spot: spec.tier == Tier::Transient,
             warn_at,
@@ -155,6 +206,29 @@ impl Cloud for SimCloud {
         let now = self.clock.now();
         let wall = Instant::now();
         let mut state = self.lock();
+        if let Some(a) = &self.availability {
+            // Where a pool now sells fewer instances than are held there, the newest go.
+            let pools: std::collections::BTreeSet<Market> = state
+                .instances
+                .values()
+                .filter(|i| i.spot && i.ended.is_none() && i.warn_at.is_none())
+                .map(|i| i.market.clone())
+                .collect();
+            for market in pools {
+                let capacity = a.capacity(&market, now) as usize;
+                let excess: Vec<String> = Self::held(&state, &market)
+                    .iter()
+                    .rev()
+                    .take(Self::held(&state, &market).len().saturating_sub(capacity))
+                    .map(|(id, _)| (*id).clone())
+                    .collect();
+                for id in excess {
+                    if let Some(i) = state.instances.get_mut(&id) {
+                        i.warn_at = Some(now);
+                    }
+                }
+            }
+        }
         let mut events = Vec::new();
         for (cloud_id, i) in state.instances.iter_mut() {
             if i.ended.is_none()
@@ -206,6 +280,14 @@ impl Cloud for SimCloud {
                 })
             })
             .filter(|&t| t > now)
+            .chain(self.availability.as_ref().and_then(|a| {
+                state
+                    .instances
+                    .values()
+                    .filter(|i| i.spot && i.ended.is_none() && i.warn_at.is_none())
+                    .filter_map(|i| a.next_change(&i.market, now))
+                    .min()
+            }))
             .min()
     }
 
@@ -283,6 +365,84 @@ mod tests {
             bid: bid.map(|b| UsdPerHour::new(b).unwrap()),
             agent_token: "t".into(),
         }
+    }
+
+    #[tokio::test]
+    async fn with_availability_capacity_refuses_launches_and_a_shrinking_pool_warns_the_newest() {
+        use crate::sim::availability::{Availability, AvailabilityTrace, Reading};
+        // Ten-minute ticks: two instances for 20 minutes, one for 10, then none.
+        let trace = AvailabilityTrace::parse(
+            std::path::Path::new("us-east-1a_x.json"),
+            "{\"metadata\": {\"gap_seconds\": 600}, \"data\": [2, 2, 1, 0, 0]}",
+            Reading::Available,
+        )
+        .unwrap();
+        let a = Arc::new(
+            Availability::new(
+                vec![trace],
+                crate::market::InstanceType::parse("c3.xlarge").unwrap(),
+                Timestamp::from_millis(0),
+            )
+            .unwrap(),
+        );
+        let clock = ManualClock::new(Timestamp::from_millis(60_000));
+        let cloud = cloud(&clock).with_availability(a);
+        let first = cloud
+            .launch(&spec("a", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap();
+        clock.set(Timestamp::from_millis(120_000));
+        let second = cloud
+            .launch(&spec("b", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap();
+        let refused = cloud
+            .launch(&spec("c", Tier::Transient, Some(0.1)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, CloudError::InsufficientCapacity { .. }),
+            "{refused:?}"
+        );
+        // The same instance id again is the same instance, not a third one.
+        assert_eq!(
+            cloud
+                .launch(&spec("b", Tier::Transient, Some(0.1)))
+                .await
+                .unwrap()
+                .cloud_id,
+            second.cloud_id
+        );
+        // On-demand is not capacity-bound; the price no longer evicts spot (the 0.5 at 1 h).
+        cloud
+            .launch(&spec("d", Tier::Reliable, None))
+            .await
+            .unwrap();
+        assert_eq!(
+            cloud.next_event_after(Timestamp::from_millis(120_000)),
+            Some(Timestamp::from_millis(1_200_000)),
+            "the next change of the pool"
+        );
+        clock.set(Timestamp::from_millis(1_200_000));
+        assert_eq!(
+            cloud.events().await.unwrap(),
+            vec![CloudEvent::Warning {
+                cloud_id: second.cloud_id.clone(),
+                at: Timestamp::from_millis(1_200_000),
+                action_time: Timestamp::from_millis(1_320_000)
+            }],
+            "one instance too many: the newest goes"
+        );
+        clock.set(Timestamp::from_millis(1_800_000));
+        let ev = cloud.events().await.unwrap();
+        assert!(
+            ev.contains(&CloudEvent::Warning {
+                cloud_id: first.cloud_id.clone(),
+                at: Timestamp::from_millis(1_800_000),
+                action_time: Timestamp::from_millis(1_920_000)
+            }),
+            "{ev:?}"
+        );
     }
 
     #[tokio::test]

@@ -117,7 +117,8 @@ pub struct CostReport {
     #[schema(value_type = BTreeMap<String, f64>)]
     pub by_tier: BTreeMap<String, Usd>,
     pub by_market: Vec<MarketCost>,
-    /// Instance-hours not charged because the provider ended the instance (`hourly-2015`).
+    /// Instance-hours not charged because the provider ended the instance (a partial hour under
+    /// `hourly-2015`, a first hour under `per-second`).
     pub free_hours: f64,
     pub evictions: u32,
     /// The work the job received, in units (instance-hours of its reference type): every
@@ -200,7 +201,8 @@ pub struct LedgerLineView {
     pub usd_per_hour: UsdPerHour,
     #[schema(value_type = f64)]
     pub amount_usd: Usd,
-    /// Waived: a provider-ended partial hour under hourly billing.
+    /// Waived: a provider-ended partial hour under `hourly-2015`, or a spot instance the
+    /// provider interrupted within its first hour under `per-second`.
     pub free: bool,
 }
 

@@ -32,6 +32,8 @@ use thiserror::Error;
 /// The spot price the traces' own preemption data record for p3.2xlarge (they carry none for
 /// availability), USD per hour: what every pool is priced at.
 pub const TRACE_SPOT_USD_PER_HOUR: f64 = 0.918;
+/// p3.2xlarge's on-demand list price in the traces' regions (the catalog's, and the paper's).
+pub const P3_2XLARGE_ON_DEMAND_USD_PER_HOUR: f64 = 3.06;
 
 /// How a 0/1 value of a trace is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
