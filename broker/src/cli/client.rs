@@ -703,6 +703,19 @@ fn job_detail(j: &JobView) -> String {
             .map(|e| format!(", ETA {e}"))
             .unwrap_or_default(),
     ));
+    if let Some(d) = &j.deadline {
+        let slack = j
+            .work
+            .deadline_slack_hours
+            .map(|s| format!(", {s:.1} h of slack at full speed"))
+            .unwrap_or_default();
+        let risk = match j.work.deadline_at_risk {
+            Some(true) => " — at risk: the ETA at the capacity held now is later",
+            Some(false) => " — on track",
+            None => "",
+        };
+        out.push_str(&format!("deadline {d}{slack}{risk}\n"));
+    }
     if let Some(h) = &j.held {
         out.push_str(&format!("held: {h}\n"));
     }

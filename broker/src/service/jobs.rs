@@ -83,6 +83,13 @@ pub struct WorkView {
     pub expected_units: Option<f64>,
     /// When the job should finish at the capacity it holds now (market time, RFC 3339).
     pub eta: Option<String>,
+    /// With a deadline, while the job runs: hours to spare if it ran at full speed (every
+    /// instance it may hold) from now on; negative: not even that finishes in time.
+    #[serde(default)]
+    pub deadline_slack_hours: Option<f64>,
+    /// With a deadline, while the job runs: the ETA at the capacity held now is after it.
+    #[serde(default)]
+    pub deadline_at_risk: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -462,7 +469,8 @@ impl Broker {
     }
 
     fn work_view(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> WorkView {
-        let eta = self.runtime(job.id).and_then(|r| {
+        let running = !job.state.is_over();
+        let figures = self.runtime(job.id).map(|r| {
             let rt = r.lock().unwrap_or_else(|e| e.into_inner());
             let spans: Vec<WorkingSpan> = instances
                 .iter()
@@ -471,13 +479,25 @@ impl Broker {
             let rate = work::rate_at(&spans, Some(&rt.engine.job().stages), now);
             let total = job.work.expected_units.unwrap_or(rt.engine.total_work());
             let remaining = (total - job.work.done_units).max(0.0);
-            (rate > 0.0 && !job.state.is_over())
-                .then(|| now.plus_secs(remaining / rate * 3600.0).to_string())
+            let eta = (rate > 0.0 && running).then(|| now.plus_secs(remaining / rate * 3600.0));
+            let full = rt.engine.job().full_speed();
+            let slack = match (job.deadline, full > 0.0 && running) {
+                (Some(d), true) => Some(d.secs_since(now) / 3600.0 - remaining / full),
+                _ => None,
+            };
+            (eta, slack)
         });
+        let (eta, slack) = figures.unwrap_or((None, None));
+        let at_risk = match (job.deadline, running) {
+            (Some(d), true) => Some(eta.is_none_or(|e| e > d)),
+            _ => None,
+        };
         WorkView {
             done_units: job.work.done_units,
             expected_units: job.work.expected_units,
-            eta,
+            eta: eta.map(|e| e.to_string()),
+            deadline_slack_hours: slack,
+            deadline_at_risk: at_risk,
         }
     }
 

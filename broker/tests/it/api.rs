@@ -506,7 +506,20 @@ async fn budget_and_deadline_end_a_job() {
     let (_, view) = s.post("/v1/jobs", body).await;
     let deadline_job = view["id"].as_i64().unwrap();
     // Ticks every 30 market seconds, as a live broker's would come, for three hours.
-    for _ in 0..360 {
+    for _ in 0..20 {
+        s.step(30.0).await;
+    }
+    // Ten minutes in, 500 units cannot be done in the 1 h 50 min left even at full speed.
+    let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
+    let slack = view["work"]["deadline_slack_hours"].as_f64().unwrap();
+    assert!(slack < -10.0, "{view}");
+    assert_eq!(view["work"]["deadline_at_risk"], true, "{view}");
+    let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;
+    assert!(
+        view["work"]["deadline_slack_hours"].is_null(),
+        "no deadline: {view}"
+    );
+    for _ in 20..360 {
         s.step(30.0).await;
     }
     let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;

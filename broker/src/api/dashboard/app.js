@@ -266,6 +266,14 @@ function jobView(view, id) {
       ["ETA", when(j.work && j.work.eta)],
       ["state", j.state + (j.state_reason ? " (" + j.state_reason + ")" : "")],
     ];
+    if (j.deadline) {
+      const w = j.work || {};
+      const slack = typeof w.deadline_slack_hours === "number"
+        ? ", " + w.deadline_slack_hours.toFixed(1) + " h of slack at full speed" : "";
+      const risk = w.deadline_at_risk === true ? " — at risk (the ETA is later)"
+        : w.deadline_at_risk === false ? " — on track" : "";
+      rows.push(["deadline", when(j.deadline) + slack + risk]);
+    }
     if (j.held) rows.push(["held", j.held]);
     facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { "data-fact": k }, v)]));
     instancesBox.replaceChildren(j.instances.length === 0 ? h("p", { class: "muted" }, "none yet") :
