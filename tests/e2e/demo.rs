@@ -77,3 +77,85 @@ async fn the_demo_completes_through_evictions_billed_as_provider_ended() {
     }
     pool.close().await;
 }
+
+/// `proteus demo --market today`: real 2023 availability traces, where the cloud refuses spot
+/// launches without capacity and interrupts instances when a pool shrinks. The job meets its
+/// deadline on a mix of spot and on-demand, a spot instance interrupted in its first hour costs
+/// nothing, and the whole costs less than on-demand alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_today_demo_meets_its_deadline_through_refusals_and_interruptions() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = fresh_pg_database().await;
+    let out = dir.path().display().to_string();
+    let run = {
+        let db = db.clone();
+        tokio::task::spawn_blocking(move || {
+            proteus(
+                Some(&db),
+                &[
+                    "demo", "--market", "today", "--output", "json", "--out", &out,
+                ],
+                &[],
+            )
+        })
+    };
+    let (code, stdout, stderr) = run.await.unwrap();
+    assert_eq!(code, 0, "the demo failed: {stderr}\n{stdout}");
+    let result: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let job = &result["job"];
+    assert_eq!(job["state"], "succeeded", "{result}");
+    assert_eq!(job["billing"], "per-second", "{job}");
+    assert_eq!(
+        job["instance_types"],
+        serde_json::json!(["p3.2xlarge"]),
+        "{job}"
+    );
+    let finished = job["finished"].as_str().unwrap();
+    let deadline = job["deadline"]
+        .as_str()
+        .expect("the demo job has a deadline");
+    // RFC 3339 in UTC with the same layout: the strings order as the times do.
+    assert!(finished <= deadline, "finished {finished} after {deadline}");
+    let instances = job["instances"].as_array().unwrap();
+    let launched = |tier: &str| {
+        instances
+            .iter()
+            .filter(|i| i["tier"] == tier && !i["launched"].is_null())
+            .count()
+    };
+    assert!(
+        launched("transient") >= 1 && launched("reliable") >= 1,
+        "{job}"
+    );
+    let cost = &result["cost"];
+    assert!(cost["evictions"].as_u64().unwrap() >= 1, "{cost}");
+    assert!(
+        cost["free_hours"].as_f64().unwrap() > 0.0,
+        "an interrupted first hour is free: {cost}"
+    );
+    let on_demand = cost["counterfactuals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["policy"] == "on-demand")
+        .and_then(|c| c["cost_usd"].as_f64())
+        .unwrap();
+    let spent = cost["total_usd"].as_f64().unwrap();
+    assert!(
+        spent < on_demand,
+        "spent ${spent} ≥ on-demand's ${on_demand}"
+    );
+
+    // The cloud refused spot for lack of capacity, as EC2 does, and the broker said so.
+    let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    let refusals: i64 = sqlx::query(
+        "SELECT count(*) FROM events WHERE kind = 'launch_failed' \
+         AND detail LIKE '%InsufficientInstanceCapacity%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .get(0);
+    assert!(refusals >= 1, "no launch was refused for capacity");
+    pool.close().await;
+}

@@ -27,6 +27,28 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Which spot market the demo plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DemoMarket {
+    /// The papers' market: the 2015 us-east-1 price trace, where bids decide evictions,
+    /// billed per started hour.
+    #[value(name = "2015")]
+    Y2015,
+    /// Today's: real 2023 availability traces of up to 16 p3.2xlarge in us-west-2a and
+    /// us-west-2c (docs/today.md). Launches are refused without capacity, instances interrupted when a
+    /// pool shrinks, billing per second with an interrupted first hour free; the job runs on
+    /// p3.2xlarge with a deadline of twice its work at full speed, and may hold every instance
+    /// on-demand when the deadline needs it.
+    Today,
+}
+
+/// Where the today market's traces are: data/spot/skypilot-spot-traces, the 16-node set (up to
+/// 16 instances at once per zone), its two us-west-2 zones (a broker prices in one region).
+const TODAY_TRACES: &str = "skypilot-spot-traces/availability/16-node/aws-08-27-2023";
+const TODAY_ZONES: [&str; 2] = ["us-west-2a", "us-west-2c"];
+/// A day into the traces.
+const TODAY_START: &str = "2023-08-28T00:00:00Z";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DemoApp {
     /// Multinomial logistic regression on MNIST (test accuracy).
@@ -43,7 +65,8 @@ pub enum DemoApp {
     proteus demo --output json > demo.json\n  \
     proteus demo --job examples/jobs/demo.toml --policy on-demand --start 2015-05-03T00:00:00Z\n  \
     proteus demo --keep-serving   # then open the printed dashboard URL\n  \
-    proteus demo --no-agents --job examples/jobs/demo.toml --step-secs 3600 --output json")]
+    proteus demo --no-agents --job examples/jobs/demo.toml --step-secs 3600 --output json\n  \
+    proteus demo --market today   # 2023 availability traces, a deadline, per-second billing")]
 pub struct DemoArgs {
     /// Database URL. Default: a fresh SQLite file in the demo's output directory.
     #[arg(long, env = "PROTEUS_DATABASE_URL")]
@@ -58,9 +81,12 @@ pub struct DemoArgs {
     /// Default: the job's.
     #[arg(long, value_enum)]
     pub app: Option<DemoApp>,
-    /// Market time in the 2015 trace where the job starts.
-    #[arg(long, default_value = "2015-05-01T00:00:00Z")]
-    pub start: String,
+    /// The spot market: `2015` (the papers') or `today` (real 2023 availability traces).
+    #[arg(long, value_enum, default_value_t = DemoMarket::Y2015)]
+    pub market: DemoMarket,
+    /// Market time where the job starts. Default: 2015-05-01 (2015), 2023-08-28 (today).
+    #[arg(long)]
+    pub start: Option<String>,
     /// Market seconds per wall second, at most (the demo also waits for the agents' training).
     #[arg(long, default_value_t = 2400.0)]
     pub speed: f64,
@@ -119,7 +145,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
         database_url: args.database_url.clone(),
     };
     let (store, db_note) = open_store(&database, &out).await?;
-    let start = Timestamp::parse(&args.start).context("--start")?;
+    let start = Timestamp::parse(&start_of(&args)).context("--start")?;
     if !(args.speed > 0.0 && args.step_secs > 0.0) {
         bail!("--speed and --step-secs must be positive");
     }
@@ -323,16 +349,42 @@ async fn open_store(database: &DatabaseArgs, out: &std::path::Path) -> Result<(S
     Ok((store, format!("{} (fresh)", path.display())))
 }
 
+fn start_of(args: &DemoArgs) -> String {
+    args.start.clone().unwrap_or_else(|| {
+        match args.market {
+            DemoMarket::Y2015 => "2015-05-01T00:00:00Z",
+            DemoMarket::Today => TODAY_START,
+        }
+        .to_string()
+    })
+}
+
 fn serve_args(out: &std::path::Path, token: &str, args: &DemoArgs) -> ServeArgs {
-    ServeArgs {
+    let base = ServeArgs {
         token: Some(token.to_string()),
         speed: args.speed,
-        start: Some(args.start.clone()),
+        start: Some(start_of(args)),
         local_agents: Some(!args.no_agents),
         state_dir: Some(out.join("state")),
         // Market time decides evictions; the demo itself waits for warned agents to hand over.
         min_notice_secs: 0.0,
         ..ServeArgs::sim_defaults()
+    };
+    match args.market {
+        DemoMarket::Y2015 => base,
+        DemoMarket::Today => {
+            let dir = crate::data::data_dir().join("spot").join(TODAY_TRACES);
+            ServeArgs {
+                availability: TODAY_ZONES
+                    .iter()
+                    .map(|z| dir.join(format!("{z}_v100_1.json")))
+                    .collect(),
+                region: "us-west-2".into(),
+                billing: Some(crate::billing::BillingModel::PerSecond),
+                market_model: Some(crate::service::ModelChoice::Hazard),
+                ..base
+            }
+        }
     }
 }
 
@@ -371,6 +423,18 @@ fn job_spec(args: &DemoArgs) -> Result<JobSpec> {
     }
     if let Some(seed) = args.seed {
         spec.training.get_or_insert_with(TrainingSpec::default).seed = Some(seed);
+    }
+    if args.market == DemoMarket::Today {
+        // The only type, so the reference type: a unit is a p3.2xlarge-hour.
+        let work = spec.work.get_or_insert_with(WorkSpec::default);
+        work.instance_types = Some(vec!["p3.2xlarge".into()]);
+        let total = work.total_work.unwrap_or(24.0);
+        let full_speed = f64::from(spec.limits.max_instances.max(1));
+        if spec.limits.deadline.is_none() && spec.limits.deadline_hours.is_none() {
+            spec.limits.deadline_hours = Some(2.0 * total / full_speed);
+        }
+        // A deadline on today's market needs room for on-demand when spot is not there.
+        spec.limits.max_reliable_instances = Some(spec.limits.max_instances);
     }
     Ok(spec)
 }

@@ -120,6 +120,13 @@ pub struct BidBrainConfig {
     /// until the slack is gone (the safety net then commits to on-demand).
     #[serde(default)]
     pub deadline_allowance: f64,
+    /// With a deadline: on-demand bought to keep pace is let go only once the job is this many
+    /// restart overheads of its on-demand time ahead of the line, so that each stint on
+    /// on-demand pays its start-up back (an elastic job on many on-demand instances gains on the
+    /// line fast and would otherwise buy and release them every few minutes). The lead is never
+    /// less than one restart at full speed, Uniform Progress's own.
+    #[serde(default = "default_ahead_stint_restarts")]
+    pub ahead_stint_restarts: f64,
     /// The reliable (on-demand) tier for backup parameter-server shards.
     #[serde(default)]
     pub reliable: ReliableTier,
@@ -213,6 +220,10 @@ fn default_switch_margin() -> f64 {
     0.15
 }
 
+fn default_ahead_stint_restarts() -> f64 {
+    10.0
+}
+
 impl BidBrainConfig {
     /// Checks values serde cannot: returns (key, problem, allowed).
     pub(crate) fn validate(&self) -> Result<Vec<Market>, (String, String, String)> {
@@ -241,6 +252,13 @@ impl BidBrainConfig {
                 "deadline_allowance",
                 format!("{} is not a share between 0 and 1", self.deadline_allowance),
                 "a number from 0 to 1",
+            );
+        }
+        if !(self.ahead_stint_restarts.is_finite() && self.ahead_stint_restarts >= 0.0) {
+            return bad(
+                "ahead_stint_restarts",
+                format!("{} is not a count of restarts", self.ahead_stint_restarts),
+                "a number ≥ 0",
             );
         }
         for (k, v) in [
@@ -496,7 +514,11 @@ impl BidBrain {
         let elapsed = now.secs_since(ctx.progress.started_at).max(0.0);
         let target = ctx.progress.total_work * (elapsed / span).min(1.0);
         let done = ctx.progress.done_work;
-        let lead = overhead / 3600.0 * speed;
+        // A restart ahead at full speed, or enough that the on-demand stint that got the job
+        // there (gaining `speed − slope` on the line) lasted `ahead_stint_restarts` restarts.
+        let slope = ctx.progress.total_work / (span / 3600.0);
+        let lead = overhead / 3600.0
+            * speed.max(self.config.ahead_stint_restarts * (speed - slope).max(0.0));
         // The allowance: a share of the slack the job started with, in units of work.
         let initial_slack_h = span / 3600.0 - ctx.progress.total_work / speed;
         let allowance = self.config.deadline_allowance * initial_slack_h.max(0.0) * speed;
@@ -547,11 +569,8 @@ impl BidBrain {
             if !self.allowed(market, job) {
                 continue;
             }
-            let (Some(rate), Some(od), Some(price)) = (
-                rate_of(job, market),
-                view.on_demand_price(market),
-                view.spot_price(market),
-            ) else {
+            let (Some(rate), Some(od)) = (rate_of(job, market), view.on_demand_price(market))
+            else {
                 continue;
             };
             candidates.push(Candidate {
@@ -560,6 +579,10 @@ impl BidBrain {
                 rate,
                 per_instance: costs.new_on_demand(ctx.billing, od, rate, h),
             });
+            // No spot offer now (a driver's cool-down), or it refused us at this look.
+            let Some(price) = view.spot_price(market) else {
+                continue;
+            };
             if self.refused.contains_key(market) {
                 continue;
             }
@@ -687,7 +710,12 @@ impl BidBrain {
                 let (price, est) = match cached {
                     Some(&(_, _, price, est)) => (price, est),
                     None => {
-                        let Some(price) = view.spot_price(&inst.market) else {
+                        // A market without a spot offer now (a driver's cool-down after a
+                        // refusal) still prices what already runs there.
+                        let held_price = view
+                            .spot_price(&inst.market)
+                            .or_else(|| view.spot_price_at(&inst.market, now).ok().flatten());
+                        let Some(price) = held_price else {
                             return Economics {
                                 cost: Usd::ZERO,
                                 work: 0.0,
@@ -850,7 +878,8 @@ impl Policy for BidBrain {
         match plan {
             Plan::Free | Plan::Behind => {}
             Plan::Ahead | Plan::Keep => candidates.retain(|c| c.purchase != Purchase::OnDemand),
-            Plan::Commit => candidates.retain(|c| c.purchase == Purchase::OnDemand),
+            // On-demand first; spot only for slots the job's reliable limit leaves.
+            Plan::Commit => candidates.sort_by_key(|c| c.purchase != Purchase::OnDemand),
         }
         // On-demand candidates carry start-up like any other: measure the ceiling the same way,
         // so that with no usable spot market BidBrain still runs the job on-demand.
@@ -938,6 +967,13 @@ impl Policy for BidBrain {
             BillingModel::PerSecond => f64::INFINITY,
         };
         let mut kept: Vec<(&InstanceView, Economics)> = Vec::with_capacity(judged.len());
+        // Committed to on-demand: spot goes only where on-demand can take its place.
+        let mut commit_room = (job.max_reliable_instances as usize).saturating_sub(
+            judged
+                .iter()
+                .filter(|(i, ..)| i.purchase == Purchase::OnDemand)
+                .count(),
+        );
         for (inst, releasable_now, econ, useful_cap) in judged {
             let inst_rate = rate_of(job, &inst.market).unwrap_or(0.0);
             let mut econ = econ;
@@ -971,7 +1007,11 @@ impl Policy for BidBrain {
                 // Well ahead: on-demand goes (waiting for spot is allowed); on-demand to the
                 // end: spot goes. Both at the usual moment (never a backup, never a paid hour).
                 Plan::Ahead if on_demand => releasable_now,
-                Plan::Commit if !on_demand => releasable_now,
+                Plan::Commit if !on_demand => {
+                    let go = releasable_now && commit_room > 0;
+                    commit_room -= usize::from(go);
+                    go
+                }
                 // Hysteresis: on-demand bought to keep pace stays until well ahead.
                 Plan::Behind | Plan::Keep | Plan::Commit if on_demand => false,
                 _ => {
@@ -1019,15 +1059,18 @@ impl Policy for BidBrain {
             }
         }
         let mut rate = rate_left;
+        // Committed: the safety net counted on full speed to the deadline, so every free slot
+        // is filled (on-demand first), whatever one more horizon of the footprint would do.
+        let commit = plan == Plan::Commit;
         // Near the end, the footprint finishes within the horizon: nothing new is worth starting.
-        if fp_work >= remaining || shortfall <= 0.0 {
+        if !commit && (fp_work >= remaining || shortfall <= 0.0) {
             return Ok(decision);
         }
         let mut used_markets: Vec<&Market> = Vec::new();
         let fill_ceiling = ceiling.min(best_new * (1.0 + self.config.fill_slack));
         for pass in 0..2 {
             for cand in &candidates {
-                if slots == 0 || fp_work >= remaining {
+                if slots == 0 || (!commit && fp_work >= remaining) {
                     break;
                 }
                 let cpw = cand.per_instance.cpw();
@@ -1049,7 +1092,9 @@ impl Policy for BidBrain {
                 } else {
                     f64::INFINITY
                 };
-                let mut count = if below_target {
+                let mut count = if commit {
+                    slots
+                } else if below_target {
                     ((target - rate) / cand.rate).ceil() as usize
                 } else if cpw < fp_cpw {
                     self.config.max_per_allocation as usize
@@ -1065,10 +1110,12 @@ impl Policy for BidBrain {
                 // Do not buy more work than is left, nor (hourly-2015) more paid hours than the
                 // shortfall needs if the allocation is not evicted.
                 let per = cand.per_instance.work.max(1e-9);
-                count = count.min(((remaining - fp_work) / per).ceil().max(1.0) as usize);
                 let full_hour =
                     cand.rate * (self.horizon_secs() - job.startup_secs).max(60.0) / 3600.0;
-                count = count.min((shortfall / full_hour).ceil().max(0.0) as usize);
+                if !commit {
+                    count = count.min(((remaining - fp_work) / per).ceil().max(1.0) as usize);
+                    count = count.min((shortfall / full_hour).ceil().max(0.0) as usize);
+                }
                 if count == 0 {
                     continue;
                 }

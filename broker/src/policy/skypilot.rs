@@ -103,7 +103,7 @@ impl Policy for SkypilotDefault {
             .filter(|m| rate_of(ctx.job, m).is_some())
             .filter_map(|m| Some((m, ctx.market.spot_price(m)?.get())))
             .collect();
-        if pools.is_empty() {
+        if pools.is_empty() && ctx.market.markets().is_empty() {
             return Err(PolicyError::NoMarket {
                 types: ctx
                     .job
@@ -120,6 +120,11 @@ impl Policy for SkypilotDefault {
                 .partial_cmp(&(last(b.0), b.1, b.0))
                 .unwrap_or(std::cmp::Ordering::Equal)
         });
+        if pools.is_empty() {
+            // No spot offer anywhere now (a driver's cool-down): look again after the gap.
+            decision.wake_at = Some(now + self.retry);
+            return Ok(decision);
+        }
         // A full round of refusals: wait the gap, then start over.
         let all_refused = pools.iter().all(|(m, _)| self.refused.contains_key(*m));
         if all_refused {

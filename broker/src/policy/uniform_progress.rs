@@ -131,7 +131,9 @@ impl Policy for UniformProgress {
         if self.zones == Zones::One {
             pools.truncate(1);
         }
-        let Some(&(home, _)) = pools.first() else {
+        // No spot offer anywhere now (a driver's cool-down): on-demand as the fallback market.
+        let fallback = super::cheapest_on_demand(ctx.market, job, None).map(|(m, _, _)| m);
+        let Some(home) = pools.first().map(|&(m, _)| m).or(fallback) else {
             return Err(PolicyError::NoMarket {
                 types: job
                     .rates()

@@ -22,7 +22,7 @@ use crate::store::{
 };
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -524,7 +524,7 @@ impl Broker {
         engine: &mut crate::engine::JobEngine<'static>,
         now: Timestamp,
         input: Input,
-        cooled: &HashSet<(String, String)>,
+        cooled: &CooledMarkets,
     ) -> Result<Vec<Command>, ServiceError> {
         let data = self.market_data();
         let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
@@ -541,18 +541,24 @@ impl Broker {
             .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 
-    /// Markets in a cool-down after the cloud refused them: the policy does not see them.
-    pub(super) async fn cooled(
-        &self,
-        now: Timestamp,
-    ) -> Result<HashSet<(String, String)>, ServiceError> {
-        Ok(self
-            .store
-            .cooldowns(now)
-            .await?
-            .into_iter()
-            .map(|c| (c.zone.to_string(), c.instance_type.to_string()))
-            .collect())
+    /// Markets in a cool-down after the cloud refused them: the policy does not see them
+    /// (after a spot refusal, it does not see their spot offer).
+    pub(super) async fn cooled(&self, now: Timestamp) -> Result<CooledMarkets, ServiceError> {
+        let mut out = CooledMarkets::new();
+        for c in self.store.cooldowns(now).await? {
+            let how = if c.reason.ends_with(SPOT_ONLY) {
+                Cooled::Spot
+            } else {
+                Cooled::All
+            };
+            let entry = out
+                .entry((c.zone.to_string(), c.instance_type.to_string()))
+                .or_insert(how);
+            if how == Cooled::All {
+                *entry = Cooled::All;
+            }
+        }
+        Ok(out)
     }
 
     fn work_record(
@@ -695,12 +701,18 @@ impl Broker {
                 let mut detail = format!("{}: {}: {e}", row.market, e.reason());
                 if e.cools_down_market() {
                     let until = now.plus_secs(self.settings.cooldown_secs);
+                    // A spot refusal says nothing of on-demand in the same market: only spot
+                    // cools down then (see `Cooled`).
+                    let reason = match row.tier {
+                        Tier::Transient => format!("{}{SPOT_ONLY}", e.reason()),
+                        Tier::Reliable => e.reason().to_string(),
+                    };
                     self.store
                         .set_cooldown(&Cooldown {
                             zone: row.market.zone.clone(),
                             instance_type: row.market.instance_type.clone(),
                             until,
-                            reason: e.reason().to_string(),
+                            reason,
                         })
                         .await?;
                     detail.push_str(&format!("; market skipped until {until}"));
@@ -987,16 +999,32 @@ pub(crate) fn budget_lookahead_secs(tick: std::time::Duration, speed: f64) -> f6
     crate::engine::job_engine::BUDGET_LOOK_SECS.max(2.0 * tick.as_secs_f64() * speed)
 }
 
+/// The end of a cool-down's reason when only the market's spot offer cools down.
+const SPOT_ONLY: &str = " (spot)";
+
+/// How far a market is cooled down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cooled {
+    /// A spot launch was refused: no spot offer, on-demand still there.
+    Spot,
+    /// An on-demand launch was refused: the market is not offered at all.
+    All,
+}
+
+/// Cooled-down markets by (zone, type).
+pub(super) type CooledMarkets = HashMap<(String, String), Cooled>;
+
 /// The trace view minus markets the cloud refused recently.
 struct LiveView<'a> {
     inner: TraceView<'a>,
-    cooled: &'a HashSet<(String, String)>,
+    cooled: &'a CooledMarkets,
 }
 
 impl LiveView<'_> {
-    fn cooled(&self, m: &Market) -> bool {
+    fn cooled(&self, m: &Market) -> Option<Cooled> {
         self.cooled
-            .contains(&(m.zone.to_string(), m.instance_type.to_string()))
+            .get(&(m.zone.to_string(), m.instance_type.to_string()))
+            .copied()
     }
 }
 
@@ -1008,11 +1036,11 @@ impl MarketView for LiveView<'_> {
         self.inner
             .markets()
             .into_iter()
-            .filter(|m| !self.cooled(m))
+            .filter(|m| self.cooled(m) != Some(Cooled::All))
             .collect()
     }
     fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {
-        if self.cooled(market) {
+        if self.cooled(market).is_some() {
             return None;
         }
         self.inner.spot_price(market)
