@@ -196,17 +196,23 @@ fn drawn_cases() -> Vec<Case> {
                     None,
                 )
             };
-            let (budget_usd, deadline_hours) = match d.below(6) {
+            let (budget_usd, deadline_extra) = match d.below(6) {
                 0 => (Some(0.10 + d.below(50) as f64 / 100.0), None),
                 1 => (Some(1.0 + d.below(200) as f64 / 100.0), None),
-                2 => (None, Some(1.0 + d.below(300) as f64 / 100.0)),
+                2 => (None, Some(d.below(300) as f64 / 100.0)),
                 _ => (None, None),
             };
+            let seed = d.below(1000);
+            let max_instances = 2 + d.below(7) as u32;
+            // A deadline the broker accepts: the demo job's 24 units at full width (a unit is
+            // a reference-type hour, and no type is slower) and its start-up, then up to 3 h
+            // more. Tight ones end the job; looser ones pace it.
+            let deadline_hours = deadline_extra.map(|x| 24.0 / f64::from(max_instances) + 0.25 + x);
             Case {
                 policy,
                 start,
-                seed: d.below(1000),
-                max_instances: 2 + d.below(7) as u32,
+                seed,
+                max_instances,
                 budget_usd,
                 deadline_hours,
                 instance_type,

@@ -70,7 +70,9 @@ impl Broker {
         let now = self.clock.now();
         let (valid, _) = self.validate_submission(&mut spec, now)?;
         let (name, policy, billing) = (valid.name.clone(), valid.policy.clone(), valid.billing);
+        let checked = valid.clone();
         let mut runtime = self.build_runtime(valid, now, None)?;
+        super::jobs::deadline_is_reachable(&spec, &checked, runtime.engine.job(), now)?;
         let cooled = self.cooled(now).await?;
         let cap = u64::from(self.settings.instance_cap);
         let held_by_all = self.store.count_live_instances().await?;

@@ -226,6 +226,53 @@ impl From<&crate::store::LedgerLine> for LedgerLineView {
     }
 }
 
+/// A deadline that no schedule can meet is refused at submission, with the arithmetic: the
+/// work the spec states, at the job's fastest (every instance it may hold, of its fastest type,
+/// on-demand from now, after one start-up; no faster than `max_capacity`), ends after it. A
+/// job that states no work (`work.total_work`) cannot be checked and is not.
+pub(crate) fn deadline_is_reachable(
+    spec: &super::spec::JobSpec,
+    valid: &ValidJob,
+    job: &crate::job::JobModel,
+    now: Timestamp,
+) -> Result<(), ServiceError> {
+    let (Some(deadline), Some(work)) = (valid.deadline, valid.work.total_work) else {
+        return Ok(());
+    };
+    let each = job.max_rate();
+    let all = f64::from(job.max_instances) * each;
+    let fastest = job.max_capacity.map_or(all, |cap| all.min(cap));
+    let left_h = deadline.secs_since(now) / 3600.0;
+    let startup_min = job.startup_secs / 60.0;
+    let need_h = work / fastest.max(1e-9) + startup_min / 60.0;
+    if need_h <= left_h {
+        return Ok(());
+    }
+    let speed = if fastest < all {
+        format!("{fastest} units/h (`limits.max_capacity`)")
+    } else {
+        format!(
+            "{fastest} units/h ({} instances at {each} units/h, the job's fastest type)",
+            job.max_instances
+        )
+    };
+    let field = if spec.limits.deadline_hours.is_some() {
+        "limits.deadline_hours"
+    } else {
+        "limits.deadline"
+    };
+    Err(ServiceError::Invalid {
+        field: field.into(),
+        message: format!(
+            "cannot be met even on on-demand: {work} units of work at {speed} take {:.2} h, \
+             plus {startup_min:.0} min of start-up, {need_h:.2} h in all, but the deadline \
+             ({deadline}) is {left_h:.2} h away. Allow at least {need_h:.2} h, raise \
+             `limits.max_instances`, or lower `work.total_work`",
+            work / fastest.max(1e-9)
+        ),
+    })
+}
+
 fn ts(t: Option<Timestamp>) -> Option<String> {
     t.map(|t| t.to_string())
 }
@@ -249,6 +296,7 @@ impl Broker {
         let (valid, default_budget) = self.validate_submission(&mut spec, now)?;
         // Resolve now, so that an unknown policy or instance type is the submitter's error.
         let runtime = self.build_runtime(valid.clone(), self.clock.now(), None)?;
+        deadline_is_reachable(&spec, &valid, runtime.engine.job(), now)?;
         // The types `resources` chose are stored with the job: a restarted broker runs it on
         // the same ones, and they are shown with it.
         let chosen: Option<Vec<String>> = spec.resources.as_ref().map(|_| {

@@ -273,7 +273,10 @@ pub struct Limits {
     /// Stop the job at this market time (RFC 3339) ...
     #[serde(default)]
     pub deadline: Option<String>,
-    /// ... or this many market hours after submission.
+    /// ... or this many market hours after submission. Policies pace the job against it. A
+    /// deadline that `work.total_work` cannot meet even on on-demand at full width (every
+    /// instance of the fastest type, after one start-up) is refused at submission, with the
+    /// arithmetic.
     #[serde(default)]
     pub deadline_hours: Option<f64>,
 }

@@ -493,27 +493,16 @@ async fn capacity_errors_cool_the_market_down_and_the_policy_buys_elsewhere() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn budget_and_deadline_end_a_job() {
+async fn a_budget_ends_a_job() {
     let s = TestServer::start(|_| {}).await;
     let mut body = job("on-demand");
     body["limits"]["budget_usd"] = json!(0.5);
     body["work"]["total_work"] = json!(50.0);
     let (_, view) = s.post("/v1/jobs", body).await;
     let budget_job = view["id"].as_i64().unwrap();
-    let mut body = job("on-demand");
-    body["limits"]["deadline_hours"] = json!(2.0);
-    body["work"]["total_work"] = json!(500.0);
-    let (_, view) = s.post("/v1/jobs", body).await;
-    let deadline_job = view["id"].as_i64().unwrap();
-    // Ticks every 30 market seconds, as a live broker's would come, for three hours.
     for _ in 0..20 {
         s.step(30.0).await;
     }
-    // Ten minutes in, 500 units cannot be done in the 1 h 50 min left even at full speed.
-    let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
-    let slack = view["work"]["deadline_slack_hours"].as_f64().unwrap();
-    assert!(slack < -10.0, "{view}");
-    assert_eq!(view["work"]["deadline_at_risk"], true, "{view}");
     let (_, view) = s.get(&format!("/v1/jobs/{budget_job}")).await;
     assert!(
         view["work"]["deadline_slack_hours"].is_null(),
@@ -539,12 +528,6 @@ async fn budget_and_deadline_end_a_job() {
         (spend - 0.42).abs() < 1e-9,
         "spend stays within the budget (two instance-hours): {view}"
     );
-    let (_, view) = s.get(&format!("/v1/jobs/{deadline_job}")).await;
-    assert_eq!(view["state"], "failed", "{view}");
-    assert!(
-        view["state_reason"].as_str().unwrap().contains("deadline"),
-        "{view}"
-    );
     assert!(
         s.broker
             .cloud()
@@ -553,6 +536,70 @@ async fn budget_and_deadline_end_a_job() {
             .unwrap()
             .iter()
             .all(|c| c.state.is_gone())
+    );
+}
+
+/// A deadline that not even on-demand at full speed can meet is refused at submission, with
+/// the arithmetic and nothing stored; one that could be met but is not (its only type has no
+/// capacity) is shown at risk, then ends the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_out_of_reach_is_refused_and_a_missed_one_ends_the_job() {
+    let s = TestServer::start(|a| {
+        a.inject_launch_faults = Some("*/c3.xlarge=insufficient-capacity".into())
+    })
+    .await;
+    let body = |hours: f64| {
+        json!({
+            "name": "deadline", "app": "mlr", "policy": "on-demand",
+            "limits": {"max_instances": 4, "max_reliable_instances": 4, "deadline_hours": hours},
+            "work": {"total_work": 8.0, "instance_types": ["c3.xlarge"],
+                     "reference_type": "c3.xlarge", "startup_minutes": 6.0}
+        })
+    };
+    // 8 units on 4 instances of 1 unit/h each: 2 h, plus 6 min of start-up.
+    for (hours, at) in [(1.0, "1.00 h away"), (2.09, "2.09 h away")] {
+        let (status, err) = s.post("/v1/jobs", body(hours)).await;
+        assert_eq!(status, 422, "{err}");
+        let text = err.to_string();
+        for part in [
+            "limits.deadline_hours",
+            "cannot be met even on on-demand",
+            "8 units of work",
+            "4 instances at 1 units/h",
+            "2.00 h",
+            "6 min of start-up",
+            "2.10 h in all",
+            at,
+        ] {
+            assert!(text.contains(part), "{part:?} missing: {text}");
+        }
+    }
+    let (_, jobs) = s.get("/v1/jobs").await;
+    assert_eq!(jobs.as_array().unwrap().len(), 0, "nothing stored: {jobs}");
+    // The dry run says the same.
+    let (status, err) = s.post("/v1/jobs/dry-run", body(1.0)).await;
+    assert_eq!(status, 422, "{err}");
+
+    // Reachable on paper; the cloud has no c3.xlarge to give.
+    let (status, view) = s.post("/v1/jobs", body(2.2)).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..30 {
+        s.step(30.0).await;
+    }
+    // A quarter of an hour in, nothing done: 2.2 h − 0.25 h − 2 h of work at full speed.
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let slack = view["work"]["deadline_slack_hours"].as_f64().unwrap();
+    assert!((-0.2..0.0).contains(&slack), "{view}");
+    assert_eq!(view["work"]["deadline_at_risk"], true, "{view}");
+    for _ in 30..300 {
+        s.step(30.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(view["state"], "failed", "{view}");
+    assert!(
+        view["state_reason"].as_str().unwrap().contains("deadline"),
+        "{view}"
     );
 }
 
