@@ -245,6 +245,8 @@ pub(crate) fn deadline_is_reachable(
     let left_h = deadline.secs_since(now) / 3600.0;
     let startup_min = job.startup_secs / 60.0;
     let need_h = work / fastest.max(1e-9) + startup_min / 60.0;
+    // What to ask for, rounded up so that asking for it is accepted.
+    let allow_h = (need_h * 100.0 - 1e-6).ceil() / 100.0;
     if need_h <= left_h {
         return Ok(());
     }
@@ -266,7 +268,7 @@ pub(crate) fn deadline_is_reachable(
         message: format!(
             "cannot be met even on on-demand: {work} units of work at {speed} take {:.2} h, \
              plus {startup_min:.0} min of start-up, {need_h:.2} h in all, but the deadline \
-             ({deadline}) is {left_h:.2} h away. Allow at least {need_h:.2} h, raise \
+             ({deadline}) is {left_h:.2} h away. Allow at least {allow_h:.2} h, raise \
              `limits.max_instances`, or lower `work.total_work`",
             work / fastest.max(1e-9)
         ),

@@ -702,10 +702,16 @@ impl Broker {
                 if e.cools_down_market() {
                     let until = now.plus_secs(self.settings.cooldown_secs);
                     // A spot refusal says nothing of on-demand in the same market: only spot
-                    // cools down then (see `Cooled`).
+                    // cools down then (see `Cooled`), unless the whole market already does.
+                    let whole_market_cooled = self.cooled(now).await?.get(&(
+                        row.market.zone.to_string(),
+                        row.market.instance_type.to_string(),
+                    )) == Some(&Cooled::All);
                     let reason = match row.tier {
-                        Tier::Transient => format!("{}{SPOT_ONLY}", e.reason()),
-                        Tier::Reliable => e.reason().to_string(),
+                        Tier::Transient if !whole_market_cooled => {
+                            format!("{}{SPOT_ONLY}", e.reason())
+                        }
+                        _ => e.reason().to_string(),
                     };
                     self.store
                         .set_cooldown(&Cooldown {

@@ -569,6 +569,7 @@ async fn a_deadline_out_of_reach_is_refused_and_a_missed_one_ends_the_job() {
             "2.00 h",
             "6 min of start-up",
             "2.10 h in all",
+            "Allow at least 2.10 h",
             at,
         ] {
             assert!(text.contains(part), "{part:?} missing: {text}");
@@ -580,6 +581,9 @@ async fn a_deadline_out_of_reach_is_refused_and_a_missed_one_ends_the_job() {
     let (status, err) = s.post("/v1/jobs/dry-run", body(1.0)).await;
     assert_eq!(status, 422, "{err}");
 
+    // Exactly what the error asked for is accepted.
+    let (status, view) = s.post("/v1/jobs/dry-run", body(2.1)).await;
+    assert_eq!(status, 200, "{view}");
     // Reachable on paper; the cloud has no c3.xlarge to give.
     let (status, view) = s.post("/v1/jobs", body(2.2)).await;
     assert_eq!(status, 201, "{view}");
