@@ -203,8 +203,18 @@ async fn localstack_job_survives_an_interruption_and_cancel_releases_everything(
         .await
         .expect("TerminateInstances on LocalStack");
 
-    let done = broker
+    broker
         .wait_succeeded(&path, Duration::from_secs(300), "job a to finish")
+        .await;
+    // The job may end during the victim's notice; its end is recorded when the cloud reports
+    // it, a tick or two later.
+    let done = api
+        .wait_for(
+            &path,
+            Duration::from_secs(60),
+            "the victim's end recorded",
+            |j| instance(j, &victim_id)["ended"].is_string(),
+        )
         .await;
     let victim_after = instance(&done, &victim_id);
     assert_eq!(victim_after["end_reason"], "evicted", "{victim_after}");

@@ -730,7 +730,9 @@ impl Store {
     }
 
     /// Records the end of an instance, and `event` with it in the same transaction (see
-    /// [`Store::mark_warned`]). The first end recorded wins (times and who ended it).
+    /// [`Store::mark_warned`]). The first end recorded wins (times and who ended it). Its reason
+    /// is a terminate request's, if one came first, unless the provider ended it: then `reason`
+    /// (an eviction is reported as one, whatever else was asked of the instance).
     pub async fn mark_ended(
         &self,
         id: &str,
@@ -745,7 +747,8 @@ impl Store {
                 .await
                 .context("recording the end of an instance")?;
             let n = sqlx::query(
-                "UPDATE instances SET state = 'terminated', ended_ms = $2, end_reason = COALESCE(end_reason, $3), \
+                "UPDATE instances SET state = 'terminated', ended_ms = $2, \
+                     end_reason = CASE WHEN $4 = 1 THEN $3 ELSE COALESCE(end_reason, $3) END, \
                      ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed')",
             )
             .bind(id)

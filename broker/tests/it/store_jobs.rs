@@ -728,6 +728,22 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
     );
     assert!(!b.ended_by_provider);
 
+    // A warned instance the job's end caught during its notice: the provider's end is the
+    // reason on record, as in every report.
+    running(s, "i-w", job, 0).await;
+    s.mark_warned("i-w", t(140), None).await.unwrap();
+    s.mark_terminating("i-w", "job succeeded").await.unwrap();
+    assert!(
+        s.mark_ended("i-w", t(150), "evicted", true, None)
+            .await
+            .unwrap()
+    );
+    let w = get_instance(s, "i-w").await;
+    assert_eq!(
+        (w.state, w.end_reason.as_deref(), w.ended_by_provider),
+        (InstanceState::Terminated, Some("evicted"), true)
+    );
+
     // A failed launch is already final.
     intent(s, "i-f", job, 0).await;
     s.mark_launch_failed("i-f", "quota", t(1)).await.unwrap();
