@@ -6,20 +6,33 @@
 use proteus_e2e::{fresh_pg_database, proteus};
 use sqlx::Row;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_completes_through_evictions_billed_as_provider_ended() {
+/// `proteus demo --output json` with `extra` flags against a fresh Postgres database: the
+/// demo's output directory (kept while the value lives), the database's URL and the demo's
+/// JSON result (the demo must succeed).
+async fn run_demo(extra: &[&str]) -> (tempfile::TempDir, String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
     let out = dir.path().display().to_string();
+    let mut args: Vec<String> = ["demo", "--output", "json", "--out", &out]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
     let run = {
         let db = db.clone();
         tokio::task::spawn_blocking(move || {
-            proteus(Some(&db), &["demo", "--output", "json", "--out", &out], &[])
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            proteus(Some(&db), &args, &[])
         })
     };
     let (code, stdout, stderr) = run.await.unwrap();
     assert_eq!(code, 0, "the demo failed: {stderr}\n{stdout}");
-    let result: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    (dir, db, serde_json::from_str(&stdout).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_completes_through_evictions_billed_as_provider_ended() {
+    let (_out, db, result) = run_demo(&[]).await;
     assert_eq!(result["job"]["state"], "succeeded", "{result}");
     assert!(
         result["job"]["metric"]["value"].as_f64().unwrap() > 0.85,
@@ -84,24 +97,7 @@ async fn the_demo_completes_through_evictions_billed_as_provider_ended() {
 /// nothing, and the whole costs less than on-demand alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_today_demo_meets_its_deadline_through_refusals_and_interruptions() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = fresh_pg_database().await;
-    let out = dir.path().display().to_string();
-    let run = {
-        let db = db.clone();
-        tokio::task::spawn_blocking(move || {
-            proteus(
-                Some(&db),
-                &[
-                    "demo", "--market", "today", "--output", "json", "--out", &out,
-                ],
-                &[],
-            )
-        })
-    };
-    let (code, stdout, stderr) = run.await.unwrap();
-    assert_eq!(code, 0, "the demo failed: {stderr}\n{stdout}");
-    let result: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let (_out, db, result) = run_demo(&["--market", "today"]).await;
     let job = &result["job"];
     assert_eq!(job["state"], "succeeded", "{result}");
     assert_eq!(job["billing"], "per-second", "{job}");
