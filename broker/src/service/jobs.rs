@@ -5,7 +5,7 @@ use super::status_cache::JobRecord;
 use super::{Broker, ServiceError, ledger};
 use crate::engine::work::{self, WorkingSpan};
 use crate::market::{Timestamp, Usd, UsdPerHour};
-use crate::store::{Cooldown, InstanceRow, InstanceState, JobRow, JobState, NewJob};
+use crate::store::{Cooldown, CooldownScope, InstanceRow, InstanceState, JobRow, JobState, NewJob};
 use proteus_wire::{JobId, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -473,8 +473,12 @@ impl Broker {
             .iter()
             .filter(|c| c.until > now)
             .map(|c| {
+                let scope = match c.scope {
+                    CooldownScope::SpotOffer => " (spot)",
+                    CooldownScope::WholeMarket => "",
+                };
                 format!(
-                    "{}/{}: {} until {}",
+                    "{}/{}: {}{scope} until {}",
                     c.zone, c.instance_type, c.reason, c.until
                 )
             })

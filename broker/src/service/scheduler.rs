@@ -18,7 +18,7 @@ use crate::market::{Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
 use crate::policy::{MarketView, Purchase, ViewError};
 use crate::store::{
-    Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, WorkRecord,
+    Cooldown, CooldownScope, EventRecord, InstanceRow, InstanceState, JobRow, JobState, WorkRecord,
 };
 use proteus_wire::coordinator::JobState as TrainingState;
 use proteus_wire::{InstanceId, JobId, Tier};
@@ -544,21 +544,13 @@ impl Broker {
     /// Markets in a cool-down after the cloud refused them: the policy does not see them
     /// (after a spot refusal, it does not see their spot offer).
     pub(super) async fn cooled(&self, now: Timestamp) -> Result<CooledMarkets, ServiceError> {
-        let mut out = CooledMarkets::new();
-        for c in self.store.cooldowns(now).await? {
-            let how = if c.reason.ends_with(SPOT_ONLY) {
-                Cooled::Spot
-            } else {
-                Cooled::All
-            };
-            let entry = out
-                .entry((c.zone.to_string(), c.instance_type.to_string()))
-                .or_insert(how);
-            if how == Cooled::All {
-                *entry = Cooled::All;
-            }
-        }
-        Ok(out)
+        Ok(self
+            .store
+            .cooldowns(now)
+            .await?
+            .into_iter()
+            .map(|c| ((c.zone.to_string(), c.instance_type.to_string()), c.scope))
+            .collect())
     }
 
     fn work_record(
@@ -701,25 +693,23 @@ impl Broker {
                 let mut detail = format!("{}: {}: {e}", row.market, e.reason());
                 if e.cools_down_market() {
                     let until = now.plus_secs(self.settings.cooldown_secs);
-                    // A spot refusal says nothing of on-demand in the same market: only spot
-                    // cools down then (see `Cooled`), unless the whole market already does.
-                    let whole_market_cooled = self.cooled(now).await?.get(&(
-                        row.market.zone.to_string(),
-                        row.market.instance_type.to_string(),
-                    )) == Some(&Cooled::All);
-                    let reason = match row.tier {
-                        Tier::Transient if !whole_market_cooled => {
-                            format!("{}{SPOT_ONLY}", e.reason())
-                        }
-                        _ => e.reason().to_string(),
+                    // A spot refusal says nothing of on-demand in the same market: only its spot
+                    // offer cools down then (the store keeps a whole-market one that runs).
+                    let scope = match row.tier {
+                        Tier::Transient => CooldownScope::SpotOffer,
+                        Tier::Reliable => CooldownScope::WholeMarket,
                     };
                     self.store
-                        .set_cooldown(&Cooldown {
-                            zone: row.market.zone.clone(),
-                            instance_type: row.market.instance_type.clone(),
-                            until,
-                            reason,
-                        })
+                        .set_cooldown(
+                            &Cooldown {
+                                zone: row.market.zone.clone(),
+                                instance_type: row.market.instance_type.clone(),
+                                until,
+                                reason: e.reason().to_string(),
+                                scope,
+                            },
+                            now,
+                        )
                         .await?;
                     detail.push_str(&format!("; market skipped until {until}"));
                 }
@@ -1005,20 +995,8 @@ pub(crate) fn budget_lookahead_secs(tick: std::time::Duration, speed: f64) -> f6
     crate::engine::job_engine::BUDGET_LOOK_SECS.max(2.0 * tick.as_secs_f64() * speed)
 }
 
-/// The end of a cool-down's reason when only the market's spot offer cools down.
-const SPOT_ONLY: &str = " (spot)";
-
-/// How far a market is cooled down.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Cooled {
-    /// A spot launch was refused: no spot offer, on-demand still there.
-    Spot,
-    /// An on-demand launch was refused: the market is not offered at all.
-    All,
-}
-
-/// Cooled-down markets by (zone, type).
-pub(super) type CooledMarkets = HashMap<(String, String), Cooled>;
+/// Cooled-down markets by (zone, type), with what each cool-down covers.
+pub(super) type CooledMarkets = HashMap<(String, String), CooldownScope>;
 
 /// The trace view minus markets the cloud refused recently.
 struct LiveView<'a> {
@@ -1027,7 +1005,7 @@ struct LiveView<'a> {
 }
 
 impl LiveView<'_> {
-    fn cooled(&self, m: &Market) -> Option<Cooled> {
+    fn cooled(&self, m: &Market) -> Option<CooldownScope> {
         self.cooled
             .get(&(m.zone.to_string(), m.instance_type.to_string()))
             .copied()
@@ -1042,7 +1020,7 @@ impl MarketView for LiveView<'_> {
         self.inner
             .markets()
             .into_iter()
-            .filter(|m| self.cooled(m) != Some(Cooled::All))
+            .filter(|m| self.cooled(m) != Some(CooldownScope::WholeMarket))
             .collect()
     }
     fn spot_price(&self, market: &Market) -> Option<UsdPerHour> {

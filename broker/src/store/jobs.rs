@@ -239,6 +239,18 @@ pub struct Cooldown {
     pub instance_type: InstanceType,
     pub until: Timestamp,
     pub reason: String,
+    pub scope: CooldownScope,
+}
+
+/// What a cool-down covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CooldownScope {
+    /// A spot launch was refused: the market's spot offer is skipped; on-demand capacity is
+    /// separate and stays offered.
+    SpotOffer,
+    /// An on-demand launch was refused: the market is skipped altogether.
+    WholeMarket,
 }
 
 #[derive(sqlx::FromRow)]
@@ -1004,16 +1016,24 @@ impl Store {
         Ok(rows)
     }
 
-    pub async fn set_cooldown(&self, c: &Cooldown) -> Result<(), StoreError> {
+    /// Records a cool-down at `now`; a newer one for the same market replaces it, except that
+    /// a spot refusal does not narrow a whole-market cool-down still running at `now`.
+    pub async fn set_cooldown(&self, c: &Cooldown, now: Timestamp) -> Result<(), StoreError> {
         with_db!(self, |pool| {
             sqlx::query(
-                "INSERT INTO market_cooldowns (availability_zone, instance_type, until_ms, reason) VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (availability_zone, instance_type) DO UPDATE SET until_ms = excluded.until_ms, reason = excluded.reason",
+                "INSERT INTO market_cooldowns (availability_zone, instance_type, until_ms, reason, spot_only) \
+                 VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (availability_zone, instance_type) DO UPDATE SET until_ms = excluded.until_ms, \
+                 reason = excluded.reason, \
+                 spot_only = CASE WHEN market_cooldowns.spot_only = 0 AND market_cooldowns.until_ms > $6 \
+                 THEN 0 ELSE excluded.spot_only END",
             )
             .bind(c.zone.as_str())
             .bind(c.instance_type.as_str())
             .bind(c.until.millis())
             .bind(&c.reason)
+            .bind(i64::from(c.scope == CooldownScope::SpotOffer))
+            .bind(now.millis())
             .execute(pool)
             .await
             .context("recording a market cool-down")?;
@@ -1022,9 +1042,9 @@ impl Store {
     }
 
     pub async fn cooldowns(&self, now: Timestamp) -> Result<Vec<Cooldown>, StoreError> {
-        let rows: Vec<(String, String, i64, String)> = with_db!(self, |pool| {
+        let rows: Vec<(String, String, i64, String, i64)> = with_db!(self, |pool| {
             sqlx::query_as(
-                "SELECT availability_zone, instance_type, until_ms, reason FROM market_cooldowns WHERE until_ms > $1",
+                "SELECT availability_zone, instance_type, until_ms, reason, spot_only FROM market_cooldowns WHERE until_ms > $1",
             )
             .bind(now.millis())
             .fetch_all(pool)
@@ -1032,7 +1052,7 @@ impl Store {
             .context("reading market cool-downs")?
         });
         rows.into_iter()
-            .map(|(z, t, until, reason)| {
+            .map(|(z, t, until, reason, spot_only)| {
                 let bad = |e: crate::market::InvalidValue| {
                     StoreError::Invalid(format!("stored cool-down: {e}"))
                 };
@@ -1041,6 +1061,11 @@ impl Store {
                     instance_type: InstanceType::parse(&t).map_err(bad)?,
                     until: Timestamp::from_millis(until),
                     reason,
+                    scope: if spot_only == 0 {
+                        CooldownScope::WholeMarket
+                    } else {
+                        CooldownScope::SpotOffer
+                    },
                 })
             })
             .collect()

@@ -12,8 +12,8 @@ mod prices;
 pub use exclusive::{PgExclusive, Refused};
 
 pub use jobs::{
-    Cooldown, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
-    NewJob, WorkRecord,
+    Cooldown, CooldownScope, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState,
+    LedgerLine, NewJob, WorkRecord,
 };
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 

@@ -9,8 +9,8 @@ use crate::support::TestDb;
 use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_broker::policy::Purchase;
 use proteus_broker::store::{
-    Backend, Cooldown, EventRecord, InstanceRow, InstanceState, JobRow, JobState, LedgerLine,
-    NewJob, Store, WorkRecord,
+    Backend, Cooldown, CooldownScope, EventRecord, InstanceRow, InstanceState, JobRow, JobState,
+    LedgerLine, NewJob, Store, WorkRecord,
 };
 use proteus_wire::{JobId, Tier};
 
@@ -36,6 +36,7 @@ on_both_backends!(
     ledger_of_job_and_spend_of_job_are_per_job,
     non_finite_money_in_a_row_is_refused_where_it_is_read,
     cooldowns_upsert_and_expire,
+    a_spot_refusal_does_not_narrow_a_running_whole_market_cooldown,
     the_first_api_token_hash_stays,
 );
 
@@ -1057,15 +1058,16 @@ async fn cooldowns_upsert_and_expire(db: TestDb) {
         instance_type: proteus_broker::market::InstanceType::parse(itype).unwrap(),
         until: t(until),
         reason: reason.to_string(),
+        scope: CooldownScope::WholeMarket,
     };
-    s.set_cooldown(&cd("us-east-1a", "c4.large", 100, "capacity"))
+    s.set_cooldown(&cd("us-east-1a", "c4.large", 100, "capacity"), t(0))
         .await
         .unwrap();
-    s.set_cooldown(&cd("us-east-1b", "c4.large", 50, "quota"))
+    s.set_cooldown(&cd("us-east-1b", "c4.large", 50, "quota"), t(0))
         .await
         .unwrap();
     // Same market again: the newer refusal replaces the old one.
-    s.set_cooldown(&cd("us-east-1a", "c4.large", 300, "price too low"))
+    s.set_cooldown(&cd("us-east-1a", "c4.large", 300, "price too low"), t(0))
         .await
         .unwrap();
 
@@ -1084,6 +1086,51 @@ async fn cooldowns_upsert_and_expire(db: TestDb) {
         vec![cd("us-east-1a", "c4.large", 300, "price too low")]
     );
     assert!(s.cooldowns(t(300)).await.unwrap().is_empty());
+}
+
+async fn a_spot_refusal_does_not_narrow_a_running_whole_market_cooldown(db: TestDb) {
+    let s = &db.store;
+    let cd = |until: i64, scope: CooldownScope| Cooldown {
+        zone: Zone::parse("us-west-2a").unwrap(),
+        instance_type: proteus_broker::market::InstanceType::parse("p3.2xlarge").unwrap(),
+        until: t(until),
+        reason: "insufficient-capacity".to_string(),
+        scope,
+    };
+    let scope_at = |now: i64| async move {
+        let all = s.cooldowns(t(now)).await.unwrap();
+        assert!(all.len() <= 1, "{all:?}");
+        all.first().map(|c| (c.scope, c.until))
+    };
+    // A spot refusal cools down the spot offer only.
+    s.set_cooldown(&cd(100, CooldownScope::SpotOffer), t(0))
+        .await
+        .unwrap();
+    assert_eq!(scope_at(1).await, Some((CooldownScope::SpotOffer, t(100))));
+    // An on-demand refusal widens it to the whole market.
+    s.set_cooldown(&cd(200, CooldownScope::WholeMarket), t(50))
+        .await
+        .unwrap();
+    assert_eq!(
+        scope_at(51).await,
+        Some((CooldownScope::WholeMarket, t(200)))
+    );
+    // A spot refusal while that runs extends it, still whole.
+    s.set_cooldown(&cd(300, CooldownScope::SpotOffer), t(150))
+        .await
+        .unwrap();
+    assert_eq!(
+        scope_at(151).await,
+        Some((CooldownScope::WholeMarket, t(300)))
+    );
+    // Once it is over, a spot refusal is a spot one again.
+    s.set_cooldown(&cd(500, CooldownScope::SpotOffer), t(400))
+        .await
+        .unwrap();
+    assert_eq!(
+        scope_at(401).await,
+        Some((CooldownScope::SpotOffer, t(500)))
+    );
 }
 
 async fn the_first_api_token_hash_stays(db: TestDb) {
