@@ -695,14 +695,7 @@ async fn load_availability(
         })
         .collect();
     let offers: Vec<_> = history.on_demand().offers().cloned().collect();
-    store
-        .ingest_on_demand(&offers)
-        .await
-        .context("storing on-demand prices")?;
-    store
-        .ingest_spot_prices(&rows)
-        .await
-        .context("storing the availability pools' prices")?;
+    store_prices(store, &offers, &rows, "the availability pools' prices").await?;
     Ok((history, availability))
 }
 
@@ -723,15 +716,26 @@ async fn load_sim_trace(store: &Store, args: &ServeArgs, region: &Region) -> Res
             region,
         )?,
     };
+    store_prices(store, &offers, &rows, "the trace").await?;
+    Ok(crate::sim::inputs::history_from_rows(rows, offers))
+}
+
+/// The sim cloud's prices into the store, where the API and the dashboard read them.
+async fn store_prices(
+    store: &Store,
+    offers: &[crate::prices::InstanceOffer],
+    rows: &[crate::prices::SpotPriceRow],
+    spot_what: &str,
+) -> Result<()> {
     store
-        .ingest_on_demand(&offers)
+        .ingest_on_demand(offers)
         .await
         .context("storing on-demand prices")?;
     store
-        .ingest_spot_prices(&rows)
+        .ingest_spot_prices(rows)
         .await
-        .context("storing the trace")?;
-    Ok(crate::sim::inputs::history_from_rows(rows, offers))
+        .with_context(|| format!("storing {spot_what}"))?;
+    Ok(())
 }
 
 #[cfg(feature = "ec2")]

@@ -175,6 +175,14 @@ pub enum ModelChoice {
     Hazard,
 }
 
+impl SimulateArgs {
+    /// Worker threads for a sweep: `--threads`, or the available cores.
+    pub(super) fn threads(&self) -> usize {
+        self.threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+}
+
 pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     if !args.availability.is_empty() {
         return super::simulate_today::run(args);
@@ -342,9 +350,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args.threads();
     let options = SweepOptions {
         seed: args.seed,
         threads,

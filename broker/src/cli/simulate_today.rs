@@ -198,9 +198,7 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         bail!("--starts must be at least 1");
     }
     let starts = start_times(first, hi, args.starts, args.seed);
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args.threads();
     let options = SweepOptions {
         seed: args.seed,
         threads,
@@ -274,22 +272,28 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     })
 }
 
-/// Summary of runs that are not simulations (the hindsight optimum): no instance figures.
-fn summarize_runs(policy: &str, kind: &str, runs: Vec<TodayRun>, od_costs: &[f64]) -> TodaySummary {
-    let k = runs.len().max(1) as f64;
-    let costs: Vec<f64> = runs.iter().map(|r| r.cost_usd).collect();
+/// The mean over starts of each cost divided by on-demand's from the same start (starts where
+/// on-demand cost nothing are left out).
+fn mean_ratio(costs: &[f64], od_costs: &[f64]) -> f64 {
     let ratios: Vec<f64> = costs
         .iter()
         .zip(od_costs)
         .filter(|(_, od)| **od > 0.0)
         .map(|(c, od)| c / od)
         .collect();
+    ratios.iter().sum::<f64>() / ratios.len().max(1) as f64
+}
+
+/// Summary of runs that are not simulations (the hindsight optimum): no instance figures.
+fn summarize_runs(policy: &str, kind: &str, runs: Vec<TodayRun>, od_costs: &[f64]) -> TodaySummary {
+    let k = runs.len().max(1) as f64;
+    let costs: Vec<f64> = runs.iter().map(|r| r.cost_usd).collect();
     TodaySummary {
         policy: policy.to_string(),
         kind: kind.to_string(),
         runs: runs.len(),
         deadline_met_rate: runs.iter().filter(|r| r.deadline_met).count() as f64 / k,
-        cost_vs_on_demand: ratios.iter().sum::<f64>() / ratios.len().max(1) as f64,
+        cost_vs_on_demand: mean_ratio(&costs, od_costs),
         median_cost_usd: median(&costs),
         mean_cost_usd: costs.iter().sum::<f64>() / k,
         mean_interruptions: 0.0,
@@ -306,12 +310,6 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
         .iter()
         .filter(|r| r.outcome == Outcome::Completed)
         .count() as f64;
-    let ratios: Vec<f64> = costs
-        .iter()
-        .zip(od_costs)
-        .filter(|(_, od)| **od > 0.0)
-        .map(|(c, od)| c / od)
-        .collect();
     let hours: f64 = runs
         .iter()
         .map(|r| r.instance_hours_reliable + r.instance_hours_transient)
@@ -322,7 +320,7 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
         kind: entry.kind.as_str().to_string(),
         runs: runs.len(),
         deadline_met_rate: met / k,
-        cost_vs_on_demand: ratios.iter().sum::<f64>() / ratios.len().max(1) as f64,
+        cost_vs_on_demand: mean_ratio(&costs, od_costs),
         median_cost_usd: median(&costs),
         mean_cost_usd: costs.iter().sum::<f64>() / k,
         mean_interruptions: runs.iter().map(|r| r.evictions as f64).sum::<f64>() / k,
