@@ -129,10 +129,11 @@ impl Cloud for SimCloud {
                 }
                 match &self.availability {
                     Some(_) => None,
-                    None => {
-                        let series = self.trace.get(&spec.market).expect("priced above");
-                        series.first_above(now, bid.get(), Timestamp::MAX)
-                    }
+                    // Priced above, so the market has a series.
+                    None => self
+                        .trace
+                        .get(&spec.market)
+                        .and_then(|series| series.first_above(now, bid.get(), Timestamp::MAX)),
                 }
             }
         };
