@@ -23,7 +23,8 @@ proteus-agent --broker http://127.0.0.1:8080 --token t1 --instance-id sim-1 \\\n
 Every flag can also be given by environment variable (shown in brackets)."
 )]
 pub struct Cli {
-    /// Base URL of the broker's agent API.
+    /// Base URL of the broker's agent API, or several brokers' URLs separated by commas: the
+    /// agent moves to the next when one cannot be reached or says another broker runs the job.
     #[arg(long, env = "PROTEUS_BROKER_URL")]
     broker: String,
     /// PEM CA certificate(s) to verify the broker's HTTPS against, instead of the system roots.

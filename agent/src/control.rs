@@ -8,6 +8,8 @@ use proteus_wire::agent_api::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Makes `builder` verify HTTPS servers against the PEM CA certificates in `ca_file` only (a
@@ -32,54 +34,106 @@ pub fn trust(
     Ok(builder.tls_certs_only(certs))
 }
 
-/// The broker as seen from one agent.
+/// The broker as seen from one agent: one URL, or several brokers of one deployment, tried in
+/// turn. The agent stays with the one that answers; it moves to the next when that one cannot
+/// be reached or says the job is another broker's (421), which is how it follows its job when
+/// the broker that owned it dies and another takes it over.
 #[derive(Clone)]
 pub struct Broker {
     http: reqwest::Client,
-    base: String,
+    bases: Arc<Vec<String>>,
+    current: Arc<AtomicUsize>,
     token: String,
 }
+
+/// The answer of a broker that does not run the agent's job.
+const NOT_OWNER: u16 = 421;
 
 /// Whether a failure is worth retrying.
 pub fn is_transient(e: &AgentError) -> bool {
     match e {
         AgentError::Broker(_) => true,
-        AgentError::BrokerStatus { status, .. } => *status >= 500 || *status == 429,
+        AgentError::BrokerStatus { status, .. } => {
+            *status >= 500 || *status == 429 || *status == NOT_OWNER
+        }
         _ => false,
     }
 }
 
 impl Broker {
-    /// `ca_file`: see [`trust`].
-    pub fn new(base: &str, token: &str, ca_file: Option<&std::path::Path>) -> Result<Broker> {
+    /// `bases`: one broker URL, or several separated by commas. `ca_file`: see [`trust`].
+    pub fn new(bases: &str, token: &str, ca_file: Option<&std::path::Path>) -> Result<Broker> {
         let builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
         let http = trust(builder, ca_file)
             .map_err(AgentError::Config)?
             .build()
             .map_err(|e| AgentError::Broker(e.to_string()))?;
+        let bases: Vec<String> = bases
+            .split(',')
+            .map(|b| b.trim().trim_end_matches('/').to_string())
+            .filter(|b| !b.is_empty())
+            .collect();
+        if bases.is_empty() {
+            return Err(AgentError::Config(
+                "--broker: give the broker's URL (or several, separated by commas)".into(),
+            ));
+        }
         Ok(Broker {
             http,
-            base: base.trim_end_matches('/').to_string(),
+            bases: Arc::new(bases),
+            current: Arc::new(AtomicUsize::new(0)),
             token: token.to_string(),
         })
     }
 
-    pub fn url(&self) -> &str {
-        &self.base
+    /// The broker URL in use now.
+    pub fn url(&self) -> String {
+        self.base_at(self.current.load(Ordering::Relaxed))
     }
 
+    fn base_at(&self, i: usize) -> String {
+        self.bases[i % self.bases.len()].clone()
+    }
+
+    /// Moves on from the broker at `used` to the next one (once, however many requests saw it
+    /// fail at the same time).
+    fn next_broker(&self, used: usize) {
+        if self.bases.len() > 1
+            && self
+                .current
+                .compare_exchange(used, used + 1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::info!(from = %self.base_at(used), to = %self.base_at(used + 1), "trying the next broker");
+        }
+    }
+
+    /// Sends the request built for the current broker's URL by `build`.
     async fn send<T: DeserializeOwned>(
         &self,
-        req: reqwest::RequestBuilder,
+        build: impl FnOnce(&str) -> reqwest::RequestBuilder,
         timeout: Duration,
     ) -> Result<Option<T>> {
-        let resp = req
+        let used = self.current.load(Ordering::Relaxed);
+        let base = self.base_at(used);
+        let resp = match build(&base)
             .bearer_auth(&self.token)
             .timeout(timeout)
             .send()
             .await
-            .map_err(|e| AgentError::Broker(format!("{}: {}", self.base, error_chain(&e))))?;
+        {
+            Ok(resp) => resp,
+            Err(e) => {
+                if e.is_connect() || e.is_timeout() {
+                    self.next_broker(used);
+                }
+                return Err(AgentError::Broker(format!("{base}: {}", error_chain(&e))));
+            }
+        };
         let status = resp.status();
+        if status.as_u16() == NOT_OWNER {
+            self.next_broker(used);
+        }
         if status.is_success() {
             if status == reqwest::StatusCode::NO_CONTENT {
                 return Ok(None);
@@ -110,8 +164,12 @@ impl Broker {
         path: &str,
         body: &B,
     ) -> Result<Option<T>> {
-        let req = self.http.post(format!("{}{path}", self.base)).json(body);
-        self.send(req, Duration::from_secs(15)).await
+        let http = &self.http;
+        self.send(
+            |base| http.post(format!("{base}{path}")).json(body),
+            Duration::from_secs(15),
+        )
+        .await
     }
 
     /// Register, retrying with capped exponential backoff while the broker is unreachable or
@@ -123,7 +181,7 @@ impl Broker {
                 Ok(Some(r)) => return Ok(r),
                 Ok(None) => return Err(AgentError::Broker("empty registration answer".into())),
                 Err(e) if is_transient(&e) => {
-                    tracing::warn!(broker = %self.base, error = %e, retry_in_ms = delay.as_millis() as u64,
+                    tracing::warn!(broker = %self.url(), error = %e, retry_in_ms = delay.as_millis() as u64,
                         "broker unreachable; retrying registration");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(10));
@@ -139,25 +197,26 @@ impl Broker {
             .map(|_| ())
     }
 
-    /// Send an event, retrying transient failures a few times (events matter: a lost warning
-    /// delays the hand-over until the member times out).
+    /// Send an event, retrying transient failures for up to a minute (events matter: a lost
+    /// warning delays the hand-over until the member times out; the minute covers a broker's
+    /// failover, whose lease is 10 s by default).
     pub async fn event(&self, id: &InstanceId, ev: &AgentEvent) -> Result<()> {
         let mut delay = Duration::from_millis(100);
-        for attempt in 0.. {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
             match self
                 .post::<_, serde_json::Value>(&paths::events(id), ev)
                 .await
             {
                 Ok(_) => return Ok(()),
-                Err(e) if is_transient(&e) && attempt < 5 => {
+                Err(e) if is_transient(&e) && std::time::Instant::now() < deadline => {
                     tracing::warn!(error = %e, "event not delivered; retrying");
                     tokio::time::sleep(delay).await;
-                    delay *= 2;
+                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => return Err(e),
             }
         }
-        Ok(())
     }
 
     /// One long poll.
@@ -168,13 +227,13 @@ impl Broker {
         wait_ms: u64,
     ) -> Result<Vec<CommandEnvelope>> {
         let q = CommandsQuery { after, wait_ms };
-        let req = self
-            .http
-            .get(format!("{}{}", self.base, paths::commands(id)))
-            .query(&q);
+        let http = &self.http;
         let timeout = Duration::from_millis(wait_ms) + Duration::from_secs(10);
         Ok(self
-            .send::<Vec<CommandEnvelope>>(req, timeout)
+            .send::<Vec<CommandEnvelope>>(
+                |base| http.get(format!("{base}{}", paths::commands(id))).query(&q),
+                timeout,
+            )
             .await?
             .unwrap_or_default())
     }
@@ -186,29 +245,33 @@ impl Broker {
         rank: u32,
         op: CheckpointOp,
     ) -> Result<CheckpointTransfer> {
-        let req = self
-            .http
-            .get(format!("{}{}", self.base, paths::checkpoint(id)))
-            .query(&CheckpointQuery { rank, op });
-        self.send::<CheckpointTransfer>(req, Duration::from_secs(15))
-            .await?
-            .ok_or_else(|| AgentError::Broker("empty checkpoint answer".into()))
+        let http = &self.http;
+        self.send::<CheckpointTransfer>(
+            |base| {
+                http.get(format!("{base}{}", paths::checkpoint(id)))
+                    .query(&CheckpointQuery { rank, op })
+            },
+            Duration::from_secs(15),
+        )
+        .await?
+        .ok_or_else(|| AgentError::Broker("empty checkpoint answer".into()))
     }
 
     /// Where to fetch the job's `s3://` working directory (a presigned `GET`).
     pub async fn workdir_transfer(&self, id: &InstanceId) -> Result<CheckpointTransfer> {
-        let req = self
-            .http
-            .get(format!("{}{}", self.base, paths::workdir(id)));
-        self.send::<CheckpointTransfer>(req, Duration::from_secs(15))
-            .await?
-            .ok_or_else(|| AgentError::Broker("empty working-directory answer".into()))
+        let http = &self.http;
+        self.send::<CheckpointTransfer>(
+            |base| http.get(format!("{base}{}", paths::workdir(id))),
+            Duration::from_secs(15),
+        )
+        .await?
+        .ok_or_else(|| AgentError::Broker("empty working-directory answer".into()))
     }
 
     /// A transfer's URL: absolute (presigned), or a path on the broker (its own store).
     fn transfer_url(&self, t: &CheckpointTransfer) -> String {
         if t.url.starts_with('/') {
-            format!("{}{}", self.base, t.url)
+            format!("{}{}", self.url(), t.url)
         } else {
             t.url.clone()
         }
@@ -276,14 +339,17 @@ impl Broker {
 
     /// Send the newest tail of a command job's output.
     pub async fn output(&self, id: &InstanceId, tail: String) -> Result<()> {
-        let req = self
-            .http
-            .post(format!("{}{}", self.base, paths::output(id)))
-            .header("content-type", "text/plain; charset=utf-8")
-            .body(tail);
-        self.send::<serde_json::Value>(req, Duration::from_secs(15))
-            .await
-            .map(|_| ())
+        let http = &self.http;
+        self.send::<serde_json::Value>(
+            |base| {
+                http.post(format!("{base}{}", paths::output(id)))
+                    .header("content-type", "text/plain; charset=utf-8")
+                    .body(tail)
+            },
+            Duration::from_secs(15),
+        )
+        .await
+        .map(|_| ())
     }
 }
 

@@ -7,8 +7,9 @@
 //! them when the process dies, `kill -9` included, so a restart needs no clean-up; the files
 //! are opened close-on-exec, so agents the broker starts (which outlive it) do not inherit them.
 //!
-//! On Postgres, until jobs are shared between brokers through leases, one broker holds the
-//! database through an advisory lock ([`lock_postgres`]).
+//! On Postgres, brokers share the jobs through leases (`service::membership`), except with the
+//! simulated cloud, which lives inside one broker: then one broker holds the database through
+//! an advisory lock ([`lock_postgres`]).
 
 use crate::store::{PgExclusive, Refused};
 use std::fs::{File, OpenOptions, TryLockError};
@@ -30,7 +31,8 @@ pub enum LockError {
     },
     #[error(
         "another broker is running on the Postgres database {url}: {}; several brokers on \
-         one Postgres database are not supported yet: stop it first, or give this broker a \
+         one Postgres database share it only on a cloud they share (--cloud ec2), not the \
+         simulated cloud, which lives inside one broker: stop it first, or give this broker a \
          database of its own",
         .holder.as_deref().unwrap_or("a session whose name Postgres does not show")
     )]

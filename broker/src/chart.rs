@@ -667,6 +667,7 @@ mod tests {
             ended_by_provider: true,
             launch_error: None,
             metadata_addr: None,
+            agent_pid: None,
         };
         (history, inst)
     }

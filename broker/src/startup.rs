@@ -47,9 +47,15 @@ pub struct ServeArgs {
     #[arg(long, env = "PROTEUS_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// The URL agents use to reach this broker. Default: http://<listen>, or https://<listen>
-    /// with --tls-cert.
+    /// with --tls-cert. With several brokers behind a load balancer, the load balancer's URL
+    /// (see docs/operations.md).
     #[arg(long, env = "PROTEUS_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
+    /// Seconds a job's lease lasts without renewal (renewed every quarter of it): how long the
+    /// jobs of a broker that died wait before another broker on the same Postgres database
+    /// takes them over.
+    #[arg(long, env = "PROTEUS_LEASE_SECS", default_value_t = 10.0)]
+    pub lease_secs: f64,
     /// Serve HTTPS with this PEM certificate chain (leaf first). Reloaded on SIGHUP and when
     /// the file changes. Without it the API is plain HTTP: for loopback and the demo only.
     #[arg(long, env = "PROTEUS_TLS_CERT", requires = "tls_key")]
@@ -231,6 +237,7 @@ impl ServeArgs {
         ServeArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise_url: None,
+            lease_secs: 10.0,
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
@@ -301,6 +308,7 @@ impl Application {
     /// Serves the API only; the caller drives the scheduler with [`Broker::tick`].
     pub fn serve_api(self) -> (Arc<Broker>, tokio::task::JoinHandle<()>) {
         let broker = self.broker.clone();
+        tokio::spawn(broker.clone().run_lease_keeper(std::future::pending()));
         let task = tokio::spawn(self.serve(std::future::pending()));
         (broker, task)
     }
@@ -330,8 +338,12 @@ impl Application {
         let (tx, rx) = tokio::sync::watch::channel(false);
         let broker = self.broker.clone();
         let mut rx2 = rx.clone();
-        let scheduler = tokio::spawn(broker.run_scheduler(async move {
+        let scheduler = tokio::spawn(broker.clone().run_scheduler(async move {
             let _ = rx2.wait_for(|stop| *stop).await;
+        }));
+        let mut rx4 = rx.clone();
+        let keeper = tokio::spawn(broker.clone().run_lease_keeper(async move {
+            let _ = rx4.wait_for(|stop| *stop).await;
         }));
         let mut rx3 = rx.clone();
         let server = tokio::spawn(self.serve(async move {
@@ -340,6 +352,12 @@ impl Application {
         shutdown.await;
         let _ = tx.send(true);
         let _ = scheduler.await;
+        let _ = keeper.await;
+        // The other brokers take this one's jobs over at once rather than after the lease.
+        match broker.leave().await {
+            Ok(()) => tracing::info!("released this broker's job leases"),
+            Err(e) => tracing::warn!(error = %e, "cannot release the job leases; they expire"),
+        }
         // Long polls may hold connections for a while; do not wait for them forever.
         let _ = tokio::time::timeout(Duration::from_secs(3), server).await;
     }
@@ -489,7 +507,6 @@ pub async fn start_with(
         let config = LauncherConfig {
             agent_bin,
             agent_prefix,
-            broker_url: advertise.clone(),
             data_dir: args
                 .agent_data_dir
                 .clone()
@@ -538,8 +555,20 @@ pub async fn start_with(
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;
     // A session cookie set over HTTPS must never travel back over plain HTTP.
     let auth = auth.with_secure_cookies(tls.is_some());
-    let broker = Broker::new(store, clock, cloud, launcher, history, settings);
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    let broker_id = crate::service::membership::broker_id_of(&state_dir)
+        .with_context(|| format!("this broker's id in {}", state_dir.display()))?;
+    if !(args.lease_secs.is_finite() && (1.0..=3600.0).contains(&args.lease_secs)) {
+        bail!("--lease-secs must be between 1 and 3600");
+    }
+    let membership = crate::service::membership::Membership::new(
+        broker_id,
+        advertise.clone(),
+        Duration::from_secs_f64(args.lease_secs),
+        // On the embedded database a broker is alone (it holds the file's lock).
+        store.backend() == crate::store::Backend::Sqlite,
+    );
+    let broker = Broker::new(store, clock, cloud, launcher, history, settings, membership);
     let checkpoints = match &args.checkpoint_store {
         Some(spec) => spec.clone(),
         None => state_dir.join("checkpoints").display().to_string(),

@@ -40,16 +40,19 @@ pub async fn run(args: Args) -> Result<bool> {
         .created;
     let id = format!("pi-{}-{}", args.job, args.cloud_id);
     store
-        .insert_instance(&InstanceRow::intent(
-            id.clone(),
-            JobId(args.job),
-            market,
-            Purchase::OnDemand,
-            hash_token(&token),
-            now,
-        ))
+        .insert_instance(
+            None,
+            &InstanceRow::intent(
+                id.clone(),
+                JobId(args.job),
+                market,
+                Purchase::OnDemand,
+                hash_token(&token),
+                now,
+            ),
+        )
         .await?;
-    store.mark_launched(&id, &args.cloud_id, now).await?;
+    store.mark_launched(None, &id, &args.cloud_id, now).await?;
     store.close().await;
     println!("{} {token}", args.cloud_id);
     Ok(true)

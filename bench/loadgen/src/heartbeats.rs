@@ -178,7 +178,7 @@ async fn setup(
             hash_token(&token),
             now,
         );
-        broker.store().insert_instance(&row).await?;
+        broker.store().insert_instance(None, &row).await?;
         let launched = broker
             .cloud()
             .launch(&LaunchSpec {
@@ -194,6 +194,7 @@ async fn setup(
         broker
             .store()
             .mark_launched(
+                None,
                 &row.id,
                 &launched.cloud_id,
                 launched.launched.unwrap_or(now),

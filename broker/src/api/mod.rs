@@ -127,6 +127,17 @@ impl From<ServiceError> for ApiError {
                 e.code(),
                 e.to_string(),
             ),
+            ServiceError::NotOwner { job }
+            | ServiceError::Store(crate::store::StoreError::Fenced { job }) => {
+                ApiError::with_status(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "not_owner",
+                    format!(
+                        "job {job} is run by another broker of this deployment: ask the next \
+                         broker URL (agents do so on their own)"
+                    ),
+                )
+            }
             other => ApiError::internal(other),
         }
     }

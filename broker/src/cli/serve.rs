@@ -25,7 +25,9 @@ pub async fn run(database: DatabaseArgs, args: ServeArgs) -> Result<ExitCode> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let pg = match url.starts_with("postgres") {
+    // Brokers on one Postgres share its jobs through leases, but the simulated cloud lives
+    // inside one broker: with it, the database stays one broker's.
+    let pg = match url.starts_with("postgres") && args.cloud == CloudKind::Sim {
         true => {
             let addr = listener.local_addr().context("the listener's address")?;
             Some(lock_postgres(&url, &addr.to_string()).await?)
@@ -73,8 +75,25 @@ pub async fn run(database: DatabaseArgs, args: ServeArgs) -> Result<ExitCode> {
     let shutdown = {
         let lost = lost.clone();
         async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                        None
+                    }
+                };
+            let terminated = async {
+                match term.as_mut() {
+                    Some(t) => {
+                        t.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => tracing::info!("shutting down"),
+                _ = terminated => tracing::info!("SIGTERM: releasing this broker's jobs and shutting down"),
                 Ok(refused) = lost_rx => {
                     tracing::error!("another broker took the database while Postgres was away: stopping");
                     *lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(refused);

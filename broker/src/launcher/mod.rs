@@ -47,8 +47,6 @@ pub struct LauncherConfig {
     pub agent_bin: PathBuf,
     /// Arguments before the agent's own (`["agent"]` when `agent_bin` is `proteus`).
     pub agent_prefix: Vec<String>,
-    /// The broker URL agents register with.
-    pub broker_url: String,
     /// Where the agents find their data sets.
     pub data_dir: PathBuf,
     /// PID files and agent logs.
@@ -84,6 +82,13 @@ impl LauncherConfig {
             None => (exe, vec!["agent".to_string()]),
         }
     }
+}
+
+/// What the store recorded of an instance's local agent.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recorded {
+    pub metadata_addr: Option<SocketAddr>,
+    pub pid: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -139,17 +144,21 @@ impl LocalLauncher {
     }
 
     /// Starts the agent of an instance (or re-adopts it if its recorded process is still alive)
-    /// and returns its metadata address. `metadata_addr` reuses a recorded address.
+    /// and returns its metadata address and process id. `recorded` reuses a recorded metadata
+    /// address and process (another broker's, when this one took the job over); `broker_urls`
+    /// is what the agent is told (comma-separated, tried in turn).
     pub async fn start(
         &self,
         instance_id: &str,
         facts: InstanceFacts,
         agent_token: &str,
-        metadata_addr: Option<SocketAddr>,
-    ) -> Result<SocketAddr, LaunchError> {
+        recorded: Recorded,
+        broker_urls: &str,
+    ) -> Result<(SocketAddr, u32), LaunchError> {
         if let Some(a) = self.lock().get(instance_id) {
-            return Ok(a.metadata.addr());
+            return Ok((a.metadata.addr(), a.pid));
         }
+        let metadata_addr = recorded.metadata_addr;
         let bind = metadata_addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
         let metadata = match MetadataServer::start(bind, facts.clone()).await {
             Ok(m) => m,
@@ -171,19 +180,25 @@ impl LocalLauncher {
             }
         };
         let addr = metadata.addr();
-        let pid = match self.recorded_live_pid(instance_id) {
+        let pid = match self.recorded_live_pid(instance_id, recorded.pid) {
             Some(pid) => {
                 tracing::info!(instance = instance_id, pid, "re-adopted a running agent");
                 pid
             }
-            None => self.spawn(instance_id, agent_token, &metadata.url())?,
+            None => self.spawn(instance_id, agent_token, &metadata.url(), broker_urls)?,
         };
         self.lock()
             .insert(instance_id.to_string(), LocalAgent { pid, metadata });
-        Ok(addr)
+        Ok((addr, pid))
     }
 
-    fn spawn(&self, instance_id: &str, agent_token: &str, imds: &str) -> Result<u32, LaunchError> {
+    fn spawn(
+        &self,
+        instance_id: &str,
+        agent_token: &str,
+        imds: &str,
+        broker_urls: &str,
+    ) -> Result<u32, LaunchError> {
         let log_path = self.log_file(instance_id);
         let state_err = |path: &Path, source| LaunchError::State {
             path: path.to_path_buf(),
@@ -206,7 +221,7 @@ impl LocalLauncher {
                     .flat_map(|user| ["--run-as", user.as_str()]),
             )
             .arg("--broker")
-            .arg(&self.config.broker_url)
+            .arg(broker_urls)
             .arg("--imds-endpoint")
             .arg(imds)
             .arg("--imds-poll-ms")
@@ -252,15 +267,19 @@ impl LocalLauncher {
         Ok(pid)
     }
 
-    fn recorded_live_pid(&self, instance_id: &str) -> Option<u32> {
-        let text = std::fs::read_to_string(self.pid_file(instance_id)).ok()?;
-        let pid: u32 = text.trim().parse().ok()?;
-        process_alive(pid).then_some(pid)
+    /// The agent's process, from this launcher's PID file or as the store recorded it (started
+    /// by another broker), if it is alive.
+    fn recorded_live_pid(&self, instance_id: &str, recorded: Option<u32>) -> Option<u32> {
+        let from_file = std::fs::read_to_string(self.pid_file(instance_id))
+            .ok()
+            .and_then(|text| text.trim().parse().ok());
+        from_file.or(recorded).filter(|pid| process_alive(*pid))
     }
 
-    /// Whether the instance's agent process (tracked or recorded in its PID file) is alive.
-    pub fn has_live_process(&self, instance_id: &str) -> bool {
-        self.is_running(instance_id) || self.recorded_live_pid(instance_id).is_some()
+    /// Whether the instance's agent process (tracked, or recorded in its PID file or the
+    /// store) is alive.
+    pub fn has_live_process(&self, instance_id: &str, recorded: Option<u32>) -> bool {
+        self.is_running(instance_id) || self.recorded_live_pid(instance_id, recorded).is_some()
     }
 
     /// Sets the instance's `spot/instance-action` notice. Returns false for unknown instances.
@@ -295,12 +314,13 @@ impl LocalLauncher {
     }
 
     /// Stops an instance's agent: the VM is gone. SIGTERM, then SIGKILL after `grace`.
-    pub async fn stop(&self, instance_id: &str, grace: Duration) {
+    /// `recorded`: its process id as the store has it.
+    pub async fn stop(&self, instance_id: &str, grace: Duration, recorded: Option<u32>) {
         let agent = self.lock().remove(instance_id);
         let pid = agent
             .as_ref()
             .map(|a| a.pid)
-            .or_else(|| self.recorded_live_pid(instance_id));
+            .or_else(|| self.recorded_live_pid(instance_id, recorded));
         if let Some(pid) = pid {
             terminate_process(pid, grace).await;
         }
@@ -311,7 +331,7 @@ impl LocalLauncher {
     pub async fn stop_all(&self, grace: Duration) {
         let ids: Vec<String> = self.lock().keys().cloned().collect();
         for id in ids {
-            self.stop(&id, grace).await;
+            self.stop(&id, grace, None).await;
         }
     }
 }

@@ -100,6 +100,13 @@ impl Broker {
         if let Some(identity) = identity
             && hashes_match(&hash, &identity.token_hash)
         {
+            // Only the job's owner controls its agents; another broker sends them on (421),
+            // and they try the next broker URL they were given.
+            if self.membership().lease(identity.job_id).is_none() {
+                return Err(ServiceError::NotOwner {
+                    job: identity.job_id,
+                });
+            }
             return Ok(identity);
         }
         // Wrong token for this instance: is it somebody else's?

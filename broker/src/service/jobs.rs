@@ -350,8 +350,12 @@ impl Broker {
             .add_event(Some(id), None, now, "job_submitted", &detail)
             .await?;
         drop(runtime);
-        let job = self.job_row(id).await?;
-        self.ensure_runtime(&job)?;
+        // The job goes to the broker with the fewest; this one builds its runtime only if
+        // that is itself (another broker picks it up with its next heartbeat).
+        if self.grant_new_job(id).await?.is_some() {
+            let job = self.job_row(id).await?;
+            self.ensure_runtime(&job)?;
+        }
         self.nudge.notify_one();
         self.job_view(id).await
     }
@@ -574,9 +578,16 @@ impl Broker {
             return Err(ServiceError::JobOver(id));
         }
         let now = self.clock.now();
-        let finished = self
-            .finish_job(id, JobState::Cancelled, "cancelled by the user", now)
-            .await;
+        let reason = "cancelled by the user";
+        let finished = match self.membership().lease(id) {
+            Some(_) => self.finish_job(id, JobState::Cancelled, reason, now).await,
+            // Another broker's job: the cancel is recorded, and its owner releases the
+            // instances at its next tick.
+            None => self
+                .record_end(None, id, JobState::Cancelled, reason, now)
+                .await
+                .map(|_| ()),
+        };
         self.status_cache.invalidate();
         finished?;
         self.nudge.notify_one();

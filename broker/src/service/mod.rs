@@ -15,6 +15,7 @@ pub mod control;
 pub mod dry_run;
 pub mod jobs;
 pub mod ledger;
+pub mod membership;
 pub mod metrics;
 pub mod programs;
 pub mod recovery;
@@ -161,6 +162,8 @@ pub struct Broker {
     /// Command jobs' checkpoints and output tails ([`programs`]); unset: command jobs cannot
     /// checkpoint.
     pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
+    /// Who this broker is among those sharing the database, and the jobs it owns.
+    membership: membership::Membership,
 }
 
 impl Broker {
@@ -250,6 +253,9 @@ pub enum ServiceError {
     Store(#[from] crate::store::StoreError),
     #[error("{0}")]
     Internal(String),
+    /// The job is another broker's (or nobody's, for a moment, while its lease moves).
+    #[error("job {job} is run by another broker")]
+    NotOwner { job: JobId },
 }
 
 impl ServiceError {
@@ -269,6 +275,7 @@ impl Broker {
         launcher: Option<Arc<LocalLauncher>>,
         history: Arc<PriceHistory>,
         settings: Settings,
+        membership: membership::Membership,
     ) -> Arc<Broker> {
         let data = MarketData::new(history, settings.model, None);
         Arc::new(Broker {
@@ -287,6 +294,7 @@ impl Broker {
             final_bills: Mutex::new(HashMap::new()),
             status_cache: Default::default(),
             unrecorded_cloud_events: Mutex::new(Default::default()),
+            membership,
         })
     }
 
@@ -461,7 +469,10 @@ impl Broker {
     /// Saves a job's coordinator if it changed, so that a restart resumes the same layout.
     pub async fn save_control(&self, job: JobId) -> Result<(), ServiceError> {
         if let Some(snapshot) = self.control.get(job).and_then(|c| c.snapshot_if_dirty()) {
-            self.store.save_control_state(job, &snapshot).await?;
+            let lease = self.fence(job)?;
+            self.store
+                .save_control_state(Some(&lease), job, &snapshot)
+                .await?;
         }
         Ok(())
     }

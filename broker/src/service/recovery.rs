@@ -1,4 +1,5 @@
-//! After a crash: rebuild the in-memory view from the store and the cloud's tags.
+//! After a crash, or when this broker takes over jobs whose owner died: rebuild the in-memory
+//! view of those jobs from the store and the cloud's tags.
 //!
 //! Every instance the broker ever meant to buy has a row written before the cloud was asked.
 //! Matching rows with the cloud's tagged instances decides, for each: adopt what was launched,
@@ -6,12 +7,16 @@
 //! describe-first check covers LocalStack, which does not), finish terminations that were in
 //! flight, record what vanished, and terminate anything tagged as Proteus's that no live row
 //! claims. Nothing is launched twice for one decision.
+//!
+//! Recovery acts only on the jobs this broker holds the lease of (every write carries it), and
+//! never ends an instance of a job another live broker owns.
 
 use super::{Broker, ServiceError};
 use crate::cloud::CloudInstance;
 use crate::store::InstanceState;
+use proteus_wire::JobId;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// What recovery did, for the log and the tests.
 #[derive(Debug, Default, Clone, Serialize, PartialEq)]
@@ -24,12 +29,33 @@ pub struct RecoveryReport {
 }
 
 impl Broker {
+    /// At start: joins the brokers on the database, takes back the jobs this broker (the same
+    /// state directory) owned and claims those whose owner's lease expired, and recovers them.
     pub async fn recover(&self) -> Result<RecoveryReport, ServiceError> {
+        self.join().await?;
+        self.renew_leases().await?;
+        self.claim_share().await?;
+        let jobs = self.membership().jobs();
+        self.recover_jobs(&jobs).await
+    }
+
+    /// Recovers `jobs` (whose leases this broker holds): their coordinators and runtimes, and
+    /// their instances reconciled with the cloud by tag.
+    pub async fn recover_jobs(
+        &self,
+        jobs: &HashSet<JobId>,
+    ) -> Result<RecoveryReport, ServiceError> {
         let mut report = RecoveryReport::default();
         let now = self.clock.now();
         // Control planes first: agents that outlived the crash poll as soon as the API is up,
         // and must find their job's coordinator, not a "job over".
-        for job in self.store.jobs(true).await? {
+        for id in jobs {
+            let Some(job) = self.store.job(*id).await? else {
+                continue;
+            };
+            if job.state.is_over() {
+                continue;
+            }
             if let Err(e) = self.ensure_runtime(&job) {
                 tracing::warn!(job = %job.id, error = %e, "cannot resume a job; the scheduler will fail it");
             }
@@ -41,8 +67,14 @@ impl Broker {
             .iter()
             .filter_map(|c| c.instance_id.as_deref().map(|id| (id, c)))
             .collect();
-        let rows = self.store.live_instances().await?;
+        let all_rows = self.store.live_instances().await?;
+        let rows: Vec<_> = all_rows
+            .iter()
+            .filter(|r| jobs.contains(&r.job_id))
+            .cloned()
+            .collect();
         for row in &rows {
+            let lease = self.fence(row.job_id)?;
             let ci = by_tag.get(row.id.as_str()).copied();
             let job_over = match self.store.job(row.job_id).await? {
                 Some(j) => j.state.is_over(),
@@ -51,7 +83,12 @@ impl Broker {
             match (row.state, ci) {
                 (InstanceState::Requested, Some(ci)) if !ci.state.is_gone() => {
                     self.store
-                        .mark_launched(&row.id, &ci.cloud_id, ci.launched.unwrap_or(now))
+                        .mark_launched(
+                            Some(&lease),
+                            &row.id,
+                            &ci.cloud_id,
+                            ci.launched.unwrap_or(now),
+                        )
                         .await?;
                     let row = self
                         .store
@@ -66,14 +103,18 @@ impl Broker {
                 }
                 (InstanceState::Requested, _) if job_over => {
                     self.store
-                        .mark_ended(&row.id, now, "never launched", false, None)
+                        .mark_ended(Some(&lease), &row.id, now, "never launched", false, None)
                         .await?;
                     report.ended += 1;
                 }
                 (InstanceState::Requested, _) => {
                     let token = crate::api::auth::new_token("pa_");
                     self.store
-                        .set_token_hash(&row.id, &crate::api::auth::hash_token(&token))
+                        .set_token_hash(
+                            Some(&lease),
+                            &row.id,
+                            &crate::api::auth::hash_token(&token),
+                        )
                         .await?;
                     let mut row = row.clone();
                     row.token_hash = crate::api::auth::hash_token(&token);
@@ -113,13 +154,25 @@ impl Broker {
                 }
             }
         }
-        let claimed: std::collections::HashSet<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        // Any live record, whoever owns its job, claims its instance.
+        let claimed: HashSet<&str> = all_rows.iter().map(|r| r.id.as_str()).collect();
         for ci in described.iter().filter(|c| !c.state.is_gone()) {
             let ours = ci
                 .instance_id
                 .as_deref()
                 .is_some_and(|id| claimed.contains(id));
-            if !ours {
+            // A leak is ended only when its job is one of these, or nobody's: never an
+            // instance another live broker may be about to record.
+            let leaked = !ours
+                && match ci.job_id {
+                    Some(job) if jobs.contains(&job) => true,
+                    Some(job) => match self.store.job(job).await? {
+                        None => true,
+                        Some(j) => j.state.is_over() && j.lease_owner.is_none(),
+                    },
+                    None => true,
+                };
+            if leaked {
                 tracing::warn!(cloud_id = %ci.cloud_id, tag = ?ci.instance_id, "terminating an instance no live record claims");
                 if let Err(e) = self
                     .cloud
@@ -154,22 +207,18 @@ impl Broker {
     ) -> Result<(), ServiceError> {
         let mut row = row.clone();
         if let Some(launcher) = &self.launcher
-            && !launcher.has_live_process(&row.id)
+            && !launcher.has_live_process(&row.id, row.agent_pid)
         {
             let token = crate::api::auth::new_token("pa_");
             row.token_hash = crate::api::auth::hash_token(&token);
-            self.store.set_token_hash(&row.id, &row.token_hash).await?;
-            self.remember_agent_row(cloud_id, &row);
-            self.start_local_agent(&row, cloud_id, &token, recorded_addr(&row))
+            self.store
+                .set_token_hash(Some(&self.fence(row.job_id)?), &row.id, &row.token_hash)
                 .await?;
+            self.remember_agent_row(cloud_id, &row);
+            self.start_local_agent(&row, cloud_id, &token).await?;
             return Ok(());
         }
         self.remember_agent_row(cloud_id, &row);
-        self.start_local_agent(&row, cloud_id, "", recorded_addr(&row))
-            .await
+        self.start_local_agent(&row, cloud_id, "").await
     }
-}
-
-fn recorded_addr(row: &crate::store::InstanceRow) -> Option<std::net::SocketAddr> {
-    row.metadata_addr.as_deref().and_then(|a| a.parse().ok())
 }

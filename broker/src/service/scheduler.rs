@@ -55,12 +55,67 @@ impl Broker {
     async fn tick_jobs(&self) -> Result<(), ServiceError> {
         let now = self.clock.now();
         self.control.sweep(Duration::from_secs(30));
+        // Jobs whose owner died (or left) become this broker's, reconciled with the cloud
+        // before anything is decided for them.
+        let claimed = self.claim_share().await?;
+        if !claimed.is_empty() {
+            let jobs: HashSet<JobId> = claimed.iter().map(|l| l.job()).collect();
+            self.recover_jobs(&jobs).await?;
+        }
         self.apply_cloud_events(now).await?;
-        for job in self.store.jobs(true).await? {
-            if let Err(e) = self.tick_job(&job, now).await {
-                tracing::warn!(job = %job.id, error = %e, "job tick failed");
+        for job in self.store.jobs_leased_by(self.membership().id()).await? {
+            let Some(lease) = self.membership().lease(job.id) else {
+                continue;
+            };
+            let outcome = if job.state.is_over() {
+                self.wind_down(&job, &lease, now).await
+            } else {
+                self.tick_job(&job, now).await
+            };
+            match outcome {
+                Err(ServiceError::NotOwner { job })
+                | Err(ServiceError::Store(crate::store::StoreError::Fenced { job })) => {
+                    self.lost_lease(job)
+                }
+                Err(e) => tracing::warn!(job = %job.id, error = %e, "job tick failed"),
+                Ok(()) => {}
             }
         }
+        Ok(())
+    }
+
+    /// A job this broker owns that is over (it ended here, or a user cancelled it through
+    /// another broker): its instances are released, and once all of them have ended and are
+    /// billed, its lease is given up.
+    async fn wind_down(
+        &self,
+        job: &JobRow,
+        lease: &crate::store::Lease,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let rows = self.store.instances_of_job(job.id).await?;
+        if rows
+            .iter()
+            .any(|r| !r.state.is_final() && r.state != InstanceState::Terminating)
+        {
+            self.stop_job(
+                job.id,
+                job.state,
+                job.state_reason.as_deref().unwrap_or("over"),
+                now,
+            )
+            .await?;
+            return Ok(());
+        }
+        if rows.iter().any(|r| !r.state.is_final()) {
+            return Ok(());
+        }
+        self.refresh_ledger(job.id, now).await?;
+        self.forget_runtime(job.id);
+        if self.store.release_lease(lease).await? {
+            tracing::debug!(job = %job.id, "job wound down; lease released");
+        }
+        self.membership_forget(job.id);
         Ok(())
     }
 
@@ -125,8 +180,11 @@ impl Broker {
                 at,
                 by_provider,
             } => match self.store.instance_by_cloud_id(cloud_id).await? {
-                Some(row) => self.on_ended(&row, *at, *by_provider, now).await,
-                None => Ok(()),
+                // Another broker's job: its owner sees the same event.
+                Some(row) if self.membership().lease(row.job_id).is_some() => {
+                    self.on_ended(&row, *at, *by_provider, now).await
+                }
+                _ => Ok(()),
             },
         }
     }
@@ -143,6 +201,10 @@ impl Broker {
         let Some(row) = self.store.instance_by_cloud_id(cloud_id).await? else {
             return Ok(());
         };
+        if self.membership().lease(row.job_id).is_none() {
+            // Another broker's job: its owner sees the same event.
+            return Ok(());
+        }
         let detail = format!("{} reclaims it at {action_time}", row.market);
         let event = EventRecord {
             job: Some(row.job_id),
@@ -214,9 +276,10 @@ impl Broker {
             kind: reason,
             detail: &detail,
         };
+        let lease = self.fence(row.job_id)?;
         if !self
             .store
-            .mark_ended(&row.id, at, reason, by_provider, Some(event))
+            .mark_ended(Some(&lease), &row.id, at, reason, by_provider, Some(event))
             .await?
         {
             return Ok(());
@@ -242,8 +305,8 @@ impl Broker {
                 .remove(cloud_id);
         }
         if let Some(launcher) = self.launcher.clone() {
-            let id = row.id.clone();
-            tokio::spawn(async move { launcher.stop(&id, Duration::from_secs(3)).await });
+            let (id, pid) = (row.id.clone(), row.agent_pid);
+            tokio::spawn(async move { launcher.stop(&id, Duration::from_secs(3), pid).await });
         }
         // Only this instance's bill changed (for good); the job's live instances are billed by
         // its next tick. Re-billing them all here made ending N instances O(N²) writes.
@@ -347,7 +410,13 @@ impl Broker {
             let instances = self.store.instances_of_job(job.id).await?;
             if instances.iter().any(|i| i.launched.is_some()) {
                 self.store
-                    .set_job_state(job.id, JobState::Running, None, now)
+                    .set_job_state(
+                        Some(&self.fence(job.id)?),
+                        job.id,
+                        JobState::Running,
+                        None,
+                        now,
+                    )
                     .await?;
             }
         }
@@ -507,7 +576,9 @@ impl Broker {
                     Command::End(e) => {
                         if e.outcome.succeeded() {
                             let work = self.work_record(runtime, now);
-                            self.store.set_job_progress(job, 1.0, metric, work).await?;
+                            self.store
+                                .set_job_progress(Some(&self.fence(job)?), job, 1.0, metric, work)
+                                .await?;
                         }
                         end = Some(e);
                     }
@@ -581,7 +652,7 @@ impl Broker {
             .fraction();
         let work = self.work_record(runtime, now);
         self.store
-            .set_job_progress(job, fraction, metric, work)
+            .set_job_progress(Some(&self.fence(job)?), job, fraction, metric, work)
             .await?;
         Ok(())
     }
@@ -602,7 +673,9 @@ impl Broker {
             rt.saved_engine = Some(json.clone());
             json
         };
-        self.store.save_engine_state(job, &snapshot).await?;
+        self.store
+            .save_engine_state(Some(&self.fence(job)?), job, &snapshot)
+            .await?;
         Ok(())
     }
 
@@ -643,7 +716,9 @@ impl Broker {
             crate::api::auth::hash_token(&token),
             now,
         );
-        self.store.insert_instance(&row).await?;
+        self.store
+            .insert_instance(Some(&self.fence(job)?), &row)
+            .await?;
         crate::failpoint::hit("launch-after-intent");
         self.launch_recorded(&row, &token, now).await
     }
@@ -667,7 +742,12 @@ impl Broker {
             Ok(ci) => {
                 crate::failpoint::hit("launch-after-cloud");
                 self.store
-                    .mark_launched(&row.id, &ci.cloud_id, ci.launched.unwrap_or(now))
+                    .mark_launched(
+                        Some(&self.fence(row.job_id)?),
+                        &row.id,
+                        &ci.cloud_id,
+                        ci.launched.unwrap_or(now),
+                    )
                     .await?;
                 super::metrics::Metrics::inc(&self.metrics.launches);
                 self.remember_agent(&ci.cloud_id, row);
@@ -678,8 +758,7 @@ impl Broker {
                 self.store
                     .add_event(Some(row.job_id), Some(&row.id), now, "launched", &what)
                     .await?;
-                self.start_local_agent(row, &ci.cloud_id, token, None)
-                    .await?;
+                self.start_local_agent(row, &ci.cloud_id, token).await?;
                 Ok(Launch::Launched {
                     id: row.id.clone(),
                     at: ci.launched.unwrap_or(now),
@@ -734,11 +813,15 @@ impl Broker {
         row: &InstanceRow,
         cloud_id: &str,
         token: &str,
-        recorded: Option<std::net::SocketAddr>,
     ) -> Result<(), ServiceError> {
         let Some(launcher) = &self.launcher else {
             return Ok(());
         };
+        let recorded = crate::launcher::Recorded {
+            metadata_addr: row.metadata_addr.as_deref().and_then(|a| a.parse().ok()),
+            pid: row.agent_pid,
+        };
+        let urls = self.agent_broker_urls().await.join(",");
         let facts = InstanceFacts {
             instance_id: cloud_id.to_string(),
             instance_type: row.market.instance_type.to_string(),
@@ -750,10 +833,10 @@ impl Broker {
             }
             .to_string(),
         };
-        match launcher.start(&row.id, facts, token, recorded).await {
-            Ok(addr) => {
+        match launcher.start(&row.id, facts, token, recorded, &urls).await {
+            Ok((addr, pid)) => {
                 self.store
-                    .set_metadata_addr(&row.id, &addr.to_string())
+                    .set_local_agent(&row.id, &addr.to_string(), Some(pid))
                     .await?
             }
             Err(e) => {
@@ -785,11 +868,20 @@ impl Broker {
             None => {
                 // Never launched: nothing to terminate in the cloud.
                 self.store
-                    .mark_ended(&row.id, self.clock.now(), reason, false, None)
+                    .mark_ended(
+                        Some(&self.fence(row.job_id)?),
+                        &row.id,
+                        self.clock.now(),
+                        reason,
+                        false,
+                        None,
+                    )
                     .await?;
             }
             Some(cloud_id) => {
-                self.store.mark_terminating(&row.id, reason).await?;
+                self.store
+                    .mark_terminating(Some(&self.fence(row.job_id)?), &row.id, reason)
+                    .await?;
                 crate::failpoint::hit("terminate-after-intent");
                 super::metrics::Metrics::inc(&self.metrics.terminations);
                 if let Err(e) = self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
@@ -808,7 +900,14 @@ impl Broker {
         for row in live.iter().filter(|r| r.cloud_id.is_none()) {
             // Never launched: nothing to terminate in the cloud.
             self.store
-                .mark_ended(&row.id, self.clock.now(), reason, false, None)
+                .mark_ended(
+                    Some(&self.fence(row.job_id)?),
+                    &row.id,
+                    self.clock.now(),
+                    reason,
+                    false,
+                    None,
+                )
                 .await?;
         }
         let launched: Vec<(&str, &String)> = live
@@ -819,7 +918,14 @@ impl Broker {
             return Ok(());
         }
         let ids: Vec<&str> = launched.iter().map(|(id, _)| *id).collect();
-        self.store.mark_terminating_many(&ids, reason).await?;
+        // One job's instances (a job's end).
+        let lease = match live.first() {
+            Some(r) => Some(self.fence(r.job_id)?),
+            None => None,
+        };
+        self.store
+            .mark_terminating_many(lease.as_ref(), &ids, reason)
+            .await?;
         crate::failpoint::hit("terminate-after-intent");
         let cloud_ids: Vec<String> = launched.iter().map(|(_, c)| (*c).clone()).collect();
         for batch in cloud_ids.chunks(TERMINATE_BATCH) {
@@ -831,7 +937,8 @@ impl Broker {
         Ok(())
     }
 
-    /// Ends a job: records its final state, stops training, releases every instance.
+    /// Ends a job this broker owns: records its final state, stops training, releases every
+    /// instance.
     pub async fn finish_job(
         &self,
         job: JobId,
@@ -839,12 +946,33 @@ impl Broker {
         reason: &str,
         now: Timestamp,
     ) -> Result<(), ServiceError> {
+        let lease = self.fence(job)?;
         if !self
-            .store
-            .set_job_state(job, state, Some(reason), now)
+            .record_end(Some(&lease), job, state, reason, now)
             .await?
         {
             return Ok(());
+        }
+        self.stop_job(job, state, reason, now).await
+    }
+
+    /// Records a job's final state and the event that tells of it; false when it was over
+    /// already. `lease`: the owner's; `None` for a user's cancel through another broker (the
+    /// owner stops the job at its next tick).
+    pub(crate) async fn record_end(
+        &self,
+        lease: Option<&crate::store::Lease>,
+        job: JobId,
+        state: JobState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<bool, ServiceError> {
+        if !self
+            .store
+            .set_job_state(lease, job, state, Some(reason), now)
+            .await?
+        {
+            return Ok(false);
         }
         if state == JobState::Cancelled {
             crate::failpoint::hit("cancel-after-record");
@@ -853,6 +981,17 @@ impl Broker {
         self.store
             .add_event(Some(job), None, now, &format!("job_{state}"), reason)
             .await?;
+        Ok(true)
+    }
+
+    /// Stops an ended job's training and releases its instances.
+    async fn stop_job(
+        &self,
+        job: JobId,
+        state: JobState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
         if let Some(control) = self.control.get(job) {
             control.update(|c| c.cancel(reason));
         }
@@ -913,7 +1052,14 @@ impl Broker {
             .iter()
             .map(|(id, lines, _)| (id.as_str(), lines.as_slice()))
             .collect();
-        self.store.replace_ledger_lines_many(job, &lines).await?;
+        // Written by the job's owner only. A job nobody owns is over and was billed in full
+        // before its lease was given up: its total is read, not written.
+        let Some(lease) = self.membership().lease(job) else {
+            return Ok(total);
+        };
+        self.store
+            .replace_ledger_lines_many(Some(&lease), job, &lines)
+            .await?;
         let mut billed = self.final_bills.lock().unwrap_or_else(|e| e.into_inner());
         for (id, _, amount) in bills {
             if let Some(amount) = amount {
@@ -939,7 +1085,12 @@ impl Broker {
             Ok(lines) => {
                 let amount = lines.iter().map(|l| l.amount_usd).sum::<Usd>();
                 self.store
-                    .replace_ledger_lines(row.job_id, &row.id, &lines)
+                    .replace_ledger_lines(
+                        Some(&self.fence(row.job_id)?),
+                        row.job_id,
+                        &row.id,
+                        &lines,
+                    )
                     .await?;
                 if row.state.is_final() && row.ended.is_some() {
                     self.final_bills

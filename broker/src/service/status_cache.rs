@@ -182,6 +182,7 @@ mod tests {
                 started: None,
                 finished: None,
                 work: Default::default(),
+                lease_owner: None,
             },
             instances: vec![],
             spend_usd: Usd::ZERO,
@@ -258,7 +259,13 @@ mod tests {
         );
         // The scheduler writes, then refreshes.
         store
-            .set_job_state(asked, JobState::Running, None, Timestamp::from_millis(1))
+            .set_job_state(
+                None,
+                asked,
+                JobState::Running,
+                None,
+                Timestamp::from_millis(1),
+            )
             .await
             .unwrap();
         cache.refresh(&store, Timestamp::from_millis(1)).await;

@@ -4,7 +4,8 @@
 //! is asked for it, and every state change is written before it is acted on, so a restarted
 //! broker can rebuild its view from here and the cloud's tags.
 
-use super::{Context, Store, StoreError, with_db};
+use super::leases::{instances_fence, jobs_fence, token_of};
+use super::{Context, Lease, Store, StoreError, with_db};
 use crate::market::{InstanceType, Market, Product, Timestamp, Usd, UsdPerHour, Zone};
 use proteus_wire::{JobId, Tier};
 use serde::Serialize;
@@ -99,6 +100,8 @@ pub struct JobRow {
     pub finished: Option<Timestamp>,
     /// The work the job has received, as the scheduler last counted it.
     pub work: WorkRecord,
+    /// The broker whose lease the job is under (see [`Lease`]), if any.
+    pub lease_owner: Option<String>,
 }
 
 /// A job's work as the scheduler last counted it (see [`crate::engine::work`]).
@@ -149,6 +152,8 @@ pub struct InstanceRow {
     pub launch_error: Option<String>,
     /// The instance-metadata endpoint of a locally launched agent.
     pub metadata_addr: Option<String>,
+    /// The process id of a locally launched agent.
+    pub agent_pid: Option<u32>,
 }
 
 impl InstanceRow {
@@ -180,6 +185,7 @@ impl InstanceRow {
             ended_by_provider: false,
             launch_error: None,
             metadata_addr: None,
+            agent_pid: None,
         }
     }
 }
@@ -273,13 +279,14 @@ struct JobRecord {
     finished_ms: Option<i64>,
     work_done_units: f64,
     expected_work_units: Option<f64>,
+    lease_owner: Option<String>,
 }
 
 /// id, job, instance, time, kind, detail.
 type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
 
 const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
-     progress, metric, control_state, engine_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units";
+     progress, metric, control_state, engine_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units, lease_owner";
 
 fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
     Ok(JobRow {
@@ -307,6 +314,7 @@ fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
             done_units: t.work_done_units,
             expected_units: t.expected_work_units,
         },
+        lease_owner: t.lease_owner,
     })
 }
 
@@ -331,11 +339,12 @@ struct InstanceRecord {
     ended_by_provider: i64,
     launch_error: Option<String>,
     metadata_addr: Option<String>,
+    agent_pid: Option<i64>,
 }
 
 const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
      state, token_hash, requested_ms, launched_ms, ready_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
-     metadata_addr";
+     metadata_addr, agent_pid";
 
 fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
     let bad = |e: crate::market::InvalidValue| {
@@ -363,6 +372,7 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         ended_by_provider: r.ended_by_provider != 0,
         launch_error: r.launch_error,
         metadata_addr: r.metadata_addr,
+        agent_pid: r.agent_pid.and_then(|p| u32::try_from(p).ok()),
     })
 }
 
@@ -416,89 +426,156 @@ impl Store {
         rows.into_iter().map(job_from).collect()
     }
 
+    /// The jobs whose lease `owner` holds, in any state (an over job stays leased while its
+    /// instances are released), oldest first.
+    pub async fn jobs_leased_by(&self, owner: &str) -> Result<Vec<JobRow>, StoreError> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE lease_owner = $1 ORDER BY id");
+        let rows: Vec<JobRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(owner)
+                .fetch_all(pool)
+                .await
+                .context("listing this broker's jobs")?
+        });
+        rows.into_iter().map(job_from).collect()
+    }
+
     /// Moves a job to `state`. Final states are final: a finished job is never reopened, which
     /// makes a racing cancel and completion harmless. Returns whether the row changed.
+    ///
+    /// `lease`: the owner's decisions carry it (fenced, see [`Lease`]); a user's cancel, made
+    /// through any broker, does not.
     pub async fn set_job_state(
         &self,
+        lease: Option<&Lease>,
         id: JobId,
         state: JobState,
         reason: Option<&str>,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE jobs SET state = $2, state_reason = COALESCE($3, state_reason), \
+                 started_ms = CASE WHEN $2 = 'running' AND started_ms IS NULL THEN $4 ELSE started_ms END, \
+                 finished_ms = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled') THEN $4 ELSE finished_ms END \
+             WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled') AND {}",
+            jobs_fence(5)
+        );
         let done = with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE jobs SET state = $2, state_reason = COALESCE($3, state_reason), \
-                     started_ms = CASE WHEN $2 = 'running' AND started_ms IS NULL THEN $4 ELSE started_ms END, \
-                     finished_ms = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled') THEN $4 ELSE finished_ms END \
-                 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')",
-            )
-            .bind(id.0)
-            .bind(state.as_str())
-            .bind(reason)
-            .bind(now.millis())
-            .execute(pool)
-            .await
-            .context("changing a job's state")?
-            .rows_affected()
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id.0)
+                .bind(state.as_str())
+                .bind(reason)
+                .bind(now.millis())
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("changing a job's state")?
+                .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(done > 0)
     }
 
     pub async fn set_job_progress(
         &self,
+        lease: Option<&Lease>,
         id: JobId,
         progress: f64,
         metric: Option<&str>,
         work: WorkRecord,
     ) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE jobs SET progress = $2, metric = COALESCE($3, metric), \
-                     work_done_units = $4, expected_work_units = $5 WHERE id = $1",
-            )
-            .bind(id.0)
-            .bind(progress)
-            .bind(metric)
-            .bind(work.done_units)
-            .bind(work.expected_units)
-            .execute(pool)
-            .await
-            .context("recording job progress")?;
-        });
-        Ok(())
-    }
-
-    pub async fn save_control_state(&self, id: JobId, state: &str) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query("UPDATE jobs SET control_state = $2 WHERE id = $1")
+        let sql = format!(
+            "UPDATE jobs SET progress = $2, metric = COALESCE($3, metric), \
+                 work_done_units = $4, expected_work_units = $5 WHERE id = $1 AND {}",
+            jobs_fence(6)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id.0)
-                .bind(state)
+                .bind(progress)
+                .bind(metric)
+                .bind(work.done_units)
+                .bind(work.expected_units)
+                .bind(token_of(lease))
                 .execute(pool)
                 .await
-                .context("saving a job's control state")?;
+                .context("recording job progress")?
+                .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(())
     }
 
-    pub async fn save_engine_state(&self, id: JobId, state: &str) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query("UPDATE jobs SET engine_state = $2 WHERE id = $1")
+    pub async fn save_control_state(
+        &self,
+        lease: Option<&Lease>,
+        id: JobId,
+        state: &str,
+    ) -> Result<(), StoreError> {
+        let sql = format!(
+            "UPDATE jobs SET control_state = $2 WHERE id = $1 AND {}",
+            jobs_fence(3)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id.0)
                 .bind(state)
+                .bind(token_of(lease))
                 .execute(pool)
                 .await
-                .context("saving a job's engine state")?;
+                .context("saving a job's control state")?
+                .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(())
     }
 
-    /// Records the intent to buy an instance, before the cloud is asked.
-    pub async fn insert_instance(&self, i: &InstanceRow) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
+    pub async fn save_engine_state(
+        &self,
+        lease: Option<&Lease>,
+        id: JobId,
+        state: &str,
+    ) -> Result<(), StoreError> {
+        let sql = format!(
+            "UPDATE jobs SET engine_state = $2 WHERE id = $1 AND {}",
+            jobs_fence(3)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id.0)
+                .bind(state)
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("saving a job's engine state")?
+                .rows_affected()
+        });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
+        Ok(())
+    }
+
+    /// Records the intent to buy an instance, before the cloud is asked: refused
+    /// ([`StoreError::Fenced`]) when `lease` is no longer the job's, so a broker that lost the
+    /// job never launches for it.
+    pub async fn insert_instance(
+        &self,
+        lease: Option<&Lease>,
+        i: &InstanceRow,
+    ) -> Result<(), StoreError> {
+        let done = with_db!(self, |pool| {
             sqlx::query(
                 "INSERT INTO instances (id, job_id, cloud_id, availability_zone, instance_type, product, tier, \
                      bid_usd, state, token_hash, requested_ms, launched_ms) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 \
+                 WHERE ($13 IS NULL OR EXISTS (SELECT 1 FROM jobs WHERE id = $2 AND lease_token = $13))",
             )
             .bind(&i.id)
             .bind(i.job_id.0)
@@ -512,10 +589,15 @@ impl Store {
             .bind(&i.token_hash)
             .bind(i.requested.millis())
             .bind(i.launched.map(|t| t.millis()))
+            .bind(token_of(lease))
             .execute(pool)
             .await
-            .context("recording an instance")?;
+            .context("recording an instance")?
+            .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(())
     }
 
@@ -561,22 +643,31 @@ impl Store {
 
     pub async fn mark_launched(
         &self,
+        lease: Option<&Lease>,
         id: &str,
         cloud_id: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE instances SET cloud_id = $2, launched_ms = COALESCE(launched_ms, $3), \
-                     state = CASE WHEN state = 'requested' THEN 'running' ELSE state END WHERE id = $1",
-            )
-            .bind(id)
-            .bind(cloud_id)
-            .bind(at.millis())
-            .execute(pool)
-            .await
-            .context("recording a launch")?;
+        let sql = format!(
+            "UPDATE instances SET cloud_id = $2, launched_ms = COALESCE(launched_ms, $3), \
+                 state = CASE WHEN state = 'requested' THEN 'running' ELSE state END \
+             WHERE id = $1 AND {}",
+            instances_fence(4)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(cloud_id)
+                .bind(at.millis())
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording a launch")?
+                .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(())
     }
 
@@ -599,23 +690,47 @@ impl Store {
         Ok(n > 0)
     }
 
-    pub async fn set_token_hash(&self, id: &str, hash: &str) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query("UPDATE instances SET token_hash = $2 WHERE id = $1")
+    pub async fn set_token_hash(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        hash: &str,
+    ) -> Result<(), StoreError> {
+        let sql = format!(
+            "UPDATE instances SET token_hash = $2 WHERE id = $1 AND {}",
+            instances_fence(3)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id)
                 .bind(hash)
+                .bind(token_of(lease))
                 .execute(pool)
                 .await
-                .context("rotating an agent token")?;
+                .context("rotating an agent token")?
+                .rows_affected()
         });
+        if done == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(())
     }
 
-    pub async fn set_metadata_addr(&self, id: &str, addr: &str) -> Result<(), StoreError> {
+    /// Where a locally started agent's metadata endpoint listens, and its process id: what any
+    /// broker that later owns the job needs to serve the one and stop the other.
+    pub async fn set_local_agent(
+        &self,
+        id: &str,
+        addr: &str,
+        pid: Option<u32>,
+    ) -> Result<(), StoreError> {
         with_db!(self, |pool| {
-            sqlx::query("UPDATE instances SET metadata_addr = $2 WHERE id = $1")
+            sqlx::query(
+                "UPDATE instances SET metadata_addr = $2, agent_pid = COALESCE($3, agent_pid) WHERE id = $1",
+            )
                 .bind(id)
                 .bind(addr)
+                .bind(pid.map(i64::from))
                 .execute(pool)
                 .await
                 .context("recording a metadata endpoint")?;
@@ -679,19 +794,30 @@ impl Store {
 
     /// Records that the broker asked the cloud to end an instance (the call may not have
     /// completed; reconciliation finishes the job).
-    pub async fn mark_terminating(&self, id: &str, reason: &str) -> Result<bool, StoreError> {
+    pub async fn mark_terminating(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET state = 'terminating', end_reason = COALESCE(end_reason, $2) \
+             WHERE id = $1 AND state IN ('requested', 'running', 'warned') AND {}",
+            instances_fence(3)
+        );
         let n = with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE instances SET state = 'terminating', end_reason = COALESCE(end_reason, $2) \
-                 WHERE id = $1 AND state IN ('requested', 'running', 'warned')",
-            )
-            .bind(id)
-            .bind(reason)
-            .execute(pool)
-            .await
-            .context("recording a termination request")?
-            .rows_affected()
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(reason)
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording a termination request")?
+                .rows_affected()
         });
+        if n == 0 {
+            self.check_lease(lease).await?;
+        }
         Ok(n > 0)
     }
 
@@ -699,21 +825,25 @@ impl Store {
     /// not one per instance. Returns how many changed.
     pub async fn mark_terminating_many(
         &self,
+        lease: Option<&Lease>,
         ids: &[&str],
         reason: &str,
     ) -> Result<u64, StoreError> {
         let mut changed = 0;
         for chunk in ids.chunks(500) {
             let list = (0..chunk.len())
-                .map(|i| format!("${}", i + 2))
+                .map(|i| format!("${}", i + 3))
                 .collect::<Vec<_>>()
                 .join(", ");
             let sql = format!(
                 "UPDATE instances SET state = 'terminating', end_reason = COALESCE(end_reason, $1) \
-                 WHERE state IN ('requested', 'running', 'warned') AND id IN ({list})"
+                 WHERE state IN ('requested', 'running', 'warned') AND {} AND id IN ({list})",
+                instances_fence(2)
             );
             changed += with_db!(self, |pool| {
-                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(reason);
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                    .bind(reason)
+                    .bind(token_of(lease));
                 for id in chunk {
                     query = query.bind(*id);
                 }
@@ -723,6 +853,9 @@ impl Store {
                     .context("recording termination requests")?
                     .rows_affected()
             });
+        }
+        if changed == 0 {
+            self.check_lease(lease).await?;
         }
         Ok(changed)
     }
@@ -747,30 +880,34 @@ impl Store {
     /// (an eviction is reported as one, whatever else was asked of the instance).
     pub async fn mark_ended(
         &self,
+        lease: Option<&Lease>,
         id: &str,
         at: Timestamp,
         reason: &str,
         by_provider: bool,
         event: Option<EventRecord<'_>>,
     ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET state = 'terminated', ended_ms = $2, \
+                 end_reason = CASE WHEN $4 = 1 THEN $3 ELSE COALESCE(end_reason, $3) END, \
+                 ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed') AND {}",
+            instances_fence(5)
+        );
         let changed = with_db!(self, |pool| {
             let mut tx = pool
                 .begin()
                 .await
                 .context("recording the end of an instance")?;
-            let n = sqlx::query(
-                "UPDATE instances SET state = 'terminated', ended_ms = $2, \
-                     end_reason = CASE WHEN $4 = 1 THEN $3 ELSE COALESCE(end_reason, $3) END, \
-                     ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed')",
-            )
-            .bind(id)
-            .bind(at.millis())
-            .bind(reason)
-            .bind(i64::from(by_provider))
-            .execute(&mut *tx)
-            .await
-            .context("recording the end of an instance")?
-            .rows_affected();
+            let n = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(at.millis())
+                .bind(reason)
+                .bind(i64::from(by_provider))
+                .bind(token_of(lease))
+                .execute(&mut *tx)
+                .await
+                .context("recording the end of an instance")?
+                .rows_affected();
             if n > 0
                 && let Some(e) = &event
             {
@@ -781,6 +918,9 @@ impl Store {
                 .context("recording the end of an instance")?;
             n > 0
         });
+        if !changed {
+            self.check_lease(lease).await?;
+        }
         Ok(changed)
     }
 
@@ -896,11 +1036,12 @@ impl Store {
     /// instance's whole life each time, so the ledger is always consistent with it.
     pub async fn replace_ledger_lines(
         &self,
+        lease: Option<&Lease>,
         job: JobId,
         instance_id: &str,
         lines: &[LedgerLine],
     ) -> Result<(), StoreError> {
-        self.replace_ledger_lines_many(job, &[(instance_id, lines)])
+        self.replace_ledger_lines_many(lease, job, &[(instance_id, lines)])
             .await
     }
 
@@ -908,22 +1049,39 @@ impl Store {
     /// commit for a whole job's bills, not one per instance).
     pub async fn replace_ledger_lines_many(
         &self,
+        lease: Option<&Lease>,
         job: JobId,
         bills: &[(&str, &[LedgerLine])],
     ) -> Result<(), StoreError> {
         if bills.is_empty() {
             return Ok(());
         }
-        with_db!(self, |pool| {
+        let sql = format!(
+            "UPDATE jobs SET lease_token = lease_token WHERE id = $1 AND {}",
+            jobs_fence(2)
+        );
+        let fenced = with_db!(self, |pool| {
             let mut tx = pool.begin().await.context("starting a ledger update")?;
-            for (instance_id, lines) in bills {
-                sqlx::query("DELETE FROM ledger_lines WHERE instance_id = $1")
-                    .bind(instance_id)
-                    .execute(&mut *tx)
-                    .await
-                    .context("clearing ledger lines")?;
-                for l in lines.iter() {
-                    sqlx::query(
+            // Takes the job's row first (and its lock, on Postgres): a takeover waits for this
+            // transaction, or this one sees the new token and writes nothing.
+            let held = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(job.0)
+                .bind(token_of(lease))
+                .execute(&mut *tx)
+                .await
+                .context("checking the job's lease for a ledger update")?
+                .rows_affected();
+            if held == 0 {
+                true
+            } else {
+                for (instance_id, lines) in bills {
+                    sqlx::query("DELETE FROM ledger_lines WHERE instance_id = $1")
+                        .bind(instance_id)
+                        .execute(&mut *tx)
+                        .await
+                        .context("clearing ledger lines")?;
+                    for l in lines.iter() {
+                        sqlx::query(
                         "INSERT INTO ledger_lines (job_id, instance_id, start_ms, end_ms, usd_per_hour, amount_usd, free) \
                          VALUES ($1, $2, $3, $4, $5, $6, $7)",
                     )
@@ -937,10 +1095,15 @@ impl Store {
                     .execute(&mut *tx)
                     .await
                     .context("writing ledger lines")?;
+                    }
                 }
+                tx.commit().await.context("committing ledger lines")?;
+                false
             }
-            tx.commit().await.context("committing ledger lines")?;
         });
+        if fenced {
+            return Err(StoreError::Fenced { job });
+        }
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 
 mod exclusive;
 mod jobs;
+mod leases;
 mod prices;
 
 pub use exclusive::{PgExclusive, Refused};
@@ -15,6 +16,7 @@ pub use jobs::{
     Cooldown, CooldownScope, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState,
     LedgerLine, NewJob, WorkRecord,
 };
+pub use leases::{BrokerRow, Lease, Renewed};
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -53,6 +55,9 @@ pub enum StoreError {
     },
     #[error("{0}")]
     Invalid(String),
+    /// A write for a job carried a lease another broker has since taken over.
+    #[error("job {job} is now owned by another broker: this broker's lease on it has ended")]
+    Fenced { job: proteus_wire::JobId },
 }
 
 /// Adds what the store was doing to a driver error.

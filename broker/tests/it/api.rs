@@ -248,12 +248,13 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             ended_by_provider: false,
             launch_error: None,
             metadata_addr: None,
+            agent_pid: None,
         };
-        s.broker.store().insert_instance(&row).await.unwrap();
+        s.broker.store().insert_instance(None, &row).await.unwrap();
         let cloud_id = format!("i-test{}", id.0);
         s.broker
             .store()
-            .mark_launched(&row.id, &cloud_id, s.clock.now())
+            .mark_launched(None, &row.id, &cloud_id, s.clock.now())
             .await
             .unwrap();
         tokens.push((cloud_id, token));
@@ -801,11 +802,11 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
             proteus_broker::api::auth::hash_token(&token),
             s.clock.now(),
         );
-        s.broker.store().insert_instance(&row).await.unwrap();
+        s.broker.store().insert_instance(None, &row).await.unwrap();
         let cloud_id = format!("i-same{k}");
         s.broker
             .store()
-            .mark_launched(&row.id, &cloud_id, s.clock.now())
+            .mark_launched(None, &row.id, &cloud_id, s.clock.now())
             .await
             .unwrap();
         agents.push((row.id, cloud_id, token));

@@ -25,7 +25,7 @@ async fn agent_of(s: &TestServer, job: i64, k: usize) -> (String, String, String
         hash_token(&token),
         s.clock.now(),
     );
-    s.broker.store().insert_instance(&row).await.unwrap();
+    s.broker.store().insert_instance(None, &row).await.unwrap();
     let launched = s
         .broker
         .cloud()
@@ -41,7 +41,7 @@ async fn agent_of(s: &TestServer, job: i64, k: usize) -> (String, String, String
         .expect("the simulated cloud launches");
     s.broker
         .store()
-        .mark_launched(&row.id, &launched.cloud_id, s.clock.now())
+        .mark_launched(None, &row.id, &launched.cloud_id, s.clock.now())
         .await
         .unwrap();
     (row.id, launched.cloud_id, token)

@@ -129,11 +129,15 @@ impl TestServer {
             proteus_broker::api::auth::hash_token(&token),
             self.clock.now(),
         );
-        self.broker.store().insert_instance(&row).await.unwrap();
+        self.broker
+            .store()
+            .insert_instance(None, &row)
+            .await
+            .unwrap();
         let cloud_id = format!("i-dos{job}x{k}");
         self.broker
             .store()
-            .mark_launched(&row.id, &cloud_id, self.clock.now())
+            .mark_launched(None, &row.id, &cloud_id, self.clock.now())
             .await
             .unwrap();
         (cloud_id, token)

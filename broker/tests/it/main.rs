@@ -18,4 +18,5 @@ mod sim_cli;
 mod sim_policies;
 mod sim_today;
 mod store_jobs;
+mod store_leases;
 mod store_prices;

@@ -90,7 +90,7 @@ async fn intent(store: &Store, id: &str, job: JobId, at: i64) -> InstanceRow {
         format!("hash-{id}"),
         t(at),
     );
-    store.insert_instance(&row).await.unwrap();
+    store.insert_instance(None, &row).await.unwrap();
     row
 }
 
@@ -98,7 +98,7 @@ async fn intent(store: &Store, id: &str, job: JobId, at: i64) -> InstanceRow {
 async fn running(store: &Store, id: &str, job: JobId, at: i64) {
     intent(store, id, job, at).await;
     store
-        .mark_launched(id, &format!("cloud-{id}"), t(at + 1))
+        .mark_launched(None, id, &format!("cloud-{id}"), t(at + 1))
         .await
         .unwrap();
 }
@@ -164,7 +164,7 @@ async fn jobs_are_newest_first_and_active_only_filters(db: TestDb) {
     for name in ["p", "r", "ok", "bad", "gone"] {
         ids.push(job_of(s, name).await);
     }
-    s.set_job_state(ids[1], JobState::Running, None, t(1))
+    s.set_job_state(None, ids[1], JobState::Running, None, t(1))
         .await
         .unwrap();
     for (i, state) in [
@@ -172,7 +172,11 @@ async fn jobs_are_newest_first_and_active_only_filters(db: TestDb) {
         (3, JobState::Failed),
         (4, JobState::Cancelled),
     ] {
-        assert!(s.set_job_state(ids[i], state, None, t(2)).await.unwrap());
+        assert!(
+            s.set_job_state(None, ids[i], state, None, t(2))
+                .await
+                .unwrap()
+        );
     }
     let all: Vec<JobId> = s.jobs(false).await.unwrap().iter().map(|j| j.id).collect();
     let newest_first: Vec<JobId> = ids.iter().rev().copied().collect();
@@ -196,7 +200,7 @@ async fn set_job_state_stamps_start_once_and_final_states_are_final(db: TestDb) 
     let other = job_of(s, "bystander").await;
 
     assert!(
-        s.set_job_state(id, JobState::Running, Some("launched"), t(10))
+        s.set_job_state(None, id, JobState::Running, Some("launched"), t(10))
             .await
             .unwrap()
     );
@@ -207,7 +211,7 @@ async fn set_job_state_stamps_start_once_and_final_states_are_final(db: TestDb) 
 
     // Running again (a resumed broker) keeps the first start and, given no reason, the reason.
     assert!(
-        s.set_job_state(id, JobState::Running, None, t(20))
+        s.set_job_state(None, id, JobState::Running, None, t(20))
             .await
             .unwrap()
     );
@@ -216,7 +220,7 @@ async fn set_job_state_stamps_start_once_and_final_states_are_final(db: TestDb) 
     assert_eq!(j.state_reason.as_deref(), Some("launched"));
 
     assert!(
-        s.set_job_state(id, JobState::Succeeded, Some("done"), t(30))
+        s.set_job_state(None, id, JobState::Succeeded, Some("done"), t(30))
             .await
             .unwrap()
     );
@@ -228,7 +232,7 @@ async fn set_job_state_stamps_start_once_and_final_states_are_final(db: TestDb) 
     // A finished job is never reopened nor re-finished.
     for state in [JobState::Running, JobState::Cancelled, JobState::Pending] {
         assert!(
-            !s.set_job_state(id, state, Some("late"), t(40))
+            !s.set_job_state(None, id, state, Some("late"), t(40))
                 .await
                 .unwrap(),
             "{state} after success must not apply"
@@ -246,14 +250,14 @@ async fn set_job_state_stamps_start_once_and_final_states_are_final(db: TestDb) 
         (JobState::Pending, None, None)
     );
     assert!(
-        !s.set_job_state(JobId(other.0 + 1000), JobState::Running, None, t(1))
+        !s.set_job_state(None, JobId(other.0 + 1000), JobState::Running, None, t(1))
             .await
             .unwrap()
     );
 
     // Failing straight from pending stamps the end, not a start.
     assert!(
-        s.set_job_state(other, JobState::Failed, Some("no capacity"), t(50))
+        s.set_job_state(None, other, JobState::Failed, Some("no capacity"), t(50))
             .await
             .unwrap()
     );
@@ -270,17 +274,17 @@ async fn a_racing_cancel_and_completion_leave_exactly_one_winner(db: TestDb) {
     let s = &db.store;
     for round in 0..20 {
         let id = job_of(s, &format!("race-{round}")).await;
-        s.set_job_state(id, JobState::Running, None, t(1))
+        s.set_job_state(None, id, JobState::Running, None, t(1))
             .await
             .unwrap();
         let (a, b) = (s.clone(), s.clone());
         let cancel = tokio::spawn(async move {
-            a.set_job_state(id, JobState::Cancelled, Some("user"), t(2))
+            a.set_job_state(None, id, JobState::Cancelled, Some("user"), t(2))
                 .await
                 .unwrap()
         });
         let finish = tokio::spawn(async move {
-            b.set_job_state(id, JobState::Succeeded, Some("done"), t(3))
+            b.set_job_state(None, id, JobState::Succeeded, Some("done"), t(3))
                 .await
                 .unwrap()
         });
@@ -310,7 +314,7 @@ async fn set_job_progress_keeps_the_metric_when_none_is_given(db: TestDb) {
         done_units: 12.5,
         expected_units: Some(100.0),
     };
-    s.set_job_progress(id, 0.125, Some(metric), work)
+    s.set_job_progress(None, id, 0.125, Some(metric), work)
         .await
         .unwrap();
     let j = get_job(s, id).await;
@@ -323,7 +327,9 @@ async fn set_job_progress_keeps_the_metric_when_none_is_given(db: TestDb) {
         done_units: 50.0,
         expected_units: None,
     };
-    s.set_job_progress(id, 0.5, None, later).await.unwrap();
+    s.set_job_progress(None, id, 0.5, None, later)
+        .await
+        .unwrap();
     let j = get_job(s, id).await;
     assert_eq!(j.progress, 0.5);
     assert_eq!(j.metric.as_deref(), Some(metric));
@@ -340,8 +346,12 @@ async fn save_control_state_touches_only_its_job(db: TestDb) {
     let s = &db.store;
     let id = job_of(s, "ctl").await;
     let other = job_of(s, "other").await;
-    s.save_control_state(id, r#"{"layout":1}"#).await.unwrap();
-    s.save_control_state(id, r#"{"layout":2}"#).await.unwrap();
+    s.save_control_state(None, id, r#"{"layout":1}"#)
+        .await
+        .unwrap();
+    s.save_control_state(None, id, r#"{"layout":2}"#)
+        .await
+        .unwrap();
     assert_eq!(
         get_job(s, id).await.control_state.as_deref(),
         Some(r#"{"layout":2}"#)
@@ -360,7 +370,7 @@ async fn insert_instance_and_instance_round_trip_and_refuse_duplicates(db: TestD
         "hash-spot".into(),
         t(7),
     );
-    s.insert_instance(&spot_row).await.unwrap();
+    s.insert_instance(None, &spot_row).await.unwrap();
     let od_row = InstanceRow::intent(
         "i-od".into(),
         job,
@@ -369,7 +379,7 @@ async fn insert_instance_and_instance_round_trip_and_refuse_duplicates(db: TestD
         "hash-od".into(),
         t(8),
     );
-    s.insert_instance(&od_row).await.unwrap();
+    s.insert_instance(None, &od_row).await.unwrap();
 
     let got = get_instance(s, "i-spot").await;
     assert_eq!(got.id, "i-spot");
@@ -397,13 +407,13 @@ async fn insert_instance_and_instance_round_trip_and_refuse_duplicates(db: TestD
     assert!(s.instance("i-none").await.unwrap().is_none());
 
     // The intent is the idempotency token: the same id twice is refused, not duplicated.
-    assert!(s.insert_instance(&spot_row).await.is_err());
+    assert!(s.insert_instance(None, &spot_row).await.is_err());
     assert_eq!(s.instances_of_job(job).await.unwrap().len(), 2);
     // An instance must belong to a stored job.
     let mut orphan = spot_row.clone();
     orphan.id = "i-orphan".into();
     orphan.job_id = JobId(job.0 + 1000);
-    assert!(s.insert_instance(&orphan).await.is_err());
+    assert!(s.insert_instance(None, &orphan).await.is_err());
     assert!(s.instance("i-orphan").await.unwrap().is_none());
 }
 
@@ -429,14 +439,16 @@ async fn instances_of_job_and_live_instances_filter_and_order(db: TestDb) {
         ["i-failed", "i-b"]
     );
 
-    s.mark_ended("i-2a", t(40), "done", false, None)
+    s.mark_ended(None, "i-2a", t(40), "done", false, None)
         .await
         .unwrap();
     s.mark_launch_failed("i-failed", "no capacity", t(6))
         .await
         .unwrap();
-    s.mark_terminating("i-3", "scale down").await.unwrap();
-    s.mark_launched("i-b", "cloud-b", t(16)).await.unwrap();
+    s.mark_terminating(None, "i-3", "scale down").await.unwrap();
+    s.mark_launched(None, "i-b", "cloud-b", t(16))
+        .await
+        .unwrap();
     s.mark_warned("i-b", t(50), None).await.unwrap();
     // Ended ones leave the live set; terminating and warned ones stay until they end.
     assert_eq!(
@@ -452,7 +464,7 @@ async fn mark_launched_runs_a_requested_instance_and_keeps_the_first_launch(db: 
     let job = job_of(s, "launch").await;
     intent(s, "i-a", job, 0).await;
     intent(s, "i-b", job, 0).await;
-    s.mark_launched("i-a", "cloud-a", t(3)).await.unwrap();
+    s.mark_launched(None, "i-a", "cloud-a", t(3)).await.unwrap();
     let a = get_instance(s, "i-a").await;
     assert_eq!(a.state, InstanceState::Running);
     assert_eq!(
@@ -467,21 +479,21 @@ async fn mark_launched_runs_a_requested_instance_and_keeps_the_first_launch(db: 
     );
 
     // Reconciliation recording the launch again keeps the first launch time.
-    s.mark_launched("i-a", "cloud-a", t(9)).await.unwrap();
+    s.mark_launched(None, "i-a", "cloud-a", t(9)).await.unwrap();
     assert_eq!(get_instance(s, "i-a").await.launched, Some(t(3)));
 
     // A launch learnt after the instance ended (a crash between the two) does not revive it.
-    s.mark_ended("i-b", t(4), "cancelled", false, None)
+    s.mark_ended(None, "i-b", t(4), "cancelled", false, None)
         .await
         .unwrap();
-    s.mark_launched("i-b", "cloud-b", t(5)).await.unwrap();
+    s.mark_launched(None, "i-b", "cloud-b", t(5)).await.unwrap();
     let b = get_instance(s, "i-b").await;
     assert_eq!(b.state, InstanceState::Terminated);
     assert_eq!(b.cloud_id.as_deref(), Some("cloud-b"));
 
     // Cloud ids are unique: a second instance cannot claim the same one.
     intent(s, "i-c", job, 0).await;
-    assert!(s.mark_launched("i-c", "cloud-a", t(6)).await.is_err());
+    assert!(s.mark_launched(None, "i-c", "cloud-a", t(6)).await.is_err());
     assert_eq!(get_instance(s, "i-c").await.state, InstanceState::Requested);
 }
 
@@ -512,7 +524,7 @@ async fn mark_ready_only_once_and_only_while_it_runs(db: TestDb) {
     assert_eq!(get_instance(s, "i-warned").await.ready, Some(t(3)));
     // Ended before it was ready: never.
     running(s, "i-ended", job, 0).await;
-    s.mark_ended("i-ended", t(2), "terminated", false, None)
+    s.mark_ended(None, "i-ended", t(2), "terminated", false, None)
         .await
         .unwrap();
     assert!(!s.mark_ready("i-ended", t(3)).await.unwrap());
@@ -534,17 +546,20 @@ async fn tokens_metadata_and_cloud_ids_find_the_right_instance(db: TestDb) {
 
     // Rotation: the old hash stops working, the new one finds the same instance, the other
     // instance keeps its own.
-    s.set_token_hash("i-a", "hash-rotated").await.unwrap();
+    s.set_token_hash(None, "i-a", "hash-rotated").await.unwrap();
     assert_eq!(by_hash("hash-i-a").await, None);
     assert_eq!(by_hash("hash-rotated").await.as_deref(), Some("i-a"));
     assert_eq!(by_hash("hash-i-b").await.as_deref(), Some("i-b"));
     assert_eq!(get_instance(s, "i-a").await.token_hash, "hash-rotated");
 
-    s.set_metadata_addr("i-b", "127.0.0.1:40123").await.unwrap();
+    s.set_local_agent("i-b", "127.0.0.1:40123", Some(4242))
+        .await
+        .unwrap();
     assert_eq!(
         get_instance(s, "i-b").await.metadata_addr.as_deref(),
         Some("127.0.0.1:40123")
     );
+    assert_eq!(get_instance(s, "i-b").await.agent_pid, Some(4242));
     assert_eq!(get_instance(s, "i-a").await.metadata_addr, None);
 
     let found = s.instance_by_cloud_id("cloud-i-b").await.unwrap();
@@ -612,7 +627,7 @@ async fn mark_warned_records_its_event_once_and_atomically(db: TestDb) {
     );
 
     // An ended instance is not warned.
-    s.mark_ended("i-b", t(80), "done", false, None)
+    s.mark_ended(None, "i-b", t(80), "done", false, None)
         .await
         .unwrap();
     assert!(!s.mark_warned("i-b", t(90), Some(warning)).await.unwrap());
@@ -644,13 +659,13 @@ async fn mark_terminating_only_from_live_states(db: TestDb) {
     running(s, "i-warn", job, 0).await;
     running(s, "i-end", job, 0).await;
     s.mark_warned("i-warn", t(5), None).await.unwrap();
-    s.mark_ended("i-end", t(6), "evicted", true, None)
+    s.mark_ended(None, "i-end", t(6), "evicted", true, None)
         .await
         .unwrap();
 
     for id in ["i-req", "i-run", "i-warn"] {
         assert!(
-            s.mark_terminating(id, "job finished").await.unwrap(),
+            s.mark_terminating(None, id, "job finished").await.unwrap(),
             "{id}"
         );
         let r = get_instance(s, id).await;
@@ -658,13 +673,17 @@ async fn mark_terminating_only_from_live_states(db: TestDb) {
         assert_eq!(r.end_reason.as_deref(), Some("job finished"), "{id}");
     }
     // The first reason stands.
-    assert!(!s.mark_terminating("i-run", "again").await.unwrap());
+    assert!(!s.mark_terminating(None, "i-run", "again").await.unwrap());
     assert_eq!(
         get_instance(s, "i-run").await.end_reason.as_deref(),
         Some("job finished")
     );
     // An ended instance stays ended with its own reason.
-    assert!(!s.mark_terminating("i-end", "job finished").await.unwrap());
+    assert!(
+        !s.mark_terminating(None, "i-end", "job finished")
+            .await
+            .unwrap()
+    );
     let e = get_instance(s, "i-end").await;
     assert_eq!(
         (e.state, e.end_reason.as_deref()),
@@ -683,7 +702,7 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
         detail: "price above bid",
     };
     assert!(
-        s.mark_ended("i-a", t(120), "evicted", true, Some(evicted))
+        s.mark_ended(None, "i-a", t(120), "evicted", true, Some(evicted))
             .await
             .unwrap()
     );
@@ -698,7 +717,7 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
 
     // A later end (the broker's own terminate finishing) changes nothing and says nothing.
     assert!(
-        !s.mark_ended("i-a", t(200), "terminated", false, Some(evicted))
+        !s.mark_ended(None, "i-a", t(200), "terminated", false, Some(evicted))
             .await
             .unwrap()
     );
@@ -716,9 +735,9 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
     );
 
     // After a terminate request, the end keeps the request's reason.
-    s.mark_terminating("i-b", "scale down").await.unwrap();
+    s.mark_terminating(None, "i-b", "scale down").await.unwrap();
     assert!(
-        s.mark_ended("i-b", t(130), "terminated", false, None)
+        s.mark_ended(None, "i-b", t(130), "terminated", false, None)
             .await
             .unwrap()
     );
@@ -733,9 +752,11 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
     // reason on record, as in every report.
     running(s, "i-w", job, 0).await;
     s.mark_warned("i-w", t(140), None).await.unwrap();
-    s.mark_terminating("i-w", "job succeeded").await.unwrap();
+    s.mark_terminating(None, "i-w", "job succeeded")
+        .await
+        .unwrap();
     assert!(
-        s.mark_ended("i-w", t(150), "evicted", true, None)
+        s.mark_ended(None, "i-w", t(150), "evicted", true, None)
             .await
             .unwrap()
     );
@@ -748,7 +769,11 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
     // A failed launch is already final.
     intent(s, "i-f", job, 0).await;
     s.mark_launch_failed("i-f", "quota", t(1)).await.unwrap();
-    assert!(!s.mark_ended("i-f", t(2), "x", true, None).await.unwrap());
+    assert!(
+        !s.mark_ended(None, "i-f", t(2), "x", true, None)
+            .await
+            .unwrap()
+    );
     assert_eq!(get_instance(s, "i-f").await.state, InstanceState::Failed);
 
     // All or nothing, as for warnings.
@@ -758,7 +783,7 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
         ..evicted
     };
     assert!(
-        s.mark_ended("i-c", t(140), "evicted", true, Some(broken))
+        s.mark_ended(None, "i-c", t(140), "evicted", true, Some(broken))
             .await
             .is_err()
     );
@@ -927,19 +952,19 @@ async fn replace_ledger_lines_replaces_one_instance_all_or_nothing(db: TestDb) {
     running(s, "i-a", job, 0).await;
     running(s, "i-b", job, 0).await;
     let a1 = vec![line("i-a", 0, 3600, 0.10, false)];
-    s.replace_ledger_lines(job, "i-a", &a1).await.unwrap();
+    s.replace_ledger_lines(None, job, "i-a", &a1).await.unwrap();
     let b1 = vec![
         line("i-b", 0, 3600, 0.20, false),
         line("i-b", 3600, 5400, 0.20, true),
     ];
-    s.replace_ledger_lines(job, "i-b", &b1).await.unwrap();
+    s.replace_ledger_lines(None, job, "i-b", &b1).await.unwrap();
 
     // Billing recomputed from the instance's whole life replaces its lines, and only its own.
     let a2 = vec![
         line("i-a", 0, 3600, 0.10, false),
         line("i-a", 3600, 7200, 0.12, false),
     ];
-    s.replace_ledger_lines(job, "i-a", &a2).await.unwrap();
+    s.replace_ledger_lines(None, job, "i-a", &a2).await.unwrap();
     let ledger = s.ledger_of_job(job).await.unwrap();
     assert_eq!(
         ledger,
@@ -953,11 +978,15 @@ async fn replace_ledger_lines_replaces_one_instance_all_or_nothing(db: TestDb) {
         line("i-a", 7200, 10800, 9.0, false),
         line("i-a", 7200, 10800, 9.0, false),
     ];
-    assert!(s.replace_ledger_lines(job, "i-a", &bad).await.is_err());
+    assert!(
+        s.replace_ledger_lines(None, job, "i-a", &bad)
+            .await
+            .is_err()
+    );
     assert_eq!(s.ledger_of_job(job).await.unwrap(), ledger);
 
     // No lines: the instance is billed nothing.
-    s.replace_ledger_lines(job, "i-b", &[]).await.unwrap();
+    s.replace_ledger_lines(None, job, "i-b", &[]).await.unwrap();
     assert_eq!(s.ledger_of_job(job).await.unwrap(), a2);
 }
 
@@ -968,7 +997,7 @@ async fn non_finite_money_in_a_row_is_refused_where_it_is_read(db: TestDb) {
     let s = &db.store;
     let job = job_of(s, "a").await;
     running(s, "i-a", job, 0).await;
-    s.replace_ledger_lines(job, "i-a", &[line("i-a", 0, 3600, 0.25, false)])
+    s.replace_ledger_lines(None, job, "i-a", &[line("i-a", 0, 3600, 0.25, false)])
         .await
         .unwrap();
     let inf = match s.backend() {
@@ -1008,6 +1037,7 @@ async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
     running(s, "i-a1", a, 0).await;
     running(s, "i-b", b, 0).await;
     s.replace_ledger_lines(
+        None,
         a,
         "i-a2",
         &[
@@ -1017,10 +1047,10 @@ async fn ledger_of_job_and_spend_of_job_are_per_job(db: TestDb) {
     )
     .await
     .unwrap();
-    s.replace_ledger_lines(a, "i-a1", &[line("i-a1", 0, 1800, 0.50, false)])
+    s.replace_ledger_lines(None, a, "i-a1", &[line("i-a1", 0, 1800, 0.50, false)])
         .await
         .unwrap();
-    s.replace_ledger_lines(b, "i-b", &[line("i-b", 0, 3600, 4.0, false)])
+    s.replace_ledger_lines(None, b, "i-b", &[line("i-b", 0, 3600, 4.0, false)])
         .await
         .unwrap();
 

@@ -1,0 +1,280 @@
+//! Brokers and job leases (`store::leases`), on both backends: a new job's lease, renewal by
+//! heartbeat, takeover only after expiry (or when forced by a broker that is alone), the
+//! fencing token that refuses the old owner's writes, release, and the live-broker list the
+//! fair share and a new job's owner come from.
+
+use crate::on_both_backends;
+use crate::support::TestDb;
+use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour};
+use proteus_broker::policy::Purchase;
+use proteus_broker::store::{InstanceRow, JobState, LedgerLine, NewJob, Store, StoreError};
+use proteus_wire::JobId;
+
+on_both_backends!(
+    a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat,
+    an_expired_lease_moves_and_fences_the_old_owner_out,
+    claims_take_only_expired_leases_up_to_the_asked_number,
+    a_released_lease_is_claimable_at_once_and_an_over_job_is_not,
+    live_brokers_are_listed_fewest_jobs_first,
+);
+
+const LEASE: i64 = 10_000;
+const NOW: i64 = 1_800_000_000_000;
+
+async fn job(store: &Store, name: &str) -> JobId {
+    store
+        .create_job(&NewJob {
+            name: name.into(),
+            spec: "{}".into(),
+            policy: "bidbrain".into(),
+            billing: "per-second".into(),
+            budget_usd: None,
+            deadline: None,
+            created: Timestamp::from_millis(1),
+        })
+        .await
+        .unwrap()
+}
+
+fn intent(id: &str, job: JobId) -> InstanceRow {
+    InstanceRow::intent(
+        id.into(),
+        job,
+        Market::parse("us-east-1a/c4.large").unwrap(),
+        Purchase::Spot {
+            bid: UsdPerHour::new(0.3).unwrap(),
+        },
+        format!("hash-{id}"),
+        Timestamp::from_millis(10),
+    )
+}
+
+fn fenced<T: std::fmt::Debug>(r: Result<T, StoreError>, job: JobId) {
+    match r {
+        Err(StoreError::Fenced { job: j }) => assert_eq!(j, job),
+        other => panic!("expected the write to be fenced out, got {other:?}"),
+    }
+}
+
+async fn a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat(db: TestDb) {
+    let s = &db.store;
+    s.register_broker("a", "http://a", 1, NOW).await.unwrap();
+    let j = job(s, "j").await;
+    let lease = s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    assert_eq!((lease.job(), lease.token()), (j, 1));
+    // A second grant (another broker's submit racing a claim) does not replace the owner.
+    assert!(s.grant_lease(j, "b", NOW, LEASE).await.unwrap().is_none());
+    assert_eq!(
+        s.job(j).await.unwrap().unwrap().lease_owner.as_deref(),
+        Some("a")
+    );
+    // Renewed by a's heartbeat, so no claim at a time past the first expiry takes it.
+    let renewed = s.heartbeat("a", NOW + 8_000, LEASE).await.unwrap();
+    assert_eq!(renewed.leases, vec![lease]);
+    let claimed = s
+        .claim_expired("b", NOW + 12_000, LEASE, 10, false)
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "{claimed:?}");
+    // The owner writes with its lease.
+    s.insert_instance(Some(&lease), &intent("i-1", j))
+        .await
+        .unwrap();
+}
+
+async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
+    let s = &db.store;
+    let j = job(s, "j").await;
+    let old = s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    s.insert_instance(Some(&old), &intent("i-1", j))
+        .await
+        .unwrap();
+    s.mark_launched(Some(&old), "i-1", "cloud-1", Timestamp::from_millis(20))
+        .await
+        .unwrap();
+    // a stalls past its lease; b claims the job, with a newer token.
+    let claimed = s
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let new = claimed[0];
+    assert_eq!((new.job(), new.token()), (j, old.token() + 1));
+    // a wakes up: its heartbeat no longer lists the job, and every write it tries is refused
+    // and changes nothing.
+    assert!(
+        s.heartbeat("a", NOW + LEASE + 2, LEASE)
+            .await
+            .unwrap()
+            .leases
+            .is_empty()
+    );
+    fenced(s.insert_instance(Some(&old), &intent("i-2", j)).await, j);
+    assert!(
+        s.instance("i-2").await.unwrap().is_none(),
+        "a fenced launch intent was stored"
+    );
+    fenced(s.mark_terminating(Some(&old), "i-1", "stale").await, j);
+    fenced(
+        s.mark_ended(
+            Some(&old),
+            "i-1",
+            Timestamp::from_millis(30),
+            "stale",
+            false,
+            None,
+        )
+        .await,
+        j,
+    );
+    fenced(
+        s.set_job_state(
+            Some(&old),
+            j,
+            JobState::Failed,
+            Some("stale"),
+            Timestamp::from_millis(30),
+        )
+        .await,
+        j,
+    );
+    fenced(s.save_engine_state(Some(&old), j, "{}").await, j);
+    let line = LedgerLine {
+        instance_id: "i-1".into(),
+        start: Timestamp::from_millis(20),
+        end: Timestamp::from_millis(3_600_020),
+        usd_per_hour: UsdPerHour::new(1.0).unwrap(),
+        amount_usd: Usd::new(1.0).unwrap(),
+        free: false,
+    };
+    fenced(
+        s.replace_ledger_lines(Some(&old), j, "i-1", std::slice::from_ref(&line))
+            .await,
+        j,
+    );
+    let row = s.instance("i-1").await.unwrap().unwrap();
+    assert_eq!(
+        row.state.as_str(),
+        "running",
+        "the old owner's writes changed the instance"
+    );
+    let job_row = s.job(j).await.unwrap().unwrap();
+    assert_eq!(job_row.state, JobState::Pending);
+    assert_eq!(job_row.lease_owner.as_deref(), Some("b"));
+    assert!(s.ledger_of_job(j).await.unwrap().is_empty());
+    // The new owner's writes go through.
+    assert!(
+        s.mark_terminating(Some(&new), "i-1", "taken over")
+            .await
+            .unwrap()
+    );
+    s.replace_ledger_lines(Some(&new), j, "i-1", &[line])
+        .await
+        .unwrap();
+    assert_eq!(s.ledger_of_job(j).await.unwrap().len(), 1);
+}
+
+async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
+    let s = &db.store;
+    let jobs = [job(s, "1").await, job(s, "2").await, job(s, "3").await];
+    // Never granted (a submit that died before the grant): claimable at once.
+    let first = s.claim_expired("b", NOW, LEASE, 2, false).await.unwrap();
+    assert_eq!(
+        first.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![jobs[0], jobs[1]],
+        "oldest first, at most the asked number"
+    );
+    let rest = s.claim_expired("c", NOW, LEASE, 10, false).await.unwrap();
+    assert_eq!(
+        rest.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![jobs[2]]
+    );
+    // Live leases are not taken, and a broker does not claim its own.
+    assert!(
+        s.claim_expired("c", NOW + 1, LEASE, 10, false)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        s.claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+            .await
+            .unwrap()
+            .len()
+            == 1
+    );
+    // A broker alone on its database (forced) takes live leases of a previous process.
+    let forced = s
+        .claim_expired("d", NOW + 2, LEASE, 10, true)
+        .await
+        .unwrap();
+    assert_eq!(forced.len(), 3);
+    assert!(forced.iter().all(|l| l.token() == 2 || l.token() == 3));
+}
+
+async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb) {
+    let s = &db.store;
+    let running = job(s, "running").await;
+    let over = job(s, "over").await;
+    let l1 = s
+        .grant_lease(running, "a", NOW, LEASE)
+        .await
+        .unwrap()
+        .unwrap();
+    let l2 = s.grant_lease(over, "a", NOW, LEASE).await.unwrap().unwrap();
+    s.set_job_state(
+        Some(&l2),
+        over,
+        JobState::Cancelled,
+        None,
+        Timestamp::from_millis(5),
+    )
+    .await
+    .unwrap();
+    // a dies while winding the over job down: its lease is claimable (instances to release).
+    let claimed = s
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 2);
+    let l2b = claimed.iter().find(|l| l.job() == over).copied().unwrap();
+    // b releases both (graceful stop of b); only the unfinished one is claimable then.
+    assert!(s.release_lease(&l2b).await.unwrap());
+    assert!(
+        !s.release_lease(&l1).await.unwrap(),
+        "a stale lease released a job"
+    );
+    s.leave("b").await.unwrap();
+    let again = s
+        .claim_expired("c", NOW + LEASE + 2, LEASE, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        again.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![running]
+    );
+}
+
+async fn live_brokers_are_listed_fewest_jobs_first(db: TestDb) {
+    let s = &db.store;
+    s.register_broker("a", "http://a", 11, NOW).await.unwrap();
+    s.register_broker("b", "http://b", 12, NOW).await.unwrap();
+    s.register_broker("dead", "http://dead", 13, NOW - 60_000)
+        .await
+        .unwrap();
+    for name in ["1", "2"] {
+        let j = job(s, name).await;
+        s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    }
+    let j = job(s, "3").await;
+    s.grant_lease(j, "b", NOW, LEASE).await.unwrap().unwrap();
+    let live = s.live_brokers(NOW - LEASE).await.unwrap();
+    let got: Vec<(&str, i64)> = live.iter().map(|b| (b.id.as_str(), b.jobs)).collect();
+    assert_eq!(got, vec![("b", 1), ("a", 2)]);
+    assert_eq!(live[1].url, "http://a");
+    assert_eq!(live[1].pid, 11);
+    // Leaving removes the row.
+    s.leave("b").await.unwrap();
+    let live = s.live_brokers(NOW - LEASE).await.unwrap();
+    assert_eq!(live.len(), 1);
+}
