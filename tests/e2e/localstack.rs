@@ -20,6 +20,13 @@ pub fn aws_env() -> Vec<(&'static str, String)> {
 
 /// A broker on LocalStack with a small price history, under its own deployment tag.
 pub async fn start_ec2_broker(dir: &std::path::Path, deployment: &str) -> (BrokerProcess, String) {
+    let db = ec2_database(dir).await;
+    let broker = start_ec2_broker_on(dir, &db, deployment, &[]).await;
+    (broker, db)
+}
+
+/// A fresh database holding a small price history of LocalStack's region.
+pub async fn ec2_database(dir: &std::path::Path) -> String {
     let db = fresh_pg_database().await;
     let (trace, od) = write_small_prices(dir);
     let (code, _, err) = proteus(
@@ -35,27 +42,32 @@ pub async fn start_ec2_broker(dir: &std::path::Path, deployment: &str) -> (Broke
         &[],
     );
     assert_eq!(code, 0, "{err}");
+    db
+}
+
+/// A broker on LocalStack on the database `db` (several may share it), plus `extra` flags.
+pub async fn start_ec2_broker_on(
+    dir: &std::path::Path,
+    db: &str,
+    deployment: &str,
+    extra: &[&str],
+) -> BrokerProcess {
     let env = aws_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let broker = BrokerProcess::start(
-        dir,
-        &db,
-        &[
-            "--cloud",
-            "ec2",
-            "--region",
-            "us-east-1",
-            "--deployment",
-            deployment,
-            "--tick-ms",
-            "300",
-            "--local-agents",
-            "true",
-        ],
-        &env,
-    )
-    .await;
-    (broker, db)
+    let mut args = vec![
+        "--cloud",
+        "ec2",
+        "--region",
+        "us-east-1",
+        "--deployment",
+        deployment,
+        "--tick-ms",
+        "300",
+        "--local-agents",
+        "true",
+    ];
+    args.extend_from_slice(extra);
+    BrokerProcess::start(dir, db, &args, &env).await
 }
 
 pub fn job(name: &str, epochs: u32, max_instances: u32) -> Value {

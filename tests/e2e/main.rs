@@ -6,6 +6,7 @@ mod crash;
 mod dashboard;
 mod demo;
 mod eviction;
+mod failover;
 mod flexrr;
 mod follow;
 mod localstack;

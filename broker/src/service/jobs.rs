@@ -71,6 +71,10 @@ pub struct JobView {
     /// Markets skipped after the cloud refused them, with the reason.
     pub unavailable_markets: Vec<String>,
     pub work: WorkView,
+    /// The id of the broker that runs the job (several brokers may share one database; any of
+    /// them answers for every job); none once the job is over and its instances released.
+    #[serde(default)]
+    pub broker: Option<String>,
 }
 
 /// The job's work, measured (see [`crate::engine::work`]).
@@ -523,6 +527,7 @@ impl Broker {
             held,
             unavailable_markets: unavailable,
             work,
+            broker: job.lease_owner.clone(),
         }
     }
 

@@ -234,6 +234,20 @@ impl Broker {
         }
         for l in &claimed {
             tracing::info!(job = %l.job(), token = l.token(), "took over a job's lease");
+            self.store
+                .add_event(
+                    Some(l.job()),
+                    None,
+                    self.clock.now(),
+                    "broker_takeover",
+                    &format!(
+                        "broker {} ({}) runs the job now (lease {})",
+                        self.membership.id(),
+                        self.membership.url(),
+                        l.token()
+                    ),
+                )
+                .await?;
         }
         Ok(claimed)
     }

@@ -1,0 +1,335 @@
+//! Several brokers on one Postgres database, sharing one EC2 deployment (LocalStack) with real
+//! agents started by the local launcher: the jobs are spread over the brokers, a broker killed
+//! with `kill -9` mid-training (again and again, for a bounded time), or paused past its lease
+//! and woken up, has its jobs taken over by the others (its agents following them), and at the end every job has finished with no duplicate launch, no leaked
+//! instance, a ledger that bills each instance's life once, and the training's result intact.
+//!
+//! The simulated cloud lives inside one broker process, so brokers can share only a cloud that
+//! outlives them: LocalStack's EC2 here, as EC2 in production.
+
+use crate::localstack::{ec2_database, start_ec2_broker_on};
+use proteus_e2e::{BrokerProcess, localstack_ec2, localstack_instances, unique};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// Short, so that the test's takeovers are quick; the default (10 s) is what `bench/failover`
+/// measures.
+const LEASE_SECS: f64 = 4.0;
+const BROKERS: usize = 3;
+const JOBS: usize = 6;
+/// Kills at most this many times, and only while jobs still train.
+const KILLS: usize = 3;
+
+fn job(name: &str) -> Value {
+    json!({
+        "name": name,
+        "app": "mlr",
+        "dataset": "mnist",
+        "policy": "bidbrain",
+        "stop": {"epochs": 60},
+        "limits": {"max_instances": 2, "max_reliable_instances": 1},
+        "work": {"total_work": 2.0, "startup_minutes": 0.0},
+        "training": {"seed": 5, "backup_sync_interval_ms": 300}
+    })
+}
+
+/// Every job's view, by id, from whichever broker answers.
+async fn views(brokers: &[BrokerProcess], alive: &[bool]) -> BTreeMap<i64, Value> {
+    for (b, up) in brokers.iter().zip(alive) {
+        if !up {
+            continue;
+        }
+        let (status, list) = b
+            .client()
+            .call(reqwest::Method::GET, "/v1/jobs", None)
+            .await;
+        if status == 200 {
+            return list
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|j| (j["id"].as_i64().unwrap(), j.clone()))
+                .collect();
+        }
+    }
+    panic!("no broker answers");
+}
+
+fn over(v: &Value) -> bool {
+    !matches!(v["state"].as_str(), Some("pending" | "running"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplicates_or_leaks() {
+    let root = tempfile::tempdir().unwrap();
+    let deployment = unique("fo");
+    let db = ec2_database(root.path()).await;
+    let lease = LEASE_SECS.to_string();
+    let mut brokers = Vec::new();
+    for i in 0..BROKERS {
+        let dir = root.path().join(format!("broker-{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        brokers.push(start_ec2_broker_on(&dir, &db, &deployment, &["--lease-secs", &lease]).await);
+    }
+    let mut alive = vec![true; BROKERS];
+    // Every job submitted through the first broker: they are spread by the fewest-jobs rule.
+    let api = brokers[0].client();
+    let mut ids = Vec::new();
+    for n in 0..JOBS {
+        let v = api.post("/v1/jobs", job(&format!("fo-{n}"))).await;
+        ids.push(v["id"].as_i64().unwrap());
+    }
+    // Broker ids, by URL order, from the jobs' owners once each broker picked its jobs up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let owners = loop {
+        let v = views(&brokers, &alive).await;
+        let owners: Vec<String> = ids
+            .iter()
+            .filter_map(|id| v[id]["broker"].as_str().map(str::to_string))
+            .collect();
+        let mut per: HashMap<&str, usize> = HashMap::new();
+        for o in &owners {
+            *per.entry(o.as_str()).or_default() += 1;
+        }
+        if owners.len() == JOBS && per.len() == BROKERS {
+            assert!(
+                per.values().all(|n| *n == JOBS / BROKERS),
+                "spread: {per:?}"
+            );
+            break owners;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "jobs not spread over the brokers: {v:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let broker_ids: Vec<String> = {
+        let mut distinct: Vec<String> = owners.clone();
+        distinct.sort();
+        distinct.dedup();
+        distinct
+    };
+    // Which process is which broker id: each process's state directory names it.
+    let id_of = |b: &BrokerProcess| {
+        std::fs::read_to_string(b.state_dir.join("broker-id"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    for b in &brokers {
+        assert!(broker_ids.contains(&id_of(b)), "{} owns nothing", id_of(b));
+    }
+
+    // Kill the broker that owns the most jobs still training, wait for its jobs to move, bring
+    // it back (it rejoins with no jobs), and again.
+    let mut takeovers = Vec::new();
+    let kill_window = Instant::now() + Duration::from_secs(240);
+    while takeovers.len() < KILLS && Instant::now() < kill_window {
+        let v = views(&brokers, &alive).await;
+        let training = |owner: &str| {
+            v.values()
+                .filter(|j| {
+                    !over(j) && j["broker"] == owner && j["progress"].as_f64().unwrap_or(0.0) > 0.0
+                })
+                .count()
+        };
+        let Some(victim) = (0..BROKERS)
+            .filter(|i| alive[*i] && training(&id_of(&brokers[*i])) > 0)
+            .max_by_key(|i| training(&id_of(&brokers[*i])))
+        else {
+            // Nothing trains yet (agents starting) or any more: look again, within the window.
+            if v.values().all(over) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            continue;
+        };
+        let victim_id = id_of(&brokers[victim]);
+        let moved: Vec<i64> = v
+            .values()
+            .filter(|j| !over(j) && j["broker"] == victim_id.as_str())
+            .map(|j| j["id"].as_i64().unwrap())
+            .collect();
+        // The second time, the broker is paused (SIGSTOP) instead: it wakes up after its jobs
+        // moved, still believing it owns them, and must not act on them.
+        let pause = takeovers.len() == 1;
+        let pid = brokers[victim].child.as_ref().map(|c| c.id()).unwrap() as i32;
+        if pause {
+            // SAFETY: signalling a process this test started.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+        } else {
+            brokers[victim].kill9();
+        }
+        alive[victim] = false;
+        let killed = Instant::now();
+        let deadline = killed + Duration::from_secs(60);
+        loop {
+            let v = views(&brokers, &alive).await;
+            let pending: Vec<&i64> = moved
+                .iter()
+                .filter(|id| !over(&v[id]) && v[id]["broker"] == victim_id.as_str())
+                .collect();
+            if pending.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "jobs {pending:?} of the killed broker {victim_id} not taken over within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        takeovers.push(killed.elapsed().as_secs_f64());
+        if pause {
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        } else {
+            brokers[victim].spawn(&[]).await;
+        }
+        alive[victim] = true;
+    }
+    assert!(
+        !takeovers.is_empty(),
+        "no broker was killed while it had jobs training"
+    );
+    for t in &takeovers {
+        assert!(
+            *t < LEASE_SECS + 10.0,
+            "a takeover took {t:.1} s with a {LEASE_SECS} s lease: {takeovers:?}"
+        );
+    }
+
+    // Every job finishes, with the training's result intact through the moves.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let done = loop {
+        let v = views(&brokers, &alive).await;
+        if ids
+            .iter()
+            .all(|id| over(&v[id]) && v[id]["broker"].is_null())
+        {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "jobs not finished and released: {:?}\n{}",
+            ids.iter()
+                .map(|id| (id, &v[id]["state"], &v[id]["progress"], &v[id]["broker"]))
+                .collect::<Vec<_>>(),
+            brokers
+                .iter()
+                .map(|b| b.log_text())
+                .collect::<Vec<_>>()
+                .join("\n----\n")
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    for id in &ids {
+        let j = &done[id];
+        assert_eq!(j["state"], "succeeded", "{j}");
+        let accuracy = j["metric"]["value"].as_f64().unwrap_or(0.0);
+        assert!(accuracy > 0.8, "job {id} lost training on the way: {j}");
+    }
+
+    // The cloud and the store agree: nothing runs, no intent was launched twice, every record
+    // with a cloud id names an instance the cloud has under the same tag.
+    let ec2 = localstack_ec2().await;
+    let seen = localstack_instances(&ec2, &deployment).await;
+    let running: Vec<_> = seen
+        .iter()
+        .filter(|s| s.state == "running" || s.state == "pending")
+        .collect();
+    assert!(running.is_empty(), "leaked instances: {running:?}");
+    let mut launches: HashMap<&str, usize> = HashMap::new();
+    for s in &seen {
+        *launches.entry(s.proteus_id.as_str()).or_default() += 1;
+    }
+    let twice: Vec<_> = launches.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "launched more than once: {twice:?}");
+    let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    type Row = (
+        String,
+        i64,
+        Option<String>,
+        String,
+        Option<i64>,
+        Option<i64>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT id, job_id, cloud_id, state, launched_ms, ended_ms FROM instances ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(!rows.is_empty());
+    for (id, _, cloud_id, state, _, _) in &rows {
+        assert!(
+            state == "terminated" || state == "failed",
+            "{id} still {state} after every job ended"
+        );
+        if let Some(c) = cloud_id {
+            assert!(
+                seen.iter().any(|s| &s.cloud_id == c && &s.proteus_id == id),
+                "{id} records {c}, which the cloud does not have under its tag"
+            );
+        }
+    }
+    // Each ledger line bills part of one instance's life; an instance's lines do not overlap.
+    let lines: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT instance_id, start_ms, end_ms FROM ledger_lines ORDER BY instance_id, start_ms",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let life: HashMap<&str, (Option<i64>, Option<i64>)> = rows
+        .iter()
+        .map(|(id, _, _, _, l, e)| (id.as_str(), (*l, *e)))
+        .collect();
+    for w in lines.windows(2) {
+        if w[0].0 == w[1].0 {
+            assert!(w[0].2 <= w[1].1, "overlapping ledger lines: {w:?}");
+        }
+    }
+    for (instance, start, end) in &lines {
+        let (launched, ended) = life[instance.as_str()];
+        assert!(start < end, "{instance}: a line ends before it starts");
+        assert!(
+            launched.is_some_and(|l| *start >= l) && ended.is_some_and(|e| *end <= e),
+            "{instance}: line {start}..{end} outside its life {launched:?}..{ended:?}"
+        );
+    }
+    // Each job's spend is its ledger's total, and the moves are in its history.
+    let api = brokers[0].client();
+    let mut taken_over = 0;
+    for id in &ids {
+        let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
+        let total: f64 = sqlx::query_scalar::<_, f64>(
+            "SELECT COALESCE(SUM(amount_usd), 0) FROM ledger_lines WHERE job_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(
+            (cost["total_usd"].as_f64().unwrap() - total).abs() < 1e-6,
+            "job {id}: {cost} vs ledger {total}"
+        );
+        let events = api.get(&format!("/v1/jobs/{id}/events")).await;
+        let events = events.as_array().unwrap();
+        taken_over += events
+            .iter()
+            .filter(|e| e["kind"] == "broker_takeover")
+            .count();
+        // The agents followed their job to its new broker: none was given up as lost.
+        let lost: Vec<_> = events
+            .iter()
+            .filter(|e| e["kind"] == "agent_lost")
+            .collect();
+        assert!(lost.is_empty(), "job {id}: agents lost in a move: {lost:?}");
+    }
+    assert!(
+        taken_over >= takeovers.len(),
+        "{taken_over} takeovers recorded"
+    );
+    eprintln!("takeovers (s): {takeovers:?}");
+}
