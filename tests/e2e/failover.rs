@@ -125,6 +125,7 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
     // Kill the broker that owns the most jobs still training, wait for its jobs to move, bring
     // it back (it rejoins with no jobs), and again.
     let mut takeovers = Vec::new();
+    let mut paused = None;
     let kill_window = Instant::now() + Duration::from_secs(240);
     while takeovers.len() < KILLS && Instant::now() < kill_window {
         let v = views(&brokers, &alive).await;
@@ -184,6 +185,7 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
         if pause {
             // SAFETY: as above.
             unsafe { libc::kill(pid, libc::SIGCONT) };
+            paused = Some(victim);
         } else {
             brokers[victim].spawn(&[]).await;
         }
@@ -331,5 +333,14 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
         taken_over >= takeovers.len(),
         "{taken_over} takeovers recorded"
     );
+    // The paused broker found out, on waking, that its jobs had moved, and let them go.
+    if let Some(p) = paused {
+        let log = brokers[p].log_text();
+        assert!(
+            log.contains("lost the lease on a job to another broker")
+                || log.contains("another broker took the job over"),
+            "the paused broker did not notice its jobs moved:\n{log}"
+        );
+    }
     eprintln!("takeovers (s): {takeovers:?}");
 }
