@@ -344,3 +344,101 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
     }
     eprintln!("takeovers (s): {takeovers:?}");
 }
+
+/// A broker dies between launching an instance and recording it (and, separately, between
+/// recording the intent and launching): the other broker takes the job over, finds the
+/// instance by its tag (or launches the intent, once), and the job runs with no orphan and no
+/// twin in the cloud.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_over() {
+    for failpoint in ["launch-after-cloud", "launch-after-intent"] {
+        let root = tempfile::tempdir().unwrap();
+        let deployment = unique("fo-launch");
+        let db = ec2_database(root.path()).await;
+        let lease = LEASE_SECS.to_string();
+        let (dir_a, dir_b) = (root.path().join("a"), root.path().join("b"));
+        std::fs::create_dir_all(&dir_a).unwrap();
+        std::fs::create_dir_all(&dir_b).unwrap();
+        let mut a = start_ec2_broker_on(&dir_a, &db, &deployment, &["--lease-secs", &lease]).await;
+        a.kill9();
+        a.spawn(&[("PROTEUS_FAILPOINTS", failpoint)]).await;
+        let b = start_ec2_broker_on(&dir_b, &db, &deployment, &["--lease-secs", &lease]).await;
+        // Both have no job: the one submitted to takes it, and dies launching for it.
+        let (status, answer) = a
+            .client()
+            .call(reqwest::Method::POST, "/v1/jobs", Some(job("mid-launch")))
+            .await;
+        assert!(
+            status == 201 || status == 0,
+            "POST /v1/jobs: {status} {answer}"
+        );
+        let exit = a.wait_exit(Duration::from_secs(30)).await;
+        assert_eq!(
+            exit.and_then(|s| s.code()),
+            Some(137),
+            "{failpoint}: {}",
+            a.log_text()
+        );
+        let api = b.client();
+        let jobs = api.get("/v1/jobs").await;
+        let id = jobs[0]["id"].as_i64().unwrap();
+        let path = format!("/v1/jobs/{id}");
+        let running = |v: &Value| {
+            v["instances"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|i| i["state"] == "running")
+                .count()
+        };
+        let view = api
+            .wait_for(
+                &path,
+                Duration::from_secs(60),
+                "the other broker to run the job on 2 instances",
+                |v| {
+                    v["broker"].is_string() && running(v) == 2 && v["progress"].as_f64() > Some(0.0)
+                },
+            )
+            .await;
+        assert_ne!(
+            view["broker"].as_str(),
+            std::fs::read_to_string(a.state_dir.join("broker-id"))
+                .ok()
+                .as_deref()
+                .map(str::trim),
+            "{view}"
+        );
+        // A few ticks more: a twin would show up as an extra instance.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let ec2 = localstack_ec2().await;
+        let seen = localstack_instances(&ec2, &deployment).await;
+        let alive: Vec<_> = seen.iter().filter(|s| s.state != "terminated").collect();
+        assert_eq!(
+            alive.len(),
+            2,
+            "{failpoint}: one cloud instance per intent: {seen:?}"
+        );
+        let view = api.get(&path).await;
+        for s in &alive {
+            assert!(
+                view["instances"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|i| i["cloud_id"] == s.cloud_id.as_str()
+                        && i["id"] == s.proteus_id.as_str()),
+                "{failpoint}: {} runs without a record: {view}",
+                s.cloud_id
+            );
+        }
+        api.delete(&path).await;
+        api.wait_for(
+            &path,
+            Duration::from_secs(60),
+            "the cancelled job's release",
+            |v| v["broker"].is_null(),
+        )
+        .await;
+    }
+}
