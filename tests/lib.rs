@@ -9,9 +9,16 @@ use std::time::{Duration, Instant};
 /// `cargo test --workspace` builds every package's binaries (each has integration tests).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
+    // Tests run from target/<profile>/deps, the benchmarks' binaries from target/<profile>.
     let dir = exe
         .parent()
-        .and_then(Path::parent)
+        .map(|d| {
+            if d.ends_with("deps") {
+                d.parent().unwrap_or(d)
+            } else {
+                d
+            }
+        })
         .expect("target/<profile>");
     let path = dir.join(name);
     assert!(
@@ -611,4 +618,59 @@ pub fn write_c3_trace(dir: &Path, spike: Option<(i64, i64)>) -> (String, String)
     )
     .expect("write the on-demand catalogue");
     (trace.display().to_string(), od.display().to_string())
+}
+
+/// The AWS environment of a broker on LocalStack.
+pub fn aws_env() -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ENDPOINT_URL", localstack_url()),
+        ("AWS_ACCESS_KEY_ID", "test".into()),
+        ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ("AWS_REGION", "us-east-1".into()),
+    ]
+}
+
+/// A fresh database holding a small price history of LocalStack's region.
+pub async fn ec2_database(dir: &std::path::Path) -> String {
+    let db = fresh_pg_database().await;
+    let (trace, od) = write_small_prices(dir);
+    let (code, _, err) = proteus(
+        Some(&db),
+        &[
+            "prices",
+            "ingest",
+            "--file",
+            &trace.display().to_string(),
+            "--on-demand",
+            &od.display().to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    db
+}
+
+/// A broker on LocalStack on the database `db` (several may share it), plus `extra` flags.
+pub async fn start_ec2_broker_on(
+    dir: &std::path::Path,
+    db: &str,
+    deployment: &str,
+    extra: &[&str],
+) -> BrokerProcess {
+    let env = aws_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut args = vec![
+        "--cloud",
+        "ec2",
+        "--region",
+        "us-east-1",
+        "--deployment",
+        deployment,
+        "--tick-ms",
+        "300",
+        "--local-agents",
+        "true",
+    ];
+    args.extend_from_slice(extra);
+    BrokerProcess::start(dir, db, &args, &env).await
 }

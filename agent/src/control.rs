@@ -46,6 +46,9 @@ pub struct Broker {
     token: String,
 }
 
+/// How long a heartbeat waits for its answer.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The answer of a broker that does not run the agent's job.
 const NOT_OWNER: u16 = 421;
 
@@ -191,10 +194,18 @@ impl Broker {
         }
     }
 
+    /// One heartbeat. It waits 5 s at most: a broker that accepts connections but does not
+    /// answer (paused, overloaded) must not keep the agent silent past its dead-member timeout
+    /// (10 s by default) while another broker has taken its job over.
     pub async fn heartbeat(&self, id: &InstanceId, hb: &Heartbeat) -> Result<()> {
-        self.post::<_, serde_json::Value>(&paths::heartbeat(id), hb)
-            .await
-            .map(|_| ())
+        let http = &self.http;
+        let path = paths::heartbeat(id);
+        self.send::<serde_json::Value>(
+            |base| http.post(format!("{base}{path}")).json(hb),
+            HEARTBEAT_TIMEOUT,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Send an event, retrying transient failures for up to a minute (events matter: a lost

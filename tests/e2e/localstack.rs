@@ -2,72 +2,16 @@
 //! launch with tags, training, an interruption announced through the instance's metadata
 //! endpoint and carried out in LocalStack, the hand-over, completion, and a cancel.
 
-use proteus_e2e::{
-    BrokerProcess, Seen, fresh_pg_database, localstack_ec2, localstack_instances, localstack_url,
-    proteus, unique, write_small_prices,
-};
+use proteus_e2e::{BrokerProcess, Seen, localstack_ec2, localstack_instances, proteus, unique};
+pub use proteus_e2e::{aws_env, ec2_database, start_ec2_broker_on};
 use serde_json::{Value, json};
 use std::time::Duration;
-
-pub fn aws_env() -> Vec<(&'static str, String)> {
-    vec![
-        ("AWS_ENDPOINT_URL", localstack_url()),
-        ("AWS_ACCESS_KEY_ID", "test".into()),
-        ("AWS_SECRET_ACCESS_KEY", "test".into()),
-        ("AWS_REGION", "us-east-1".into()),
-    ]
-}
 
 /// A broker on LocalStack with a small price history, under its own deployment tag.
 pub async fn start_ec2_broker(dir: &std::path::Path, deployment: &str) -> (BrokerProcess, String) {
     let db = ec2_database(dir).await;
     let broker = start_ec2_broker_on(dir, &db, deployment, &[]).await;
     (broker, db)
-}
-
-/// A fresh database holding a small price history of LocalStack's region.
-pub async fn ec2_database(dir: &std::path::Path) -> String {
-    let db = fresh_pg_database().await;
-    let (trace, od) = write_small_prices(dir);
-    let (code, _, err) = proteus(
-        Some(&db),
-        &[
-            "prices",
-            "ingest",
-            "--file",
-            &trace.display().to_string(),
-            "--on-demand",
-            &od.display().to_string(),
-        ],
-        &[],
-    );
-    assert_eq!(code, 0, "{err}");
-    db
-}
-
-/// A broker on LocalStack on the database `db` (several may share it), plus `extra` flags.
-pub async fn start_ec2_broker_on(
-    dir: &std::path::Path,
-    db: &str,
-    deployment: &str,
-    extra: &[&str],
-) -> BrokerProcess {
-    let env = aws_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut args = vec![
-        "--cloud",
-        "ec2",
-        "--region",
-        "us-east-1",
-        "--deployment",
-        deployment,
-        "--tick-ms",
-        "300",
-        "--local-agents",
-        "true",
-    ];
-    args.extend_from_slice(extra);
-    BrokerProcess::start(dir, db, &args, &env).await
 }
 
 pub fn job(name: &str, epochs: u32, max_instances: u32) -> Value {

@@ -89,8 +89,10 @@ async fn a_second_broker_on_the_embedded_database_or_state_dir_is_refused() {
     assert_eq!(again["state"], "succeeded", "{again}");
 }
 
+/// The simulated cloud lives inside one broker, so on it a Postgres database stays one
+/// broker's (brokers share a database on EC2: `failover.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_broker_on_one_postgres_database_is_refused_until_the_first_dies() {
+async fn a_second_sim_broker_on_one_postgres_database_is_refused_until_the_first_dies() {
     let dir = tempfile::tempdir().unwrap();
     let db = fresh_pg_database().await;
     let mut first = BrokerProcess::start_sim(dir.path(), &db, "300", &[]).await;

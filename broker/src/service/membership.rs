@@ -133,6 +133,9 @@ impl Broker {
     /// dropped here (their coordinator, agents and runtime), leases granted to this broker by
     /// another's submit are picked up.
     pub async fn renew_leases(&self) -> Result<(), ServiceError> {
+        // Leases gained while the heartbeat is in flight (a claim, a grant) are not in its
+        // answer, and are not lost: only those held before it can be.
+        let before = self.membership.lock().clone();
         let renewed = self
             .store
             .heartbeat(
@@ -144,12 +147,15 @@ impl Broker {
         let now: HashMap<JobId, Lease> = renewed.leases.iter().map(|l| (l.job(), *l)).collect();
         let lost: Vec<JobId> = {
             let mut held = self.membership.lock();
-            let lost = held
-                .keys()
-                .filter(|j| !now.contains_key(j))
-                .copied()
+            let lost: Vec<JobId> = held
+                .iter()
+                .filter(|(j, l)| !now.contains_key(j) && before.get(j) == Some(l))
+                .map(|(j, _)| *j)
                 .collect();
-            *held = now;
+            for job in &lost {
+                held.remove(job);
+            }
+            held.extend(now);
             lost
         };
         for job in lost {

@@ -55,15 +55,28 @@ impl Broker {
     async fn tick_jobs(&self) -> Result<(), ServiceError> {
         let now = self.clock.now();
         self.control.sweep(Duration::from_secs(30));
+        // First what the cloud did (held, in order, while the database is away).
+        self.apply_cloud_events(now).await?;
         // Jobs whose owner died (or left) become this broker's, reconciled with the cloud
         // before anything is decided for them.
         let claimed = self.claim_share().await?;
-        if !claimed.is_empty() {
-            let jobs: HashSet<JobId> = claimed.iter().map(|l| l.job()).collect();
-            self.recover_jobs(&jobs).await?;
+        let leased = self.store.jobs_leased_by(self.membership().id()).await?;
+        // So is a job this broker runs without having it in memory: given to it by another
+        // broker's submit, or claimed at a tick whose recovery failed.
+        let unrecovered: HashSet<JobId> = claimed
+            .iter()
+            .map(|l| l.job())
+            .chain(
+                leased
+                    .iter()
+                    .filter(|j| !j.state.is_over() && self.runtime(j.id).is_none())
+                    .map(|j| j.id),
+            )
+            .collect();
+        if !unrecovered.is_empty() {
+            self.recover_jobs(&unrecovered).await?;
         }
-        self.apply_cloud_events(now).await?;
-        for job in self.store.jobs_leased_by(self.membership().id()).await? {
+        for job in leased {
             let Some(lease) = self.membership().lease(job.id) else {
                 continue;
             };
