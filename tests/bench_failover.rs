@@ -21,7 +21,8 @@
 //! when a target is missed, 2 when the run fails.
 
 use proteus_e2e::{
-    BrokerProcess, ec2_database, localstack_ec2, localstack_instances, start_ec2_broker_on, unique,
+    BrokerProcess, broker_id, ec2_database, job_over as over, job_views as views, localstack_ec2,
+    localstack_instances, mlr_job, start_ec2_broker_on, unique,
 };
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -34,51 +35,8 @@ const JOBS: usize = 6;
 const KILLS: usize = 5;
 const RESTARTS: usize = 3;
 const TARGET_S: f64 = 30.0;
-
-fn job(name: &str) -> Value {
-    json!({
-        "name": name,
-        "app": "mlr",
-        "dataset": "mnist",
-        "policy": "bidbrain",
-        "stop": {"epochs": 200},
-        "limits": {"max_instances": 2, "max_reliable_instances": 1},
-        "work": {"total_work": 2.0, "startup_minutes": 0.0},
-        "training": {"seed": 5, "backup_sync_interval_ms": 300}
-    })
-}
-
-fn over(v: &Value) -> bool {
-    !matches!(v["state"].as_str(), Some("pending" | "running"))
-}
-
-async fn views(brokers: &[BrokerProcess], alive: &[bool]) -> BTreeMap<i64, Value> {
-    for (b, up) in brokers.iter().zip(alive) {
-        if !up {
-            continue;
-        }
-        let (status, list) = b
-            .client()
-            .call(reqwest::Method::GET, "/v1/jobs", None)
-            .await;
-        if status == 200 {
-            return list
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|j| (j["id"].as_i64().unwrap_or(0), j.clone()))
-                .collect();
-        }
-    }
-    BTreeMap::new()
-}
-
-fn broker_id(b: &BrokerProcess) -> String {
-    std::fs::read_to_string(b.state_dir.join("broker-id"))
-        .unwrap_or_default()
-        .trim()
-        .to_string()
-}
+/// Long enough for every kill to find jobs training (about three minutes on two cores).
+const EPOCHS: u32 = 200;
 
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
@@ -135,7 +93,9 @@ async fn main() -> ExitCode {
     let api = brokers[0].client();
     let mut ids = Vec::new();
     for n in 0..JOBS {
-        let v = api.post("/v1/jobs", job(&format!("bench-fo-{n}"))).await;
+        let v = api
+            .post("/v1/jobs", mlr_job(&format!("bench-fo-{n}"), EPOCHS))
+            .await;
         ids.push(v["id"].as_i64().unwrap_or(0));
     }
     eprintln!("{BROKERS} brokers, {JOBS} jobs submitted; waiting for training to start...");

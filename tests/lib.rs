@@ -674,3 +674,57 @@ pub async fn start_ec2_broker_on(
     args.extend_from_slice(extra);
     BrokerProcess::start(dir, db, &args, &env).await
 }
+
+/// An MLR job of `epochs` on at most 2 instances (1 reliable): the failover test's and
+/// benchmark's job.
+pub fn mlr_job(name: &str, epochs: u32) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "app": "mlr",
+        "dataset": "mnist",
+        "policy": "bidbrain",
+        "stop": {"epochs": epochs},
+        "limits": {"max_instances": 2, "max_reliable_instances": 1},
+        "work": {"total_work": 2.0, "startup_minutes": 0.0},
+        "training": {"seed": 5, "backup_sync_interval_ms": 300}
+    })
+}
+
+/// Whether a job's view says it is over.
+pub fn job_over(v: &serde_json::Value) -> bool {
+    !matches!(v["state"].as_str(), Some("pending" | "running"))
+}
+
+/// Every job's view by id, from the first of `brokers` that is `alive` and answers; empty when
+/// none does.
+pub async fn job_views(
+    brokers: &[BrokerProcess],
+    alive: &[bool],
+) -> std::collections::BTreeMap<i64, serde_json::Value> {
+    for (b, up) in brokers.iter().zip(alive) {
+        if !up {
+            continue;
+        }
+        let (status, list) = b
+            .client()
+            .call(reqwest::Method::GET, "/v1/jobs", None)
+            .await;
+        if status == 200 {
+            return list
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|j| Some((j["id"].as_i64()?, j.clone())))
+                .collect();
+        }
+    }
+    Default::default()
+}
+
+/// The id a broker process runs under (kept in its state directory).
+pub fn broker_id(b: &BrokerProcess) -> String {
+    std::fs::read_to_string(b.state_dir.join("broker-id"))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}

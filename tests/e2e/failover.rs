@@ -8,8 +8,11 @@
 //! outlives them: LocalStack's EC2 here, as EC2 in production.
 
 use crate::localstack::{ec2_database, start_ec2_broker_on};
-use proteus_e2e::{BrokerProcess, localstack_ec2, localstack_instances, unique};
-use serde_json::{Value, json};
+use proteus_e2e::{
+    BrokerProcess, broker_id, job_over as over, job_views, localstack_ec2, localstack_instances,
+    mlr_job, unique,
+};
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -21,43 +24,14 @@ const JOBS: usize = 6;
 /// Kills at most this many times, and only while jobs still train.
 const KILLS: usize = 3;
 
-fn job(name: &str) -> Value {
-    json!({
-        "name": name,
-        "app": "mlr",
-        "dataset": "mnist",
-        "policy": "bidbrain",
-        "stop": {"epochs": 60},
-        "limits": {"max_instances": 2, "max_reliable_instances": 1},
-        "work": {"total_work": 2.0, "startup_minutes": 0.0},
-        "training": {"seed": 5, "backup_sync_interval_ms": 300}
-    })
-}
+/// Long enough to be killed mid-training a few times (about a minute on two cores).
+const EPOCHS: u32 = 60;
 
 /// Every job's view, by id, from whichever broker answers.
 async fn views(brokers: &[BrokerProcess], alive: &[bool]) -> BTreeMap<i64, Value> {
-    for (b, up) in brokers.iter().zip(alive) {
-        if !up {
-            continue;
-        }
-        let (status, list) = b
-            .client()
-            .call(reqwest::Method::GET, "/v1/jobs", None)
-            .await;
-        if status == 200 {
-            return list
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|j| (j["id"].as_i64().unwrap(), j.clone()))
-                .collect();
-        }
-    }
-    panic!("no broker answers");
-}
-
-fn over(v: &Value) -> bool {
-    !matches!(v["state"].as_str(), Some("pending" | "running"))
+    let v = job_views(brokers, alive).await;
+    assert!(!v.is_empty(), "no broker answers");
+    v
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,7 +51,9 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
     let api = brokers[0].client();
     let mut ids = Vec::new();
     for n in 0..JOBS {
-        let v = api.post("/v1/jobs", job(&format!("fo-{n}"))).await;
+        let v = api
+            .post("/v1/jobs", mlr_job(&format!("fo-{n}"), EPOCHS))
+            .await;
         ids.push(v["id"].as_i64().unwrap());
     }
     // Broker ids, by URL order, from the jobs' owners once each broker picked its jobs up.
@@ -112,14 +88,12 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
         distinct
     };
     // Which process is which broker id: each process's state directory names it.
-    let id_of = |b: &BrokerProcess| {
-        std::fs::read_to_string(b.state_dir.join("broker-id"))
-            .unwrap()
-            .trim()
-            .to_string()
-    };
     for b in &brokers {
-        assert!(broker_ids.contains(&id_of(b)), "{} owns nothing", id_of(b));
+        assert!(
+            broker_ids.contains(&broker_id(b)),
+            "{} owns nothing",
+            broker_id(b)
+        );
     }
 
     // Kill the broker that owns the most jobs still training, wait for its jobs to move, bring
@@ -137,8 +111,8 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
                 .count()
         };
         let Some(victim) = (0..BROKERS)
-            .filter(|i| alive[*i] && training(&id_of(&brokers[*i])) > 0)
-            .max_by_key(|i| training(&id_of(&brokers[*i])))
+            .filter(|i| alive[*i] && training(&broker_id(&brokers[*i])) > 0)
+            .max_by_key(|i| training(&broker_id(&brokers[*i])))
         else {
             // Nothing trains yet (agents starting) or any more: look again, within the window.
             if v.values().all(over) {
@@ -147,7 +121,7 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
             tokio::time::sleep(Duration::from_millis(500)).await;
             continue;
         };
-        let victim_id = id_of(&brokers[victim]);
+        let victim_id = broker_id(&brokers[victim]);
         let moved: Vec<i64> = v
             .values()
             .filter(|j| !over(j) && j["broker"] == victim_id.as_str())
@@ -366,7 +340,11 @@ async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_
         // Both have no job: the one submitted to takes it, and dies launching for it.
         let (status, answer) = a
             .client()
-            .call(reqwest::Method::POST, "/v1/jobs", Some(job("mid-launch")))
+            .call(
+                reqwest::Method::POST,
+                "/v1/jobs",
+                Some(mlr_job("mid-launch", EPOCHS)),
+            )
             .await;
         assert!(
             status == 201 || status == 0,

@@ -878,19 +878,7 @@ impl Broker {
             return Ok(());
         }
         match &row.cloud_id {
-            None => {
-                // Never launched: nothing to terminate in the cloud.
-                self.store
-                    .mark_ended(
-                        Some(&self.fence(row.job_id)?),
-                        &row.id,
-                        self.clock.now(),
-                        reason,
-                        false,
-                        None,
-                    )
-                    .await?;
-            }
+            None => self.end_unlaunched(row, reason).await?,
             Some(cloud_id) => {
                 self.store
                     .mark_terminating(Some(&self.fence(row.job_id)?), &row.id, reason)
@@ -905,23 +893,22 @@ impl Broker {
         Ok(())
     }
 
+    /// Ends an instance that was never launched: nothing to terminate in the cloud.
+    async fn end_unlaunched(&self, row: &InstanceRow, reason: &str) -> Result<(), ServiceError> {
+        let lease = self.fence(row.job_id)?;
+        self.store
+            .mark_ended(Some(&lease), &row.id, self.clock.now(), reason, false, None)
+            .await?;
+        Ok(())
+    }
+
     /// Asks the cloud to end many instances (a job's end), recording the requests first: one
     /// store update for them all and one cloud call per [`TERMINATE_BATCH`], not one of each
     /// per instance.
     async fn terminate_all(&self, rows: &[InstanceRow], reason: &str) -> Result<(), ServiceError> {
         let live: Vec<&InstanceRow> = rows.iter().filter(|r| !r.state.is_final()).collect();
         for row in live.iter().filter(|r| r.cloud_id.is_none()) {
-            // Never launched: nothing to terminate in the cloud.
-            self.store
-                .mark_ended(
-                    Some(&self.fence(row.job_id)?),
-                    &row.id,
-                    self.clock.now(),
-                    reason,
-                    false,
-                    None,
-                )
-                .await?;
+            self.end_unlaunched(row, reason).await?;
         }
         let launched: Vec<(&str, &String)> = live
             .iter()
