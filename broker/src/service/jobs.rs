@@ -415,7 +415,8 @@ impl Broker {
                     Some(r) => r,
                     None => {
                         let started = std::time::Instant::now();
-                        let record = JobRecord::read(&self.store, id, self.clock.now())
+                        let cooldowns = cache.cooldowns(&self.store, self.clock.now()).await?;
+                        let record = JobRecord::read(&self.store, id, cooldowns)
                             .await?
                             .ok_or(ServiceError::NoSuchJob(id))?;
                         let record = std::sync::Arc::new(record);

@@ -3,14 +3,15 @@
 //! A job's status is polled far more often than it changes: the store rows behind it (the job,
 //! its instances, its ledger, the market cool-downs) are written by the scheduler once a tick and
 //! by a few API calls, while a dashboard or a fleet of scripts may read it thousands of times a
-//! second. Each read costs four queries; a read served from here costs none.
+//! second. A read from the store costs one query (the market cool-downs it also shows are
+//! shared by every job, read at most once per [`TTL`]); a read served from here costs none.
 //!
 //! Reads stay consistent with writes: every place that writes what a status shows says so once
 //! its writes are done — the end of each scheduler tick reads the statuses being asked for again
 //! ([`StatusCache::refresh`]), a cancel or an agent's event drops them
 //! ([`StatusCache::invalidate`]) — and a read that *started* before that is neither served nor
 //! kept, so a status fetched while a write was under way cannot outlive it. A write this does
-//! not hear of (another process on the same database) shows after [`TTL`] at most. When a status
+//! not hear of (another broker on the same database) shows after [`TTL`] (1 s) at most. When a status
 //! must be read, one request per job reads it; the others wait for it.
 
 use super::ServiceError;
@@ -21,9 +22,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Longest time a status is served without being read again: longer than a scheduler tick,
-/// which reads again what is being asked for (see [`StatusCache::refresh`]).
-pub const TTL: Duration = Duration::from_secs(2);
+/// Longest time a status is served without being read again: a write by another broker on the
+/// same database (which this one does not hear of) shows within it. The scheduler's tick (1 s
+/// by default) reads again what is being asked for (see [`StatusCache::refresh`]).
+pub const TTL: Duration = Duration::from_secs(1);
 
 /// Entries kept at most (statuses of jobs nobody asks about expire and are dropped).
 const CAPACITY: usize = 4096;
@@ -34,28 +36,29 @@ pub struct JobRecord {
     pub job: JobRow,
     pub instances: Vec<InstanceRow>,
     pub spend_usd: Usd,
-    /// Market cool-downs in force when read; filter by `until` again when shown.
-    pub cooldowns: Vec<Cooldown>,
+    /// Market cool-downs in force when read (shared by every job's status, read at most once
+    /// per [`TTL`]); filter by `until` again when shown.
+    pub cooldowns: Arc<Vec<Cooldown>>,
     /// The job's app and sync model as shown, from its spec (which never changes).
     pub kind: super::jobs::JobKind,
 }
 
 impl JobRecord {
-    /// Reads a job's rows; `None` if there is no such job.
+    /// Reads a job's rows (one query); `None` if there is no such job.
     pub async fn read(
         store: &Store,
         id: JobId,
-        now: Timestamp,
+        cooldowns: Arc<Vec<Cooldown>>,
     ) -> Result<Option<JobRecord>, ServiceError> {
-        let Some(job) = store.job(id).await? else {
+        let Some((job, instances, spend_usd)) = store.job_status(id).await? else {
             return Ok(None);
         };
         Ok(Some(JobRecord {
             kind: super::jobs::kind_of(&job),
             job,
-            instances: store.instances_of_job(id).await?,
-            spend_usd: store.spend_of_job(id).await?,
-            cooldowns: store.cooldowns(now).await?,
+            instances,
+            spend_usd,
+            cooldowns,
         }))
     }
 }
@@ -74,6 +77,8 @@ struct Inner {
     /// Per job: held while reading it from the store, so that the requests that find the entry
     /// gone after a tick wait for one read instead of each making their own.
     reading: HashMap<JobId, Arc<tokio::sync::Mutex<()>>>,
+    /// The market cool-downs every status shows, and when their read started.
+    cooldowns: Option<(Instant, Arc<Vec<Cooldown>>)>,
 }
 
 impl StatusCache {
@@ -87,6 +92,31 @@ impl StatusCache {
         let (started, record) = inner.jobs.get(&id)?;
         let fresh = started.elapsed() < TTL && inner.valid_from.is_none_or(|v| *started >= v);
         fresh.then(|| record.clone())
+    }
+
+    /// The market cool-downs in force, as read less than [`TTL`] ago (and after the last
+    /// invalidation), or read now.
+    pub async fn cooldowns(
+        &self,
+        store: &Store,
+        now: Timestamp,
+    ) -> Result<Arc<Vec<Cooldown>>, ServiceError> {
+        {
+            let inner = self.lock();
+            if let Some((started, c)) = &inner.cooldowns
+                && started.elapsed() < TTL
+                && inner.valid_from.is_none_or(|v| *started >= v)
+            {
+                return Ok(c.clone());
+            }
+        }
+        let started = Instant::now();
+        let fresh = Arc::new(store.cooldowns(now).await?);
+        let mut inner = self.lock();
+        if inner.cooldowns.as_ref().is_none_or(|(s, _)| *s < started) {
+            inner.cooldowns = Some((started, fresh.clone()));
+        }
+        Ok(fresh)
     }
 
     /// Keeps a record whose read started at `started`, unless a write may have happened since
@@ -132,8 +162,19 @@ impl StatusCache {
                 .collect()
         };
         let mut fresh = Vec::with_capacity(ids.len());
+        if ids.is_empty() {
+            return self.invalidate_before(started);
+        }
+        let cooldowns = match store.cooldowns(now).await {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot refresh the market cool-downs");
+                self.invalidate();
+                return;
+            }
+        };
         for id in ids {
-            match JobRecord::read(store, id, now).await {
+            match JobRecord::read(store, id, cooldowns.clone()).await {
                 Ok(Some(record)) => fresh.push((id, Arc::new(record))),
                 Ok(None) => {}
                 Err(e) => tracing::debug!(job = %id, error = %e, "cannot refresh a job's status"),
@@ -147,6 +188,17 @@ impl StatusCache {
                 inner.jobs.insert(id, (started, record));
             }
         }
+        if inner.cooldowns.as_ref().is_none_or(|(s, _)| *s < started) {
+            inner.cooldowns = Some((started, cooldowns));
+        }
+    }
+
+    /// Nothing was being asked for: what was kept from before `started` is dropped.
+    fn invalidate_before(&self, started: Instant) {
+        let mut inner = self.lock();
+        inner.valid_from = Some(started);
+        inner.jobs.retain(|_, (s, _)| *s >= started);
+        inner.cooldowns = inner.cooldowns.take().filter(|(s, _)| *s >= started);
     }
 
     /// Forgets everything: call after writing anything a job's status shows.
@@ -154,6 +206,7 @@ impl StatusCache {
         let mut inner = self.lock();
         inner.valid_from = Some(Instant::now());
         inner.jobs.clear();
+        inner.cooldowns = None;
     }
 }
 
@@ -186,7 +239,7 @@ mod tests {
             },
             instances: vec![],
             spend_usd: Usd::ZERO,
-            cooldowns: vec![],
+            cooldowns: Arc::default(),
             kind: crate::service::jobs::JobKind {
                 app: crate::service::spec::App::Mlr,
                 sync: "bsp".into(),
@@ -245,7 +298,7 @@ mod tests {
         let asked = store.create_job(&new_job("asked")).await.unwrap();
         let unasked = store.create_job(&new_job("unasked")).await.unwrap();
         let cache = StatusCache::default();
-        let read = |id| JobRecord::read(&store, id, Timestamp::from_millis(0));
+        let read = |id| JobRecord::read(&store, id, Arc::default());
         cache.put(
             asked,
             Instant::now(),

@@ -282,6 +282,76 @@ struct JobRecord {
     lease_owner: Option<String>,
 }
 
+/// A job's row joined with one of its instances (none: every instance column is null) and its
+/// spend: what [`Store::job_status`] reads, one row per instance.
+#[derive(sqlx::FromRow)]
+struct JobStatusRecord {
+    #[sqlx(flatten)]
+    job: JobRecord,
+    spend_usd: Option<f64>,
+    i_id: Option<String>,
+    i_job_id: Option<i64>,
+    i_cloud_id: Option<String>,
+    i_availability_zone: Option<String>,
+    i_instance_type: Option<String>,
+    i_product: Option<String>,
+    i_tier: Option<String>,
+    i_bid_usd: Option<f64>,
+    i_state: Option<String>,
+    i_token_hash: Option<String>,
+    i_requested_ms: Option<i64>,
+    i_launched_ms: Option<i64>,
+    i_ready_ms: Option<i64>,
+    i_warned_ms: Option<i64>,
+    i_ended_ms: Option<i64>,
+    i_end_reason: Option<String>,
+    i_ended_by_provider: Option<i64>,
+    i_launch_error: Option<String>,
+    i_metadata_addr: Option<String>,
+    i_agent_pid: Option<i64>,
+}
+
+impl JobStatusRecord {
+    /// The joined instance, if the row has one.
+    fn instance(&mut self) -> Option<InstanceRecord> {
+        let missing = |what: &str| format!("instance column {what} is null");
+        let id = self.i_id.take()?;
+        let out = (|| -> Result<InstanceRecord, String> {
+            Ok(InstanceRecord {
+                job_id: self.i_job_id.ok_or_else(|| missing("job_id"))?,
+                cloud_id: self.i_cloud_id.take(),
+                availability_zone: self
+                    .i_availability_zone
+                    .take()
+                    .ok_or_else(|| missing("zone"))?,
+                instance_type: self.i_instance_type.take().ok_or_else(|| missing("type"))?,
+                product: self.i_product.take().ok_or_else(|| missing("product"))?,
+                tier: self.i_tier.take().ok_or_else(|| missing("tier"))?,
+                bid_usd: self.i_bid_usd,
+                state: self.i_state.take().ok_or_else(|| missing("state"))?,
+                token_hash: self
+                    .i_token_hash
+                    .take()
+                    .ok_or_else(|| missing("token_hash"))?,
+                requested_ms: self.i_requested_ms.ok_or_else(|| missing("requested_ms"))?,
+                launched_ms: self.i_launched_ms,
+                ready_ms: self.i_ready_ms,
+                warned_ms: self.i_warned_ms,
+                ended_ms: self.i_ended_ms,
+                end_reason: self.i_end_reason.take(),
+                ended_by_provider: self.i_ended_by_provider.unwrap_or(0),
+                launch_error: self.i_launch_error.take(),
+                metadata_addr: self.i_metadata_addr.take(),
+                agent_pid: self.i_agent_pid,
+                id: id.clone(),
+            })
+        })();
+        // Columns of a NOT NULL schema are never null for a joined row; if one were, the
+        // instance is left out rather than the whole status failing.
+        out.map_err(|e| tracing::warn!(instance = %id, "{e}")).ok()
+    }
+}
+
 /// id, job, instance, time, kind, detail.
 type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
 
@@ -611,6 +681,54 @@ impl Store {
                 .context("reading an instance")?
         });
         row.map(instance_from).transpose()
+    }
+
+    /// A job's status in one query: its row, its instances (in launch order) and its spend.
+    /// `None` if there is no such job.
+    pub async fn job_status(
+        &self,
+        id: JobId,
+    ) -> Result<Option<(JobRow, Vec<InstanceRow>, Usd)>, StoreError> {
+        let job_columns = JOB_COLUMNS
+            .split(',')
+            .map(|c| format!("j.{}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let instance_columns = INSTANCE_COLUMNS
+            .split(',')
+            .map(|c| format!("i.{0} AS i_{0}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT {job_columns}, \
+                 (SELECT SUM(l.amount_usd) FROM ledger_lines l WHERE l.job_id = j.id) AS spend_usd, \
+                 {instance_columns} \
+             FROM jobs j LEFT JOIN instances i ON i.job_id = j.id \
+             WHERE j.id = $1 ORDER BY i.requested_ms, i.id"
+        );
+        let rows: Vec<JobStatusRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(id.0)
+                .fetch_all(pool)
+                .await
+                .context("reading a job's status")?
+        });
+        let mut rows = rows.into_iter();
+        let Some(mut first) = rows.next() else {
+            return Ok(None);
+        };
+        let spend = Usd::new(first.spend_usd.unwrap_or(0.0))
+            .map_err(|e| StoreError::Invalid(format!("spend of job {id}: {e}")))?;
+        let mut instances = Vec::new();
+        if let Some(i) = first.instance() {
+            instances.push(instance_from(i)?);
+        }
+        for mut row in rows {
+            if let Some(i) = row.instance() {
+                instances.push(instance_from(i)?);
+            }
+        }
+        Ok(Some((job_from(first.job)?, instances, spend)))
     }
 
     pub async fn instances_of_job(&self, job: JobId) -> Result<Vec<InstanceRow>, StoreError> {

@@ -34,6 +34,7 @@ on_both_backends!(
     events_of_job_are_the_jobs_in_insertion_order,
     replace_ledger_lines_replaces_one_instance_all_or_nothing,
     ledger_of_job_and_spend_of_job_are_per_job,
+    job_status_reads_what_job_instances_and_spend_read_in_one_query,
     non_finite_money_in_a_row_is_refused_where_it_is_read,
     cooldowns_upsert_and_expire,
     a_spot_refusal_does_not_narrow_a_running_whole_market_cooldown,
@@ -1188,4 +1189,54 @@ async fn the_first_api_token_hash_stays(db: TestDb) {
     let (x, y) = (x.await.unwrap(), y.await.unwrap());
     assert_eq!(x, y);
     assert_eq!(s.api_token_hash("race").await.unwrap(), Some(x));
+}
+
+async fn job_status_reads_what_job_instances_and_spend_read_in_one_query(db: TestDb) {
+    let s = &db.store;
+    let a = job_of(s, "a").await;
+    let b = job_of(s, "b").await;
+    let empty = job_of(s, "empty").await;
+    running(s, "i-a2", a, 5).await;
+    running(s, "i-a1", a, 0).await;
+    intent(s, "i-a3", a, 9).await;
+    running(s, "i-b", b, 0).await;
+    s.mark_ended(None, "i-a1", t(100), "evicted", true, None)
+        .await
+        .unwrap();
+    s.set_local_agent("i-a2", "127.0.0.1:1234", Some(77))
+        .await
+        .unwrap();
+    s.replace_ledger_lines(None, a, "i-a2", &[line("i-a2", 0, 3600, 0.25, false)])
+        .await
+        .unwrap();
+    s.replace_ledger_lines(None, a, "i-a1", &[line("i-a1", 0, 1800, 0.50, false)])
+        .await
+        .unwrap();
+    s.replace_ledger_lines(None, b, "i-b", &[line("i-b", 0, 3600, 4.0, false)])
+        .await
+        .unwrap();
+    for id in [a, b, empty] {
+        let (job, instances, spend) = s.job_status(id).await.unwrap().expect("the job");
+        assert_eq!(json(&job), json(&get_job(s, id).await), "job {id}");
+        assert_eq!(
+            json(&instances),
+            json(&s.instances_of_job(id).await.unwrap()),
+            "instances of job {id}, in launch order, every column"
+        );
+        assert_eq!(
+            spend,
+            s.spend_of_job(id).await.unwrap(),
+            "spend of job {id}"
+        );
+    }
+    let (_, instances, _) = s.job_status(a).await.unwrap().unwrap();
+    assert_eq!(instances.len(), 3);
+    assert_eq!(instances[1].agent_pid, Some(77));
+    assert!(instances[0].ended_by_provider);
+    assert!(s.job_status(JobId(9_999)).await.unwrap().is_none());
+}
+
+/// A row as JSON, to compare rows whole.
+fn json<T: serde::Serialize>(row: &T) -> serde_json::Value {
+    serde_json::to_value(row).expect("rows serialise")
 }
