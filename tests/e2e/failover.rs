@@ -410,7 +410,11 @@ async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_
                 s.cloud_id
             );
         }
-        api.delete(&path).await;
+        // The dead broker comes back (it owns nothing now) and is asked to cancel the job: it
+        // records the cancel, and the owner releases the instances.
+        a.spawn(&[]).await;
+        let cancelled = a.client().delete(&path).await;
+        assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
         api.wait_for(
             &path,
             Duration::from_secs(60),
@@ -418,5 +422,14 @@ async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_
             |v| v["broker"].is_null(),
         )
         .await;
+        let seen = localstack_instances(&ec2, &deployment).await;
+        let still: Vec<_> = seen
+            .iter()
+            .filter(|s| s.state == "running" || s.state == "pending")
+            .collect();
+        assert!(
+            still.is_empty(),
+            "{failpoint}: not released after the cancel: {still:?}"
+        );
     }
 }

@@ -18,7 +18,7 @@ use proteus_wire::JobId;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Default lease period: a dead broker's jobs move within about this long (plus a tick).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
@@ -43,11 +43,6 @@ impl Membership {
             exclusive,
             held: Mutex::new(HashMap::new()),
         }
-    }
-
-    /// A broker alone on its database (in-process brokers of the demo and tests).
-    pub fn alone(url: String) -> Membership {
-        Membership::new(new_broker_id(), url, DEFAULT_LEASE, true)
     }
 
     pub fn id(&self) -> &str {
@@ -79,12 +74,10 @@ impl Membership {
     }
 }
 
-/// Wall time in epoch milliseconds: leases are between processes, not in market time.
-pub fn wall_now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+/// Wall time in epoch milliseconds, as the store's lease columns hold it: leases are between
+/// processes, not in market time.
+fn wall_now_ms() -> i64 {
+    i64::try_from(super::control::wall_ms()).unwrap_or(i64::MAX)
 }
 
 /// A fresh broker id.
@@ -144,7 +137,7 @@ impl Broker {
                 self.membership.lease_ms(),
             )
             .await?;
-        let now: HashMap<JobId, Lease> = renewed.leases.iter().map(|l| (l.job(), *l)).collect();
+        let now: HashMap<JobId, Lease> = renewed.iter().map(|l| (l.job(), *l)).collect();
         let lost: Vec<JobId> = {
             let mut held = self.membership.lock();
             let lost: Vec<JobId> = held

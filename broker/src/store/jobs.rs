@@ -282,6 +282,13 @@ struct JobRecord {
     lease_owner: Option<String>,
 }
 
+/// The saved states a job's row holds.
+#[derive(Clone, Copy)]
+enum SavedState {
+    Control,
+    Engine,
+}
+
 /// A job's row joined with one of its instances (none: every instance column is null) and its
 /// spend: what [`Store::job_status`] reads, one row per instance.
 #[derive(sqlx::FromRow)]
@@ -542,9 +549,7 @@ impl Store {
                 .context("changing a job's state")?
                 .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(done > 0)
     }
 
@@ -574,46 +579,45 @@ impl Store {
                 .context("recording job progress")?
                 .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(())
     }
 
+    /// Saves a job's coordinator state (JSON), so that a restarted broker resumes its layout.
     pub async fn save_control_state(
         &self,
         lease: Option<&Lease>,
         id: JobId,
         state: &str,
     ) -> Result<(), StoreError> {
-        let sql = format!(
-            "UPDATE jobs SET control_state = $2 WHERE id = $1 AND {}",
-            jobs_fence(3)
-        );
-        let done = with_db!(self, |pool| {
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(id.0)
-                .bind(state)
-                .bind(token_of(lease))
-                .execute(pool)
-                .await
-                .context("saving a job's control state")?
-                .rows_affected()
-        });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
-        Ok(())
+        self.save_job_state_text(lease, id, SavedState::Control, state)
+            .await
     }
 
+    /// Saves a job's engine state (JSON), so that a restarted broker continues deciding.
     pub async fn save_engine_state(
         &self,
         lease: Option<&Lease>,
         id: JobId,
         state: &str,
     ) -> Result<(), StoreError> {
+        self.save_job_state_text(lease, id, SavedState::Engine, state)
+            .await
+    }
+
+    async fn save_job_state_text(
+        &self,
+        lease: Option<&Lease>,
+        id: JobId,
+        which: SavedState,
+        state: &str,
+    ) -> Result<(), StoreError> {
+        let (column, context) = match which {
+            SavedState::Control => ("control_state", "saving a job's control state"),
+            SavedState::Engine => ("engine_state", "saving a job's engine state"),
+        };
         let sql = format!(
-            "UPDATE jobs SET engine_state = $2 WHERE id = $1 AND {}",
+            "UPDATE jobs SET {column} = $2 WHERE id = $1 AND {}",
             jobs_fence(3)
         );
         let done = with_db!(self, |pool| {
@@ -623,12 +627,10 @@ impl Store {
                 .bind(token_of(lease))
                 .execute(pool)
                 .await
-                .context("saving a job's engine state")?
+                .context(context)?
                 .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(())
     }
 
@@ -665,9 +667,7 @@ impl Store {
             .context("recording an instance")?
             .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(())
     }
 
@@ -783,9 +783,7 @@ impl Store {
                 .context("recording a launch")?
                 .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(())
     }
 
@@ -828,9 +826,7 @@ impl Store {
                 .context("rotating an agent token")?
                 .rows_affected()
         });
-        if done == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, done).await?;
         Ok(())
     }
 
@@ -933,9 +929,7 @@ impl Store {
                 .context("recording a termination request")?
                 .rows_affected()
         });
-        if n == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, n).await?;
         Ok(n > 0)
     }
 
@@ -972,9 +966,7 @@ impl Store {
                     .rows_affected()
             });
         }
-        if changed == 0 {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, changed).await?;
         Ok(changed)
     }
 
@@ -1036,9 +1028,7 @@ impl Store {
                 .context("recording the end of an instance")?;
             n > 0
         });
-        if !changed {
-            self.check_lease(lease).await?;
-        }
+        self.fenced(lease, u64::from(changed)).await?;
         Ok(changed)
     }
 

@@ -42,12 +42,6 @@ pub struct BrokerRow {
     pub jobs: i64,
 }
 
-/// What a heartbeat found: the leases this broker still holds, renewed.
-#[derive(Debug, Clone, Default)]
-pub struct Renewed {
-    pub leases: Vec<Lease>,
-}
-
 /// The SQL condition "the job's lease token is `$n`" for a statement on `jobs` (the bound token
 /// `None` means a write that is not the owner's — a user's cancel — and is not fenced).
 pub(crate) fn jobs_fence(param: usize) -> String {
@@ -93,13 +87,13 @@ impl Store {
 
     /// The heartbeat: refreshes the broker's row and renews every lease it still holds until
     /// `now_ms + lease_ms`. A lease another broker claimed (after it expired) is not renewed:
-    /// the answer lists only the leases still held, with their tokens.
+    /// the answer is the leases still held, with their tokens.
     pub async fn heartbeat(
         &self,
         id: &str,
         now_ms: i64,
         lease_ms: i64,
-    ) -> Result<Renewed, StoreError> {
+    ) -> Result<Vec<Lease>, StoreError> {
         let rows: Vec<(i64, i64)> = with_db!(self, |pool| {
             sqlx::query("UPDATE brokers SET heartbeat_ms = $2 WHERE id = $1")
                 .bind(id)
@@ -118,15 +112,13 @@ impl Store {
             .await
             .context("renewing this broker's leases")?
         });
-        Ok(Renewed {
-            leases: rows
-                .into_iter()
-                .map(|(job, token)| Lease {
-                    job: JobId(job),
-                    token,
-                })
-                .collect(),
-        })
+        Ok(rows
+            .into_iter()
+            .map(|(job, token)| Lease {
+                job: JobId(job),
+                token,
+            })
+            .collect())
     }
 
     /// Claims up to `max` jobs whose lease expired (or that have no owner while unfinished, or
@@ -280,9 +272,21 @@ impl Store {
         Ok(n)
     }
 
-    /// Whether `lease` is still the job's current lease: the check made after a fenced write
-    /// changed nothing, to tell "nothing to change" from "fenced out".
-    pub(crate) async fn check_lease(&self, lease: Option<&Lease>) -> Result<(), StoreError> {
+    /// What a fenced write that changed `changed` rows returns: when it changed nothing, the
+    /// lease is checked, to tell "nothing to change" from "fenced out".
+    pub(crate) async fn fenced(
+        &self,
+        lease: Option<&Lease>,
+        changed: u64,
+    ) -> Result<u64, StoreError> {
+        if changed == 0 {
+            self.check_lease(lease).await?;
+        }
+        Ok(changed)
+    }
+
+    /// Whether `lease` is still the job's current lease.
+    async fn check_lease(&self, lease: Option<&Lease>) -> Result<(), StoreError> {
         let Some(lease) = lease else {
             return Ok(());
         };

@@ -16,7 +16,7 @@ pub use jobs::{
     Cooldown, CooldownScope, EventRecord, EventRow, InstanceRow, InstanceState, JobRow, JobState,
     LedgerLine, NewJob, WorkRecord,
 };
-pub use leases::{BrokerRow, Lease, Renewed};
+pub use leases::{BrokerRow, Lease};
 pub use prices::{IngestCounts, MarketFilter, MarketRow};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};

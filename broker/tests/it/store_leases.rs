@@ -70,7 +70,7 @@ async fn a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat(db: TestD
     );
     // Renewed by a's heartbeat, so no claim at a time past the first expiry takes it.
     let renewed = s.heartbeat("a", NOW + 8_000, LEASE).await.unwrap();
-    assert_eq!(renewed.leases, vec![lease]);
+    assert_eq!(renewed, vec![lease]);
     let claimed = s
         .claim_expired("b", NOW + 12_000, LEASE, 10, false)
         .await
@@ -106,7 +106,6 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
         s.heartbeat("a", NOW + LEASE + 2, LEASE)
             .await
             .unwrap()
-            .leases
             .is_empty()
     );
     fenced(s.insert_instance(Some(&old), &intent("i-2", j)).await, j);
