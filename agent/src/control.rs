@@ -63,6 +63,18 @@ pub fn is_transient(e: &AgentError) -> bool {
     }
 }
 
+/// Whether `ev` is the one that ends the job when the broker records it.
+fn ends_the_job(ev: &AgentEvent) -> bool {
+    matches!(
+        ev,
+        AgentEvent::TrainingComplete { .. }
+            | AgentEvent::ProgramExited {
+                completes: true,
+                ..
+            }
+    )
+}
+
 impl Broker {
     /// `bases`: one broker URL, or several separated by commas. `ca_file`: see [`trust`].
     pub fn new(bases: &str, token: &str, ca_file: Option<&std::path::Path>) -> Result<Broker> {
@@ -210,17 +222,25 @@ impl Broker {
 
     /// Send an event, retrying transient failures for up to a minute (events matter: a lost
     /// warning delays the hand-over until the member times out; the minute covers a broker's
-    /// failover, whose lease is 10 s by default).
+    /// failover, whose lease is 10 s by default). The event that ends the job (training
+    /// complete; the program exited and completed it) is retried until a broker takes it: were
+    /// it dropped during a long database outage, the job would run on for ever with its work
+    /// done. A broker that no longer knows the instance answers with a client error, which
+    /// ends the retries.
     pub async fn event(&self, id: &InstanceId, ev: &AgentEvent) -> Result<()> {
         let mut delay = Duration::from_millis(100);
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let deadline =
+            (!ends_the_job(ev)).then(|| std::time::Instant::now() + Duration::from_secs(60));
         loop {
             match self
                 .post::<_, serde_json::Value>(&paths::events(id), ev)
                 .await
             {
                 Ok(_) => return Ok(()),
-                Err(e) if is_transient(&e) && std::time::Instant::now() < deadline => {
+                Err(e)
+                    if is_transient(&e)
+                        && deadline.is_none_or(|d| std::time::Instant::now() < d) =>
+                {
                     tracing::warn!(error = %e, "event not delivered; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(5));
