@@ -38,6 +38,7 @@ const GREY: RGBColor = RGBColor(0x44, 0x44, 0x44);
 const LIGHT: RGBColor = RGBColor(0x66, 0x66, 0x66);
 const RELIABLE: RGBColor = RGBColor(0x33, 0x33, 0x33);
 const MESH: RGBColor = RGBColor(0xe6, 0xe6, 0xe6);
+const LEAVING: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
 
 /// What a chart is rendered as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,7 +184,6 @@ fn steps(
 /// A market's spot price over the window, and its on-demand price.
 struct MarketLine {
     name: String,
-    instance_type: String,
     colour: RGBColor,
     points: Vec<(f64, f64)>,
     on_demand: Option<f64>,
@@ -246,7 +246,6 @@ fn market_lines<'a>(
                 .unwrap_or_default();
             MarketLine {
                 name: m.to_string(),
-                instance_type: m.instance_type.to_string(),
                 colour: COLOURS[k % COLOURS.len()],
                 points,
                 on_demand: history.on_demand().for_market(m).map(|o| o.on_demand.get()),
@@ -255,24 +254,51 @@ fn market_lines<'a>(
         .collect()
 }
 
-/// A quarter of headroom above the highest value, so that the lines do not touch the frame.
-fn scale(max: f64) -> f64 {
-    if max > 0.0 { max * 1.25 } else { 1.0 }
+/// The price axis: logarithmic, from a little under the lowest price in view to a little over
+/// the highest, on-demand prices and bids included. On a log scale a market that spikes a
+/// hundredfold takes two decades of the panel instead of flattening the others to its floor,
+/// and the on-demand price (usually far above spot) is always drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PriceScale {
+    lo: f64,
+    hi: f64,
 }
 
-/// On-demand prices above the scale, named instead of drawn (it is usually far above spot).
-fn off_scale(lines: &[MarketLine], max: f64) -> Vec<String> {
-    let mut notes: Vec<String> = lines
-        .iter()
-        .filter_map(|l| {
-            l.on_demand
-                .filter(|od| *od > max)
-                .map(|od| format!("on-demand {} ${od:.3}/h ↑", l.instance_type))
-        })
-        .collect();
-    notes.sort();
-    notes.dedup();
-    notes
+impl PriceScale {
+    fn of(prices: impl Iterator<Item = f64>) -> PriceScale {
+        let (lo, hi) = prices
+            .filter(|p| p.is_finite() && *p > 0.0)
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), p| (lo.min(p), hi.max(p)));
+        if hi <= 0.0 {
+            return PriceScale { lo: 0.01, hi: 1.0 };
+        }
+        // At least a factor of 2 from floor to ceiling, so a flat price is not a line on the
+        // frame.
+        let lo = (lo * 0.8).min(hi / 2.0);
+        PriceScale { lo, hi: hi * 1.25 }
+    }
+
+    /// The panel's y range: prices are drawn at their decimal logarithm on a linear axis
+    /// (plotters' own log axis labels only powers of ten, so a panel between two of them would
+    /// have no label at all), and the labels turn them back into dollars.
+    fn range(self) -> std::ops::Range<f64> {
+        self.lo.log10()..self.hi.log10()
+    }
+}
+
+/// Where a price goes on a [`PriceScale`] panel.
+fn y(price: f64) -> f64 {
+    price.max(f64::MIN_POSITIVE).log10()
+}
+
+/// A price label with the digits its size needs.
+fn price_label(v: f64) -> String {
+    match v {
+        v if v >= 10.0 => format!("${v:.1}"),
+        v if v >= 1.0 => format!("${v:.2}"),
+        v if v >= 0.01 => format!("${v:.3}"),
+        v => format!("${v:.4}"),
+    }
 }
 
 /// A bid held from launch to end; `evicted` marks the end with a dot.
@@ -290,10 +316,10 @@ struct JobChartData {
     axis: TimeAxis,
     markets: Vec<MarketLine>,
     bids: Vec<BidLine>,
-    max_price: f64,
-    notes: Vec<String>,
-    /// Step lines of the live count per tier: reliable, transient.
-    tiers: [Vec<(f64, f64)>; 2],
+    prices: PriceScale,
+    /// Step lines of the live count: reliable and transient instances that stay, and warned
+    /// instances of either tier still running until they leave.
+    tiers: [Vec<(f64, f64)>; 3],
     max_count: i32,
 }
 
@@ -328,25 +354,33 @@ impl JobChartData {
                 });
             }
         }
-        let highest = lines
-            .iter()
-            .flat_map(|l| l.points.iter().map(|p| p.1))
-            .chain(instances.iter().filter_map(|i| i.bid.map(|b| b.get())))
-            .fold(0.0, f64::max);
-        let max_price = scale(highest);
+        let prices = PriceScale::of(
+            lines
+                .iter()
+                .flat_map(|l| l.points.iter().map(|p| p.1).chain(l.on_demand))
+                .chain(instances.iter().filter_map(|i| i.bid.map(|b| b.get()))),
+        );
 
-        // Instances per tier over time, as steps.
-        let mut changes: BTreeMap<Timestamp, [i32; 2]> = BTreeMap::new();
+        // Instances over time, as steps: per tier while they stay; a warned instance moves to
+        // the leaving line until it ends (as status counts it: over the limits for a while).
+        let mut changes: BTreeMap<Timestamp, [i32; 3]> = BTreeMap::new();
         for i in instances {
             let Some(launched) = i.launched else { continue };
             let k = usize::from(i.tier != Tier::Reliable);
             changes.entry(launched.max(from)).or_default()[k] += 1;
+            let leaving = i.warned.filter(|w| i.ended.is_none_or(|e| *w < e));
+            if let Some(warned) = leaving {
+                let at = changes.entry(warned.max(from)).or_default();
+                at[k] -= 1;
+                at[2] += 1;
+            }
             if let Some(end) = i.ended {
+                let k = if leaving.is_some() { 2 } else { k };
                 changes.entry(end.max(from)).or_default()[k] -= 1;
             }
         }
-        let mut level = [0i32; 2];
-        let mut tiers: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
+        let mut level = [0i32; 3];
+        let mut tiers: [Vec<(f64, f64)>; 3] = [Vec::new(), Vec::new(), Vec::new()];
         let mut max_count = 1;
         for (k, series) in tiers.iter_mut().enumerate() {
             level[k] = 0;
@@ -363,10 +397,9 @@ impl JobChartData {
         JobChartData {
             title: title.to_string(),
             axis,
-            notes: off_scale(&lines, max_price),
             markets: lines,
             bids,
-            max_price,
+            prices,
             tiers,
             max_count,
         }
@@ -388,7 +421,7 @@ impl Chart for JobChartData {
 
         // Spot prices, bids and on-demand prices.
         price_plot.draw(&Text::new(
-            "spot price (solid), bids (dashed), on-demand (dotted), USD/h",
+            "spot price (solid), bids (dashed), on-demand (dotted), USD/h, log scale",
             (LEFT as i32, 34),
             text(12, GREY),
         ))?;
@@ -396,25 +429,25 @@ impl Chart for JobChartData {
             .margin_top(50)
             .margin_right(10)
             .y_label_area_size(LEFT)
-            .build_cartesian_2d(0.0..hours, 0.0..self.max_price)?;
+            .build_cartesian_2d(0.0..hours, self.prices.range())?;
         chart
             .configure_mesh()
             .disable_x_mesh()
             .bold_line_style(MESH)
             .light_line_style(WHITE)
             .x_labels(0)
-            .y_labels(5)
-            .y_label_formatter(&|v| format!("${v:.3}"))
+            .y_labels(6)
+            .y_label_formatter(&|v| price_label(10f64.powf(*v)))
             .label_style(text(12, GREY))
             .draw()?;
         for m in &self.markets {
             chart.draw_series(LineSeries::new(
-                m.points.iter().copied(),
+                m.points.iter().map(|&(x, p)| (x, y(p))),
                 m.colour.stroke_width(2),
             ))?;
-            if let Some(od) = m.on_demand.filter(|od| *od <= self.max_price) {
+            if let Some(od) = m.on_demand {
                 chart.draw_series(DashedLineSeries::new(
-                    [(0.0, od), (hours, od)],
+                    [(0.0, y(od)), (hours, y(od))],
                     2,
                     3,
                     m.colour.mix(0.6).stroke_width(1),
@@ -423,29 +456,25 @@ impl Chart for JobChartData {
         }
         for b in &self.bids {
             chart.draw_series(DashedLineSeries::new(
-                [(b.from, b.bid), (b.to, b.bid)],
+                [(b.from, y(b.bid)), (b.to, y(b.bid))],
                 6,
                 3,
                 b.colour.stroke_width(2),
             ))?;
-            if b.evicted {
-                chart.draw_series(std::iter::once(Circle::new(
-                    (b.to, b.bid),
-                    4,
-                    b.colour.filled(),
-                )))?;
-            }
+        }
+        // Evictions on top of every line: a dot in the market's colour inside a dark ring.
+        for b in self.bids.iter().filter(|b| b.evicted) {
+            chart.draw_series([
+                Circle::new((b.to, y(b.bid)), 8, BLACK.stroke_width(2)),
+                Circle::new((b.to, y(b.bid)), 6, b.colour.filled()),
+            ])?;
         }
         let mut row = 0;
         for m in &self.markets {
             legend(root, 50, row, Some(m.colour), &m.name)?;
             row += 1;
         }
-        legend(root, 50, row, None, "● eviction")?;
-        for note in &self.notes {
-            row += 1;
-            legend_note(root, 50, row, note)?;
-        }
+        legend(root, 50, row, None, "◉ eviction")?;
 
         // Instances per tier.
         count_plot.draw(&Text::new(
@@ -476,6 +505,7 @@ impl Chart for JobChartData {
         for (k, (name, colour)) in [
             ("on-demand (reliable)", RELIABLE),
             ("spot (transient)", COLOURS[0]),
+            ("leaving (warned)", LEAVING),
         ]
         .into_iter()
         .enumerate()
@@ -495,8 +525,7 @@ struct PriceChartData {
     title: String,
     axis: TimeAxis,
     markets: Vec<MarketLine>,
-    max_price: f64,
-    notes: Vec<String>,
+    prices: PriceScale,
 }
 
 impl PriceChartData {
@@ -509,17 +538,16 @@ impl PriceChartData {
     ) -> Self {
         let axis = TimeAxis::new(from, to);
         let lines = market_lines(history, markets.iter(), axis);
-        let highest = lines
-            .iter()
-            .flat_map(|l| l.points.iter().map(|p| p.1))
-            .fold(0.0, f64::max);
-        let max_price = scale(highest);
+        let prices = PriceScale::of(
+            lines
+                .iter()
+                .flat_map(|l| l.points.iter().map(|p| p.1).chain(l.on_demand)),
+        );
         PriceChartData {
             title: title.to_string(),
             axis,
-            notes: off_scale(&lines, max_price),
             markets: lines,
-            max_price,
+            prices,
         }
     }
 }
@@ -534,7 +562,7 @@ impl Chart for PriceChartData {
         ))?;
         let (plot, _) = root.split_horizontally(WIDTH - LEGEND);
         plot.draw(&Text::new(
-            "spot price (solid), on-demand (dotted), USD/h",
+            "spot price (solid), on-demand (dotted), USD/h, log scale",
             (LEFT as i32, 34),
             text(12, GREY),
         ))?;
@@ -545,7 +573,7 @@ impl Chart for PriceChartData {
             .margin_right(10)
             .y_label_area_size(LEFT)
             .x_label_area_size(45)
-            .build_cartesian_2d(0.0..hours, 0.0..self.max_price)?;
+            .build_cartesian_2d(0.0..hours, self.prices.range())?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -553,29 +581,26 @@ impl Chart for PriceChartData {
             .light_line_style(WHITE)
             .x_labels(5)
             .x_label_formatter(&|x| axis.label(*x))
-            .y_labels(5)
-            .y_label_formatter(&|v| format!("${v:.3}"))
+            .y_labels(6)
+            .y_label_formatter(&|v| price_label(10f64.powf(*v)))
             .x_desc("market time (UTC)")
             .label_style(text(12, GREY))
             .axis_desc_style(text(12, GREY))
             .draw()?;
         for (k, m) in self.markets.iter().enumerate() {
             chart.draw_series(LineSeries::new(
-                m.points.iter().copied(),
+                m.points.iter().map(|&(x, p)| (x, y(p))),
                 m.colour.stroke_width(2),
             ))?;
-            if let Some(od) = m.on_demand.filter(|od| *od <= self.max_price) {
+            if let Some(od) = m.on_demand {
                 chart.draw_series(DashedLineSeries::new(
-                    [(0.0, od), (hours, od)],
+                    [(0.0, y(od)), (hours, y(od))],
                     2,
                     3,
                     m.colour.mix(0.6).stroke_width(1),
                 ))?;
             }
             legend(root, 50, k, Some(m.colour), &m.name)?;
-        }
-        for (k, note) in self.notes.iter().enumerate() {
-            legend_note(root, 50, self.markets.len() + k, note)?;
         }
         if self.markets.iter().all(|m| m.points.is_empty()) {
             plot.draw(&Text::new(
@@ -618,17 +643,6 @@ fn legend<DB: DrawingBackend>(
         (label_x, y - 11),
         text(12, BLACK),
     ))
-}
-
-fn legend_note<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    top: i32,
-    row: usize,
-    note: &str,
-) -> Drawn<DB> {
-    let x = (WIDTH - LEGEND) as i32 + 12;
-    let y = top + 14 + 16 * row as i32;
-    root.draw(&Text::new(note.to_string(), (x, y - 9), text(10, LIGHT)))
 }
 
 #[cfg(test)]
@@ -690,10 +704,12 @@ mod tests {
         assert!(svg.contains("t &lt;1&gt;"), "the title is escaped");
         assert!(svg.contains("<circle"), "the eviction is marked");
         assert!(svg.contains("instances per tier") && svg.contains("market time (UTC)"));
-        assert!(
-            svg.contains("$0.300"),
-            "the price axis is labelled in dollars"
-        );
+        // A log scale from under the lowest price ($0.05) to over the highest ($0.30), with
+        // labels in dollars between powers of ten as well.
+        assert!(svg.contains("log scale"), "{svg}");
+        for label in ["$0.063", "$0.100", "$0.251"] {
+            assert!(svg.contains(label), "the price axis has {label}: {svg}");
+        }
         assert_eq!(svg.matches("<svg").count(), 1);
     }
 
@@ -717,7 +733,57 @@ mod tests {
         assert_eq!(data.bids.len(), 1);
         assert!(data.bids[0].evicted && (data.bids[0].to - 1_920.0 / 3_600.0).abs() < 1e-9);
         assert_eq!(data.tiers[1].iter().map(|p| p.1).fold(0.0, f64::max), 1.0);
-        assert!((data.max_price - 0.3 * 1.25).abs() < 1e-12);
+        // Never warned: it never leaves.
+        assert!(data.tiers[2].iter().all(|p| p.1 == 0.0), "{:?}", data.tiers[2]);
+        assert_eq!(
+            data.prices,
+            PriceScale {
+                lo: 0.05 * 0.8,
+                hi: 0.3 * 1.25
+            }
+        );
+    }
+
+    #[test]
+    fn a_warned_instance_moves_from_its_tier_to_the_leaving_line_until_it_ends() {
+        let (history, mut inst) = one_evicted_instance();
+        inst.warned = Some(Timestamp::from_millis(1_800_000));
+        let data = JobChartData::new(
+            "t",
+            &history,
+            &[inst],
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
+        );
+        let level = |k: usize, x: f64| {
+            data.tiers[k]
+                .iter()
+                .rev()
+                .find(|p| p.0 <= x)
+                .map_or(0.0, |p| p.1)
+        };
+        // Spot until the notice at 0.5 h, leaving until it ends at 0.533 h, then gone.
+        assert_eq!((level(1, 0.25), level(2, 0.25)), (1.0, 0.0));
+        assert_eq!((level(1, 0.52), level(2, 0.52)), (0.0, 1.0));
+        assert_eq!((level(1, 0.9), level(2, 0.9)), (0.0, 0.0));
+    }
+
+    #[test]
+    fn the_price_scale_spans_every_price_in_view_on_decades() {
+        // A spike a hundredfold above the others and an on-demand price far above spot: both
+        // in the panel, the floor just under the cheapest price.
+        let scale = PriceScale::of([0.032, 0.034, 2.5, 0.21].into_iter());
+        assert!((scale.lo - 0.032 * 0.8).abs() < 1e-12 && (scale.hi - 2.5 * 1.25).abs() < 1e-12);
+        let share = |a: f64, b: f64| (y(b) - y(a)) / (scale.range().end - scale.range().start);
+        // Linear, 0.032 to 0.034 would be 0.06% of the panel; on decades it is 1.3%.
+        assert!(share(0.032, 0.034) > 0.012, "{}", share(0.032, 0.034));
+        // A flat price is not drawn on the frame; nothing in view gives a default panel.
+        let flat = PriceScale::of([0.05, 0.05].into_iter());
+        assert!(flat.hi / flat.lo >= 2.0);
+        assert_eq!(PriceScale::of(std::iter::empty()), PriceScale { lo: 0.01, hi: 1.0 });
+        assert_eq!(price_label(0.0321), "$0.032");
+        assert_eq!(price_label(3.06), "$3.06");
+        assert_eq!(price_label(0.00412), "$0.0041");
     }
 
     #[test]

@@ -56,6 +56,14 @@ impl Cell {
         }
     }
 
+    /// A duration: `1 h 05 min` for people, seconds in CSV.
+    pub fn duration(secs: f64) -> Cell {
+        Cell {
+            shown: duration(secs),
+            plain: format!("{secs:.0}"),
+        }
+    }
+
     /// Absent or unknown: `?` for people, empty in CSV.
     pub fn unknown() -> Cell {
         Cell {
@@ -176,9 +184,39 @@ pub fn pct(v: f64) -> String {
     format!("{:.1}%", v * 100.0)
 }
 
+/// A duration for people: `42 s`, `7 min 05 s`, `3 h 07 min`, `2 d 04 h`.
+pub fn duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min {:02} s", s / 60, s % 60),
+        3600..86_400 => format!("{} h {:02} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {:02} h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_read_in_the_two_largest_units() {
+        let cases = [
+            (0.0, "0 s"),
+            (-3.0, "0 s"),
+            (59.4, "59 s"),
+            (60.0, "1 min 00 s"),
+            (425.0, "7 min 05 s"),
+            (3600.0, "1 h 00 min"),
+            (11_220.0, "3 h 07 min"),
+            (86_399.0, "23 h 59 min"),
+            (187_200.0, "2 d 04 h"),
+        ];
+        for (secs, text) in cases {
+            assert_eq!(duration(secs), text, "{secs} s");
+        }
+        assert_eq!(Cell::duration(425.4).plain, "425");
+    }
 
     #[test]
     fn tables_align_numbers_right_and_csv_has_plain_numbers() {

@@ -449,6 +449,31 @@ pub async fn start_with(
             if start < first || start >= last {
                 bail!("--start {start} is outside the trace ({first} to {last})");
             }
+            // A restarted broker resumes the market where its database's history ends: the
+            // simulated time never runs backwards under the jobs and events already recorded.
+            let latest = match options.clock {
+                Some(_) => None,
+                None => store
+                    .latest_recorded_time()
+                    .await
+                    .context("reading where the database's history ends")?,
+            };
+            let start = match latest {
+                Some(latest) if latest >= start => {
+                    let resume = latest.plus_secs(1.0);
+                    if resume >= last {
+                        bail!(
+                            "this database's history ends at {latest}, at or past the end of the \
+                             trace ({last}): the simulated market cannot resume there; serve a \
+                             longer trace or start on a fresh database"
+                        );
+                    }
+                    tracing::info!(%resume, requested = %start,
+                        "the simulated market resumes where this database's history ends");
+                    resume
+                }
+                _ => start,
+            };
             if !(args.speed.is_finite() && args.speed > 0.0) {
                 bail!("--speed must be a positive number");
             }

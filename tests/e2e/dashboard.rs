@@ -228,6 +228,24 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
     let row = format!("#jobs-table tr[data-job-id=\"{id}\"][data-state=\"running\"]");
     browser.wait_text(&row, "e2e-dashboard").await;
     browser.wait_text(&row, "cheaper").await;
+    // Policy, submitted, duration and ETA columns, on the broker's clock (simulated here).
+    browser
+        .wait_text(&format!("{row} td[data-col=\"policy\"]"), "bidbrain")
+        .await;
+    let submitted = api.get(&format!("/v1/jobs/{id}")).await["created"]
+        .as_str()
+        .unwrap()
+        .replace('T', " ")
+        .replace('Z', "");
+    browser
+        .wait_text(&format!("{row} td[data-col=\"submitted\"]"), &submitted)
+        .await;
+    browser
+        .wait_text(&format!("{row} td[data-col=\"duration\"]"), " min ")
+        .await;
+    browser
+        .wait_text(&format!("{row} td[data-col=\"eta\"]"), "-")
+        .await;
     browser.screenshot("jobs").await;
     // The session cookie is HttpOnly: the page's scripts cannot read it.
     let cookies = browser
@@ -256,7 +274,61 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
         .wait_text("#counterfactuals-table", "standard-bidding")
         .await;
     browser.wait_text("#events-table", "launched").await;
+    browser
+        .wait_text("dd[data-fact=\"clock\"]", "simulated market time")
+        .await;
     browser.screenshot("job").await;
+
+    // The event log filtered by kind: only that kind's rows, then all of them again.
+    let kinds = "return [...document.querySelectorAll('#events-table tbody tr')]\
+                 .map(r => r.dataset.kind);";
+    browser
+        .client
+        .find(Locator::Id("event-filter"))
+        .await
+        .unwrap()
+        .select_by_value("launched")
+        .await
+        .unwrap();
+    let shown = browser
+        .wait_js("only launches in the event log", kinds, |v| {
+            v.as_array()
+                .is_some_and(|a| !a.is_empty() && a.iter().all(|k| k == "launched"))
+        })
+        .await;
+    browser.screenshot("job-events-filtered").await;
+    browser
+        .client
+        .find(Locator::Id("event-filter"))
+        .await
+        .unwrap()
+        .select_by_value("")
+        .await
+        .unwrap();
+    browser
+        .wait_js("every event again", kinds, |v| {
+            v.as_array().is_some_and(|a| {
+                a.len() > shown.as_array().map_or(0, Vec::len)
+                    && a.iter().any(|k| k != "launched")
+            })
+        })
+        .await;
+
+    // On a 420 px phone the page does not scroll sideways (wide tables scroll in their boxes)
+    // and the facts are one per row.
+    browser.client.set_window_size(420, 900).await.unwrap();
+    browser
+        .wait_js(
+            "the page to fit 420 px",
+            "const d = document.documentElement; \
+             const cols = getComputedStyle(document.getElementById('job-facts')) \
+               .gridTemplateColumns.split(' ').length; \
+             return d.clientWidth <= 420 && d.scrollWidth <= d.clientWidth ? cols : 0;",
+            |v| v.as_u64() == Some(2),
+        )
+        .await;
+    browser.screenshot("job-420px").await;
+    browser.client.set_window_size(1280, 1100).await.unwrap();
 
     // A spot instance warned of its end runs on until it leaves: the page shows it as leaving,
     // beside the instances that stay, as the API does.

@@ -33,12 +33,10 @@ async fn a_second_broker_on_the_embedded_database_or_state_dir_is_refused() {
     let db = format!("sqlite://{}", db_file.display());
     let mut first = BrokerProcess::start_sim(dir.path(), &db, "300", &[]).await;
     let pid = first.child.as_ref().expect("running").id();
-    let id = first.submit_file(
-        dir.path(),
-        "name = \"one-broker\"\napp = \"mlr\"\ndataset = \"digits\"\npolicy = \"standard-bidding\"\n\
+    let spec = "name = \"one-broker\"\napp = \"mlr\"\ndataset = \"digits\"\npolicy = \"standard-bidding\"\n\
          [stop]\nepochs = 30\n[limits]\nmax_instances = 2\nmax_reliable_instances = 1\n\
-         [work]\ntotal_work = 2.0\n[training]\nseed = 5\n",
-    );
+         [work]\ntotal_work = 2.0\n[training]\nseed = 5\n";
+    let id = first.submit_file(dir.path(), spec);
     let who = format!("PID {pid}, listening on {}", first.url);
 
     // The same database and state directory (two brokers with the defaults): refused on the
@@ -87,6 +85,25 @@ async fn a_second_broker_on_the_embedded_database_or_state_dir_is_refused() {
     first.spawn(&[]).await;
     let again = first.client().get(&format!("/v1/jobs/{id}")).await;
     assert_eq!(again["state"], "succeeded", "{again}");
+
+    // The simulated market resumes where the database's history ends (it does not start over
+    // at --start): a job submitted after the restart is newer than everything recorded before.
+    let time = |v: &serde_json::Value| {
+        chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default())
+            .unwrap_or_else(|e| panic!("an RFC 3339 time, not {v}: {e}"))
+    };
+    let last_event = first.client().get(&format!("/v1/jobs/{id}/events")).await;
+    let last_event = last_event.as_array().unwrap().last().unwrap()["time"].clone();
+    let next = first.submit_file(dir.path(), spec);
+    let next = first.client().get(&format!("/v1/jobs/{next}")).await;
+    assert!(
+        time(&next["created"]) > time(&again["finished"])
+            && time(&next["created"]) > time(&last_event),
+        "a job submitted after the restart was created at {}, before the first job's end \
+         ({}) or last event ({last_event})",
+        next["created"],
+        again["finished"]
+    );
 }
 
 /// The simulated cloud lives inside one broker, so on it a Postgres database stays one

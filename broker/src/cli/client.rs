@@ -1,7 +1,7 @@
 //! The user commands that talk to a running broker: `submit`, `status`, `report`, `cancel`.
 
 use crate::market::Usd;
-use crate::output::{Cell, OutputFormat, Table, emit, pct};
+use crate::output::{Cell, OutputFormat, Table, duration, emit, pct};
 use crate::service::dry_run::DryRun;
 use crate::service::jobs::{CostReport, JobView};
 use crate::service::spec::JobSpec;
@@ -639,6 +639,8 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         "leaving",
         "evictions",
         "spend",
+        "submitted",
+        "duration",
     ]);
     for j in jobs {
         let count = |n: u32| Cell::from(n.to_string());
@@ -654,6 +656,8 @@ fn jobs_table(jobs: &[JobView]) -> Table {
             count(j.leaving_by_tier.values().sum::<u32>()),
             count(j.evictions),
             Cell::usd(j.spend_usd),
+            j.created.as_str().into(),
+            j.duration_s.map_or_else(|| Cell::from("-"), Cell::duration),
         ]);
     }
     t
@@ -690,6 +694,21 @@ fn job_detail(j: &JobView) -> String {
         leaving_text(&j.leaving_by_tier),
         j.evictions,
     );
+    out.push_str(&format!(
+        "submitted {}{}{}; times in {}\n",
+        j.created,
+        j.started
+            .as_deref()
+            .map(|t| format!(", started {t}"))
+            .unwrap_or_default(),
+        match (&j.finished, j.duration_s) {
+            (Some(f), Some(d)) => format!(", finished {f} after {}", duration(d)),
+            (None, Some(d)) => format!(", running for {}", duration(d)),
+            (Some(f), None) => format!(", ended {f} before starting"),
+            (None, None) => String::new(),
+        },
+        j.clock.describe(),
+    ));
     out.push_str(&format!(
         "work: {:.3} units received{}{}\n",
         j.work.done_units,

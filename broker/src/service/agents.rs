@@ -8,6 +8,7 @@
 use super::control::wall_ms;
 use super::{Broker, ServiceError, metrics::Metrics};
 use crate::api::auth::{hash_token, hashes_match};
+use crate::market::Timestamp;
 use crate::store::InstanceRow;
 use proteus_wire::agent_api::{
     AgentEvent, CommandEnvelope, ExitReason, Heartbeat, MAX_FAILURE_MESSAGE, RegisterRequest,
@@ -260,7 +261,7 @@ impl Broker {
         check_event_text(&event)?;
         self.check_event_room(identity.job_id).await?;
         let now = self.clock.now();
-        let (kind, mut detail) = describe(&event);
+        let (kind, mut detail) = describe(&in_market_time(&event, now, self.clock.speed()));
         // A command job's agent has no model: its readiness says what it is ready for.
         if let AgentEvent::Ready { .. } = event
             && self.control.get(identity.job_id).is_some_and(|c| {
@@ -397,6 +398,37 @@ fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
     problem.map_or(Ok(()), Err)
 }
 
+/// `event` with the times an agent read from its instance's metadata (its wall clock) moved to
+/// the broker's market clock, so a job's history reads in one clock: on the simulated cloud a
+/// notice for two wall seconds from now is two market minutes from `now` at 60×. A time that
+/// does not parse is left as the agent sent it.
+fn in_market_time(event: &AgentEvent, now: Timestamp, speed: f64) -> AgentEvent {
+    let market = |wall: &str| -> String {
+        match chrono::DateTime::parse_from_rfc3339(wall) {
+            Ok(t) if speed != 1.0 => {
+                let ahead = (t.to_utc() - chrono::Utc::now()).num_milliseconds() as f64 / 1000.0;
+                now.plus_secs(ahead * speed).to_string()
+            }
+            _ => wall.to_string(),
+        }
+    };
+    match event {
+        AgentEvent::InterruptionWarning {
+            action,
+            action_time,
+        } => AgentEvent::InterruptionWarning {
+            action: action.clone(),
+            action_time: market(action_time),
+        },
+        AgentEvent::RebalanceRecommendation {
+            notice_time: Some(t),
+        } => AgentEvent::RebalanceRecommendation {
+            notice_time: Some(market(t)),
+        },
+        other => other.clone(),
+    }
+}
+
 fn describe(event: &AgentEvent) -> (&'static str, String) {
     match event {
         AgentEvent::InterruptionWarning {
@@ -474,6 +506,32 @@ mod tests {
         assert!(!plausible_cloud_id("i-0\u{0}1"));
         assert!(plausible_cloud_id(&"i".repeat(256)));
         assert!(!plausible_cloud_id(&"i".repeat(257)));
+    }
+
+    #[test]
+    fn an_agents_notice_time_is_shown_in_the_brokers_market_time() {
+        let now = Timestamp::parse("2015-05-01T00:00:00Z").unwrap();
+        let in_two_s = (chrono::Utc::now() + chrono::Duration::seconds(2))
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let warning = AgentEvent::InterruptionWarning {
+            action: "terminate".into(),
+            action_time: in_two_s.clone(),
+        };
+        // At 60×, two wall seconds ahead are two market minutes ahead (give or take the time
+        // this test takes to get here).
+        let AgentEvent::InterruptionWarning { action_time, .. } = in_market_time(&warning, now, 60.0)
+        else {
+            panic!("still a warning");
+        };
+        let at = Timestamp::parse(&action_time).unwrap();
+        let ahead = at.secs_since(now);
+        assert!((100.0..=120.0).contains(&ahead), "{action_time}: {ahead} s ahead");
+        // On a real cloud both clocks are the wall's: nothing changes.
+        assert_eq!(in_market_time(&warning, now, 1.0), warning);
+        let garbled = AgentEvent::RebalanceRecommendation {
+            notice_time: Some("soon".into()),
+        };
+        assert_eq!(in_market_time(&garbled, now, 60.0), garbled);
     }
 
     #[test]

@@ -39,10 +39,18 @@ pub struct JobView {
     /// `work.instance_types`); empty: every type the broker has prices for.
     #[serde(default)]
     pub instance_types: Vec<String>,
-    /// Market time (RFC 3339).
+    /// The clock every time and duration of this view is read on: `wall` (UTC, on EC2) or
+    /// `simulated` (the simulated cloud's market time, which runs faster than the wall's from
+    /// a point of its trace).
+    #[serde(default)]
+    pub clock: ViewClock,
+    /// When the job was submitted (RFC 3339, on `clock`).
     pub created: String,
     pub started: Option<String>,
     pub finished: Option<String>,
+    /// Seconds the job has run on `clock`: from its start to its end, or to now while it runs;
+    /// none before it starts.
+    pub duration_s: Option<f64>,
     /// Fraction of training done, 0–1.
     pub progress: f64,
     /// Latest evaluation, e.g. `{"kind": "accuracy", "value": 0.91}`.
@@ -75,6 +83,27 @@ pub struct JobView {
     /// them answers for every job); none once the job is over and its instances released.
     #[serde(default)]
     pub broker: Option<String>,
+}
+
+/// The clock a view's times are read on.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ViewClock {
+    /// Wall time, UTC.
+    #[default]
+    Wall,
+    /// The simulated cloud's market time.
+    Simulated,
+}
+
+impl ViewClock {
+    /// How the CLI and the dashboard name it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            ViewClock::Wall => "wall time (UTC)",
+            ViewClock::Simulated => "simulated market time (UTC of the trace)",
+        }
+    }
 }
 
 /// The job's work, measured (see [`crate::engine::work`]).
@@ -502,9 +531,13 @@ impl Broker {
             policy: job.policy.clone(),
             billing: job.billing.clone(),
             instance_types: kind.instance_types.clone(),
+            clock: self.view_clock(),
             created: job.created.to_string(),
             started: ts(job.started),
             finished: ts(job.finished),
+            duration_s: job
+                .started
+                .map(|s| job.finished.unwrap_or(now).secs_since(s).max(0.0)),
             progress: job.progress,
             metric: job
                 .metric
@@ -529,6 +562,14 @@ impl Broker {
             unavailable_markets: unavailable,
             work,
             broker: job.lease_owner.clone(),
+        }
+    }
+
+    /// The clock this broker's views are read on.
+    pub fn view_clock(&self) -> ViewClock {
+        match self.cloud.kind() {
+            "sim" => ViewClock::Simulated,
+            _ => ViewClock::Wall,
         }
     }
 

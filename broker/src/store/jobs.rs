@@ -1128,6 +1128,22 @@ impl Store {
             .collect())
     }
 
+    /// The latest market time this database recorded (a job's submission or any event), if
+    /// any: where a simulated market resumes after a restart, so that its history never runs
+    /// backwards.
+    pub async fn latest_recorded_time(&self) -> Result<Option<Timestamp>, StoreError> {
+        let ts: Option<i64> = with_db!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT MAX(t) FROM (SELECT MAX(created_ms) AS t FROM jobs \
+                 UNION ALL SELECT MAX(ts_ms) AS t FROM events) AS latest",
+            )
+            .fetch_one(pool)
+            .await
+            .context("reading the latest recorded time")?
+        });
+        Ok(ts.map(Timestamp::from_millis))
+    }
+
     /// How many events a job has.
     pub async fn event_count_of_job(&self, job: JobId) -> Result<i64, StoreError> {
         let n: i64 = with_db!(self, |pool| {

@@ -32,6 +32,7 @@ on_both_backends!(
     mark_ended_first_end_wins_and_its_event_is_atomic,
     agents_register_reregister_and_heartbeat,
     events_of_job_are_the_jobs_in_insertion_order,
+    latest_recorded_time_is_the_latest_submission_or_event,
     replace_ledger_lines_replaces_one_instance_all_or_nothing,
     ledger_of_job_and_spend_of_job_are_per_job,
     job_status_reads_what_job_instances_and_spend_read_in_one_query,
@@ -945,6 +946,19 @@ async fn events_of_job_are_the_jobs_in_insertion_order(db: TestDb) {
     let bs = s.events_of_job(b).await.unwrap();
     assert_eq!(bs.len(), 1);
     assert_eq!(bs[0].detail, "b's");
+}
+
+async fn latest_recorded_time_is_the_latest_submission_or_event(db: TestDb) {
+    let s = &db.store;
+    assert_eq!(s.latest_recorded_time().await.unwrap(), None);
+    let a = s.create_job(&new_job("a", t(40))).await.unwrap();
+    assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(40)));
+    // Events recorded out of time order: the latest time counts, not the latest row.
+    s.add_event(Some(a), None, t(90), "progress", "").await.unwrap();
+    s.add_event(None, None, t(60), "broker_started", "").await.unwrap();
+    assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(90)));
+    s.create_job(&new_job("b", t(120))).await.unwrap();
+    assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(120)));
 }
 
 async fn replace_ledger_lines_replaces_one_instance_all_or_nothing(db: TestDb) {

@@ -37,6 +37,20 @@ function usd(v) {
 }
 function pct(v) { return (v * 100).toFixed(1) + "%"; }
 function when(t) { return t ? t.replace("T", " ").replace("Z", "") : "–"; }
+// "42 s", "7 min 05 s", "3 h 07 min", "2 d 04 h", as the CLI writes durations.
+function duration(secs) {
+  if (secs === null || secs === undefined) return "–";
+  const s = Math.max(0, Math.round(secs));
+  const two = (n) => String(n).padStart(2, "0");
+  if (s < 60) return s + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + two(s % 60) + " s";
+  if (s < 86400) return Math.floor(s / 3600) + " h " + two(Math.floor(s % 3600 / 60)) + " min";
+  return Math.floor(s / 86400) + " d " + two(Math.floor(s % 86400 / 3600)) + " h";
+}
+// Which clock a job's times are on (the simulated cloud's market time is not the wall's).
+function clockText(j) {
+  return j.clock === "simulated" ? "simulated market time" : "wall time, UTC";
+}
 
 class ApiError extends Error {}
 
@@ -91,10 +105,11 @@ function refreshImage(img, url) {
   next.src = url + (url.includes("?") ? "&" : "?") + "t=" + Date.now();
 }
 
+// A table in a box that scrolls sideways, so a wide table never widens a narrow page.
 function table(id, headers, rows) {
-  return h("table", { id, class: "grid" },
+  return h("div", { class: "scroll" }, h("table", { id, class: "grid" },
     h("thead", {}, h("tr", {}, headers.map((c) => h("th", {}, c)))),
-    h("tbody", {}, rows));
+    h("tbody", {}, rows)));
 }
 
 // " (+3 leaving)" when warned instances still run until they leave; "" otherwise.
@@ -165,9 +180,14 @@ function jobsView(view) {
       const c = costs.get(j.id);
       const budget = j.budget_usd ? " / " + usd(j.budget_usd) : "";
       const metric = j.metric ? j.metric.kind + " " + Number(j.metric.value).toFixed(4) : "–";
+      const eta = j.work && j.work.eta;
       return h("tr", { "data-job-id": j.id, "data-state": j.state, class: "job-row" },
         h("td", {}, h("a", { href: "#/jobs/" + j.id, class: "job-link" }, "#" + j.id + " " + j.name)),
         h("td", {}, stateBadge(j.state)),
+        h("td", { "data-col": "policy" }, j.policy),
+        h("td", { "data-col": "submitted", title: clockText(j) }, when(j.created)),
+        h("td", { class: "num", "data-col": "duration" }, duration(j.duration_s)),
+        h("td", { "data-col": "eta", title: clockText(j) }, isLive(j.state) ? when(eta) : "–"),
         h("td", { class: "num" }, bar(j.progress), " ", pct(j.progress)),
         h("td", { class: "num" }, usd(j.spend_usd) + budget,
           j.budget_usd ? bar(j.spend_usd / j.budget_usd, j.spend_usd > j.budget_usd) : null),
@@ -179,7 +199,7 @@ function jobsView(view) {
     });
     holder.replaceChildren(jobs.length === 0
       ? h("p", { class: "muted", id: "no-jobs" }, "No jobs yet. Submit one with `proteus submit job.toml`.")
-      : table("jobs-table", ["job", "state", "progress", "spend / budget", "vs on-demand",
+      : table("jobs-table", ["job", "state", "policy", "submitted", "duration", "ETA", "progress", "spend / budget", "vs on-demand",
         "vs standard bidding", "on-demand / spot", "evictions", "metric"], rows));
     sizeBars(holder);
   });
@@ -203,6 +223,10 @@ function jobView(view, id) {
   const chart = h("img", { id: "job-chart", class: "chart", alt: "spot prices, bids and instances per tier of job " + id });
   const costBox = h("div", { id: "job-cost" });
   const eventsBox = h("div", { id: "job-events" });
+  // The event log's filter: every kind seen so far; the choice survives the polls.
+  const eventFilter = h("select", { id: "event-filter", "aria-label": "show events of kind" },
+    h("option", { value: "" }, "all events"));
+  let eventClock = "time";
   const instancesBox = h("div", { id: "job-instances" });
   view.replaceChildren(
     h("p", {}, h("a", { href: "#/" }, "← all jobs")),
@@ -213,7 +237,8 @@ function jobView(view, id) {
         h("a", { href: chartUrl + "?format=png", id: "chart-png" }, "PNG")),
       chart),
     h("section", {}, h("h3", {}, "Cost"), costBox),
-    h("section", {}, h("h3", {}, "Events"), eventsBox),
+    h("section", {}, h("div", { class: "section-head" }, h("h3", {}, "Events"),
+      h("label", { class: "muted" }, "show ", eventFilter)), eventsBox),
     h("section", {}, h("h3", {}, "Instances"), instancesBox));
 
   let armed = null;
@@ -249,6 +274,7 @@ function jobView(view, id) {
   let live = true;
   function showJob(j) {
     live = isLive(j.state);
+    eventClock = j.clock === "simulated" ? "market time" : "time (UTC)";
     title.replaceChildren("Job " + j.id + " · " + j.name + " ", stateBadge(j.state, "job-state"));
     actions.replaceChildren(live ? cancelButton : null, cancelMessage);
     const metric = j.metric ? j.metric.kind + " " + Number(j.metric.value).toFixed(4) : "–";
@@ -261,9 +287,12 @@ function jobView(view, id) {
       ["stage", j.stage || "–"],
       ["sync", j.sync],
       ["metric", metric],
+      ["submitted", when(j.created)],
       ["started", when(j.started)],
       ["finished", when(j.finished)],
+      ["duration", duration(j.duration_s)],
       ["ETA", when(j.work && j.work.eta)],
+      ["clock", clockText(j)],
       ["state", j.state + (j.state_reason ? " (" + j.state_reason + ")" : "")],
     ];
     if (j.deadline) {
@@ -317,13 +346,26 @@ function jobView(view, id) {
           cost.by_market.map((m) => h("tr", {},
             h("td", {}, m.market), h("td", {}, m.tier), h("td", { class: "num" }, m.instances),
             h("td", { class: "num" }, m.instance_hours.toFixed(2)), h("td", { class: "num" }, usd(m.usd))))));
-    const newest = events.slice().reverse();
-    eventsBox.replaceChildren(newest.length === 0 ? h("p", { class: "muted" }, "none yet") :
-      table("events-table", ["market time", "event", "instance", "detail"],
+    const kinds = [...new Set(events.map((e) => e.kind))].sort();
+    const listed = [...eventFilter.options].map((o) => o.value).filter((v) => v);
+    if (kinds.join() !== listed.join()) {
+      const chosen = eventFilter.value;
+      eventFilter.replaceChildren(h("option", { value: "" }, "all events"),
+        ...kinds.map((k) => h("option", { value: k }, k)));
+      eventFilter.value = chosen;
+    }
+    showEvents();
+  });
+  function showEvents() {
+    const kind = eventFilter.value;
+    const newest = events.filter((e) => !kind || e.kind === kind).reverse();
+    eventsBox.replaceChildren(newest.length === 0 ? h("p", { class: "muted" }, events.length ? "no " + kind + " events" : "none yet") :
+      table("events-table", [eventClock, "event", "instance", "detail"],
         newest.map((e) => h("tr", { class: eventClass(e.kind), "data-kind": e.kind },
           h("td", {}, when(e.time)), h("td", {}, e.kind), h("td", {}, e.instance_id || ""),
           h("td", {}, e.detail)))));
-  });
+  }
+  eventFilter.addEventListener("change", showEvents);
   // The chart is redrawn while the job runs; once over, it is drawn once more and kept.
   let drawnFinal = false;
   every(CHART_POLL_MS, async () => {
