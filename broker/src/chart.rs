@@ -268,7 +268,9 @@ impl PriceScale {
     fn of(prices: impl Iterator<Item = f64>) -> PriceScale {
         let (lo, hi) = prices
             .filter(|p| p.is_finite() && *p > 0.0)
-            .fold((f64::INFINITY, 0.0f64), |(lo, hi), p| (lo.min(p), hi.max(p)));
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), p| {
+                (lo.min(p), hi.max(p))
+            });
         if hi <= 0.0 {
             return PriceScale { lo: 0.01, hi: 1.0 };
         }
@@ -734,7 +736,11 @@ mod tests {
         assert!(data.bids[0].evicted && (data.bids[0].to - 1_920.0 / 3_600.0).abs() < 1e-9);
         assert_eq!(data.tiers[1].iter().map(|p| p.1).fold(0.0, f64::max), 1.0);
         // Never warned: it never leaves.
-        assert!(data.tiers[2].iter().all(|p| p.1 == 0.0), "{:?}", data.tiers[2]);
+        assert!(
+            data.tiers[2].iter().all(|p| p.1 == 0.0),
+            "{:?}",
+            data.tiers[2]
+        );
         assert_eq!(
             data.prices,
             PriceScale {
@@ -780,7 +786,10 @@ mod tests {
         // A flat price is not drawn on the frame; nothing in view gives a default panel.
         let flat = PriceScale::of([0.05, 0.05].into_iter());
         assert!(flat.hi / flat.lo >= 2.0);
-        assert_eq!(PriceScale::of(std::iter::empty()), PriceScale { lo: 0.01, hi: 1.0 });
+        assert_eq!(
+            PriceScale::of(std::iter::empty()),
+            PriceScale { lo: 0.01, hi: 1.0 }
+        );
         assert_eq!(price_label(0.0321), "$0.032");
         assert_eq!(price_label(3.06), "$3.06");
         assert_eq!(price_label(0.00412), "$0.0041");

@@ -308,8 +308,7 @@ async fn the_dashboard_shows_a_running_job_its_chart_and_cancels_it() {
     browser
         .wait_js("every event again", kinds, |v| {
             v.as_array().is_some_and(|a| {
-                a.len() > shown.as_array().map_or(0, Vec::len)
-                    && a.iter().any(|k| k != "launched")
+                a.len() > shown.as_array().map_or(0, Vec::len) && a.iter().any(|k| k != "launched")
             })
         })
         .await;

@@ -663,6 +663,27 @@ fn jobs_table(jobs: &[JobView]) -> Table {
     t
 }
 
+fn over(j: &JobView) -> bool {
+    matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
+}
+
+/// Why the spend shown may differ from the final cost: the part of it a provider interruption
+/// would make free; `(final)` once the job is over and nothing runs.
+pub(crate) fn spend_note(j: &JobView) -> String {
+    let running = j.instances.iter().any(|i| i.ended.is_none());
+    if over(j) && !running {
+        " (final)".into()
+    } else if j.spend_provisional_usd > Usd::ZERO {
+        format!(
+            "; {} of it is provisional: free if the provider interrupts the spot instances now \
+             running, so the final cost can be lower",
+            j.spend_provisional_usd
+        )
+    } else {
+        String::new()
+    }
+}
+
 /// ` (+3 leaving)` when instances were warned and still run; empty otherwise.
 pub(crate) fn leaving_text(leaving_by_tier: &std::collections::BTreeMap<String, u32>) -> String {
     match leaving_by_tier.values().sum::<u32>() {
@@ -673,7 +694,7 @@ pub(crate) fn leaving_text(leaving_by_tier: &std::collections::BTreeMap<String, 
 
 fn job_detail(j: &JobView) -> String {
     let mut out = format!(
-        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\nspend {}{}\ninstances: {} reliable, {} spot{}; {} evictions\n",
+        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\n{} {}{}{}\ninstances: {} reliable, {} spot{}; {} evictions\n",
         j.id,
         j.name,
         j.state,
@@ -687,8 +708,10 @@ fn job_detail(j: &JobView) -> String {
         j.sync,
         pct(j.progress),
         metric_text(&j.metric),
+        if over(j) { "cost" } else { "spend" },
         j.spend_usd,
         j.budget_usd.map(|b| format!(" of {b}")).unwrap_or_default(),
+        spend_note(j),
         j.instances_by_tier.get("reliable").copied().unwrap_or(0),
         j.instances_by_tier.get("transient").copied().unwrap_or(0),
         leaving_text(&j.leaving_by_tier),

@@ -519,13 +519,17 @@ mod tests {
         };
         // At 60×, two wall seconds ahead are two market minutes ahead (give or take the time
         // this test takes to get here).
-        let AgentEvent::InterruptionWarning { action_time, .. } = in_market_time(&warning, now, 60.0)
+        let AgentEvent::InterruptionWarning { action_time, .. } =
+            in_market_time(&warning, now, 60.0)
         else {
             panic!("still a warning");
         };
         let at = Timestamp::parse(&action_time).unwrap();
         let ahead = at.secs_since(now);
-        assert!((100.0..=120.0).contains(&ahead), "{action_time}: {ahead} s ahead");
+        assert!(
+            (100.0..=120.0).contains(&ahead),
+            "{action_time}: {ahead} s ahead"
+        );
         // On a real cloud both clocks are the wall's: nothing changes.
         assert_eq!(in_market_time(&warning, now, 1.0), warning);
         let garbled = AgentEvent::RebalanceRecommendation {

@@ -61,8 +61,17 @@ pub struct JobView {
     /// How the workers synchronise, e.g. `bsp` or `flexrr (slack 1, helper groups of 3)`;
     /// `program` for command jobs (your program synchronises its ranks itself).
     pub sync: String,
+    /// What the job has committed: every ended instance as billed, every running one as if it
+    /// were released now. Once the job is over and its instances ended, its final cost.
     #[schema(value_type = f64)]
     pub spend_usd: Usd,
+    /// Of `spend_usd`, what would be free if the provider interrupted the spot instances now
+    /// running (their partial hour under `hourly-2015`; their first hour under today's
+    /// `per-second` rule). Why the final cost can come out below the spend shown while the job
+    /// ran. Zero once nothing runs.
+    #[serde(default)]
+    #[schema(value_type = f64)]
+    pub spend_provisional_usd: Usd,
     #[schema(value_type = Option<f64>)]
     pub budget_usd: Option<Usd>,
     pub deadline: Option<String>,
@@ -546,6 +555,13 @@ impl Broker {
             stage: stage.filter(|_| !command),
             sync: kind.sync.clone(),
             spend_usd: spend,
+            // The ledger is billed at the owner's last tick, this at `now`: never more than it.
+            spend_provisional_usd: Usd::new(
+                self.provisional_spend(job, instances, now)
+                    .get()
+                    .min(spend.get()),
+            )
+            .unwrap_or(Usd::ZERO),
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),
             evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
@@ -563,6 +579,35 @@ impl Broker {
             work,
             broker: job.lease_owner.clone(),
         }
+    }
+
+    /// What the live spot instances' bills lose if the provider ends them now rather than the
+    /// user (the ledger bills a live instance as released by the user now).
+    fn provisional_spend(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> Usd {
+        let mut live = instances
+            .iter()
+            .filter(|i| i.tier == Tier::Transient && is_live(i) && i.launched.is_some())
+            .peekable();
+        if live.peek().is_none() {
+            return Usd::ZERO;
+        }
+        let billing = job.billing.parse().unwrap_or(self.settings.default_billing);
+        let data = self.market_data();
+        let amount = |row: &InstanceRow| -> Usd {
+            ledger::bill_instance(row, now, billing, &data)
+                .map(|lines| lines.iter().map(|l| l.amount_usd).sum())
+                .unwrap_or(Usd::ZERO)
+        };
+        live.map(|i| {
+            let evicted = InstanceRow {
+                ended: Some(now),
+                ended_by_provider: true,
+                ..i.clone()
+            };
+            let saved = amount(i).get() - amount(&evicted).get();
+            Usd::new(saved.max(0.0)).unwrap_or(Usd::ZERO)
+        })
+        .sum()
     }
 
     /// The clock this broker's views are read on.

@@ -1094,6 +1094,94 @@ async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
     );
 }
 
+/// The spend a running job shows bills every live instance as if the user released it now; the
+/// view says how much of it an interruption would make free, and that part is what an eviction
+/// takes off: the evicted instance's bill becomes zero (hourly-2015, first partial hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_spend_shown_says_what_an_interruption_would_make_free() {
+    let s = TestServer::start(|_| {}).await;
+    let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
+    assert_eq!(status, 201, "{view}");
+    let id = view["id"].as_i64().unwrap();
+    for _ in 0..5 {
+        s.step(60.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    let billed = |cost: &Value, instance: &str| -> f64 {
+        cost["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["instance_id"] == instance)
+            .map(|l| l["amount_usd"].as_f64().unwrap())
+            .sum()
+    };
+    let instances = view["instances"].as_array().unwrap();
+    // Live: running, or warned and still running until it leaves.
+    let live_spot: Vec<&str> = instances
+        .iter()
+        .filter(|i| i["tier"] == "transient" && (i["state"] == "running" || i["state"] == "warned"))
+        .map(|i| i["id"].as_str().unwrap())
+        .collect();
+    assert!(!live_spot.is_empty(), "no spot instance: {view}");
+    assert!(
+        instances.iter().any(|i| i["tier"] == "reliable"),
+        "a reliable instance too: {view}"
+    );
+    let spend = view["spend_usd"].as_f64().unwrap();
+    let provisional = view["spend_provisional_usd"].as_f64().unwrap();
+    // Every live spot instance is in its first hour: its whole bill is provisional; the
+    // reliable instance's is not.
+    let spot_bills: f64 = live_spot.iter().map(|i| billed(&cost, i)).sum();
+    assert!(provisional > 0.0 && provisional < spend, "{view}");
+    assert!(
+        (provisional - spot_bills).abs() < 1e-9,
+        "provisional {provisional} = the live spot instances' bills {spot_bills}: {cost}"
+    );
+
+    // The provider warns one, and the job ends inside its notice (an eviction all the same):
+    // the warned instance's bill is zero, as the view said; the others are billed as released.
+    let victim = instances
+        .iter()
+        .find(|i| i["tier"] == "transient" && i["state"] == "running")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap();
+    let before = billed(&cost, victim);
+    let (status, body) = s
+        .post(&format!("/v1/instances/{victim}/interruption"), json!({}))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    s.step(1.0).await;
+    let (status, body) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    for _ in 0..3 {
+        s.step(1.0).await;
+    }
+    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
+    let gone = view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["id"] == victim)
+        .unwrap();
+    assert_eq!(gone["end_reason"], "evicted", "{view}");
+    assert!(before > 0.0 && billed(&cost, victim) == 0.0, "{cost}");
+    // Over, with every instance ended: nothing is provisional; the spend is the final cost.
+    assert!(
+        view["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| !i["ended"].is_null()),
+        "{view}"
+    );
+    assert_eq!(view["spend_provisional_usd"].as_f64(), Some(0.0), "{view}");
+    assert_eq!(view["spend_usd"], cost["total_usd"], "{view}\n{cost}");
+}
+
 /// A dry run answers with the engine's first decision and stores and launches nothing; the job
 /// submitted next buys exactly that at its first tick. Bad specs get the submission's errors,
 /// and the route needs a token before it reads the body.

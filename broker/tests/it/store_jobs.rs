@@ -954,8 +954,12 @@ async fn latest_recorded_time_is_the_latest_submission_or_event(db: TestDb) {
     let a = s.create_job(&new_job("a", t(40))).await.unwrap();
     assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(40)));
     // Events recorded out of time order: the latest time counts, not the latest row.
-    s.add_event(Some(a), None, t(90), "progress", "").await.unwrap();
-    s.add_event(None, None, t(60), "broker_started", "").await.unwrap();
+    s.add_event(Some(a), None, t(90), "progress", "")
+        .await
+        .unwrap();
+    s.add_event(None, None, t(60), "broker_started", "")
+        .await
+        .unwrap();
     assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(90)));
     s.create_job(&new_job("b", t(120))).await.unwrap();
     assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(120)));

@@ -112,6 +112,18 @@ function table(id, headers, rows) {
     h("tbody", {}, rows)));
 }
 
+// Why the spend shown may differ from the final cost: the part a provider interruption would
+// make free while spot instances run; "(final)" once the job is over and nothing runs.
+function spendNote(j) {
+  const running = j.instances.some((i) => !i.ended);
+  if (!isLive(j.state) && !running) return " (final)";
+  if (j.spend_provisional_usd > 0) {
+    return " — " + usd(j.spend_provisional_usd) + " of it is provisional: free if the provider " +
+      "interrupts the spot instances now running, so the final cost can be lower";
+  }
+  return "";
+}
+
 // " (+3 leaving)" when warned instances still run until they leave; "" otherwise.
 function leavingText(j) {
   const n = Object.values(j.leaving_by_tier || {}).reduce((a, b) => a + b, 0);
@@ -281,7 +293,7 @@ function jobView(view, id) {
     const rows = [
       ["policy", j.policy + " (" + j.billing + ")"],
       ["progress", pct(j.progress)],
-      ["spend", usd(j.spend_usd) + (j.budget_usd ? " of " + usd(j.budget_usd) + " budget" : "")],
+      [live ? "spend" : "cost", usd(j.spend_usd) + (j.budget_usd ? " of " + usd(j.budget_usd) + " budget" : "") + spendNote(j)],
       ["instances", (j.instances_by_tier.reliable || 0) + " on-demand, " + (j.instances_by_tier.transient || 0) + " spot" + leavingText(j)],
       ["evictions", j.evictions],
       ["stage", j.stage || "–"],
@@ -304,7 +316,7 @@ function jobView(view, id) {
       rows.push(["deadline", when(j.deadline) + slack + risk]);
     }
     if (j.held) rows.push(["held", j.held]);
-    facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { "data-fact": k }, v)]));
+    facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { "data-fact": k === "cost" ? "spend" : k }, v)]));
     instancesBox.replaceChildren(j.instances.length === 0 ? h("p", { class: "muted" }, "none yet") :
       table("instances-table", ["instance", "market", "tier", "bid", "state", "launched", "ended", "reason"],
         j.instances.map((i) => h("tr", {},
@@ -330,7 +342,7 @@ function jobView(view, id) {
   every(DETAIL_POLL_MS, async () => {
     const [cost] = await Promise.all([api("/v1/jobs/" + id + "/cost"), newEvents()]);
     costBox.replaceChildren(
-      h("p", {}, "Total " + usd(cost.total_usd) + " (" + cost.billing + "), on-demand tier " +
+      h("p", { id: "cost-total" }, (live ? "Cost so far " : "Final cost ") + usd(cost.total_usd) + " (" + cost.billing + "), on-demand tier " +
         usd(cost.by_tier.reliable || 0) + ", spot tier " + usd(cost.by_tier.transient || 0) +
         "; work received " + cost.work_units.toFixed(2) + " units."),
       cost.work_note ? h("p", { class: "muted" }, cost.work_note) : null,
