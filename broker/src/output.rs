@@ -20,6 +20,9 @@ pub enum OutputFormat {
 #[derive(Debug, Clone, Default)]
 pub struct Table {
     pub header: Vec<String>,
+    /// The CSV header, when it differs from what people read: the JSON's field names (dotted
+    /// paths into it), so a script reads the same names in CSV and JSON.
+    pub fields: Option<Vec<String>>,
     pub rows: Vec<Vec<Cell>>,
 }
 
@@ -56,11 +59,11 @@ impl Cell {
         }
     }
 
-    /// A duration: `1 h 05 min` for people, seconds in CSV.
+    /// A duration: `1 h 05 min` for people, seconds (as in the JSON) in CSV.
     pub fn duration(secs: f64) -> Cell {
         Cell {
             shown: duration(secs),
-            plain: format!("{secs:.0}"),
+            plain: secs.to_string(),
         }
     }
 
@@ -97,8 +100,16 @@ impl Table {
     pub fn new(header: &[&str]) -> Self {
         Table {
             header: header.iter().map(|h| h.to_string()).collect(),
+            fields: None,
             rows: Vec::new(),
         }
+    }
+
+    /// The CSV header: the JSON field (or dotted path) each column shows, one per column.
+    pub fn fields(mut self, fields: &[&str]) -> Self {
+        debug_assert_eq!(fields.len(), self.header.len(), "one field per column");
+        self.fields = Some(fields.iter().map(|f| f.to_string()).collect());
+        self
     }
 
     pub fn push<C: Into<Cell>>(&mut self, row: impl IntoIterator<Item = C>) {
@@ -154,12 +165,34 @@ impl Table {
 
     pub fn to_csv(&self) -> String {
         let mut w = csv::Writer::from_writer(Vec::new());
-        let _ = w.write_record(&self.header);
+        let _ = w.write_record(self.fields.as_ref().unwrap_or(&self.header));
         for row in &self.rows {
             let _ = w.write_record(row.iter().map(|c| c.plain.as_str()));
         }
         String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default()
     }
+}
+
+/// A table whose columns are `fields` of each row's JSON, named as in the JSON: for CSV that a
+/// script reads with the same names as `--output json`. Numbers stay plain; a missing or null
+/// field is an empty cell; a field that is an object or a list is written as JSON.
+pub fn json_table<T: Serialize>(fields: &[&str], rows: &[T]) -> Table {
+    let mut t = Table::new(fields);
+    for row in rows {
+        let v = serde_json::to_value(row).unwrap_or_default();
+        t.push(fields.iter().map(|f| {
+            let text = match v.get(*f) {
+                None | Some(serde_json::Value::Null) => String::new(),
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+            };
+            Cell {
+                shown: text.clone(),
+                plain: text,
+            }
+        }));
+    }
+    t
 }
 
 /// Prints `value` as JSON or `table` as a table or CSV, to stdout.
@@ -200,6 +233,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn json_tables_name_their_columns_after_the_fields() {
+        let rows = [
+            serde_json::json!({"policy": "a", "cost_usd": 1.5, "ratio": null, "n": 3}),
+            serde_json::json!({"policy": "b", "cost_usd": 0.25, "ratio": 0.5, "n": 4}),
+        ];
+        let t = json_table(&["policy", "cost_usd", "ratio", "missing"], &rows);
+        assert_eq!(
+            t.to_csv(),
+            "policy,cost_usd,ratio,missing\na,1.5,,\nb,0.25,0.5,\n"
+        );
+    }
+
+    #[test]
     fn durations_read_in_the_two_largest_units() {
         let cases = [
             (0.0, "0 s"),
@@ -215,7 +261,7 @@ mod tests {
         for (secs, text) in cases {
             assert_eq!(duration(secs), text, "{secs} s");
         }
-        assert_eq!(Cell::duration(425.4).plain, "425");
+        assert_eq!(Cell::duration(425.4).plain, "425.4");
     }
 
     #[test]
@@ -231,5 +277,9 @@ mod tests {
             t.to_csv(),
             "market,price,share\na,1.5,0.25\nbbbbbb,10.25,\n"
         );
+        // With field names, CSV's header is them; people still read the table's.
+        let t = t.fields(&["market", "usd_per_hour", "share"]);
+        assert!(t.to_csv().starts_with("market,usd_per_hour,share\n"));
+        assert!(t.render().starts_with("market     price  share"));
     }
 }

@@ -139,4 +139,64 @@ async fn the_report_prices_the_measured_work_not_the_estimate() {
         table.contains("note:") && table.contains("units received"),
         "{table}"
     );
+
+    // Machine output: CSV columns are named after the JSON's fields (dotted paths into it) and
+    // hold the same values as plain numbers; the text says which clock and that the cost is
+    // final.
+    let id_text = id.to_string();
+    for (args, json_args) in [
+        (
+            vec!["status", id_text.as_str(), "--output", "csv"],
+            vec!["status", id_text.as_str(), "--output", "json"],
+        ),
+        (
+            vec!["report", "--all", "--output", "csv"],
+            vec!["report", "--all", "--output", "json"],
+        ),
+    ] {
+        let (code, csv, err) = proteus(None, &args, &env);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        let (code, json, err) = proteus(None, &json_args, &env);
+        assert_eq!(code, 0, "{json_args:?}: {err}");
+        let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let row = match &json {
+            serde_json::Value::Array(rows) => rows[0].clone(),
+            one => one.clone(),
+        };
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+        let values: Vec<&str> = lines.next().unwrap().split(',').collect();
+        let mut matched = 0;
+        for (field, value) in header.iter().zip(&values) {
+            // `leaving` sums leaving_by_tier; every other column is a field of the JSON.
+            if *field == "leaving" {
+                continue;
+            }
+            let got = field
+                .split('.')
+                .try_fold(&row, |v, k| v.get(k))
+                .unwrap_or_else(|| panic!("{args:?}: column {field} is not in the JSON: {row}"));
+            if let Some(n) = got.as_f64() {
+                let v: f64 = value
+                    .parse()
+                    .unwrap_or_else(|e| panic!("{field}: {value} is not a plain number: {e}"));
+                assert!(
+                    (v - n).abs() <= 1e-9 * n.abs().max(1.0),
+                    "{field}: {v} vs {n}"
+                );
+                matched += 1;
+            } else if let Some(t) = got.as_str() {
+                assert_eq!(*value, t, "{field}");
+                matched += 1;
+            }
+        }
+        assert!(matched >= 6, "{args:?}: {csv}");
+    }
+    let (code, text, _) = proteus(None, &["status", &id_text], &env);
+    assert_eq!(code, 0);
+    assert!(
+        text.contains("(final)") && text.contains("times in simulated market time"),
+        "{text}"
+    );
+    assert!(text.contains(" reliable (on-demand), "), "{text}");
 }

@@ -383,6 +383,15 @@ fn dry_run_table(plan: &DryRun) -> Table {
         "count",
         "price $/h",
         "units/h each",
+    ])
+    .fields(&[
+        "market",
+        "tier",
+        "purchase",
+        "bid_usd_per_hour",
+        "count",
+        "usd_per_hour",
+        "units_per_hour",
     ]);
     for p in &plan.purchases {
         t.push([
@@ -592,7 +601,7 @@ pub async fn report(args: ReportArgs) -> Result<ExitCode> {
         OutputFormat::Json => emit(OutputFormat::Json, &r, Table::default)?,
         OutputFormat::Csv => {
             let mut t = Table::new(&[
-                "instance",
+                "instance_id",
                 "start",
                 "end",
                 "usd_per_hour",
@@ -635,12 +644,27 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         "progress",
         "metric",
         "reliable",
-        "spot",
+        "transient",
         "leaving",
         "evictions",
         "spend",
         "submitted",
         "duration",
+    ])
+    .fields(&[
+        "id",
+        "name",
+        "state",
+        "policy",
+        "progress",
+        "metric",
+        "instances_by_tier.reliable",
+        "instances_by_tier.transient",
+        "leaving",
+        "evictions",
+        "spend_usd",
+        "created",
+        "duration_s",
     ]);
     for j in jobs {
         let count = |n: u32| Cell::from(n.to_string());
@@ -694,7 +718,7 @@ pub(crate) fn leaving_text(leaving_by_tier: &std::collections::BTreeMap<String, 
 
 fn job_detail(j: &JobView) -> String {
     let mut out = format!(
-        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\n{} {}{}{}\ninstances: {} reliable, {} spot{}; {} evictions\n",
+        "job {} ({}): {}{}\npolicy {}, billing {}, stage {}, sync {}\nprogress {}, {}\n{} {}{}{}\ninstances: {} reliable (on-demand), {} transient (spot){}; {} evictions\n",
         j.id,
         j.name,
         j.state,
@@ -793,7 +817,7 @@ fn job_detail(j: &JobView) -> String {
 /// The cost report for people.
 pub fn cost_text(r: &CostReport) -> String {
     let mut out = format!(
-        "job {} cost {} ({} billing): reliable {}, spot {}; {} evictions, {:.2} free instance-hours\n",
+        "job {} cost {} ({} billing): reliable (on-demand) {}, transient (spot) {}; {} evictions, {:.2} free instance-hours\n",
         r.job_id,
         r.total_usd,
         r.billing,
@@ -854,10 +878,21 @@ fn all_table(reports: &[(JobView, CostReport)]) -> Table {
         "state",
         "cost",
         "reliable",
-        "spot",
+        "transient",
         "evictions",
         "vs on-demand",
         "vs standard",
+    ])
+    .fields(&[
+        "job",
+        "name",
+        "state",
+        "cost.total_usd",
+        "cost.by_tier.reliable",
+        "cost.by_tier.transient",
+        "cost.evictions",
+        "cost.savings.on-demand",
+        "cost.savings.standard-bidding",
     ]);
     for (j, r) in reports {
         let saving = |k: &str| Cell::or_unknown(r.savings.get(k).copied(), Cell::pct);

@@ -474,7 +474,7 @@ fn update_bar(bar: &ProgressBar, view: &JobView, now: Timestamp) {
         })
         .unwrap_or_else(|| "-".into());
     bar.set_message(format!(
-        "{} | spent {} | on-demand {}, spot {}{} | evictions {} | {metric}",
+        "{} | spent {} | reliable {}, transient {}{} | evictions {} | {metric}",
         now.to_datetime().format("%m-%d %H:%M"),
         view.spend_usd,
         view.instances_by_tier.get("reliable").copied().unwrap_or(0),

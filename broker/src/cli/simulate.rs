@@ -8,7 +8,7 @@ use crate::market::{Region, Timestamp};
 use crate::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
-use crate::output::{Cell, OutputFormat, Table, emit};
+use crate::output::{Cell, OutputFormat, Table, emit, json_table};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::service::spec::JobSpec;
 use crate::sim::inputs::{check_policy, load_history};
@@ -390,7 +390,12 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         },
         began.elapsed().as_secs_f64()
     );
-    emit(args.output, &summaries, || summary_table(&summaries))?;
+    match args.output {
+        // One column per field of the JSON, named as there (the table's ranges and rounded
+        // figures are for people).
+        OutputFormat::Csv => print!("{}", json_table(SUMMARY_FIELDS, &summaries).to_csv()),
+        _ => emit(args.output, &summaries, || summary_table(&summaries))?,
+    }
     if args.output == OutputFormat::Table {
         println!();
         print!("{}", breakdown_table(&summaries).render());
@@ -489,6 +494,36 @@ fn runs_cell(s: &PolicySummary) -> Cell {
         plain: s.runs.to_string(),
     }
 }
+
+/// The CSV columns of `simulate`: the fields of its JSON rows.
+const SUMMARY_FIELDS: &[&str] = &[
+    "policy",
+    "kind",
+    "runs",
+    "completed_runs",
+    "ended_by_budget",
+    "ended_by_deadline",
+    "median_cost_usd",
+    "p10_cost_usd",
+    "p90_cost_usd",
+    "median_runtime_hours",
+    "p10_runtime_hours",
+    "p90_runtime_hours",
+    "median_evictions",
+    "median_instance_hours_reliable",
+    "median_instance_hours_transient",
+    "median_free_instance_hours",
+    "cost_ratio_vs_on_demand",
+    "cost_ratio_vs_standard",
+    "runtime_ratio_vs_standard",
+    "median_cost_ratio_vs_on_demand",
+    "median_cost_ratio_vs_standard",
+    "median_capacity_units_per_hour",
+    "median_usd_per_paid_unit_hour",
+    "median_paid_share",
+    "median_useful_fraction",
+    "median_lost_work",
+];
 
 fn summary_table(rows: &[PolicySummary]) -> Table {
     let mut t = Table::new(&[

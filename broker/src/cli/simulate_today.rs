@@ -16,7 +16,7 @@ use crate::engine::view::FutureReads;
 use crate::job::WorkModelSpec;
 use crate::market::{InstanceType, Timestamp, UsdPerHour};
 use crate::market_model::{HazardModel, HazardPrior};
-use crate::output::{Table, emit};
+use crate::output::{Cell, Table, emit};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::availability::{Availability, AvailabilityTrace, origin_of};
 use crate::sim::optimal::{OptimalCase, Optimum, optimum};
@@ -367,16 +367,32 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
             "interruptions",
             "refused launches",
             "spot share",
+        ])
+        .fields(&[
+            "policy",
+            "deadline_met_rate",
+            "cost_vs_on_demand",
+            "median_cost_usd",
+            "mean_interruptions",
+            "mean_refused_launches",
+            "spot_share",
         ]);
+        let plain = |shown: String, v: f64| Cell {
+            shown,
+            plain: v.to_string(),
+        };
         for s in &report.policies {
             table.push([
-                s.policy.clone(),
-                format!("{:.2}", s.deadline_met_rate),
-                format!("{:.3}", s.cost_vs_on_demand),
-                format!("${:.2}", s.median_cost_usd),
-                format!("{:.1}", s.mean_interruptions),
-                format!("{:.1}", s.mean_refused_launches),
-                format!("{:.2}", s.spot_share),
+                Cell::from(s.policy.clone()),
+                plain(format!("{:.2}", s.deadline_met_rate), s.deadline_met_rate),
+                plain(format!("{:.3}", s.cost_vs_on_demand), s.cost_vs_on_demand),
+                Cell::dollars(s.median_cost_usd),
+                plain(format!("{:.1}", s.mean_interruptions), s.mean_interruptions),
+                plain(
+                    format!("{:.1}", s.mean_refused_launches),
+                    s.mean_refused_launches,
+                ),
+                plain(format!("{:.2}", s.spot_share), s.spot_share),
             ]);
         }
         table

@@ -140,8 +140,17 @@ fn csv_has_plain_numbers_where_the_table_shows_dollars_and_percentages() {
     assert!(!csv.contains('$') && !csv.contains('%'), "{csv}");
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    // The columns are the JSON's fields, named as there.
+    let json: serde_json::Value = serde_json::from_str(&run("json")).unwrap();
+    for field in &header {
+        assert!(
+            json[0].get(*field).is_some(),
+            "CSV column {field} is not a field of the JSON: {}",
+            json[0]
+        );
+    }
     let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
-    let (cost, vs_od) = (col("cost median"), col("vs on-demand"));
+    let (cost, vs_od) = (col("median_cost_usd"), col("cost_ratio_vs_on_demand"));
     for line in lines.filter(|l| !l.is_empty()) {
         let cells: Vec<&str> = line.split(',').collect();
         let usd: f64 = cells[cost]

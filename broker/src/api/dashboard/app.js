@@ -212,7 +212,7 @@ function jobsView(view) {
     holder.replaceChildren(jobs.length === 0
       ? h("p", { class: "muted", id: "no-jobs" }, "No jobs yet. Submit one with `proteus submit job.toml`.")
       : table("jobs-table", ["job", "state", "policy", "submitted", "duration", "ETA", "progress", "spend / budget", "vs on-demand",
-        "vs standard bidding", "on-demand / spot", "evictions", "metric"], rows));
+        "vs standard bidding", "reliable / transient", "evictions", "metric"], rows));
     sizeBars(holder);
   });
 }
@@ -294,7 +294,7 @@ function jobView(view, id) {
       ["policy", j.policy + " (" + j.billing + ")"],
       ["progress", pct(j.progress)],
       [live ? "spend" : "cost", usd(j.spend_usd) + (j.budget_usd ? " of " + usd(j.budget_usd) + " budget" : "") + spendNote(j)],
-      ["instances", (j.instances_by_tier.reliable || 0) + " on-demand, " + (j.instances_by_tier.transient || 0) + " spot" + leavingText(j)],
+      ["instances", (j.instances_by_tier.reliable || 0) + " reliable (on-demand), " + (j.instances_by_tier.transient || 0) + " transient (spot)" + leavingText(j)],
       ["evictions", j.evictions],
       ["stage", j.stage || "–"],
       ["sync", j.sync],
@@ -342,8 +342,8 @@ function jobView(view, id) {
   every(DETAIL_POLL_MS, async () => {
     const [cost] = await Promise.all([api("/v1/jobs/" + id + "/cost"), newEvents()]);
     costBox.replaceChildren(
-      h("p", { id: "cost-total" }, (live ? "Cost so far " : "Final cost ") + usd(cost.total_usd) + " (" + cost.billing + "), on-demand tier " +
-        usd(cost.by_tier.reliable || 0) + ", spot tier " + usd(cost.by_tier.transient || 0) +
+      h("p", { id: "cost-total" }, (live ? "Cost so far " : "Final cost ") + usd(cost.total_usd) + " (" + cost.billing + "), reliable (on-demand) " +
+        usd(cost.by_tier.reliable || 0) + ", transient (spot) " + usd(cost.by_tier.transient || 0) +
         "; work received " + cost.work_units.toFixed(2) + " units."),
       cost.work_note ? h("p", { class: "muted" }, cost.work_note) : null,
       table("counterfactuals-table", ["the same work under", "cost", "runtime h", "evictions", "this job saved"],
