@@ -96,6 +96,39 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
         );
     }
 
+    // Any broker answers for any job as its owner does, including what only the owner
+    // computes (the stage of its layout, the ETA, the worker ranks): the owner saves them.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut agreed = 0;
+        let mut last = Vec::new();
+        for id in &ids {
+            let mut seen = Vec::new();
+            for b in &brokers {
+                let v = b.client().get(&format!("/v1/jobs/{id}")).await;
+                let ranks: Vec<Value> = v["instances"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| i["worker_rank"].clone())
+                    .collect();
+                seen.push((v["stage"].clone(), v["work"]["eta"].clone(), ranks));
+            }
+            if !seen[0].0.is_null() && !seen[0].1.is_null() && seen.iter().all(|s| *s == seen[0]) {
+                agreed += 1;
+            }
+            last.push((*id, seen));
+        }
+        if agreed == JOBS {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the brokers show different stages, ETAs or ranks for a job: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
     // Kill the broker that owns the most jobs still training, wait for its jobs to move, bring
     // it back (it rejoins with no jobs), and again.
     let mut takeovers = Vec::new();

@@ -94,6 +94,21 @@ pub struct JobView {
     pub broker: Option<String>,
 }
 
+/// What only a job's owner computes for its view, saved by the owner (JSON in the job's row)
+/// for the other brokers on the database.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+struct OwnerFigures {
+    /// AgileML stage of the current layout.
+    stage: Option<u8>,
+    /// Worker ranks by cloud id.
+    ranks: BTreeMap<String, u32>,
+    /// Why launches are held back.
+    held: Option<String>,
+    /// When the job should finish at the capacity it holds (market epoch ms).
+    eta_ms: Option<i64>,
+    deadline_slack_hours: Option<f64>,
+}
+
 /// The clock a view's times are read on.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -491,31 +506,26 @@ impl Broker {
             };
             *count.entry(i.tier.to_string()).or_insert(0) += 1;
         }
-        let (stage, ranks) = self
-            .control
-            .get(job.id)
-            .and_then(|c| {
-                c.read(|c| {
-                    c.view().map(|v| {
-                        let ranks: BTreeMap<String, u32> = v
-                            .workers
-                            .iter()
-                            .map(|w| (w.instance_id.0.clone(), w.rank))
-                            .collect();
-                        (Some(v.stage.number()), ranks)
-                    })
-                })
-            })
-            .unwrap_or_default();
-        let held = self.runtime(job.id).and_then(|r| {
-            r.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .engine
-                .held()
-                .map(str::to_string)
-        });
         let now = self.clock.now();
-        let work = self.work_view(job, instances, now);
+        let OwnerFigures {
+            stage,
+            ranks,
+            held,
+            eta_ms,
+            deadline_slack_hours,
+        } = self.figures_of(job, instances, now);
+        let running = !job.state.is_over();
+        let eta = eta_ms.map(Timestamp::from_millis).filter(|_| running);
+        let work = WorkView {
+            done_units: job.work.done_units,
+            expected_units: job.work.expected_units,
+            eta: eta.map(|e| e.to_string()),
+            deadline_slack_hours: deadline_slack_hours.filter(|_| running),
+            deadline_at_risk: match (job.deadline, running) {
+                (Some(d), true) => Some(eta.is_none_or(|e| e > d)),
+                _ => None,
+            },
+        };
         let unavailable = cooldowns
             .iter()
             .filter(|c| c.until > now)
@@ -618,37 +628,95 @@ impl Broker {
         }
     }
 
-    fn work_view(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> WorkView {
-        let running = !job.state.is_over();
-        let figures = self.runtime(job.id).map(|r| {
-            let rt = r.lock().unwrap_or_else(|e| e.into_inner());
-            let spans: Vec<WorkingSpan> = instances
-                .iter()
-                .filter_map(|i| WorkingSpan::of_instance(i, rt.engine.job()))
-                .collect();
-            let rate = work::rate_at(&spans, Some(&rt.engine.job().stages), now);
-            let total = job.work.expected_units.unwrap_or(rt.engine.total_work());
-            let remaining = (total - job.work.done_units).max(0.0);
-            let eta = (rate > 0.0 && running).then(|| now.plus_secs(remaining / rate * 3600.0));
-            let full = rt.engine.job().full_speed();
-            let slack = match (job.deadline, full > 0.0 && running) {
-                (Some(d), true) => Some(d.secs_since(now) / 3600.0 - remaining / full),
-                _ => None,
-            };
-            (eta, slack)
-        });
-        let (eta, slack) = figures.unwrap_or((None, None));
-        let at_risk = match (job.deadline, running) {
-            (Some(d), true) => Some(eta.is_none_or(|e| e > d)),
-            _ => None,
-        };
-        WorkView {
-            done_units: job.work.done_units,
-            expected_units: job.work.expected_units,
-            eta: eta.map(|e| e.to_string()),
-            deadline_slack_hours: slack,
-            deadline_at_risk: at_risk,
+    /// The figures only a job's owner computes (its engine and its agents' coordinator live in
+    /// the owner's memory): computed here when this broker runs the job, else as the owner last
+    /// saved them ([`Broker::publish_figures`]), else none.
+    fn figures_of(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> OwnerFigures {
+        self.local_figures(job, instances, now)
+            .or_else(|| {
+                job.owner_figures
+                    .as_deref()
+                    .and_then(|t| serde_json::from_str(t).ok())
+            })
+            .unwrap_or_default()
+    }
+
+    /// The owner's figures, if this broker runs the job.
+    fn local_figures(
+        &self,
+        job: &JobRow,
+        instances: &[InstanceRow],
+        now: Timestamp,
+    ) -> Option<OwnerFigures> {
+        let control = self.control.get(job.id);
+        let runtime = self.runtime(job.id);
+        if control.is_none() && runtime.is_none() {
+            return None;
         }
+        let (stage, ranks) = control
+            .and_then(|c| {
+                c.read(|c| {
+                    c.view().map(|v| {
+                        let ranks: BTreeMap<String, u32> = v
+                            .workers
+                            .iter()
+                            .map(|w| (w.instance_id.0.clone(), w.rank))
+                            .collect();
+                        (Some(v.stage.number()), ranks)
+                    })
+                })
+            })
+            .unwrap_or_default();
+        let running = !job.state.is_over();
+        let (held, eta, slack) = runtime
+            .map(|r| {
+                let rt = r.lock().unwrap_or_else(|e| e.into_inner());
+                let spans: Vec<WorkingSpan> = instances
+                    .iter()
+                    .filter_map(|i| WorkingSpan::of_instance(i, rt.engine.job()))
+                    .collect();
+                let rate = work::rate_at(&spans, Some(&rt.engine.job().stages), now);
+                let total = job.work.expected_units.unwrap_or(rt.engine.total_work());
+                let remaining = (total - job.work.done_units).max(0.0);
+                let eta = (rate > 0.0 && running).then(|| now.plus_secs(remaining / rate * 3600.0));
+                let full = rt.engine.job().full_speed();
+                let slack = match (job.deadline, full > 0.0 && running) {
+                    (Some(d), true) => Some(d.secs_since(now) / 3600.0 - remaining / full),
+                    _ => None,
+                };
+                (rt.engine.held().map(str::to_string), eta, slack)
+            })
+            .unwrap_or_default();
+        // To the minute and the hundredth of an hour, as every broker shows them.
+        Some(OwnerFigures {
+            stage,
+            ranks,
+            held,
+            eta_ms: eta.map(|e| (e.millis() + 30_000).div_euclid(60_000) * 60_000),
+            deadline_slack_hours: slack.map(|h| (h * 100.0).round() / 100.0),
+        })
+    }
+
+    /// Saves the owner's figures of a job it runs, when they changed since the row it read (a
+    /// tick that moves the ETA by less than a minute writes nothing), so that every broker on
+    /// the database shows them.
+    pub(super) async fn publish_figures(
+        &self,
+        job: &JobRow,
+        instances: &[InstanceRow],
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        let Some(figures) = self.local_figures(job, instances, now) else {
+            return Ok(());
+        };
+        let text = serde_json::to_string(&figures).unwrap_or_default();
+        if job.owner_figures.as_deref() == Some(text.as_str()) {
+            return Ok(());
+        }
+        self.store
+            .save_owner_figures(Some(&self.fence(job.id)?), job.id, &text)
+            .await?;
+        Ok(())
     }
 
     pub async fn job_views(&self) -> Result<Vec<JobView>, ServiceError> {

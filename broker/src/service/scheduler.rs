@@ -419,6 +419,7 @@ impl Broker {
         self.record_progress(job.id, &runtime, metric.as_deref(), now)
             .await?;
         self.refresh_ledger(job.id, now).await?;
+        self.publish_figures(job, &instances, now).await?;
         if job.state == JobState::Pending {
             let instances = self.store.instances_of_job(job.id).await?;
             if instances.iter().any(|i| i.launched.is_some()) {

@@ -236,6 +236,7 @@ mod tests {
                 finished: None,
                 work: Default::default(),
                 lease_owner: None,
+                owner_figures: None,
             },
             instances: vec![],
             spend_usd: Usd::ZERO,

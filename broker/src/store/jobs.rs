@@ -102,6 +102,8 @@ pub struct JobRow {
     pub work: WorkRecord,
     /// The broker whose lease the job is under (see [`Lease`]), if any.
     pub lease_owner: Option<String>,
+    /// What only the owner computes, as it last saved it (JSON), for the other brokers' views.
+    pub owner_figures: Option<String>,
 }
 
 /// A job's work as the scheduler last counted it (see [`crate::engine::work`]).
@@ -280,6 +282,7 @@ struct JobRecord {
     work_done_units: f64,
     expected_work_units: Option<f64>,
     lease_owner: Option<String>,
+    owner_figures: Option<String>,
 }
 
 /// The saved states a job's row holds.
@@ -287,6 +290,7 @@ struct JobRecord {
 enum SavedState {
     Control,
     Engine,
+    OwnerFigures,
 }
 
 /// A job's row joined with one of its instances (none: every instance column is null) and its
@@ -363,7 +367,7 @@ impl JobStatusRecord {
 type EventTuple = (i64, Option<i64>, Option<String>, i64, String, String);
 
 const JOB_COLUMNS: &str = "id, name, spec, policy, billing, state, state_reason, budget_usd, deadline_ms, \
-     progress, metric, control_state, engine_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units, lease_owner";
+     progress, metric, control_state, engine_state, created_ms, started_ms, finished_ms, work_done_units, expected_work_units, lease_owner, owner_figures";
 
 fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
     Ok(JobRow {
@@ -392,6 +396,7 @@ fn job_from(t: JobRecord) -> Result<JobRow, StoreError> {
             expected_units: t.expected_work_units,
         },
         lease_owner: t.lease_owner,
+        owner_figures: t.owner_figures,
     })
 }
 
@@ -605,6 +610,17 @@ impl Store {
             .await
     }
 
+    /// Saves what only the owner computes for the job's view (JSON), for the other brokers.
+    pub async fn save_owner_figures(
+        &self,
+        lease: Option<&Lease>,
+        id: JobId,
+        figures: &str,
+    ) -> Result<(), StoreError> {
+        self.save_job_state_text(lease, id, SavedState::OwnerFigures, figures)
+            .await
+    }
+
     async fn save_job_state_text(
         &self,
         lease: Option<&Lease>,
@@ -615,6 +631,7 @@ impl Store {
         let (column, context) = match which {
             SavedState::Control => ("control_state", "saving a job's control state"),
             SavedState::Engine => ("engine_state", "saving a job's engine state"),
+            SavedState::OwnerFigures => ("owner_figures", "saving a job's owner figures"),
         };
         let sql = format!(
             "UPDATE jobs SET {column} = $2 WHERE id = $1 AND {}",

@@ -138,6 +138,10 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
         j,
     );
     fenced(s.save_engine_state(Some(&old), j, "{}").await, j);
+    fenced(
+        s.save_owner_figures(Some(&old), j, "{\"stage\":1}").await,
+        j,
+    );
     let line = LedgerLine {
         instance_id: "i-1".into(),
         start: Timestamp::from_millis(20),
@@ -160,6 +164,7 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
     let job_row = s.job(j).await.unwrap().unwrap();
     assert_eq!(job_row.state, JobState::Pending);
     assert_eq!(job_row.lease_owner.as_deref(), Some("b"));
+    assert_eq!(job_row.owner_figures, None);
     assert!(s.ledger_of_job(j).await.unwrap().is_empty());
     // The new owner's writes go through.
     assert!(
@@ -171,6 +176,11 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
         .await
         .unwrap();
     assert_eq!(s.ledger_of_job(j).await.unwrap().len(), 1);
+    s.save_owner_figures(Some(&new), j, "{\"stage\":2}")
+        .await
+        .unwrap();
+    let job_row = s.job(j).await.unwrap().unwrap();
+    assert_eq!(job_row.owner_figures.as_deref(), Some("{\"stage\":2}"));
 }
 
 async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
