@@ -479,10 +479,18 @@ impl Broker {
                 }
             }
         };
+        let provisional = *record.provisional_usd.get_or_init(|| {
+            self.provisional_spend(
+                &record.job,
+                &record.instances,
+                record.spend_usd,
+                self.clock.now(),
+            )
+        });
         Ok(self.view_of(
             &record.job,
             &record.instances,
-            record.spend_usd,
+            (record.spend_usd, provisional),
             &record.cooldowns,
             &record.kind,
         ))
@@ -492,7 +500,7 @@ impl Broker {
         &self,
         job: &JobRow,
         instances: &[InstanceRow],
-        spend: Usd,
+        (spend, provisional): (Usd, Usd),
         cooldowns: &[Cooldown],
         kind: &JobKind,
     ) -> JobView {
@@ -565,13 +573,7 @@ impl Broker {
             stage: stage.filter(|_| !command),
             sync: kind.sync.clone(),
             spend_usd: spend,
-            // The ledger is billed at the owner's last tick, this at `now`: never more than it.
-            spend_provisional_usd: Usd::new(
-                self.provisional_spend(job, instances, now)
-                    .get()
-                    .min(spend.get()),
-            )
-            .unwrap_or(Usd::ZERO),
+            spend_provisional_usd: provisional,
             budget_usd: job.budget_usd,
             deadline: ts(job.deadline),
             evictions: instances.iter().filter(|i| i.ended_by_provider).count() as u32,
@@ -592,8 +594,15 @@ impl Broker {
     }
 
     /// What the live spot instances' bills lose if the provider ends them now rather than the
-    /// user (the ledger bills a live instance as released by the user now).
-    fn provisional_spend(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> Usd {
+    /// user (the ledger bills a live instance as released by the user now); never more than
+    /// `spend` (the ledger was billed at the owner's last tick, this at `now`).
+    fn provisional_spend(
+        &self,
+        job: &JobRow,
+        instances: &[InstanceRow],
+        spend: Usd,
+        now: Timestamp,
+    ) -> Usd {
         let mut live = instances
             .iter()
             .filter(|i| i.tier == Tier::Transient && is_live(i) && i.launched.is_some())
@@ -608,16 +617,17 @@ impl Broker {
                 .map(|lines| lines.iter().map(|l| l.amount_usd).sum())
                 .unwrap_or(Usd::ZERO)
         };
-        live.map(|i| {
-            let evicted = InstanceRow {
-                ended: Some(now),
-                ended_by_provider: true,
-                ..i.clone()
-            };
-            let saved = amount(i).get() - amount(&evicted).get();
-            Usd::new(saved.max(0.0)).unwrap_or(Usd::ZERO)
-        })
-        .sum()
+        let saved: f64 = live
+            .map(|i| {
+                let evicted = InstanceRow {
+                    ended: Some(now),
+                    ended_by_provider: true,
+                    ..i.clone()
+                };
+                (amount(i).get() - amount(&evicted).get()).max(0.0)
+            })
+            .sum();
+        Usd::new(saved.min(spend.get())).unwrap_or(Usd::ZERO)
     }
 
     /// The clock this broker's views are read on.
@@ -726,7 +736,8 @@ impl Broker {
             let instances = self.store.instances_of_job(job.id).await?;
             let spend = self.store.spend_of_job(job.id).await?;
             let kind = kind_of(&job);
-            out.push(self.view_of(&job, &instances, spend, &cooldowns, &kind));
+            let provisional = self.provisional_spend(&job, &instances, spend, self.clock.now());
+            out.push(self.view_of(&job, &instances, (spend, provisional), &cooldowns, &kind));
         }
         Ok(out)
     }

@@ -41,6 +41,9 @@ pub struct JobRecord {
     pub cooldowns: Arc<Vec<Cooldown>>,
     /// The job's app and sync model as shown, from its spec (which never changes).
     pub kind: super::jobs::JobKind,
+    /// Of the spend, what an interruption of the live spot instances would make free: billed
+    /// once per record (so at most [`TTL`] old), not at every read.
+    pub provisional_usd: std::sync::OnceLock<Usd>,
 }
 
 impl JobRecord {
@@ -59,6 +62,7 @@ impl JobRecord {
             instances,
             spend_usd,
             cooldowns,
+            provisional_usd: Default::default(),
         }))
     }
 }
@@ -246,6 +250,7 @@ mod tests {
                 sync: "bsp".into(),
                 instance_types: vec![],
             },
+            provisional_usd: Default::default(),
         })
     }
 
