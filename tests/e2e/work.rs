@@ -190,9 +190,14 @@ async fn the_report_prices_the_measured_work_not_the_estimate() {
             } else if let Some(t) = got.as_str() {
                 assert_eq!(*value, t, "{field}");
                 matched += 1;
+            } else {
+                assert!(
+                    got.is_null() && value.is_empty(),
+                    "{args:?}: column {field} is {value:?} where the JSON has {got}"
+                );
             }
         }
-        assert!(matched >= 6, "{args:?}: {csv}");
+        assert!(matched >= 8, "{args:?}: {csv}");
     }
     let (code, text, _) = proteus(None, &["status", &id_text], &env);
     assert_eq!(code, 0);

@@ -657,7 +657,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         "state",
         "policy",
         "progress",
-        "metric",
+        "metric.value",
         "instances_by_tier.reliable",
         "instances_by_tier.transient",
         "leaving",
@@ -674,7 +674,15 @@ fn jobs_table(jobs: &[JobView]) -> Table {
             j.state.as_str().into(),
             j.policy.as_str().into(),
             Cell::pct(j.progress),
-            metric_text(&j.metric).into(),
+            Cell {
+                shown: metric_text(&j.metric),
+                plain: j
+                    .metric
+                    .as_ref()
+                    .and_then(|m| m["value"].as_f64())
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            },
             count(j.instances_by_tier.get("reliable").copied().unwrap_or(0)),
             count(j.instances_by_tier.get("transient").copied().unwrap_or(0)),
             count(j.leaving_by_tier.values().sum::<u32>()),

@@ -640,12 +640,14 @@ impl Broker {
 
     /// The figures only a job's owner computes (its engine and its agents' coordinator live in
     /// the owner's memory): computed here when this broker runs the job, else as the owner last
-    /// saved them ([`Broker::publish_figures`]), else none.
+    /// saved them while the job runs ([`Broker::publish_figures`]), else none.
     fn figures_of(&self, job: &JobRow, instances: &[InstanceRow], now: Timestamp) -> OwnerFigures {
         self.local_figures(job, instances, now)
             .or_else(|| {
+                // The owner stops saving them once the job is over.
                 job.owner_figures
                     .as_deref()
+                    .filter(|_| !job.state.is_over())
                     .and_then(|t| serde_json::from_str(t).ok())
             })
             .unwrap_or_default()
