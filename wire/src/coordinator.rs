@@ -127,6 +127,9 @@ pub struct MemberStatus {
     pub data_addr: String,
     pub roles: Roles,
     pub joined_at_ms: u64,
+    /// When its agent said it was ready (data loaded, model built): from then on it works.
+    #[serde(default)]
+    pub ready_at_ms: Option<u64>,
     pub last_seen_ms: u64,
     pub applied_epoch: u64,
     pub progress: Progress,
@@ -199,6 +202,8 @@ struct Member {
     data_addr: String,
     state: MemberState,
     joined_at_ms: u64,
+    #[serde(default)]
+    ready_at_ms: Option<u64>,
     last_seen_ms: u64,
     applied_epoch: u64,
     progress: Progress,
@@ -439,6 +444,7 @@ impl Coordinator {
                 data_addr: req.data_addr,
                 state: MemberState::Joining,
                 joined_at_ms: now_ms,
+                ready_at_ms: None,
                 last_seen_ms: now_ms,
                 applied_epoch: 0,
                 progress: Progress::default(),
@@ -599,6 +605,7 @@ impl Coordinator {
             return Ok(());
         }
         member.state = MemberState::Active;
+        member.ready_at_ms = Some(now_ms);
         self.model_len = Some(model_len);
         self.relayout();
         // A member joining an existing layout still needs the current view even if the layout
@@ -689,6 +696,7 @@ impl Coordinator {
                 data_addr: m.data_addr.clone(),
                 roles: self.roles_of(id),
                 joined_at_ms: m.joined_at_ms,
+                ready_at_ms: m.ready_at_ms,
                 last_seen_ms: m.last_seen_ms,
                 applied_epoch: m.applied_epoch,
                 progress: m.progress.clone(),
@@ -1141,6 +1149,30 @@ mod tests {
 
     fn view(c: &Coordinator) -> ClusterView {
         c.view().cloned().unwrap()
+    }
+
+    #[test]
+    fn a_member_is_ready_from_its_ready_event_not_its_registration() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        let req = RegisterRequest {
+            instance_id: id("a"),
+            data_addr: "a:1".into(),
+            vcpus: 1,
+            agent_version: String::new(),
+        };
+        c.register(req, Tier::Reliable, 100).unwrap();
+        let member = |c: &Coordinator| c.status().members[0].clone();
+        assert_eq!(
+            (member(&c).joined_at_ms, member(&c).ready_at_ms),
+            (100, None)
+        );
+        c.event(&id("a"), AgentEvent::Ready { model_len: 1000 }, 250)
+            .unwrap();
+        assert_eq!(member(&c).ready_at_ms, Some(250));
+        // A repeated readiness (a retried event) keeps the first.
+        c.event(&id("a"), AgentEvent::Ready { model_len: 1000 }, 900)
+            .unwrap();
+        assert_eq!(member(&c).ready_at_ms, Some(250));
     }
 
     fn tier_of(v: &ClusterView, i: &InstanceId) -> Tier {

@@ -485,26 +485,40 @@ impl Broker {
         status: &proteus_wire::coordinator::JobStatus,
         now: Timestamp,
     ) -> Result<Vec<Input>, ServiceError> {
-        let joined: HashSet<&str> = status
+        // Each joined member, with when its agent said it was ready (on the wall clock).
+        let joined: HashMap<&str, Option<u64>> = status
             .members
             .iter()
             .filter(|m| m.state != proteus_wire::coordinator::MemberState::Joining)
-            .map(|m| m.instance_id.0.as_str())
+            .map(|m| (m.instance_id.0.as_str(), m.ready_at_ms))
             .collect();
+        let wall_now = wall_ms();
         let mut ready = Vec::new();
         for row in instances {
             // A warned instance still starts up; it works for nothing, its working span having
             // ended at the warning.
             if row.ready.is_some()
                 || !matches!(row.state, InstanceState::Running | InstanceState::Warned)
-                || !row.cloud_id.as_deref().is_some_and(|c| joined.contains(c))
             {
                 continue;
             }
-            if self.store.mark_ready(&row.id, now).await? {
+            let Some(ready_at) = row.cloud_id.as_deref().and_then(|c| joined.get(c)) else {
+                continue;
+            };
+            // Ready when its agent said so, in market time (a tick can come a market minute
+            // later on the simulated cloud, and a short job may train within it), never before
+            // its launch nor after now.
+            let at = match ready_at {
+                Some(ms) => now
+                    .plus_secs(-(wall_now.saturating_sub(*ms) as f64 / 1000.0) * self.clock.speed())
+                    .max(row.launched.unwrap_or(now))
+                    .min(now),
+                None => now,
+            };
+            if self.store.mark_ready(&row.id, at).await? {
                 ready.push(Input::Ready {
                     id: InstanceId(row.id.clone()),
-                    at: now,
+                    at,
                 });
             }
         }
