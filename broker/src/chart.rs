@@ -688,6 +688,17 @@ mod tests {
         (history, inst)
     }
 
+    /// The job chart's data for `inst` over the trace's first hour.
+    fn first_hour(history: &PriceHistory, inst: InstanceRow) -> JobChartData {
+        JobChartData::new(
+            "t",
+            history,
+            &[inst],
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
+        )
+    }
+
     #[test]
     fn job_chart_is_well_formed_svg_with_every_market() {
         let (history, inst) = one_evicted_instance();
@@ -724,13 +735,7 @@ mod tests {
             vec![(0.0, 0.05), (0.5, 0.05), (0.5, 0.3), (1.0, 0.3)]
         );
         let (history, inst) = one_evicted_instance();
-        let data = JobChartData::new(
-            "t",
-            &history,
-            &[inst],
-            Timestamp::from_millis(0),
-            Timestamp::from_millis(3_600_000),
-        );
+        let data = first_hour(&history, inst);
         assert_eq!(data.markets[0].points, points);
         assert_eq!(data.bids.len(), 1);
         assert!(data.bids[0].evicted && (data.bids[0].to - 1_920.0 / 3_600.0).abs() < 1e-9);
@@ -754,13 +759,7 @@ mod tests {
     fn a_warned_instance_moves_from_its_tier_to_the_leaving_line_until_it_ends() {
         let (history, mut inst) = one_evicted_instance();
         inst.warned = Some(Timestamp::from_millis(1_800_000));
-        let data = JobChartData::new(
-            "t",
-            &history,
-            &[inst],
-            Timestamp::from_millis(0),
-            Timestamp::from_millis(3_600_000),
-        );
+        let data = first_hour(&history, inst);
         let level = |k: usize, x: f64| {
             data.tiers[k]
                 .iter()

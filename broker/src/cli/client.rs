@@ -695,15 +695,11 @@ fn jobs_table(jobs: &[JobView]) -> Table {
     t
 }
 
-fn over(j: &JobView) -> bool {
-    matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
-}
-
 /// Why the spend shown may differ from the final cost: the part of it a provider interruption
 /// would make free; `(final)` once the job is over and nothing runs.
 pub(crate) fn spend_note(j: &JobView) -> String {
     let running = j.instances.iter().any(|i| i.ended.is_none());
-    if over(j) && !running {
+    if super::follow::is_over(&j.state) && !running {
         " (final)".into()
     } else if j.spend_provisional_usd > Usd::ZERO {
         format!(
@@ -740,7 +736,11 @@ fn job_detail(j: &JobView) -> String {
         j.sync,
         pct(j.progress),
         metric_text(&j.metric),
-        if over(j) { "cost" } else { "spend" },
+        if super::follow::is_over(&j.state) {
+            "cost"
+        } else {
+            "spend"
+        },
         j.spend_usd,
         j.budget_usd.map(|b| format!(" of {b}")).unwrap_or_default(),
         spend_note(j),

@@ -200,7 +200,8 @@ impl Follower {
     }
 }
 
-fn is_over(state: &str) -> bool {
+/// Whether a job in `state` (as its view names it) is over.
+pub(crate) fn is_over(state: &str) -> bool {
     !matches!(state, "pending" | "running")
 }
 

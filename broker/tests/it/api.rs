@@ -1048,9 +1048,8 @@ async fn the_openapi_document_is_truthful_about_refusals() {
 /// here the user cancels the job before the reclaim. The report counts it, its end is the
 /// provider's (an `evicted` event), and its partial hour is billed under the provider-ended
 /// rule (free under `hourly-2015`) — live as in the simulator.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
-    let s = TestServer::start(|_| {}).await;
+/// A BidBrain job five market minutes in: its id and view.
+async fn bidbrain_job_running(s: &TestServer) -> (i64, Value) {
     let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
     assert_eq!(status, 201, "{view}");
     let id = view["id"].as_i64().unwrap();
@@ -1058,25 +1057,41 @@ async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
         s.step(60.0).await;
     }
     let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
-    let spot = view["instances"]
+    (id, view)
+}
+
+/// The id of a running spot instance of the job `view` shows.
+fn running_spot(view: &Value) -> String {
+    view["instances"]
         .as_array()
         .unwrap()
         .iter()
         .find(|i| i["tier"] == "transient" && i["state"] == "running")
         .map(|i| i["id"].as_str().unwrap().to_string())
-        .unwrap_or_else(|| panic!("no spot instance: {view}"));
+        .unwrap_or_else(|| panic!("no spot instance: {view}"))
+}
+
+/// The provider warns `spot`, and job `id` is cancelled inside the notice: the user's
+/// termination reaches the warned instance before the provider's reclaim does.
+async fn warn_then_cancel(s: &TestServer, id: i64, spot: &str) {
     let (status, body) = s
         .post(&format!("/v1/instances/{spot}/interruption"), json!({}))
         .await;
     assert_eq!(status, 202, "{body}");
     s.step(1.0).await;
-    // The job ends inside the notice: the user's termination reaches the warned instance
-    // before the provider's reclaim does.
     let (status, body) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
     assert_eq!(status, 200, "{body}");
     for _ in 0..3 {
         s.step(1.0).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
+    let s = TestServer::start(|_| {}).await;
+    let (id, view) = bidbrain_job_running(&s).await;
+    let spot = running_spot(&view);
+    warn_then_cancel(&s, id, &spot).await;
     let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
     assert_eq!(cost["evictions"], 1, "{cost}");
     assert!(
@@ -1100,13 +1115,7 @@ async fn a_warned_instance_ended_during_its_notice_is_an_eviction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_spend_shown_says_what_an_interruption_would_make_free() {
     let s = TestServer::start(|_| {}).await;
-    let (status, view) = s.post("/v1/jobs", job("bidbrain")).await;
-    assert_eq!(status, 201, "{view}");
-    let id = view["id"].as_i64().unwrap();
-    for _ in 0..5 {
-        s.step(60.0).await;
-    }
-    let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
+    let (id, view) = bidbrain_job_running(&s).await;
     let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
     let billed = |cost: &Value, instance: &str| -> f64 {
         cost["lines"]
@@ -1142,23 +1151,10 @@ async fn the_spend_shown_says_what_an_interruption_would_make_free() {
 
     // The provider warns one, and the job ends inside its notice (an eviction all the same):
     // the warned instance's bill is zero, as the view said; the others are billed as released.
-    let victim = instances
-        .iter()
-        .find(|i| i["tier"] == "transient" && i["state"] == "running")
-        .unwrap()["id"]
-        .as_str()
-        .unwrap();
+    let victim = running_spot(&view);
+    let victim = victim.as_str();
     let before = billed(&cost, victim);
-    let (status, body) = s
-        .post(&format!("/v1/instances/{victim}/interruption"), json!({}))
-        .await;
-    assert_eq!(status, 202, "{body}");
-    s.step(1.0).await;
-    let (status, body) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
-    assert_eq!(status, 200, "{body}");
-    for _ in 0..3 {
-        s.step(1.0).await;
-    }
+    warn_then_cancel(&s, id, victim).await;
     let (_, view) = s.get(&format!("/v1/jobs/{id}")).await;
     let (_, cost) = s.get(&format!("/v1/jobs/{id}/cost")).await;
     let gone = view["instances"]
