@@ -828,3 +828,114 @@ mod tests {
         assert_eq!(&price[..4], b"\x89PNG");
     }
 }
+
+/// One series of a bar chart: a value per category.
+#[derive(Debug, Clone)]
+pub struct BarSeries {
+    pub name: String,
+    pub values: Vec<f64>,
+}
+
+/// Grouped bars: one group per category, one bar per series, on a linear scale through zero.
+pub fn bar_chart(
+    format: Format,
+    title: &str,
+    y_label: &str,
+    categories: &[String],
+    series: &[BarSeries],
+) -> Result<Vec<u8>, ChartError> {
+    render(
+        format,
+        &BarChartData {
+            title: title.to_string(),
+            y_label: y_label.to_string(),
+            categories: categories.to_vec(),
+            series: series.to_vec(),
+        },
+    )
+}
+
+impl Format {
+    /// PNG for a `.png` file, SVG otherwise.
+    pub fn from_path(path: &std::path::Path) -> Format {
+        path.extension()
+            .and_then(|e| e.to_str())
+            .and_then(Format::parse)
+            .unwrap_or(Format::Svg)
+    }
+}
+
+struct BarChartData {
+    title: String,
+    y_label: String,
+    categories: Vec<String>,
+    series: Vec<BarSeries>,
+}
+
+impl Chart for BarChartData {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
+        root.fill(&WHITE)?;
+        root.draw(&Text::new(
+            self.title.clone(),
+            (LEFT as i32, 12),
+            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
+        ))?;
+        let (plot, _) = root.split_horizontally(WIDTH - LEGEND);
+        let values = self.series.iter().flat_map(|s| s.values.iter().copied());
+        let (lo, hi) = values.fold((0.0_f64, 0.0_f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        let pad = ((hi - lo) * 0.08).max(1e-9);
+        let n = self.categories.len().max(1) as f64;
+        let mut chart = ChartBuilder::on(&plot)
+            .margin_top(40)
+            .margin_right(10)
+            .y_label_area_size(LEFT)
+            .x_label_area_size(60)
+            .build_cartesian_2d(0.0..n, (lo - pad)..(hi + pad))?;
+        let categories = &self.categories;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .bold_line_style(MESH)
+            .light_line_style(WHITE)
+            .x_labels(categories.len() * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor();
+                if (x - i - 0.5).abs() < 0.26 && i >= 0.0 {
+                    categories.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_labels(8)
+            .y_desc(self.y_label.clone())
+            .label_style(text(11, GREY))
+            .axis_desc_style(text(12, GREY))
+            .draw()?;
+        let k = self.series.len().max(1) as f64;
+        let width = 0.8 / k;
+        for (j, s) in self.series.iter().enumerate() {
+            let colour = COLOURS[j % COLOURS.len()];
+            chart.draw_series(s.values.iter().enumerate().map(|(i, &v)| {
+                let x0 = i as f64 + 0.1 + width * j as f64;
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], colour.filled())
+            }))?;
+            root.draw(&Rectangle::new(
+                [
+                    ((WIDTH - LEGEND) as i32 + 12, 56 + 16 * j as i32),
+                    ((WIDTH - LEGEND) as i32 + 26, 66 + 16 * j as i32),
+                ],
+                colour.filled(),
+            ))?;
+            root.draw(&Text::new(
+                s.name.clone(),
+                ((WIDTH - LEGEND) as i32 + 32, 56 + 16 * j as i32),
+                text(12, BLACK),
+            ))?;
+        }
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, 0.0), (n, 0.0)],
+            BLACK.stroke_width(1),
+        )))?;
+        Ok(())
+    }
+}

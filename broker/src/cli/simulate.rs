@@ -11,12 +11,13 @@ use crate::market_model::{
 use crate::output::{Cell, OutputFormat, Table, emit, json_table};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::service::spec::JobSpec;
+use crate::sim::foresight::{Foresight, ForesightSchedule};
 use crate::sim::inputs::{check_policy, load_history};
 use crate::sim::sweep::{
     PolicyEntry, PolicySummary, SweepOptions, run_sweep, start_times, summarize,
 };
 use crate::sim::world::HazardTruth;
-use crate::sim::{Deadline, RunResult, Scenario, World};
+use crate::sim::{Deadline, RunResult, Scenario, World, gap};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -80,11 +81,25 @@ pub struct SimulateArgs {
     /// README's reading) or `preempted` (1: no spot).
     #[arg(long, value_enum, default_value_t = crate::sim::availability::Reading::Available)]
     pub availability_reading: crate::sim::availability::Reading,
-    /// With --availability (one file, one instance): also compute the hindsight optimum, the
-    /// cheapest schedule that meets the deadline knowing the whole trace (a lower bound, not a
-    /// policy); its figures are printed as the asked policy's.
-    #[arg(long, requires = "availability", conflicts_with_all = ["policy", "compare"])]
+    /// The hindsight optimum: the cheapest schedule that does the work by the deadline knowing
+    /// the whole trace (a lower bound, not a policy). With --availability (one file, one
+    /// instance, no --policy or --compare): its figures are printed as the asked policy's. With
+    /// --job on a 2015-style price trace (hourly-2015 billing): a `hindsight-optimal` row beside
+    /// the compared policies, each start's deadline being --deadline (or the job's), else the
+    /// time standard bidding took from that start (see sim/foresight.rs for its rules).
+    #[arg(long)]
     pub optimal: bool,
+    /// With --job and --optimal (and no --deadline): hold the optimum on each start to the
+    /// time this compared policy took there, instead of standard bidding's.
+    #[arg(long, value_name = "POLICY", requires = "optimal")]
+    pub optimal_held_to: Option<String>,
+    /// With --job and --optimal: write where each policy's money goes against the optimum
+    /// (per start and in total, in dollars) to this JSON file.
+    #[arg(long, value_name = "FILE", requires = "optimal")]
+    pub gap: Option<PathBuf>,
+    /// With --job and --optimal: draw that decomposition (SVG, or PNG by the file's extension).
+    #[arg(long, value_name = "FILE", requires = "optimal")]
+    pub gap_chart: Option<PathBuf>,
     /// With --availability: the instance type the traces are of.
     #[arg(long, default_value = "p3.2xlarge")]
     pub instance_type: String,
@@ -299,6 +314,13 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
             (Box::new(HazardModel::new(prior)), World::Hazard(truth))
         }
     };
+    if args.optimal && (billing != BillingModel::Hourly2015 || kind != ModelChoice::Price) {
+        bail!(
+            "--optimal with --job is the foresight optimum of the 2015 market: it needs \
+             --billing hourly-2015 and evictions that follow the price (--market-model price or \
+             auto); under the interruption-hazard model nobody can foresee an eviction"
+        );
+    }
     let od_hours = job.total_work / job.full_speed() + job.startup_secs / 3600.0;
     let scenario = Scenario::new(history.clone(), job, billing, world, model)?;
     let (first, last) = scenario.span();
@@ -363,8 +385,22 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     let summaries = summarize(&results);
 
+    let optimum = if args.optimal {
+        let held_to = args
+            .optimal_held_to
+            .as_deref()
+            .unwrap_or("standard-bidding");
+        Some(foresight_runs(
+            &scenario, &results, &starts, deadline, held_to, threads,
+        )?)
+    } else {
+        None
+    };
     if let Some(path) = &args.runs_out {
-        write_runs(path, &results)?;
+        write_runs(path, &results, optimum.as_deref())?;
+    }
+    if let Some(optimum) = &optimum {
+        write_gap(&args, &scenario, &results, optimum)?;
     }
     eprintln!(
         "{} runs ({} policies × {} starts, {} to {}) on {} with {} billing and the {} model in {:.2} s",
@@ -390,15 +426,27 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         },
         began.elapsed().as_secs_f64()
     );
+    let optimal_row = optimum.as_ref().map(|o| optimal_summary(o, &results));
+    let mut rows: Vec<serde_json::Value> = summaries
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    if let Some(row) = &optimal_row {
+        rows.push(serde_json::to_value(row)?);
+    }
     match args.output {
         // One column per field of the JSON, named as there (the table's ranges and rounded
         // figures are for people).
-        OutputFormat::Csv => print!("{}", json_table(SUMMARY_FIELDS, &summaries).to_csv()),
-        _ => emit(args.output, &summaries, || summary_table(&summaries))?,
+        OutputFormat::Csv => print!("{}", json_table(SUMMARY_FIELDS, &rows).to_csv()),
+        _ => emit(args.output, &rows, || summary_table(&summaries))?,
     }
     if args.output == OutputFormat::Table {
         println!();
         print!("{}", breakdown_table(&summaries).render());
+        if let Some(row) = &optimal_row {
+            println!();
+            println!("{}", row.sentence());
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -459,7 +507,11 @@ fn is_job_spec(text: &str) -> bool {
     }
 }
 
-fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> {
+fn write_runs(
+    path: &std::path::Path,
+    results: &[Vec<RunResult>],
+    optimum: Option<&[OptimalRun]>,
+) -> Result<()> {
     use std::io::Write;
     let file =
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
@@ -468,7 +520,278 @@ fn write_runs(path: &std::path::Path, results: &[Vec<RunResult>]) -> Result<()> 
         serde_json::to_writer(&mut w, r)?;
         writeln!(w)?;
     }
-    w.flush()?;
+    for o in optimum.into_iter().flatten() {
+        serde_json::to_writer(&mut w, o)?;
+        writeln!(w)?;
+    }
+    w.flush()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The foresight optimum on one start of a sweep.
+#[derive(Debug, Clone, serde::Serialize)]
+struct OptimalRun {
+    policy: &'static str,
+    start: Timestamp,
+    /// The deadline it was held to, hours after the start.
+    deadline_hours: f64,
+    /// `None`: no schedule does the work by then.
+    schedule: Option<ForesightSchedule>,
+}
+
+const OPTIMAL: &str = "hindsight-optimal";
+
+/// The optimum on every start: held to `deadline` if one is set, else to the time the policy
+/// named `held_to` took from that start.
+fn foresight_runs(
+    scenario: &Scenario,
+    results: &[Vec<RunResult>],
+    starts: &[Timestamp],
+    deadline: Option<Deadline>,
+    held_to: &str,
+    threads: usize,
+) -> Result<Vec<OptimalRun>> {
+    let standard = results
+        .iter()
+        .find(|r| r.first().is_some_and(|x| x.policy == held_to));
+    if deadline.is_none() && standard.is_none() {
+        bail!("--optimal-held-to {held_to}: no compared policy has that name");
+    }
+    let by = |i: usize, start: Timestamp| -> Result<Timestamp> {
+        if let Some(d) = deadline {
+            return Ok(d.for_start(start));
+        }
+        standard
+            .and_then(|runs| runs.get(i))
+            .map(|r| r.end)
+            .context("--optimal needs a deadline: --deadline, the job's, or a standard-bidding run")
+    };
+    let deadlines: Vec<Timestamp> = starts
+        .iter()
+        .enumerate()
+        .map(|(i, s)| by(i, *s))
+        .collect::<Result<_>>()?;
+    let chunk = starts.len().div_ceil(threads.max(1)).max(1);
+    let mut out: Vec<OptimalRun> = Vec::with_capacity(starts.len());
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = starts
+            .chunks(chunk)
+            .zip(deadlines.chunks(chunk))
+            .map(|(s, d)| {
+                scope.spawn(move || {
+                    s.iter()
+                        .zip(d)
+                        .map(|(&start, &by)| OptimalRun {
+                            policy: OPTIMAL,
+                            start,
+                            deadline_hours: by.secs_since(start) / 3600.0,
+                            schedule: match scenario.foresight(start, by) {
+                                Foresight::Schedule(s) => Some(s),
+                                Foresight::Infeasible => None,
+                            },
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            out.extend(h.join().unwrap_or_default());
+        }
+    });
+    Ok(out)
+}
+
+/// The optimum's row beside the policies' summaries.
+#[derive(Debug, Clone, serde::Serialize)]
+struct OptimalSummary {
+    policy: &'static str,
+    kind: &'static str,
+    runs: usize,
+    completed_runs: usize,
+    median_cost_usd: f64,
+    p10_cost_usd: f64,
+    p90_cost_usd: f64,
+    /// The deadlines it was held to (it finishes by them, not necessarily earlier).
+    median_runtime_hours: f64,
+    median_free_instance_hours: Option<f64>,
+    cost_ratio_vs_on_demand: Option<f64>,
+    cost_ratio_vs_standard: Option<f64>,
+    median_usd_per_paid_unit_hour: f64,
+    median_paid_share: f64,
+    median_useful_fraction: f64,
+    median_lost_work: f64,
+    /// Median over starts of the Lagrangian bound (no schedule under the rules costs less).
+    median_lower_bound_usd: f64,
+}
+
+impl OptimalSummary {
+    fn sentence(&self) -> String {
+        format!(
+            "hindsight optimum (knows the whole trace; a lower bound, not a policy), held to \
+             the deadline or a compared policy's runtime (median {:.1} h): median ${:.2} (p10 ${:.2}, p90 ${:.2}) \
+             on {} of {} starts; {} of on-demand, {} of standard bidding (medians of per-start \
+             ratios)",
+            self.median_runtime_hours,
+            self.median_cost_usd,
+            self.p10_cost_usd,
+            self.p90_cost_usd,
+            self.completed_runs,
+            self.runs,
+            self.cost_ratio_vs_on_demand
+                .map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
+            self.cost_ratio_vs_standard
+                .map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
+        )
+    }
+}
+
+fn optimal_summary(optimum: &[OptimalRun], results: &[Vec<RunResult>]) -> OptimalSummary {
+    use crate::sim::sweep::percentile;
+    let solved: Vec<(usize, &ForesightSchedule)> = optimum
+        .iter()
+        .enumerate()
+        .filter_map(|(i, o)| o.schedule.as_ref().map(|s| (i, s)))
+        .collect();
+    let col = |f: &dyn Fn(&ForesightSchedule) -> f64| -> Vec<f64> {
+        solved.iter().map(|(_, s)| f(s)).collect()
+    };
+    let costs = col(&|s| s.cost_usd);
+    let median = |v: &[f64]| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            percentile(v, 50.0)
+        }
+    };
+    let ratio = |kind: PolicyKind| {
+        results
+            .iter()
+            .find(|r| r.first().is_some_and(|x| x.kind == kind))
+            .map(|runs| {
+                let v: Vec<f64> = solved
+                    .iter()
+                    .filter_map(|(i, s)| runs.get(*i).map(|r| s.cost_usd / r.cost_usd.get()))
+                    .collect();
+                median(&v)
+            })
+    };
+    let hours: Vec<f64> = optimum.iter().map(|o| o.deadline_hours).collect();
+    OptimalSummary {
+        policy: OPTIMAL,
+        kind: OPTIMAL,
+        runs: optimum.len(),
+        completed_runs: solved.len(),
+        median_cost_usd: median(&costs),
+        p10_cost_usd: if costs.is_empty() {
+            f64::NAN
+        } else {
+            percentile(&costs, 10.0)
+        },
+        p90_cost_usd: if costs.is_empty() {
+            f64::NAN
+        } else {
+            percentile(&costs, 90.0)
+        },
+        median_runtime_hours: median(&hours),
+        median_free_instance_hours: None,
+        cost_ratio_vs_on_demand: ratio(PolicyKind::OnDemand),
+        cost_ratio_vs_standard: ratio(PolicyKind::StandardBidding),
+        median_usd_per_paid_unit_hour: median(&col(&|s| {
+            if s.paid_unit_hours > 0.0 {
+                s.cost_usd / s.paid_unit_hours
+            } else {
+                0.0
+            }
+        })),
+        median_paid_share: median(&col(&|s| {
+            let used = s.paid_unit_hours - s.unused_billed_unit_hours + s.free_unit_hours;
+            if used > 0.0 {
+                (s.paid_unit_hours - s.unused_billed_unit_hours) / used
+            } else {
+                0.0
+            }
+        })),
+        median_useful_fraction: median(&col(&|s| {
+            let useful = s.held_unit_hours - s.startup_unit_hours - s.handover_unit_hours;
+            if s.held_unit_hours > 0.0 {
+                useful / s.held_unit_hours
+            } else {
+                0.0
+            }
+        })),
+        median_lost_work: 0.0,
+        median_lower_bound_usd: median(&col(&|s| s.lower_bound_usd)),
+    }
+}
+
+/// `--gap` and `--gap-chart`: every non-on-demand policy's cost against the optimum's.
+fn write_gap(
+    args: &SimulateArgs,
+    scenario: &Scenario,
+    results: &[Vec<RunResult>],
+    optimum: &[OptimalRun],
+) -> Result<()> {
+    if args.gap.is_none() && args.gap_chart.is_none() {
+        return Ok(());
+    }
+    let job = &scenario.job;
+    let capacity = job.max_capacity.unwrap_or_else(|| job.full_speed());
+    let reports: Vec<gap::GapReport> = results
+        .iter()
+        .filter(|runs| runs.first().is_some_and(|r| r.kind != PolicyKind::OnDemand))
+        .map(|runs| {
+            let pairs: Vec<_> = runs
+                .iter()
+                .zip(optimum)
+                .filter_map(|(r, o)| {
+                    let s = o.schedule.as_ref()?;
+                    Some((
+                        r.start,
+                        gap::Account::of_run(r, capacity),
+                        gap::Account::of_optimum(s, job.total_work, capacity, o.deadline_hours),
+                    ))
+                })
+                .collect();
+            gap::report(&runs[0].policy, &pairs)
+        })
+        .collect();
+    if let Some(path) = &args.gap {
+        let text = serde_json::to_string_pretty(&serde_json::json!({
+            "parts": gap::GapParts::NAMES,
+            "policies": reports,
+        }))?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.gap_chart {
+        let format = crate::chart::Format::from_path(path);
+        let categories: Vec<String> = gap::GapParts::NAMES
+            .iter()
+            .map(|n| n.replace('_', " "))
+            .collect();
+        let series: Vec<crate::chart::BarSeries> = reports
+            .iter()
+            .map(|r| crate::chart::BarSeries {
+                name: format!("{} (gap ${:.0})", r.policy, r.total.gap_usd),
+                values: r.total.parts.values().to_vec(),
+            })
+            .collect();
+        let title = format!(
+            "Cost above the foresight optimum ({}), summed over {} starts",
+            args.deadline.as_deref().map_or_else(
+                || format!(
+                    "held to {}'s runtime",
+                    args.optimal_held_to
+                        .as_deref()
+                        .unwrap_or("standard-bidding")
+                ),
+                |d| format!("deadline {d}")
+            ),
+            optimum.len()
+        );
+        let bytes = crate::chart::bar_chart(format, &title, "USD", &categories, &series)?;
+        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 

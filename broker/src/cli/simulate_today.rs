@@ -149,6 +149,15 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         &region,
     )?;
 
+    if args.optimal && (args.policy.is_some() || !args.compare.is_empty()) {
+        bail!(
+            "--optimal with --availability is printed as the asked policy's figures: give no \
+             --policy or --compare with it"
+        );
+    }
+    if args.gap.is_some() || args.gap_chart.is_some() {
+        bail!("--gap and --gap-chart are for a price trace (--job), not --availability");
+    }
     if args.optimal && (args.availability.len() != 1 || n != 1) {
         bail!(
             "--optimal is computed for one zone and one instance: give one --availability file \

@@ -17,6 +17,8 @@
 //! have started and the checkpoint is reloaded.
 
 pub mod availability;
+pub mod foresight;
+pub mod gap;
 pub mod inputs;
 pub mod optimal;
 pub mod sweep;
