@@ -284,3 +284,89 @@ fn a_trace_shorter_than_the_job_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn optimal_on_the_2015_market_is_a_lower_bound_and_its_gap_adds_up() {
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gap = dir.path().join("gap.json");
+    let chart = dir.path().join("gap.svg");
+    let gap_arg = gap.display().to_string();
+    let chart_arg = chart.display().to_string();
+    let out = simulate(
+        &trace,
+        &od,
+        &job,
+        &[
+            "--compare",
+            "bidbrain",
+            "standard-bidding",
+            "--starts",
+            "3",
+            "--seed",
+            "7",
+            "--optimal",
+            "--gap",
+            &gap_arg,
+            "--gap-chart",
+            &chart_arg,
+            "--output",
+            "json",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |p: &str| {
+        rows.iter()
+            .find(|r| r["policy"] == p)
+            .unwrap_or_else(|| panic!("no {p} row in {rows:?}"))
+    };
+    let optimal = row("hindsight-optimal");
+    assert_eq!(optimal["completed_runs"], 3, "{optimal}");
+    // Held to standard bidding's runtime, it costs no more than standard bidding on any start.
+    assert!(optimal["cost_ratio_vs_standard"].as_f64().unwrap() <= 1.0 + 1e-9);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&gap).unwrap()).unwrap();
+    for p in report["policies"].as_array().unwrap() {
+        for s in p["starts"].as_array().unwrap() {
+            // A lower bound on every start a policy finished in the optimum's time (standard
+            // bidding's own), and the parts explain the whole gap.
+            let gap_usd = s["gap_usd"].as_f64().unwrap();
+            let hours = |who: &str| s[who]["runtime_hours"].as_f64().unwrap();
+            if hours("policy") <= hours("optimum") + 1e-6 {
+                assert!(gap_usd >= -1e-6, "{s}");
+            }
+            let sum: f64 = s["parts"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v.as_f64().unwrap())
+                .sum();
+            assert!((sum - gap_usd).abs() < 1e-6, "{s}");
+        }
+    }
+    assert!(
+        std::fs::read_to_string(&chart)
+            .unwrap()
+            .contains("free hours")
+    );
+    // Under the interruption-hazard model nobody foresees an eviction: refused, with the reason.
+    let out = simulate(
+        &trace,
+        &od,
+        &job,
+        &[
+            "--policy",
+            "bidbrain",
+            "--optimal",
+            "--billing",
+            "per-second",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("hourly-2015"), "{}", stderr(&out));
+}
