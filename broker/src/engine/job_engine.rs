@@ -1220,6 +1220,13 @@ impl<'p> JobEngine<'p> {
             }
             let decision = self.ask(now, ctx, event.as_ref())?;
             self.state.next_decision = Some(super::next_decision(now, decision.wake_at));
+            // What the policy expected of each thing it does, in the job's history.
+            for reason in &decision.reasons {
+                out.push(Command::Record {
+                    kind: "decision",
+                    detail: format!("{}: {reason}", self.policy.name()),
+                });
+            }
             self.release(now, &decision, out);
             let committed = match self.terms.budget {
                 Some(_) => self.spend(now, ctx.markets),
@@ -2011,14 +2018,14 @@ mod tests {
         });
         policy.push(Decision {
             acquire: vec![acquire(B, spot(0.10), 1)],
-            release: Vec::new(),
             wake_at: Some(at(3.0 * 3600.0)),
+            ..Decision::default()
         });
         if refuse_retry {
             policy.push(Decision {
                 acquire: vec![acquire(B, spot(0.10), 1)],
-                release: Vec::new(),
                 wake_at: Some(at(3.0 * 3600.0)),
+                ..Decision::default()
             });
         }
         // Start-up takes half an hour: readiness is no early wake-up.

@@ -56,8 +56,8 @@
 //! on the estimates; see [`crate::market_model::PriceDrivenModel`] (state-matched replay).
 
 use super::{
-    Acquisition, Decision, DecisionContext, InstanceState, InstanceView, Policy, PolicyError,
-    PolicyKind, Purchase, cheapest_on_demand, rate_of,
+    Acquisition, Decision, DecisionContext, Expectation, InstanceState, InstanceView, Policy,
+    PolicyError, PolicyKind, Purchase, Reason, Subject, cheapest_on_demand, rate_of,
 };
 use crate::billing::{BillingModel, FREE_INTERRUPTION_MS};
 use crate::job::{EvictionCost, JobModel};
@@ -325,9 +325,21 @@ impl BidBrainConfig {
 struct Economics {
     cost: Usd,
     work: f64,
+    /// Probability of an eviction within the horizon (and before the job ends).
+    p_evict: f64,
 }
 
 impl Economics {
+    /// What a decision records of it, per instance.
+    fn expectation(self, horizon_secs: f64) -> Expectation {
+        Expectation {
+            cost_usd: self.cost.get(),
+            work_units: self.work,
+            eviction_probability: self.p_evict,
+            horizon_hours: horizon_secs / 3600.0,
+        }
+    }
+
     /// Dollars per unit of work: a figure to rank by (infinite without work), not an amount.
     fn cpw(self) -> f64 {
         if self.work > 0.0 {
@@ -382,6 +394,7 @@ impl JobCosts {
         Economics {
             cost: spot_cost(billing, price, est, 0.0),
             work: (rate * secs / 3600.0 - overhead).max(0.0),
+            p_evict: p,
         }
     }
 
@@ -399,6 +412,7 @@ impl JobCosts {
         Economics {
             cost: od.for_hours(billing.billed_hours(horizon_secs)),
             work: (rate * secs / 3600.0 - self.rebalance_units / (periods * self.batch)).max(0.0),
+            p_evict: 0.0,
         }
     }
 }
@@ -700,6 +714,7 @@ impl BidBrain {
                 Economics {
                     cost: od.for_hours(ctx.billing.billed_hours(h)),
                     work: rate * (h.min(useful_cap) - startup_left).max(0.0) / 3600.0,
+                    p_evict: 0.0,
                 }
             }
             Purchase::Spot { bid } => {
@@ -719,6 +734,7 @@ impl BidBrain {
                             return Economics {
                                 cost: Usd::ZERO,
                                 work: 0.0,
+                                p_evict: 0.0,
                             };
                         };
                         let est = view
@@ -740,6 +756,7 @@ impl BidBrain {
                         now.secs_since(inst.launched_at).max(0.0),
                     ),
                     work: (rate * secs / 3600.0 - costs.rebalance_units * p / costs.batch).max(0.0),
+                    p_evict: p,
                 }
             }
         }
@@ -1003,28 +1020,50 @@ impl Policy for BidBrain {
                 f64::INFINITY
             };
             let on_demand = inst.purchase == Purchase::OnDemand;
-            let release = match plan {
+            let rule: Option<String> = match plan {
                 // Well ahead: on-demand goes (waiting for spot is allowed); on-demand to the
                 // end: spot goes. Both at the usual moment (never a backup, never a paid hour).
-                Plan::Ahead if on_demand => releasable_now,
+                Plan::Ahead if on_demand => releasable_now.then(|| {
+                    "the job is ahead of its deadline's line: on-demand goes at the end of its \
+                     paid hour"
+                        .to_string()
+                }),
                 Plan::Commit if !on_demand => {
                     let go = releasable_now && commit_room > 0;
                     commit_room -= usize::from(go);
-                    go
+                    go.then(|| {
+                        "committed to on-demand for the deadline: spot goes where on-demand \
+                         takes its place"
+                            .to_string()
+                    })
                 }
                 // Hysteresis: on-demand bought to keep pace stays until well ahead.
-                Plan::Behind | Plan::Keep | Plan::Commit if on_demand => false,
-                _ => {
-                    releasable_now
-                        && (cpw > ceiling
-                            || (cpw > best_replacement * margin && (full || fast_enough))
-                            // The paper's rule: keeping it raises the footprint's cost per
-                            // work, and the footprint stays at its target speed without it.
-                            || (cpw > others_cpw * margin && rate_left - inst_rate >= target))
-                }
+                Plan::Behind | Plan::Keep | Plan::Commit if on_demand => None,
+                _ if !releasable_now => None,
+                _ if cpw > ceiling => Some(format!(
+                    "above the ceiling of ${ceiling:.4} per unit (a multiple of on-demand's)"
+                )),
+                _ if cpw > best_replacement * margin && (full || fast_enough) => Some(format!(
+                    "a replacement does the work for ${best_replacement:.4} per unit"
+                )),
+                // The paper's rule: keeping it raises the footprint's cost per work, and the
+                // footprint stays at its target speed without it.
+                _ if cpw > others_cpw * margin && rate_left - inst_rate >= target => Some(format!(
+                    "the rest of the footprint costs ${others_cpw:.4} per unit and keeps the \
+                         target speed without it"
+                )),
+                _ => None,
             };
-            if release {
+            if let Some(rule) = rule {
                 decision.release.push(inst.id.clone());
+                decision.reasons.push(Reason {
+                    subject: Subject::Release {
+                        instance: inst.id.clone(),
+                        market: inst.market.clone(),
+                    },
+                    expected: econ.expectation(self.horizon_secs()),
+                    rule,
+                });
                 rate_left -= inst_rate;
                 fp_cost -= econ.cost;
                 fp_work -= econ.work;
@@ -1049,11 +1088,27 @@ impl Policy for BidBrain {
         if backups_kept < tier_size && slots > 0 {
             let need = (tier_size - backups_kept).min(slots).min(reliable_room);
             if let Some(m) = self.reliable_market(ctx).filter(|_| need > 0) {
-                decision.acquire.push(Acquisition {
+                let acquisition = Acquisition {
                     market: m.clone(),
                     purchase: Purchase::OnDemand,
                     count: need as u32,
+                };
+                let h = self.horizon_secs();
+                let od = ctx.market.on_demand_price(m).unwrap_or(UsdPerHour::ZERO);
+                decision.reasons.push(Reason {
+                    subject: Subject::Acquire(acquisition.clone()),
+                    expected: Economics {
+                        cost: od.for_hours(ctx.billing.billed_hours(h)),
+                        work: 0.0,
+                        p_evict: 0.0,
+                    }
+                    .expectation(h),
+                    rule: format!(
+                        "the reliable tier (backup state, no work of its own) holds \
+                         {backups_kept} of its {tier_size}"
+                    ),
                 });
+                decision.acquire.push(acquisition);
                 slots -= need;
                 reliable_room -= need;
             }
@@ -1092,14 +1147,26 @@ impl Policy for BidBrain {
                 } else {
                     f64::INFINITY
                 };
-                let mut count = if commit {
-                    slots
+                let (mut count, rule) = if commit {
+                    (
+                        slots,
+                        "committed to the deadline: every free slot is filled".to_string(),
+                    )
                 } else if below_target {
-                    ((target - rate) / cand.rate).ceil() as usize
+                    (
+                        ((target - rate) / cand.rate).ceil() as usize,
+                        format!(
+                            "the footprint works {rate:.2} units an hour, below the target of \
+                             {target:.2}"
+                        ),
+                    )
                 } else if cpw < fp_cpw {
-                    self.config.max_per_allocation as usize
+                    (
+                        self.config.max_per_allocation as usize,
+                        format!("cheaper per unit than the footprint's ${fp_cpw:.4}"),
+                    )
                 } else {
-                    0
+                    (0, String::new())
                 };
                 count = count
                     .min(slots)
@@ -1119,11 +1186,17 @@ impl Policy for BidBrain {
                 if count == 0 {
                     continue;
                 }
-                decision.acquire.push(Acquisition {
+                let acquisition = Acquisition {
                     market: cand.market.clone(),
                     purchase: cand.purchase,
                     count: count as u32,
+                };
+                decision.reasons.push(Reason {
+                    subject: Subject::Acquire(acquisition.clone()),
+                    expected: cand.per_instance.expectation(self.horizon_secs()),
+                    rule,
                 });
+                decision.acquire.push(acquisition);
                 used_markets.push(cand.market);
                 slots -= count;
                 if cand.purchase == Purchase::OnDemand {

@@ -267,6 +267,85 @@ impl Acquisition {
     }
 }
 
+/// What a policy expected of one instance it buys or lets go, over its horizon (one billing
+/// hour for BidBrain): the figures that justified the choice.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Expectation {
+    /// Expected charge, in dollars.
+    pub cost_usd: f64,
+    /// Expected useful work, in units of the job's work (what the job can still use).
+    pub work_units: f64,
+    /// Probability that the provider ends it within the horizon (0 for on-demand).
+    pub eviction_probability: f64,
+    pub horizon_hours: f64,
+}
+
+impl Expectation {
+    /// Dollars per unit of work (`None` without work).
+    pub fn cost_per_unit(&self) -> Option<f64> {
+        (self.work_units > 0.0).then(|| self.cost_usd / self.work_units)
+    }
+}
+
+impl fmt::Display for Expectation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "${:.4} for {:.3} units of work in the next {} h, eviction probability {:.2}",
+            self.cost_usd, self.work_units, self.horizon_hours, self.eviction_probability
+        )?;
+        match self.cost_per_unit() {
+            Some(cpw) => write!(f, " (${cpw:.4} per unit)"),
+            None => f.write_str(" (no useful work)"),
+        }
+    }
+}
+
+/// What one reason is about.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum Subject {
+    /// One of the decision's acquisitions; the expectation is per instance.
+    Acquire(Acquisition),
+    /// One of the decision's releases; the expectation is of keeping it.
+    Release {
+        instance: InstanceId,
+        market: Market,
+    },
+}
+
+/// Why one part of a decision was taken: what was expected of it and the rule that chose it.
+/// Policies that weigh expectations (BidBrain) give one per acquisition and release; rule-based
+/// baselines give none.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Reason {
+    #[serde(flatten)]
+    pub subject: Subject,
+    pub expected: Expectation,
+    /// The rule, in words, with the figure it was held against.
+    pub rule: String,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.subject {
+            Subject::Acquire(a) => {
+                write!(f, "buy {} × {} ", a.count, a.market)?;
+                match a.purchase {
+                    Purchase::OnDemand => f.write_str("on-demand")?,
+                    Purchase::Spot { bid } => write!(f, "spot at bid {bid}")?,
+                }
+                write!(f, ": each expected {}; {}", self.expected, self.rule)
+            }
+            Subject::Release { instance, market } => write!(
+                f,
+                "release {instance} ({market}): keeping it was expected {}; {}",
+                self.expected, self.rule
+            ),
+        }
+    }
+}
+
 /// What a policy wants done now.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Decision {
@@ -275,6 +354,9 @@ pub struct Decision {
     pub release: Vec<InstanceId>,
     /// Ask again no later than this (in addition to the driver's own ticks and events).
     pub wake_at: Option<Timestamp>,
+    /// Why: one reason per acquisition and release, for policies that weigh expectations.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reasons: Vec<Reason>,
 }
 
 impl Decision {

@@ -1060,6 +1060,76 @@ async fn bidbrain_job_running(s: &TestServer) -> (i64, Value) {
     (id, view)
 }
 
+/// Every launch of a BidBrain job follows a `decision` event that says what the policy
+/// expected of it (cost, work, eviction probability over its hour) and by which rule; a
+/// rule-based baseline records none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bidbrain_records_what_it_expected_of_every_launch() {
+    let s = TestServer::start(|_| {}).await;
+    let (id, _) = bidbrain_job_running(&s).await;
+    let (_, od_view) = s.post("/v1/jobs", job("on-demand")).await;
+    let od = od_view["id"].as_i64().unwrap();
+    s.step(60.0).await;
+    let events_of = |v: &Value| -> Vec<(String, String)> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["kind"].as_str().unwrap().to_string(),
+                    e["detail"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let (_, events) = s.get(&format!("/v1/jobs/{id}/events")).await;
+    let events = events_of(&events);
+    let mut bought: Vec<String> = Vec::new();
+    let mut launched = 0;
+    for (kind, detail) in &events {
+        if kind == "decision" {
+            assert!(
+                detail.starts_with("bidbrain: buy ") || detail.starts_with("bidbrain: release "),
+                "{detail}"
+            );
+            for figure in [
+                "expected $",
+                " units of work in the next 1 h",
+                "eviction probability ",
+            ] {
+                assert!(detail.contains(figure), "{figure:?} missing: {detail}");
+            }
+            // "buy N × region/zone/type ...": N launches in that market may follow.
+            if let Some(rest) = detail.strip_prefix("bidbrain: buy ") {
+                let mut words = rest.split(' ');
+                let n: usize = words.next().unwrap().parse().unwrap();
+                assert_eq!(words.next(), Some("×"), "{detail}");
+                let market = words.next().unwrap().to_string();
+                bought.extend(std::iter::repeat_n(market, n));
+            }
+        }
+        if kind == "launched" {
+            launched += 1;
+            let market = detail.split(' ').next().unwrap();
+            let k = bought.iter().position(|m| m == market).unwrap_or_else(|| {
+                panic!("{detail}: launched without a decision that bought it:\n{events:?}")
+            });
+            bought.remove(k);
+        }
+    }
+    assert!(launched >= 2, "{events:?}");
+    let (_, od_events) = s.get(&format!("/v1/jobs/{od}/events")).await;
+    let od_events = events_of(&od_events);
+    assert!(
+        od_events.iter().any(|(k, _)| k == "launched"),
+        "{od_events:?}"
+    );
+    assert!(
+        !od_events.iter().any(|(k, _)| k == "decision"),
+        "the on-demand baseline weighs no expectations: {od_events:?}"
+    );
+}
+
 /// The id of a running spot instance of the job `view` shows.
 fn running_spot(view: &Value) -> String {
     view["instances"]

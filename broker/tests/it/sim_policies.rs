@@ -9,8 +9,8 @@ use proteus_broker::market_model::{
     HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
 };
 use proteus_broker::policy::{
-    DecisionContext, JobProgress, Policy, PolicyKind, load_policy_file, parse_policy,
-    resolve_policy_path,
+    DecisionContext, JobProgress, Policy, PolicyKind, Purchase, Subject, load_policy_file,
+    parse_policy, resolve_policy_path,
 };
 use proteus_broker::prices::{InstanceOffer, OnDemandCatalog, PriceHistory, PriceSeries};
 use proteus_broker::sim::inputs::load_history;
@@ -383,6 +383,109 @@ fn decisions_do_not_change_when_the_future_changes() {
         );
         assert!(before.iter().any(|(_, d)| !d.acquire.is_empty()));
         assert_eq!(before, decisions(&altered), "{name} decided differently");
+    }
+}
+
+/// BidBrain explains itself: over a run on the 2015 trace, each acquisition and each release
+/// of every decision has one reason, in order, with what it expected of the instance over its
+/// hour; spot is bought with a risk it counted, and the rule that let an instance go holds the
+/// figure it beat. The baselines weigh no expectations and give none.
+#[test]
+fn every_bidbrain_decision_says_what_it_expected_and_why() {
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let start = Timestamp::parse("2015-05-10T06:00:00Z").unwrap();
+    for name in ["bidbrain", "standard-bidding", "on-demand"] {
+        let job = small_job(&history, 400.0, 32);
+        let sc = Scenario::new(
+            history.clone(),
+            job,
+            BillingModel::Hourly2015,
+            World::Price,
+            price_model(&history, 7.0),
+        )
+        .unwrap();
+        let mut policy = shipped(name);
+        let options = RunOptions {
+            seed: 1,
+            record_decisions: true,
+            ..RunOptions::default()
+        };
+        let r = run(&sc, policy.as_mut(), start, &options).unwrap();
+        let acting: Vec<_> = r.decisions.iter().filter(|(_, d)| !d.is_empty()).collect();
+        assert!(!acting.is_empty(), "{name}: no decision acted");
+        if name != "bidbrain" {
+            assert!(
+                r.decisions.iter().all(|(_, d)| d.reasons.is_empty()),
+                "{name}"
+            );
+            continue;
+        }
+        let (mut releases, mut risky_spot) = (0, 0);
+        for (at, d) in acting {
+            assert_eq!(
+                d.reasons.len(),
+                d.acquire.len() + d.release.len(),
+                "at {at}: {d:?}"
+            );
+            let acquired: Vec<_> = d
+                .reasons
+                .iter()
+                .filter_map(|r| match &r.subject {
+                    Subject::Acquire(a) => Some(a),
+                    Subject::Release { .. } => None,
+                })
+                .collect();
+            assert_eq!(acquired, d.acquire.iter().collect::<Vec<_>>(), "at {at}");
+            let released: Vec<_> = d
+                .reasons
+                .iter()
+                .filter_map(|r| match &r.subject {
+                    Subject::Release { instance, .. } => Some(instance),
+                    Subject::Acquire(_) => None,
+                })
+                .collect();
+            assert_eq!(released, d.release.iter().collect::<Vec<_>>(), "at {at}");
+            for reason in &d.reasons {
+                let e = reason.expected;
+                assert!(
+                    e.cost_usd.is_finite() && e.cost_usd >= 0.0 && e.work_units >= 0.0,
+                    "at {at}: {reason}"
+                );
+                assert!(
+                    (0.0..=1.0).contains(&e.eviction_probability),
+                    "at {at}: {reason}"
+                );
+                assert_eq!(e.horizon_hours, 1.0);
+                assert!(!reason.rule.is_empty(), "at {at}: {reason}");
+                match &reason.subject {
+                    Subject::Acquire(a) => {
+                        if a.purchase == Purchase::OnDemand {
+                            assert_eq!(e.eviction_probability, 0.0, "at {at}: {reason}");
+                        } else if e.eviction_probability > 0.0 {
+                            risky_spot += 1;
+                        }
+                    }
+                    Subject::Release { .. } => {
+                        releases += 1;
+                        // The rule names the cost per unit it beat: the instance's was higher.
+                        if let (Some(cpw), Some(beaten)) = (
+                            e.cost_per_unit(),
+                            reason
+                                .rule
+                                .split('$')
+                                .nth(1)
+                                .and_then(|t| t.split(' ').next())
+                                .and_then(|t| t.parse::<f64>().ok()),
+                        ) {
+                            assert!(cpw > beaten, "at {at}: {reason}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(releases > 0, "no release in the run");
+        assert!(risky_spot > 0, "no spot bought at a counted risk");
     }
 }
 
