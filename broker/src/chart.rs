@@ -410,12 +410,7 @@ impl JobChartData {
 
 impl Chart for JobChartData {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
-        root.fill(&WHITE)?;
-        root.draw(&Text::new(
-            self.title.clone(),
-            (LEFT as i32, 12),
-            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
-        ))?;
+        canvas(root, &self.title)?;
         let (prices, counts) = root.split_vertically(340);
         let (price_plot, _) = prices.split_horizontally(WIDTH - LEGEND);
         let (count_plot, _) = counts.split_horizontally(WIDTH - LEGEND);
@@ -473,10 +468,10 @@ impl Chart for JobChartData {
         }
         let mut row = 0;
         for m in &self.markets {
-            legend(root, 50, row, Some(m.colour), &m.name)?;
+            legend(root, 50, row, Swatch::Line(m.colour), &m.name)?;
             row += 1;
         }
-        legend(root, 50, row, None, "◉ eviction")?;
+        legend(root, 50, row, Swatch::None, "◉ eviction")?;
 
         // Instances per tier.
         count_plot.draw(&Text::new(
@@ -516,7 +511,7 @@ impl Chart for JobChartData {
                 self.tiers[k].iter().copied(),
                 colour.stroke_width(2),
             ))?;
-            legend(root, 340 + 20, k, Some(colour), name)?;
+            legend(root, 340 + 20, k, Swatch::Line(colour), name)?;
         }
         Ok(())
     }
@@ -556,12 +551,7 @@ impl PriceChartData {
 
 impl Chart for PriceChartData {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
-        root.fill(&WHITE)?;
-        root.draw(&Text::new(
-            self.title.clone(),
-            (LEFT as i32, 12),
-            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
-        ))?;
+        canvas(root, &self.title)?;
         let (plot, _) = root.split_horizontally(WIDTH - LEGEND);
         plot.draw(&Text::new(
             "spot price (solid), on-demand (dotted), USD/h, log scale",
@@ -602,7 +592,7 @@ impl Chart for PriceChartData {
                     m.colour.mix(0.6).stroke_width(1),
                 ))?;
             }
-            legend(root, 50, k, Some(m.colour), &m.name)?;
+            legend(root, 50, k, Swatch::Line(m.colour), &m.name)?;
         }
         if self.markets.iter().all(|m| m.points.is_empty()) {
             plot.draw(&Text::new(
@@ -619,26 +609,49 @@ fn text(size: u32, colour: RGBColor) -> TextStyle<'static> {
     (FONT, size).into_font().color(&colour)
 }
 
+/// A white canvas with the chart's title at its top left.
+fn canvas<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str) -> Drawn<DB> {
+    root.fill(&WHITE)?;
+    root.draw(&Text::new(
+        title.to_string(),
+        (LEFT as i32, 12),
+        (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
+    ))
+}
+
+/// What a legend entry shows before its label.
+enum Swatch {
+    None,
+    /// A line's colour.
+    Line(RGBColor),
+    /// A bar's colour.
+    Block(RGBColor),
+}
+
 /// The `row`th entry of the legend column right of the panel that starts at `top`: a swatch (if
 /// any) and a label.
 fn legend<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     top: i32,
     row: usize,
-    swatch: Option<RGBColor>,
+    swatch: Swatch,
     label: &str,
 ) -> Drawn<DB> {
     let x = (WIDTH - LEGEND) as i32 + 12;
     let y = top + 14 + 16 * row as i32;
     let label_x = match swatch {
-        Some(colour) => {
+        Swatch::Line(colour) => {
             root.draw(&PathElement::new(
                 vec![(x, y - 4), (x + 18, y - 4)],
                 colour.stroke_width(2),
             ))?;
             x + 24
         }
-        None => x,
+        Swatch::Block(colour) => {
+            root.draw(&Rectangle::new([(x, y - 10), (x + 18, y)], colour.filled()))?;
+            x + 24
+        }
+        Swatch::None => x,
     };
     root.draw(&Text::new(
         label.to_string(),
@@ -874,12 +887,7 @@ struct BarChartData {
 
 impl Chart for BarChartData {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn<DB> {
-        root.fill(&WHITE)?;
-        root.draw(&Text::new(
-            self.title.clone(),
-            (LEFT as i32, 12),
-            (FONT, 16).into_font().style(FontStyle::Bold).color(&BLACK),
-        ))?;
+        canvas(root, &self.title)?;
         let (plot, _) = root.split_horizontally(WIDTH - LEGEND);
         let values = self.series.iter().flat_map(|s| s.values.iter().copied());
         let (lo, hi) = values.fold((0.0_f64, 0.0_f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
@@ -919,18 +927,7 @@ impl Chart for BarChartData {
                 let x0 = i as f64 + 0.1 + width * j as f64;
                 Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], colour.filled())
             }))?;
-            root.draw(&Rectangle::new(
-                [
-                    ((WIDTH - LEGEND) as i32 + 12, 56 + 16 * j as i32),
-                    ((WIDTH - LEGEND) as i32 + 26, 66 + 16 * j as i32),
-                ],
-                colour.filled(),
-            ))?;
-            root.draw(&Text::new(
-                s.name.clone(),
-                ((WIDTH - LEGEND) as i32 + 32, 56 + 16 * j as i32),
-                text(12, BLACK),
-            ))?;
+            legend(root, 40, j, Swatch::Block(colour), &s.name)?;
         }
         chart.draw_series(std::iter::once(PathElement::new(
             vec![(0.0, 0.0), (n, 0.0)],

@@ -276,6 +276,19 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     for e in &entries {
         check_policy(e, &history, &job, &trace_name)?;
     }
+    // Said before the runs, not after them.
+    if let Some(held_to) = &args.optimal_held_to
+        && !entries.iter().any(|e| &e.name == held_to)
+    {
+        bail!(
+            "--optimal-held-to {held_to}: no compared policy has that name (compared: {})",
+            entries
+                .iter()
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
 
     let kind = match (args.market_model, billing) {
         (ModelChoice::Price, _) | (ModelChoice::Auto, BillingModel::Hourly2015) => {
@@ -657,13 +670,15 @@ fn optimal_summary(optimum: &[OptimalRun], results: &[Vec<RunResult>]) -> Optima
         solved.iter().map(|(_, s)| f(s)).collect()
     };
     let costs = col(&|s| s.cost_usd);
-    let median = |v: &[f64]| {
+    // NaN when no start had a schedule (JSON null).
+    let pct = |v: &[f64], p: f64| {
         if v.is_empty() {
             f64::NAN
         } else {
-            percentile(v, 50.0)
+            percentile(v, p)
         }
     };
+    let median = |v: &[f64]| pct(v, 50.0);
     let ratio = |kind: PolicyKind| {
         results
             .iter()
@@ -683,16 +698,8 @@ fn optimal_summary(optimum: &[OptimalRun], results: &[Vec<RunResult>]) -> Optima
         runs: optimum.len(),
         completed_runs: solved.len(),
         median_cost_usd: median(&costs),
-        p10_cost_usd: if costs.is_empty() {
-            f64::NAN
-        } else {
-            percentile(&costs, 10.0)
-        },
-        p90_cost_usd: if costs.is_empty() {
-            f64::NAN
-        } else {
-            percentile(&costs, 90.0)
-        },
+        p10_cost_usd: pct(&costs, 10.0),
+        p90_cost_usd: pct(&costs, 90.0),
         median_runtime_hours: median(&hours),
         median_free_instance_hours: None,
         cost_ratio_vs_on_demand: ratio(PolicyKind::OnDemand),

@@ -369,4 +369,26 @@ fn optimal_on_the_2015_market_is_a_lower_bound_and_its_gap_adds_up() {
     );
     assert!(!out.status.success());
     assert!(stderr(&out).contains("hourly-2015"), "{}", stderr(&out));
+    // Held to a policy that is not compared: refused with the name.
+    let out = simulate(
+        &trace,
+        &od,
+        &job,
+        &[
+            "--compare",
+            "bidbrain",
+            "standard-bidding",
+            "--starts",
+            "1",
+            "--optimal",
+            "--optimal-held-to",
+            "uniform-progress",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--optimal-held-to uniform-progress"),
+        "{}",
+        stderr(&out)
+    );
 }

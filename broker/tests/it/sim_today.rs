@@ -260,6 +260,29 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--work-hours"));
+    // The gap split is for the 2015 market's price trace: refused here, saying so, and no file.
+    let gap = dir.path().join("gap.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["simulate", "--availability"])
+        .arg(&file)
+        .args([
+            "--work-hours",
+            "1",
+            "--deadline-hours",
+            "2",
+            "--optimal",
+            "--gap",
+        ])
+        .arg(&gap)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--gap") && err.contains("--availability"),
+        "{err}"
+    );
+    assert!(!gap.exists());
 }
 
 #[test]
