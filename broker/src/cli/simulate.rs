@@ -20,7 +20,7 @@ use crate::sim::world::HazardTruth;
 use crate::sim::{Deadline, RunResult, Scenario, World, gap};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -100,6 +100,12 @@ pub struct SimulateArgs {
     /// With --job and --optimal: draw that decomposition (SVG, or PNG by the file's extension).
     #[arg(long, value_name = "FILE", requires = "optimal")]
     pub gap_chart: Option<PathBuf>,
+    /// With --job: how well the market model's eviction estimates matched what happened, per
+    /// policy, as JSON to this file: each spot instance's probability of an eviction within its
+    /// first hour (at launch) against whether one came; Brier score, the constant forecast's,
+    /// and a reliability table (see sim/calibration.rs).
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
     /// With --availability: the instance type the traces are of.
     #[arg(long, default_value = "p3.2xlarge")]
     pub instance_type: String,
@@ -390,12 +396,22 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         seed: args.seed,
         threads,
         future_reads: FutureReads::Refuse,
-        record_decisions: args.record_decisions,
+        // The instances' estimates at launch come with the decisions.
+        record_decisions: args.record_decisions || args.calibration.is_some(),
         budget,
         deadline,
     };
-    let results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
+    let mut results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
+    if let Some(path) = &args.calibration {
+        write_calibration(path, &results)?;
+        if !args.record_decisions {
+            for r in results.iter_mut().flatten() {
+                r.decisions.clear();
+                r.instances.clear();
+            }
+        }
+    }
     let summaries = summarize(&results);
 
     let optimum = if args.optimal {
@@ -657,6 +673,56 @@ impl OptimalSummary {
                 .map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
         )
     }
+}
+
+/// `--calibration FILE`: the eviction estimates' calibration per policy (every start pooled).
+fn write_calibration(path: &Path, results: &[Vec<RunResult>]) -> Result<()> {
+    use crate::sim::calibration::{self, Calibration};
+    #[derive(serde::Serialize)]
+    struct PolicyCalibration<'a> {
+        policy: &'a str,
+        #[serde(flatten)]
+        calibration: Calibration,
+    }
+    #[derive(serde::Serialize)]
+    struct File<'a> {
+        horizon_hours: f64,
+        held_without_eviction_hours: f64,
+        policies: Vec<PolicyCalibration<'a>>,
+    }
+    let policies: Vec<PolicyCalibration> = results
+        .iter()
+        .filter_map(|runs| {
+            let policy = runs.first()?.policy.as_str();
+            let c = calibration::calibrate(runs.iter().flat_map(|r| &r.instances), 10);
+            (c.outcomes + c.censored > 0).then_some(PolicyCalibration {
+                policy,
+                calibration: c,
+            })
+        })
+        .collect();
+    for p in &policies {
+        let c = &p.calibration;
+        eprintln!(
+            "{}'s eviction estimates: {} spot instances ({} censored), mean estimate {:.3}, \
+             evicted within the hour {:.3}; Brier {:.4} (constant forecast {:.4})",
+            p.policy,
+            c.outcomes,
+            c.censored,
+            c.mean_estimate,
+            c.observed_rate,
+            c.brier,
+            c.climatology_brier
+        );
+    }
+    let file = File {
+        horizon_hours: calibration::HORIZON_SECS / 3600.0,
+        held_without_eviction_hours: calibration::OBSERVED_SECS / 3600.0,
+        policies,
+    };
+    let text = serde_json::to_string_pretty(&file).context("encoding the calibration")?;
+    std::fs::write(path, text + "\n")
+        .with_context(|| format!("writing the calibration to {}", path.display()))
 }
 
 fn optimal_summary(optimum: &[OptimalRun], results: &[Vec<RunResult>]) -> OptimalSummary {

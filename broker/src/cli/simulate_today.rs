@@ -158,6 +158,12 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     if args.gap.is_some() || args.gap_chart.is_some() {
         bail!("--gap and --gap-chart are for a price trace (--job), not --availability");
     }
+    if args.calibration.is_some() {
+        bail!(
+            "--calibration is for a price trace (--job): the availability world has no eviction \
+             estimates at launch to check"
+        );
+    }
     if args.optimal && (args.availability.len() != 1 || n != 1) {
         bail!(
             "--optimal is computed for one zone and one instance: give one --availability file \

@@ -17,6 +17,7 @@
 //! have started and the checkpoint is reloaded.
 
 pub mod availability;
+pub mod calibration;
 pub mod foresight;
 pub mod gap;
 pub mod inputs;

@@ -392,3 +392,75 @@ fn optimal_on_the_2015_market_is_a_lower_bound_and_its_gap_adds_up() {
         stderr(&out)
     );
 }
+
+#[test]
+fn calibration_scores_each_policys_eviction_estimates_against_what_happened() {
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("calibration.json");
+    let runs = dir.path().join("runs.jsonl");
+    let out = simulate(
+        &trace,
+        &od,
+        &job,
+        &[
+            "--compare",
+            "bidbrain",
+            "standard-bidding",
+            "--starts",
+            "2",
+            "--seed",
+            "7",
+            "--calibration",
+            &file.display().to_string(),
+            "--runs-out",
+            &runs.display().to_string(),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("bidbrain's eviction estimates: "),
+        "{}",
+        stderr(&out)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(v["horizon_hours"], 1.0);
+    let policies = v["policies"].as_array().unwrap();
+    // On-demand buys no spot: it has nothing to score.
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["bidbrain", "standard-bidding"], "{v}");
+    for p in policies {
+        let outcomes = p["outcomes"].as_u64().unwrap();
+        assert!(outcomes > 0, "{p}");
+        let bins = p["bins"].as_array().unwrap();
+        assert_eq!(bins.len(), 10);
+        assert_eq!(
+            bins.iter()
+                .map(|b| b["count"].as_u64().unwrap())
+                .sum::<u64>(),
+            outcomes,
+            "{p}"
+        );
+        for key in [
+            "brier",
+            "climatology_brier",
+            "observed_rate",
+            "mean_estimate",
+        ] {
+            let x = p[key].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&x), "{key} {x}: {p}");
+        }
+    }
+    // The decisions it needed are not written unless asked for.
+    let first = std::fs::read_to_string(&runs).unwrap();
+    let run: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    assert!(run.get("decisions").is_none() && run.get("instances").is_none());
+}

@@ -105,6 +105,19 @@ fn price_model(history: &Arc<PriceHistory>, lookback_days: f64) -> Box<dyn Marke
     ))
 }
 
+/// `job` on `history` under the 2015 market's rules: hourly billing, evictions where the price
+/// crosses the bid, the price-driven model over the last 7 days.
+fn price_world(history: &Arc<PriceHistory>, job: JobModel) -> Scenario {
+    Scenario::new(
+        history.clone(),
+        job,
+        BillingModel::Hourly2015,
+        World::Price,
+        price_model(history, 7.0),
+    )
+    .unwrap()
+}
+
 fn shipped(name: &str) -> Box<dyn Policy> {
     load_policy_file(&resolve_policy_path(name).unwrap()).unwrap()
 }
@@ -287,14 +300,7 @@ fn policies_never_read_the_future_on_the_2015_trace() {
     let history =
         Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
     let job = small_job(&history, 150.0, 16);
-    let sc = Scenario::new(
-        history.clone(),
-        job,
-        BillingModel::Hourly2015,
-        World::Price,
-        price_model(&history, 7.0),
-    )
-    .unwrap();
+    let sc = price_world(&history, job);
     let entries = vec![
         entry("bidbrain"),
         entry("standard-bidding"),
@@ -354,14 +360,7 @@ fn decisions_do_not_change_when_the_future_changes() {
     for name in ["bidbrain", "standard-bidding", "on-demand"] {
         let decisions = |h: &Arc<PriceHistory>| {
             let job = small_job(h, 400.0, 32);
-            let sc = Scenario::new(
-                h.clone(),
-                job,
-                BillingModel::Hourly2015,
-                World::Price,
-                price_model(h, 7.0),
-            )
-            .unwrap();
+            let sc = price_world(h, job);
             let mut policy = shipped(name);
             let options = RunOptions {
                 seed: 1,
@@ -397,14 +396,7 @@ fn every_bidbrain_decision_says_what_it_expected_and_why() {
     let start = Timestamp::parse("2015-05-10T06:00:00Z").unwrap();
     for name in ["bidbrain", "standard-bidding", "on-demand"] {
         let job = small_job(&history, 400.0, 32);
-        let sc = Scenario::new(
-            history.clone(),
-            job,
-            BillingModel::Hourly2015,
-            World::Price,
-            price_model(&history, 7.0),
-        )
-        .unwrap();
+        let sc = price_world(&history, job);
         let mut policy = shipped(name);
         let options = RunOptions {
             seed: 1,

@@ -283,6 +283,22 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
         "{err}"
     );
     assert!(!gap.exists());
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["simulate", "--availability"])
+        .arg(&file)
+        .args([
+            "--work-hours",
+            "1",
+            "--deadline-hours",
+            "2",
+            "--calibration",
+        ])
+        .arg(&gap)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration is for a price trace"));
+    assert!(!gap.exists());
 }
 
 #[test]
