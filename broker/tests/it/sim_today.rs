@@ -238,16 +238,21 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
     assert_eq!(od["cost_vs_on_demand"], 1.0);
     assert!(v["cost_vs_on_demand"].as_f64().unwrap() < 1.0, "{v}");
 
+    // `simulate --availability FILE ARGS` must fail: its stderr.
+    let refused = |file: &std::path::Path, args: &[&str]| -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+            .args(["simulate", "--availability"])
+            .arg(file)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
     // A broken file: named, with the place.
-    std::fs::write(dir.path().join("us-west-2b_x.json"), "{\"data\": [1]}").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
-        .args(["simulate", "--availability"])
-        .arg(dir.path().join("us-west-2b_x.json"))
-        .args(["--work-hours", "1", "--deadline-hours", "2"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let broken = dir.path().join("us-west-2b_x.json");
+    std::fs::write(&broken, "{\"data\": [1]}").unwrap();
+    let err = refused(&broken, &["--work-hours", "1", "--deadline-hours", "2"]);
     assert!(
         err.contains("us-west-2b_x.json") && err.contains("metadata"),
         "{err}"
@@ -260,44 +265,23 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--work-hours"));
-    // The gap split is for the 2015 market's price trace: refused here, saying so, and no file.
+    // The gap split and the calibration are for the 2015 market's price trace: refused here,
+    // saying so, and no file.
     let gap = dir.path().join("gap.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
-        .args(["simulate", "--availability"])
-        .arg(&file)
-        .args([
-            "--work-hours",
-            "1",
-            "--deadline-hours",
-            "2",
-            "--optimal",
-            "--gap",
-        ])
-        .arg(&gap)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let gap_arg = gap.display().to_string();
+    let work = ["--work-hours", "1", "--deadline-hours", "2"];
+    let err = refused(
+        &file,
+        &[&work[..], &["--optimal", "--gap", &gap_arg]].concat(),
+    );
     assert!(
         err.contains("--gap") && err.contains("--availability"),
         "{err}"
     );
     assert!(!gap.exists());
-    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
-        .args(["simulate", "--availability"])
-        .arg(&file)
-        .args([
-            "--work-hours",
-            "1",
-            "--deadline-hours",
-            "2",
-            "--calibration",
-        ])
-        .arg(&gap)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration is for a price trace"));
+    let err = refused(&file, &[&work[..], &["--calibration", &gap_arg]].concat());
+    assert!(err.contains("--calibration is for a price trace"), "{err}");
+    assert!(!gap.exists());
     assert!(!gap.exists());
 }
 
