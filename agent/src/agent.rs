@@ -417,7 +417,7 @@ impl Agent {
             events: self.worker_tx.clone(),
             total_clocks: t.total_clocks(),
             clocks_per_epoch: u64::from(t.clocks_per_epoch),
-            eval_every_clocks: u64::from(t.eval_every_epochs) * u64::from(t.clocks_per_epoch),
+            eval_every_clocks: t.eval_interval_clocks(),
             sync: SyncPolicy::from(t.sync),
             board: self.board.clone(),
             pace: self.pace.clone(),

@@ -2,7 +2,8 @@
 //!
 //! A *paced* worker computes at a fixed rate of training samples per second: after computing
 //! some items it sleeps until its budget allows them, so it uses a small, steady share of a
-//! core. A slowed worker's rate is divided by its slowdown. Pacing is per agent and shared by
+//! core; when the computation itself took longer than its budget (the CPU is contended or
+//! capped), it does not sleep, so a real CPU shortage slows it as it would on a real machine. A slowed worker's rate is divided by its slowdown. Pacing is per agent and shared by
 //! everything its worker computes (its own range, chunks it takes over, ranges handed to it), so
 //! helping others costs a helper its own time, as it would on a real machine. Without pacing a
 //! slowdown `f` sleeps `f - 1` times the compute time after each computation.
@@ -86,16 +87,7 @@ impl Pace {
                 let cost = Duration::from_secs_f64(samples as f64 * f / rate);
                 let until = {
                     let mut next = self.next_free.lock().unwrap_or_else(|e| e.into_inner());
-                    let now = Instant::now();
-                    // Continue from where the budget ended if we are just late by a timer's
-                    // overshoot (else a worker paced item by item would lose ~1 ms per item);
-                    // after a real pause (waiting for others) start afresh: idle time is not
-                    // banked.
-                    let start = match *next {
-                        Some(n) if now <= n + TIMER_SLACK => n,
-                        _ => now,
-                    };
-                    let until = start + cost;
+                    let until = budget_end(*next, Instant::now(), compute, cost);
                     *next = Some(until);
                     until
                 };
@@ -105,6 +97,21 @@ impl Pace {
             None => {}
         }
     }
+}
+
+/// When the budget of a computation that took `compute` and is worth `cost` of paced time ends,
+/// the last one having ended at `last`. It runs from where the last one ended if the computation
+/// began by then (back to back, or late by a timer's overshoot), else from when it began: idle
+/// time (waiting for others) is not banked. The worker waits until then, so it computes at the
+/// paced rate, or at the CPU's when that is slower (the result is then already past: a CPU taken
+/// by another process slows a paced worker as it would an unpaced one).
+fn budget_end(last: Option<Instant>, now: Instant, compute: Duration, cost: Duration) -> Instant {
+    let began = now.checked_sub(compute).unwrap_or(now);
+    let start = match last {
+        Some(n) if began <= n + TIMER_SLACK => n,
+        _ => began,
+    };
+    start + cost
 }
 
 #[cfg(test)]
@@ -143,6 +150,29 @@ mod tests {
         );
         assert_eq!(persistent.slowdown(3, 0), 3.0);
         assert_eq!(persistent.slowdown(0, 0), 1.5);
+    }
+
+    #[test]
+    fn a_budget_counts_the_computation_and_banks_no_idle_time() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let now = t0 + ms(1_000);
+        // First computation, 4 ms of a 20 ms budget: the budget began with the computation.
+        assert_eq!(budget_end(None, now, ms(4), ms(20)), now - ms(4) + ms(20));
+        // Back to back: the next budget starts where the last ended, even if the computation
+        // began a timer's overshoot after it.
+        let last = now - ms(6);
+        assert_eq!(budget_end(Some(last), now, ms(4), ms(20)), last + ms(20));
+        // After a pause (waiting for others) the budget starts afresh from the computation.
+        let long_ago = now - ms(500);
+        assert_eq!(
+            budget_end(Some(long_ago), now, ms(4), ms(20)),
+            now - ms(4) + ms(20)
+        );
+        // A computation slower than its budget (a capped CPU) is not paced further: its budget
+        // is already over.
+        assert!(budget_end(None, now, ms(50), ms(20)) < now);
+        assert!(budget_end(Some(now - ms(50)), now, ms(50), ms(20)) < now);
     }
 
     #[tokio::test]

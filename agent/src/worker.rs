@@ -218,7 +218,7 @@ impl Worker {
             if !self.pull_all(need, true).await {
                 return WorkerExit::Unassigned;
             }
-            self.maybe_evaluate().await;
+            self.maybe_evaluate();
             let Some(range) = self.my_range() else {
                 return WorkerExit::Unassigned;
             };
@@ -776,19 +776,31 @@ impl Worker {
         }
     }
 
-    async fn maybe_evaluate(&mut self) {
+    /// Rank 0 evaluates the parameters it starts a clock with, every `eval_every_clocks`, off
+    /// the training path: the evaluation runs on a blocking thread while the worker goes on, so
+    /// a frequent metric does not make rank 0 a straggler. A late result never replaces a newer
+    /// one (the final metric included).
+    fn maybe_evaluate(&self) {
         let every = self.ctx.eval_every_clocks;
         let rank0 = self.view.worker(&self.ctx.me).is_some_and(|w| w.rank == 0);
         if every == 0 || !rank0 || self.clock == 0 || !self.clock.is_multiple_of(every) {
             return;
         }
-        let metric = self.evaluate().await;
-        if let Some(m) = metric {
-            tracing::info!(clock = self.clock, kind = %m.kind, value = m.value, "evaluated");
-        }
-        if let Ok(mut p) = self.ctx.progress.lock() {
-            p.metric = metric;
-        }
+        let app = self.ctx.app.clone();
+        let params = self.params.clone();
+        let clock = self.clock;
+        let progress = self.ctx.progress.clone();
+        tokio::task::spawn_blocking(move || {
+            let Some(m) = app.evaluate(&params, clock) else {
+                return;
+            };
+            tracing::info!(clock, kind = %m.kind, value = m.value, "evaluated");
+            if let Ok(mut p) = progress.lock()
+                && p.metric.is_none_or(|old| old.clock < m.clock)
+            {
+                p.metric = Some(m);
+            }
+        });
     }
 
     async fn evaluate(&self) -> Option<Metric> {

@@ -305,6 +305,10 @@ pub struct TrainingConfig {
     /// Evaluate the test metric every this many epochs (0: only at the end).
     #[serde(default = "default_eval_every_epochs")]
     pub eval_every_epochs: u32,
+    /// Evaluate every this many clocks instead, when non-zero (a benchmark's curve against wall
+    /// time needs more points than one per epoch). See [`TrainingConfig::eval_interval_clocks`].
+    #[serde(default)]
+    pub eval_every_clocks: u32,
     /// Injected slowness and pacing of workers, for tests and benchmarks (none by default).
     #[serde(default)]
     pub stragglers: StragglerInjection,
@@ -348,7 +352,18 @@ impl TrainingConfig {
             min_workers: default_min_workers(),
             seed: 0,
             eval_every_epochs: default_eval_every_epochs(),
+            eval_every_clocks: 0,
             stragglers: StragglerInjection::default(),
+        }
+    }
+
+    /// Clocks between evaluations of the test metric (0: only at the end):
+    /// `eval_every_clocks` when set, else `eval_every_epochs` epochs.
+    pub fn eval_interval_clocks(&self) -> u64 {
+        if self.eval_every_clocks > 0 {
+            u64::from(self.eval_every_clocks)
+        } else {
+            u64::from(self.eval_every_epochs) * u64::from(self.clocks_per_epoch)
         }
     }
 
@@ -931,6 +946,11 @@ pub struct Progress {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Metric {
     pub kind: MetricKind,
+    /// NaN when the model diverged. JSON has no NaN: a non-finite value travels as `null` and
+    /// is read back as NaN, so a diverged job still reports (and completes) instead of having
+    /// every heartbeat refused.
+    #[serde(with = "non_finite_as_null")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<f64>))]
     pub value: f64,
     /// The same metric for a trivial predictor (majority class; global mean rating), so a
     /// reader can tell whether the model learned anything.
@@ -939,6 +959,23 @@ pub struct Metric {
     /// Clock of the model that was evaluated.
     #[serde(default)]
     pub clock: u64,
+}
+
+/// A float that may be non-finite, as JSON can carry it: `null` for NaN and infinities.
+mod non_finite_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
 }
 
 /// What [`Metric::value`] measures.
@@ -1308,6 +1345,66 @@ pub struct ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn evaluation_every_n_clocks_overrides_every_n_epochs() {
+        let mut cfg = TrainingConfig::new(AppConfig::Synthetic { model_len: 8 });
+        cfg.clocks_per_epoch = 20;
+        cfg.eval_every_epochs = 2;
+        assert_eq!(cfg.eval_interval_clocks(), 40);
+        cfg.eval_every_clocks = 3;
+        assert_eq!(cfg.eval_interval_clocks(), 3);
+        cfg.eval_every_clocks = 0;
+        cfg.eval_every_epochs = 0;
+        assert_eq!(cfg.eval_interval_clocks(), 0, "0: only at the end");
+        // Older job specs and agents without the field read it as 0.
+        let mut json = serde_json::to_value(&cfg).expect("serialises");
+        json.as_object_mut().map(|o| o.remove("eval_every_clocks"));
+        let back: TrainingConfig = serde_json::from_value(json).expect("reads");
+        assert_eq!(back.eval_every_clocks, 0);
+    }
+
+    #[test]
+    fn a_diverged_metric_travels_as_null_and_comes_back_as_nan() {
+        let diverged = Metric {
+            kind: MetricKind::Rmse,
+            value: f64::NAN,
+            baseline: Some(1.8),
+            clock: 12,
+        };
+        // The event an agent sends when its model diverged, and the progress in its heartbeats:
+        // both must still be JSON the broker can read (serde_json refuses NaN otherwise).
+        let event = serde_json::to_string(&AgentEvent::TrainingComplete { metric: diverged })
+            .expect("serialises");
+        assert!(event.contains(r#""value":null"#), "{event}");
+        let back: AgentEvent = serde_json::from_str(&event).expect("reads back");
+        let AgentEvent::TrainingComplete { metric } = back else {
+            panic!("{back:?}")
+        };
+        assert!(metric.value.is_nan());
+        assert_eq!(
+            (metric.kind, metric.baseline, metric.clock),
+            (MetricKind::Rmse, Some(1.8), 12)
+        );
+        let progress = Progress {
+            metric: Some(Metric {
+                value: f64::INFINITY,
+                ..diverged
+            }),
+            ..Progress::default()
+        };
+        let json = serde_json::to_string(&progress).expect("serialises");
+        let back: Progress = serde_json::from_str(&json).expect("reads back");
+        assert!(back.metric.is_some_and(|m| m.value.is_nan()));
+        // A finite value is untouched.
+        let fine = Metric {
+            value: 0.9125,
+            ..diverged
+        };
+        let back: Metric = serde_json::from_str(&serde_json::to_string(&fine).expect("serialises"))
+            .expect("reads");
+        assert_eq!(back, fine);
+    }
 
     #[test]
     fn failure_messages_are_cut_to_what_the_broker_takes() {

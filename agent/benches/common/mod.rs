@@ -1,6 +1,9 @@
 //! Helpers shared by the benchmark programs.
 #![allow(dead_code)]
 
+pub mod cpu_limit;
+pub mod plot;
+
 use proteus_agent::testing::ImdsMock;
 use std::process::{Child, Command, Stdio};
 
