@@ -37,8 +37,10 @@
 //! with any slack can beat the bound; slack (like RR) only helps reach it.
 //!
 //! Usage: `cargo bench -p proteus-agent --bench straggler -- [--json FILE] [--plots DIR]
-//! [--clocks N] [--apps mlr,mf] [--patterns none,persistent,transient,disrupted]`.
-//! `disrupted` needs root (a cgroup of its own) and the `none` pattern in the same run.
+//! [--clocks N] [--apps mlr,mf] [--patterns none,persistent,transient,disrupted]
+//! [--repeats N]` (runs per cell, default 1; the figures are medians).
+//! `disrupted` needs root (a cgroup per agent) and runs its own reference (`machines`);
+//! `persistent` and `transient` need `none` in the same run.
 
 mod common;
 
@@ -443,6 +445,21 @@ async fn one_run(app: App, pattern: Pattern, model: Model, clocks: u64) -> Resul
     })
 }
 
+/// The median of repeated runs of one cell: the run of median time (its curve and machine),
+/// with the median time and the median final metric.
+fn median_run(mut reps: Vec<Run>) -> Run {
+    let mut secs: Vec<f64> = reps.iter().map(|r| r.secs).collect();
+    let mut finals: Vec<f64> = reps.iter().map(|r| r.final_metric).collect();
+    let (secs, final_metric) = (common::median(&mut secs), common::median(&mut finals));
+    reps.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+    let mid = reps.len() / 2;
+    let mut run = reps.swap_remove(mid);
+    run.secs_per_clock *= secs / run.secs;
+    run.secs = secs;
+    run.final_metric = final_metric;
+    run
+}
+
 /// The metric of `curve` at time `t` (the last evaluation at or before it; None before the
 /// first).
 fn at(curve: &[(f64, f64)], t: f64) -> Option<f64> {
@@ -480,6 +497,8 @@ struct Args {
     clocks: u64,
     apps: Vec<App>,
     patterns: Vec<Pattern>,
+    /// Runs per cell; the figures are their medians.
+    repeats: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -498,10 +517,19 @@ fn parse_args() -> Result<Args, String> {
         list(arg("--apps"), &[App::Mlr, App::Mf], App::name).map_err(|e| format!("--apps: {e}"))?;
     let patterns = list(arg("--patterns"), &Pattern::ALL, Pattern::name)
         .map_err(|e| format!("--patterns: {e}"))?;
-    if !patterns.contains(&Pattern::None) {
-        return Err("--patterns must include none: every ratio is to the no-straggler runs".into());
+    let paced = |p: &Pattern| matches!(p, Pattern::Persistent | Pattern::Transient);
+    if patterns.iter().any(paced) && !patterns.contains(&Pattern::None) {
+        return Err(
+            "--patterns: persistent and transient need none (their ratios are to it)".into(),
+        );
     }
+    let repeats = match arg("--repeats").map(|c| c.parse::<usize>()) {
+        None => 1,
+        Some(Ok(n)) if (1..=9).contains(&n) => n,
+        Some(_) => return Err("--repeats must be a number from 1 to 9".into()),
+    };
     Ok(Args {
+        repeats,
         json: arg("--json"),
         plots: arg("--plots"),
         clocks,
@@ -555,29 +583,33 @@ fn main() -> ExitCode {
                 continue;
             }
             for model in models() {
-                let r = match rt.block_on(one_run(app, pattern, model, clocks)) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        eprintln!("bench/straggler: a run failed: {e}");
-                        return ExitCode::from(2);
-                    }
-                };
-                eprintln!(
-                    "  {:<4} {:<10} {:<10} {:.3} s/clock, {} {:.4}, worker CPU {:.3} cores{} (load average {})",
-                    app.name(),
-                    pattern.name(),
-                    model.label(),
-                    r.secs_per_clock,
-                    app.metric(),
-                    r.final_metric,
-                    r.worker_cpu,
-                    r.disrupted
-                        .as_ref()
-                        .map(|w| format!(", {w} disrupted"))
-                        .unwrap_or_default(),
-                    common::load_average()
-                );
-                runs.push(r);
+                let mut reps = Vec::new();
+                for _ in 0..args.repeats {
+                    let r = match rt.block_on(one_run(app, pattern, model, clocks)) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            eprintln!("bench/straggler: a run failed: {e}");
+                            return ExitCode::from(2);
+                        }
+                    };
+                    eprintln!(
+                        "  {:<4} {:<10} {:<10} {:.3} s/clock, {} {:.4}, worker CPU {:.3} cores{} (load average {})",
+                        app.name(),
+                        pattern.name(),
+                        model.label(),
+                        r.secs_per_clock,
+                        app.metric(),
+                        r.final_metric,
+                        r.worker_cpu,
+                        r.disrupted
+                            .as_ref()
+                            .map(|w| format!(", {w} disrupted"))
+                            .unwrap_or_default(),
+                        common::load_average()
+                    );
+                    reps.push(r);
+                }
+                runs.push(median_run(reps));
             }
         }
     }
@@ -599,7 +631,8 @@ fn report(args: &Args, runs: &[Run]) -> ExitCode {
         })
     };
     println!(
-        "straggler benchmark: {WORKERS} worker processes (paced: a worker's share of a clock takes {SHARE_SECS} s), helper groups of {HELPERS}, 2 shards, {clocks} clocks, evaluated every {EVAL_EVERY_CLOCKS} clocks"
+        "straggler benchmark: {WORKERS} worker processes (paced: a worker's share of a clock takes {SHARE_SECS} s), helper groups of {HELPERS}, 2 shards, {clocks} clocks, evaluated every {EVAL_EVERY_CLOCKS} clocks; medians of {} run(s) per cell",
+        args.repeats
     );
     println!(
         "patterns: persistent = last rank {PERSISTENT_SLOWDOWN}x slower; transient = {TRANSIENT_SLOWDOWN}x with p = {TRANSIENT_PROBABILITY} per worker and clock; disrupted = unpaced machines of {MACHINE_CORES} cores each (cgroup quotas; a clock is an epoch), one shard-less machine at 1/{DISRUPTION} of that over clocks {:?}; machines = the same undisturbed",

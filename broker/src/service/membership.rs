@@ -203,8 +203,8 @@ impl Broker {
     pub(crate) async fn claim_share(&self) -> Result<Vec<Lease>, ServiceError> {
         let now = wall_now_ms();
         let lease_ms = self.membership.lease_ms();
-        let max = if self.membership.exclusive {
-            i64::MAX / 4
+        let (max, unowned) = if self.membership.exclusive {
+            (i64::MAX / 4, true)
         } else {
             let live = self.store.live_brokers(now - lease_ms).await?;
             let brokers = i64::try_from(live.len().max(1)).unwrap_or(1);
@@ -212,8 +212,9 @@ impl Broker {
             let share = (active + brokers - 1) / brokers;
             let held = i64::try_from(self.membership.lock().len()).unwrap_or(0);
             // Jobs winding down (over, still leased by a dead owner) are claimed beyond the
-            // share: they hold instances that must be released.
-            (share - held).max(1)
+            // share: they hold instances that must be released. A new job (never owned) is not:
+            // its submitter is giving it to the broker with the fewest.
+            ((share - held).max(1), share > held)
         };
         let claimed = self
             .store
@@ -223,6 +224,7 @@ impl Broker {
                 lease_ms,
                 max,
                 self.membership.exclusive,
+                unowned,
             )
             .await?;
         if !claimed.is_empty() {

@@ -124,7 +124,9 @@ impl Store {
     /// Claims up to `max` jobs whose lease expired (or that have no owner while unfinished, or
     /// that an owner left while winding them down), adding one to each token. With `force`, live
     /// leases of other brokers are taken too: only for a broker that knows it is alone (it holds
-    /// the embedded database's exclusive lock).
+    /// the embedded database's exclusive lock). Without `unowned`, jobs that never had an owner
+    /// are left alone: a broker at its fair share leaves a new job to the broker its submitter
+    /// gives it to (else it could take it between the insert and that grant).
     pub async fn claim_expired(
         &self,
         id: &str,
@@ -132,6 +134,7 @@ impl Store {
         lease_ms: i64,
         max: i64,
         force: bool,
+        unowned: bool,
     ) -> Result<Vec<Lease>, StoreError> {
         if max <= 0 {
             return Ok(Vec::new());
@@ -139,7 +142,7 @@ impl Store {
         // The condition is repeated outside the sub-select: Postgres re-checks it on the row as
         // another broker's concurrent claim left it, so two claims never both win.
         // Its own leases a broker renews (its heartbeat), it does not claim them.
-        let claimable = "(lease_owner IS NULL OR (lease_owner <> $1 \
+        let claimable = "((lease_owner IS NULL AND $6 = 1) OR (lease_owner <> $1 \
                  AND (lease_expires_ms < $2 OR $5 = 1))) \
              AND (state IN ('pending', 'running') OR lease_owner IS NOT NULL)";
         let sql = format!(
@@ -156,6 +159,7 @@ impl Store {
                 .bind(lease_ms)
                 .bind(max)
                 .bind(i64::from(force))
+                .bind(i64::from(unowned))
                 .fetch_all(pool)
                 .await
                 .context("claiming jobs whose lease expired")?

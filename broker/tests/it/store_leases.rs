@@ -14,6 +14,7 @@ on_both_backends!(
     a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat,
     an_expired_lease_moves_and_fences_the_old_owner_out,
     claims_take_only_expired_leases_up_to_the_asked_number,
+    a_claim_without_unowned_leaves_new_jobs_to_their_grant,
     a_released_lease_is_claimable_at_once_and_an_over_job_is_not,
     live_brokers_are_listed_fewest_jobs_first,
 );
@@ -72,7 +73,7 @@ async fn a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat(db: TestD
     let renewed = s.heartbeat("a", NOW + 8_000, LEASE).await.unwrap();
     assert_eq!(renewed, vec![lease]);
     let claimed = s
-        .claim_expired("b", NOW + 12_000, LEASE, 10, false)
+        .claim_expired("b", NOW + 12_000, LEASE, 10, false, true)
         .await
         .unwrap();
     assert!(claimed.is_empty(), "{claimed:?}");
@@ -94,7 +95,7 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
         .unwrap();
     // a stalls past its lease; b claims the job, with a newer token.
     let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
         .await
         .unwrap();
     assert_eq!(claimed.len(), 1);
@@ -183,30 +184,64 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
     assert_eq!(job_row.owner_figures.as_deref(), Some("{\"stage\":2}"));
 }
 
+/// A broker at its fair share claims only expired leases: a job that never had an owner is its
+/// submitter's to give (to the broker with the fewest jobs), and the grant still finds it free.
+async fn a_claim_without_unowned_leaves_new_jobs_to_their_grant(db: TestDb) {
+    let s = &db.store;
+    let orphan = job(s, "of-a-dead-broker").await;
+    assert!(
+        s.grant_lease(orphan, "dead", NOW, LEASE)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let new = job(s, "just-submitted").await;
+    let claimed = s
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        claimed.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![orphan],
+        "the expired lease only"
+    );
+    let granted = s
+        .grant_lease(new, "c", NOW + LEASE + 2, LEASE)
+        .await
+        .unwrap();
+    assert!(granted.is_some(), "the new job was left for its grant");
+}
+
 async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
     let s = &db.store;
     let jobs = [job(s, "1").await, job(s, "2").await, job(s, "3").await];
     // Never granted (a submit that died before the grant): claimable at once.
-    let first = s.claim_expired("b", NOW, LEASE, 2, false).await.unwrap();
+    let first = s
+        .claim_expired("b", NOW, LEASE, 2, false, true)
+        .await
+        .unwrap();
     assert_eq!(
         first.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![jobs[0], jobs[1]],
         "oldest first, at most the asked number"
     );
-    let rest = s.claim_expired("c", NOW, LEASE, 10, false).await.unwrap();
+    let rest = s
+        .claim_expired("c", NOW, LEASE, 10, false, true)
+        .await
+        .unwrap();
     assert_eq!(
         rest.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![jobs[2]]
     );
     // Live leases are not taken, and a broker does not claim its own.
     assert!(
-        s.claim_expired("c", NOW + 1, LEASE, 10, false)
+        s.claim_expired("c", NOW + 1, LEASE, 10, false, true)
             .await
             .unwrap()
             .is_empty()
     );
     assert!(
-        s.claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+        s.claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
             .await
             .unwrap()
             .len()
@@ -214,7 +249,7 @@ async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
     );
     // A broker alone on its database (forced) takes live leases of a previous process.
     let forced = s
-        .claim_expired("d", NOW + 2, LEASE, 10, true)
+        .claim_expired("d", NOW + 2, LEASE, 10, true, true)
         .await
         .unwrap();
     assert_eq!(forced.len(), 3);
@@ -242,7 +277,7 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
     .unwrap();
     // a dies while winding the over job down: its lease is claimable (instances to release).
     let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false)
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
         .await
         .unwrap();
     assert_eq!(claimed.len(), 2);
@@ -255,7 +290,7 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
     );
     s.leave("b").await.unwrap();
     let again = s
-        .claim_expired("c", NOW + LEASE + 2, LEASE, 10, false)
+        .claim_expired("c", NOW + LEASE + 2, LEASE, 10, false, true)
         .await
         .unwrap();
     assert_eq!(
