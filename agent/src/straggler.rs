@@ -3,7 +3,8 @@
 //! A *paced* worker computes at a fixed rate of training samples per second: after computing
 //! some items it sleeps until its budget allows them, so it uses a small, steady share of a
 //! core; when the computation itself took longer than its budget (the CPU is contended or
-//! capped), it does not sleep, so a real CPU shortage slows it as it would on a real machine. A slowed worker's rate is divided by its slowdown. Pacing is per agent and shared by
+//! capped), it does not sleep, so a real CPU shortage slows it as it would on a real machine.
+//! A slowed worker's rate is divided by its slowdown. Pacing is per agent and shared by
 //! everything its worker computes (its own range, chunks it takes over, ranges handed to it), so
 //! helping others costs a helper its own time, as it would on a real machine. Without pacing a
 //! slowdown `f` sleeps `f - 1` times the compute time after each computation.
