@@ -164,6 +164,9 @@ pub struct Broker {
     pub(crate) programs: std::sync::OnceLock<crate::checkpoint::ProgramStorage>,
     /// Who this broker is among those sharing the database, and the jobs it owns.
     membership: membership::Membership,
+    /// Instances whose launch the cloud is answering now (by instance id): a job's end leaves
+    /// them to the launch, which terminates what it launched for a job that ended meanwhile.
+    launches_in_flight: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Broker {
@@ -295,6 +298,7 @@ impl Broker {
             status_cache: Default::default(),
             unrecorded_cloud_events: Mutex::new(Default::default()),
             membership,
+            launches_in_flight: Mutex::new(Default::default()),
         })
     }
 

@@ -766,6 +766,8 @@ impl Broker {
             bid: row.bid,
             agent_token: token.to_string(),
         };
+        // Until the launch is recorded (or refused), a job's end leaves this instance to it.
+        let _in_flight = InFlight::enter(&self.launches_in_flight, &row.id);
         match self.cloud.launch(&spec).await {
             Ok(ci) => {
                 crate::failpoint::hit("launch-after-cloud");
@@ -786,7 +788,21 @@ impl Broker {
                 self.store
                     .add_event(Some(row.job_id), Some(&row.id), now, "launched", &what)
                     .await?;
-                self.start_local_agent(row, &ci.cloud_id, token).await?;
+                let job_over = self
+                    .store
+                    .job(row.job_id)
+                    .await?
+                    .is_none_or(|j| j.state.is_over());
+                if job_over {
+                    // The job ended (a cancel) while the cloud was launching this instance: it
+                    // goes at once, and its agent is never started.
+                    if let Some(launched) = self.store.instance(&row.id).await? {
+                        self.terminate_instance(&launched, "its job ended during the launch")
+                            .await?;
+                    }
+                } else {
+                    self.start_local_agent(row, &ci.cloud_id, token).await?;
+                }
                 Ok(Launch::Launched {
                     id: row.id.clone(),
                     at: ci.launched.unwrap_or(now),
@@ -908,8 +924,14 @@ impl Broker {
         Ok(())
     }
 
-    /// Ends an instance that was never launched: nothing to terminate in the cloud.
+    /// Ends an instance that was never launched: nothing to terminate in the cloud. One whose
+    /// launch the cloud is answering now is left to that launch (it may yet exist): it
+    /// terminates the instance when it finds the job over.
     async fn end_unlaunched(&self, row: &InstanceRow, reason: &str) -> Result<(), ServiceError> {
+        if InFlight::contains(&self.launches_in_flight, &row.id) {
+            tracing::debug!(instance = %row.id, "launch in flight; its end waits for the cloud's answer");
+            return Ok(());
+        }
         let lease = self.fence(row.job_id)?;
         self.store
             .mark_ended(Some(&lease), &row.id, self.clock.now(), reason, false, None)
@@ -1232,5 +1254,37 @@ impl MarketView for LiveView<'_> {
     ) -> Result<(), ModelError> {
         self.inner
             .eviction_many(market, bid_deltas_usd, horizon_secs, out)
+    }
+}
+
+/// An instance id in [`Broker`]'s set of launches in flight, for as long as the guard lives
+/// (every exit of a launch, errors included, takes it out).
+struct InFlight<'a> {
+    set: &'a std::sync::Mutex<HashSet<String>>,
+    id: String,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(set: &'a std::sync::Mutex<HashSet<String>>, id: &str) -> Self {
+        set.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string());
+        InFlight {
+            set,
+            id: id.to_string(),
+        }
+    }
+
+    fn contains(set: &std::sync::Mutex<HashSet<String>>, id: &str) -> bool {
+        set.lock().unwrap_or_else(|e| e.into_inner()).contains(id)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
     }
 }

@@ -6,6 +6,7 @@ mod support;
 
 mod api;
 mod api_access;
+mod cancel_during_launch;
 mod cli_help;
 mod cli_pipes;
 mod cli_prices;
