@@ -73,6 +73,7 @@ pub struct DataPlane {
     secret: DataSecret,
     max_frame: usize,
     link_limit: Option<f64>,
+    link_latency: Option<Duration>,
     /// Off only in benchmarks measuring what the hello costs (feature `testing`).
     hello: bool,
 }
@@ -84,6 +85,7 @@ impl DataPlane {
             secret,
             max_frame: max_frame.min(MAX_FRAME),
             link_limit: None,
+            link_latency: None,
             hello: true,
         }
     }
@@ -100,6 +102,13 @@ impl DataPlane {
     /// directions; `None` is no limit.
     pub fn with_link_limit(mut self, bytes_per_sec: Option<f64>) -> Self {
         self.link_limit = bytes_per_sec.filter(|b| b.is_finite() && *b > 0.0);
+        self
+    }
+
+    /// Every message arrives `latency` after its last byte was sent (an emulated propagation
+    /// delay, on top of [`Self::with_link_limit`]'s transmission time); `None` or zero is none.
+    pub fn with_link_latency(mut self, latency: Option<Duration>) -> Self {
+        self.link_latency = latency.filter(|l| !l.is_zero());
         self
     }
 
@@ -880,6 +889,7 @@ pub struct Peers {
     hello: bool,
     /// Bytes per second per connection (both directions together), to emulate slow links.
     link_limit: Option<f64>,
+    link_latency: Option<Duration>,
 }
 
 impl Peers {
@@ -896,6 +906,7 @@ impl Peers {
             max_frame: plane.max_frame,
             hello: plane.hello,
             link_limit: plane.link_limit,
+            link_latency: plane.link_latency,
         })
     }
 
@@ -1083,56 +1094,36 @@ impl Peers {
         mut key: Option<String>,
     ) {
         let mut reader = BufReader::with_capacity(1 << 16, reader);
-        loop {
-            let body = match read_frame(&mut reader, conn.limit.as_deref(), self.max_frame).await {
-                Ok(b) => b,
-                Err(AgentError::Frame(e)) => {
-                    tracing::warn!(peer = key.as_deref().unwrap_or("?"), error = %e, "dropping a data-plane connection");
-                    break;
-                }
-                Err(_) => break,
-            };
-            let Ok(decoded) = decode_frame(&body) else {
-                break;
-            };
-            match decoded {
-                Frame::Hello(addr) => {
-                    if let Ok(addr) = addr
-                        && let Ok(mut c) = self.conns.lock()
-                    {
-                        c.entry(addr.clone()).or_insert_with(|| conn.clone());
-                        key = Some(addr);
+        match self.link_latency {
+            None => {
+                while let Some(body) = self.next_frame(&mut reader, &conn, key.as_deref()).await {
+                    if !self.on_frame(body, &conn, &mut key) {
+                        break;
                     }
                 }
-                Frame::Response { id, resp } => {
-                    let resp = resp.unwrap_or_else(|e| Response::Error(e.to_string()));
-                    let waiter = conn.pending.lock().ok().and_then(|mut p| p.remove(&id));
-                    if let Some(w) = waiter {
-                        let _ = w.send(resp);
-                    }
-                }
-                Frame::Request { id, req } => {
-                    let handler = self.handler();
-                    let tx = conn.tx.clone();
-                    let max_frame = self.max_frame;
-                    tokio::spawn(async move {
-                        let resp = match (req, handler) {
-                            (Ok(req), Some(h)) => h.handle(req).await,
-                            (Err(e), _) => Response::Error(e.to_string()),
-                            (_, None) => Response::Busy,
-                        };
-                        let mut bytes =
-                            frame(KIND_RESPONSE, id, resp.payload_bytes(), |e| resp.encode(e));
-                        if bytes.len() - 4 > max_frame {
-                            let refusal = Response::Error(format!(
-                                "an answer of {} bytes exceeds this job's frame bound of {max_frame} bytes",
-                                bytes.len() - 4
-                            ));
-                            bytes = frame(KIND_RESPONSE, id, 0, |e| refusal.encode(e));
+            }
+            Some(latency) => {
+                // An emulated propagation delay: a frame is handled `latency` after its last
+                // byte arrived, while the next frames keep arriving (a delay line, not a pause
+                // of the link).
+                let (tx, mut rx) = mpsc::unbounded_channel();
+                let peers = self.clone();
+                let (c2, k2) = (conn.clone(), key.clone());
+                let reading = tokio::spawn(async move {
+                    while let Some(body) = peers.next_frame(&mut reader, &c2, k2.as_deref()).await {
+                        let due = tokio::time::Instant::now() + latency;
+                        if tx.send((due, body)).is_err() {
+                            break;
                         }
-                        let _ = tx.send(bytes);
-                    });
+                    }
+                });
+                while let Some((due, body)) = rx.recv().await {
+                    tokio::time::sleep_until(due).await;
+                    if !self.on_frame(body, &conn, &mut key) {
+                        break;
+                    }
                 }
+                reading.abort();
             }
         }
         // Fail every call still waiting on this connection, and stop offering it.
@@ -1142,6 +1133,70 @@ impl Peers {
         if let Some(k) = key {
             self.forget(&k, &conn);
         }
+    }
+
+    /// The next frame's body, or `None` when the connection is over (or sent a bad frame).
+    async fn next_frame(
+        &self,
+        reader: &mut BufReader<OwnedReadHalf>,
+        conn: &Conn,
+        key: Option<&str>,
+    ) -> Option<Vec<u8>> {
+        match read_frame(reader, conn.limit.as_deref(), self.max_frame).await {
+            Ok(b) => Some(b),
+            Err(AgentError::Frame(e)) => {
+                tracing::warn!(peer = key.unwrap_or("?"), error = %e, "dropping a data-plane connection");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Handles one frame; false when the connection must close.
+    fn on_frame(self: &Arc<Self>, body: Vec<u8>, conn: &Arc<Conn>, key: &mut Option<String>) -> bool {
+        let Ok(decoded) = decode_frame(&body) else {
+            return false;
+        };
+        match decoded {
+            Frame::Hello(addr) => {
+                if let Ok(addr) = addr
+                    && let Ok(mut c) = self.conns.lock()
+                {
+                    c.entry(addr.clone()).or_insert_with(|| conn.clone());
+                    *key = Some(addr);
+                }
+            }
+            Frame::Response { id, resp } => {
+                let resp = resp.unwrap_or_else(|e| Response::Error(e.to_string()));
+                let waiter = conn.pending.lock().ok().and_then(|mut p| p.remove(&id));
+                if let Some(w) = waiter {
+                    let _ = w.send(resp);
+                }
+            }
+            Frame::Request { id, req } => {
+                let handler = self.handler();
+                let tx = conn.tx.clone();
+                let max_frame = self.max_frame;
+                tokio::spawn(async move {
+                    let resp = match (req, handler) {
+                        (Ok(req), Some(h)) => h.handle(req).await,
+                        (Err(e), _) => Response::Error(e.to_string()),
+                        (_, None) => Response::Busy,
+                    };
+                    let mut bytes =
+                        frame(KIND_RESPONSE, id, resp.payload_bytes(), |e| resp.encode(e));
+                    if bytes.len() - 4 > max_frame {
+                        let refusal = Response::Error(format!(
+                            "an answer of {} bytes exceeds this job's frame bound of {max_frame} bytes",
+                            bytes.len() - 4
+                        ));
+                        bytes = frame(KIND_RESPONSE, id, 0, |e| refusal.encode(e));
+                    }
+                    let _ = tx.send(bytes);
+                });
+            }
+        }
+        true
     }
 }
 
@@ -1329,6 +1384,47 @@ mod tests {
 
     fn secret(b: u8) -> DataSecret {
         DataSecret::from_bytes([b; DataSecret::LEN])
+    }
+
+    struct Answer;
+    impl Handler for Answer {
+        fn handle(self: Arc<Self>, _: Request) -> Pin<Box<dyn Future<Output = Response> + Send>> {
+            Box::pin(async { Response::Progress(None) })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn link_latency_delays_each_message_without_pausing_the_link() {
+        let latency = Duration::from_millis(60);
+        let plane = DataPlane::new(secret(3), 1 << 20).with_link_latency(Some(latency));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = Peers::new(addr.clone(), plane.clone());
+        server.set_handler(Arc::new(Answer));
+        tokio::spawn(server.clone().serve(listener));
+        let client = Peers::new("client".into(), plane);
+        let ask = || client.call(&addr, &Request::Progress, Duration::from_secs(10));
+        ask().await.expect("the connection comes up");
+        // One call: the request and the answer each wait out the latency.
+        let t = std::time::Instant::now();
+        ask().await.unwrap();
+        let one = t.elapsed();
+        assert!(one >= 2 * latency, "one round trip took {one:?}");
+        // Ten calls at once overlap on the link: far less than ten round trips.
+        let t = std::time::Instant::now();
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..10 {
+            let (client, addr) = (client.clone(), addr.clone());
+            calls.spawn(async move {
+                client
+                    .call(&addr, &Request::Progress, Duration::from_secs(10))
+                    .await
+            });
+        }
+        let answers = calls.join_all().await;
+        let ten = t.elapsed();
+        assert!(answers.iter().all(|a| a.is_ok()), "{answers:?}");
+        assert!(ten >= 2 * latency && ten < 5 * 2 * latency, "ten concurrent round trips took {ten:?}");
     }
 
     #[tokio::test]

@@ -5,6 +5,7 @@
 use super::stage::{
     self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
 };
+use super::partition::Link;
 use crate::data::ImageSet;
 use crate::transport::{DataPlane, Peers, frame_bound};
 use proteus_wire::agent_api::DataSecret;
@@ -51,14 +52,10 @@ impl LocalRun {
     }
 }
 
-/// Run `cfg` on `cfg.plan.workers()` local workers, each connection limited to
-/// `link_bytes_per_sec` (both directions together) when given.
-pub fn run(
-    cfg: RunConfig,
-    train: Arc<ImageSet>,
-    link_bytes_per_sec: Option<f64>,
-) -> Result<LocalRun, LocalError> {
-    run_with_warnings(cfg, train, link_bytes_per_sec, Vec::new())
+/// Run `cfg` on `cfg.plan.workers()` local workers, each connection emulating `link` when
+/// given: its rate (both directions together) and its latency.
+pub fn run(cfg: RunConfig, train: Arc<ImageSet>, link: Option<Link>) -> Result<LocalRun, LocalError> {
+    run_with_warnings(cfg, train, link, Vec::new())
 }
 
 /// [`run`], with interruption warnings delivered at wall-clock times (the leader drains the
@@ -66,7 +63,7 @@ pub fn run(
 pub fn run_with_warnings(
     cfg: RunConfig,
     train: Arc<ImageSet>,
-    link_bytes_per_sec: Option<f64>,
+    link: Option<Link>,
     warnings: Warnings,
 ) -> Result<LocalRun, LocalError> {
     let n = cfg.plan.workers();
@@ -108,7 +105,8 @@ pub fn run_with_warnings(
         DataSecret::from_bytes(rand::random()),
         frame_bound(cfg.shape.max_message_floats(batch), 1, 0),
     )
-    .with_link_limit(link_bytes_per_sec);
+    .with_link_limit(link.map(|l| l.bytes_per_sec))
+    .with_link_latency(link.map(|l| std::time::Duration::from_secs_f64(l.latency_secs)));
     let mut threads = Vec::new();
     for (w, (rt, listener, addr)) in setups.into_iter().enumerate() {
         let w = w as u32;

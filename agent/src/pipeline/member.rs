@@ -121,9 +121,7 @@ fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
             .collect(),
         Parallelism::Pipeline => {
             let prof = profile::profile(&job.shape, job.batch, 5, 1);
-            let link = Link {
-                bytes_per_sec: job.link_bytes_per_sec.unwrap_or(f64::INFINITY),
-            };
+            let link = Link::new(job.link_bytes_per_sec.unwrap_or(f64::INFINITY), 0.0);
             let part = Partitioner::solve(&prof, link, workers as usize);
             (1..=workers)
                 .filter_map(|n| part.exact(n as usize).map(|p| (n, p.clone())))

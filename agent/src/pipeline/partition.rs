@@ -1,32 +1,57 @@
-//! PipeDream's partitioner: a dynamic program over split points and replica counts that
-//! minimises the slowest stage's time per minibatch (PAPERS.md §3, as the open PipeDream code
-//! writes it).
+//! Choosing a plan: which layers form each stage and how many workers replicate it, for every
+//! worker count up to the job's (so that re-planning after a worker is lost is a lookup).
 //!
-//! For layers `l` with compute time `T_l` (forward + backward), output activation bytes `a_l` and
-//! parameter bytes `w_l`, and link bandwidth `B` (bytes/s):
+//! **The cost model** (one, used both to choose and to predict). For layers `l` with forward
+//! and backward times `F_l`, `B_l`, output activation bytes `a_l` and parameter bytes `w_l`, and
+//! a link of `B` bytes/s (both directions of a connection share it) and latency `L`:
 //!
-//! - a stage of layers `i..j` replicated `r` times costs
-//!   `T(i..j, r) = (Σ T_l + 4 (r − 1) Σ w_l / (B r)) / r` (compute plus the weight
-//!   synchronisation of its replicas, amortised over the `r` minibatches it runs at once);
-//! - `A(j, m) = min over k < j, 1 ≤ r < m of max(A(k, m − r), T(k+1..j, r), 2 a_k / B)`, with the
-//!   base case `A(j, m) = T(1..j, m)` (one stage replicated on all `m` workers);
-//! - data parallelism on `M` workers is the base case on all layers:
-//!   `(T + 4 (M − 1) W / (B M)) / M`.
+//! - a stage of layers `i..j` on one worker takes `Σ F_l + Σ B_l` per minibatch;
+//! - replicated on `r` workers, each replica runs its own minibatch and the replicas then sum
+//!   their gradients with a bucketed ring all-reduce that overlaps the backward pass:
+//!   `T(i..j, r) = (Σ F_l + max(Σ B_l, S)) / r` with `S = 4 (r − 1) Σ w_l / (B r) + 2 (r − 1) L`
+//!   (each replica sends and receives `2 (r − 1) / r` of the weights, on links that carry both
+//!   directions, in `2 (r − 1)` steps that each pay the latency);
+//! - the link after layer `k` carries an activation and its gradient per minibatch: `2 a_k / B`;
+//! - under 1F1B a stage admits at most `warm-up + 1` minibatches per replica before a backward
+//!   pass returns, and a minibatch's round trip from stage `s` takes every later stage's compute
+//!   plus, per link after it, an activation and a gradient at half the link and two latencies:
+//!   [`round_trip_bound_secs`];
+//! - a plan's time per minibatch is the largest of these ([`predicted_1f1b_secs`]).
 //!
-//! The table gives the best plan for *every* worker count up to `N`, so re-planning after a
-//! worker is lost is a lookup.
+//! **The search** minimises exactly that prediction over every plan (split points and replica
+//! counts), as long as there are few enough plans to enumerate (every job this agent trains has:
+//! 8 layers on 4 workers is 120 plans); beyond that it falls back to PipeDream's dynamic
+//! program over the same stage and link costs without the round-trip bound,
+//! `A(j, m) = min over k < j, 1 ≤ r < m of max(A(k, m − r), T(k+1..j, r), 2 a_k / B)` with the
+//! base case `A(j, m) = T(1..j, m)` (PAPERS.md §3), and predicts its plan with the full model.
+//! Data parallelism on `M` workers is one stage of every layer replicated `M` times.
 
 use super::profile::Profile;
 use super::{Plan, StagePlan};
 
-/// The partitioner's inputs besides the profile.
+/// The link between two workers, as the cost model sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Link {
-    /// Bytes per second of a link between two workers (`f64::INFINITY`: no limit).
+    /// Bytes per second of a connection, both directions together (`f64::INFINITY`: no limit).
     pub bytes_per_sec: f64,
+    /// One-way delay of a message, in seconds.
+    pub latency_secs: f64,
 }
 
 impl Link {
+    pub fn new(bytes_per_sec: f64, latency_secs: f64) -> Self {
+        Link {
+            bytes_per_sec,
+            latency_secs: latency_secs.max(0.0),
+        }
+    }
+
+    /// No limit and no latency.
+    pub fn free() -> Self {
+        Link::new(f64::INFINITY, 0.0)
+    }
+
+    /// Transmission time of `bytes` (without the latency).
     fn secs(&self, bytes: f64) -> f64 {
         if self.bytes_per_sec.is_infinite() {
             0.0
@@ -35,6 +60,9 @@ impl Link {
         }
     }
 }
+
+/// Plans enumerated per worker count at most; beyond, the dynamic program.
+const MAX_ENUMERATED_PLANS: u64 = 200_000;
 
 #[derive(Debug, Clone, Copy)]
 enum Choice {
@@ -54,21 +82,31 @@ pub struct Partitioner {
 
 /// Prefix sums for O(1) stage costs.
 struct Sums {
-    t: Vec<f64>,
+    f: Vec<f64>,
+    b: Vec<f64>,
     w: Vec<f64>,
     a: Vec<f64>,
 }
 
 impl Sums {
     fn new(p: &Profile) -> Self {
-        let mut t = vec![0.0];
-        let mut w = vec![0.0];
-        for l in &p.layers {
-            t.push(t.last().copied().unwrap_or(0.0) + l.compute_secs());
-            w.push(w.last().copied().unwrap_or(0.0) + l.param_bytes as f64);
+        let prefix = |x: &dyn Fn(&super::profile::LayerProfile) -> f64| {
+            let mut v = vec![0.0];
+            for l in &p.layers {
+                v.push(v.last().copied().unwrap_or(0.0) + x(l));
+            }
+            v
+        };
+        Sums {
+            f: prefix(&|l| l.forward_secs),
+            b: prefix(&|l| l.backward_secs),
+            w: prefix(&|l| l.param_bytes as f64),
+            a: p.layers.iter().map(|l| l.activation_bytes as f64).collect(),
         }
-        let a = p.layers.iter().map(|l| l.activation_bytes as f64).collect();
-        Sums { t, w, a }
+    }
+
+    fn compute(&self, k: usize, j: usize) -> f64 {
+        self.f[j] - self.f[k] + self.b[j] - self.b[k]
     }
 }
 
@@ -79,10 +117,13 @@ pub fn stage_secs(p: &Profile, link: Link, layers: std::ops::Range<usize>, r: us
 }
 
 fn stage_cost(s: &Sums, link: Link, k: usize, j: usize, r: usize) -> f64 {
-    let r = r as f64;
-    let compute = s.t[j] - s.t[k];
-    let sync = 4.0 * (r - 1.0) * link.secs(s.w[j] - s.w[k]) / r;
-    (compute + sync) / r
+    if r <= 1 {
+        return s.compute(k, j);
+    }
+    let rf = r as f64;
+    let sync = 4.0 * (rf - 1.0) * link.secs(s.w[j] - s.w[k]) / rf
+        + 2.0 * (rf - 1.0) * link.latency_secs;
+    (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync)) / rf
 }
 
 /// Time per minibatch the model predicts for data parallelism on `m` workers.
@@ -90,7 +131,7 @@ pub fn data_parallel_secs(p: &Profile, link: Link, m: usize) -> f64 {
     stage_secs(p, link, 0..p.layers.len(), m.max(1))
 }
 
-/// Time per minibatch the model predicts for `plan` (its slowest stage or link).
+/// The slowest stage or link of `plan` (the dynamic program's objective).
 pub fn plan_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64 {
     let s = Sums::new(p);
     let mut worst: f64 = 0.0;
@@ -122,9 +163,9 @@ pub fn round_trip_bound_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f
     for (i, st) in stages.iter().enumerate() {
         let mut rt = 0.0;
         for (j, t) in stages.iter().enumerate().skip(i) {
-            rt += s.t[t.layers.end] - s.t[t.layers.start];
+            rt += s.compute(t.layers.start, t.layers.end);
             if j > i {
-                rt += 2.0 * 2.0 * link.secs(s.a[t.layers.start - 1]);
+                rt += 2.0 * 2.0 * link.secs(s.a[t.layers.start - 1]) + 2.0 * link.latency_secs;
             }
         }
         let inflight =
@@ -135,16 +176,40 @@ pub fn round_trip_bound_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f
 }
 
 /// The predicted time per minibatch of running `stages` under 1F1B: the slowest stage or link
-/// (the recurrence's objective) or the round-trip bound, whichever is larger.
+/// or the round-trip bound, whichever is larger. This is what [`Partitioner::solve`] minimises.
 pub fn predicted_1f1b_secs(p: &Profile, link: Link, stages: &[StagePlan]) -> f64 {
     plan_secs(p, link, stages).max(round_trip_bound_secs(p, link, stages))
 }
 
 impl Partitioner {
-    /// Solve for 1..=`max_workers` workers.
+    /// The plan with the lowest [`predicted_1f1b_secs`] for each of 1..=`max_workers` workers
+    /// (by enumeration; see the module's note for the fallback), its prediction as
+    /// `predicted_secs`.
+    pub fn solve(p: &Profile, link: Link, max_workers: usize) -> Partitioner {
+        let recurrence = Partitioner::solve_recurrence(p, link, max_workers);
+        let n = p.layers.len();
+        let mut exact = vec![recurrence.exact[0].clone()];
+        for m in 1..=max_workers.max(1) {
+            let plan = if plan_count(n, m) <= MAX_ENUMERATED_PLANS {
+                best_enumerated(p, link, m)
+            } else {
+                None
+            };
+            let plan = plan.unwrap_or_else(|| {
+                let mut plan = recurrence.exact[m].clone();
+                plan.predicted_secs = predicted_1f1b_secs(p, link, plan.stages());
+                plan
+            });
+            exact.push(plan);
+        }
+        Partitioner { exact }
+    }
+
+    /// PipeDream's dynamic program on its own objective ([`plan_secs`], without the 1F1B
+    /// round-trip bound), for 1..=`max_workers` workers; `predicted_secs` is that objective.
     // The recurrence reads as written in the paper with explicit indices.
     #[allow(clippy::needless_range_loop)]
-    pub fn solve(p: &Profile, link: Link, max_workers: usize) -> Partitioner {
+    pub fn solve_recurrence(p: &Profile, link: Link, max_workers: usize) -> Partitioner {
         let n = p.layers.len();
         let big_m = max_workers.max(1);
         let s = Sums::new(p);
@@ -219,19 +284,84 @@ impl Partitioner {
     }
 }
 
+fn binomial(n: u64, k: u64) -> u64 {
+    if k > n {
+        return 0;
+    }
+    (0..k).fold(1u64, |acc, i| acc.saturating_mul(n - i) / (i + 1))
+}
+
+/// Plans of `n` layers on exactly `m` workers: `Σ_s C(n − 1, s − 1) C(m − 1, s − 1)`.
+fn plan_count(n: usize, m: usize) -> u64 {
+    let (n, m) = (n as u64, m as u64);
+    (1..=n.min(m)).fold(0u64, |acc, s| {
+        acc.saturating_add(binomial(n - 1, s - 1).saturating_mul(binomial(m - 1, s - 1)))
+    })
+}
+
+/// Every plan of `p`'s layers on exactly `m` workers, the one with the lowest prediction (on a
+/// tie, the first found: fewer, longer leading stages).
+fn best_enumerated(p: &Profile, link: Link, m: usize) -> Option<Plan> {
+    fn go(
+        p: &Profile,
+        link: Link,
+        start: usize,
+        left: usize,
+        acc: &mut Vec<StagePlan>,
+        best: &mut Option<(f64, Vec<StagePlan>)>,
+    ) {
+        let n = p.layers.len();
+        if start == n {
+            if left == 0 {
+                let v = predicted_1f1b_secs(p, link, acc);
+                if best.as_ref().is_none_or(|(b, _)| v < *b) {
+                    *best = Some((v, acc.clone()));
+                }
+            }
+            return;
+        }
+        for end in (start + 1..=n).rev() {
+            for r in (1..=left).rev() {
+                acc.push(StagePlan {
+                    layers: start..end,
+                    replicas: r as u32,
+                });
+                go(p, link, end, left - r, acc, best);
+                acc.pop();
+            }
+        }
+    }
+    let mut best = None;
+    go(p, link, 0, m, &mut Vec::new(), &mut best);
+    let (secs, stages) = best?;
+    Plan::new(stages, p.layers.len(), secs).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::profile::LayerProfile;
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// Every split into consecutive stages and every replica assignment summing to `m`.
-    fn brute(p: &Profile, link: Link, m: usize) -> f64 {
-        fn go(p: &Profile, link: Link, start: usize, left: usize, acc: &mut Vec<StagePlan>) -> f64 {
+    type Cost = fn(&Profile, Link, &[StagePlan]) -> f64;
+
+    /// Every split into consecutive stages and every replica assignment summing to `m`: the
+    /// lowest `cost`, and how many plans there were.
+    fn brute_with(p: &Profile, link: Link, m: usize, cost: Cost) -> (f64, u64) {
+        fn go(
+            p: &Profile,
+            link: Link,
+            start: usize,
+            left: usize,
+            acc: &mut Vec<StagePlan>,
+            cost: Cost,
+            count: &mut u64,
+        ) -> f64 {
             let n = p.layers.len();
             if start == n {
                 return if left == 0 {
-                    plan_secs(p, link, acc)
+                    *count += 1;
+                    cost(p, link, acc)
                 } else {
                     f64::INFINITY
                 };
@@ -243,13 +373,19 @@ mod tests {
                         layers: start..end,
                         replicas: r as u32,
                     });
-                    best = best.min(go(p, link, end, left - r, acc));
+                    best = best.min(go(p, link, end, left - r, acc, cost, count));
                     acc.pop();
                 }
             }
             best
         }
-        go(p, link, 0, m, &mut Vec::new())
+        let mut count = 0;
+        let best = go(p, link, 0, m, &mut Vec::new(), cost, &mut count);
+        (best, count)
+    }
+
+    fn brute(p: &Profile, link: Link, m: usize) -> f64 {
+        brute_with(p, link, m, plan_secs).0
     }
 
     fn random_profile(rng: &mut impl Rng, n: usize) -> Profile {
@@ -267,15 +403,85 @@ mod tests {
     }
 
     #[test]
+    fn the_search_minimises_the_prediction_and_never_loses_to_the_recurrence() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let mut strictly_better = 0;
+        for case in 0..60 {
+            let n = 1 + case % 6;
+            let p = random_profile(&mut rng, n);
+            let link = Link::new([1e6, 2e7, 1e9, f64::INFINITY][case % 4], [0.0, 0.005][case % 2]);
+            let part = Partitioner::solve(&p, link, 5);
+            let rec = Partitioner::solve_recurrence(&p, link, 5);
+            for m in 1..=5 {
+                let plan = part.exact(m).unwrap();
+                let (want, count) = brute_with(&p, link, m, predicted_1f1b_secs);
+                assert_eq!(count, plan_count(n, m), "case {case}, {m} workers");
+                assert!(
+                    (plan.predicted_secs - want).abs() <= 1e-12 * want.max(1.0),
+                    "case {case}, {m} workers: search {} vs brute {want}",
+                    plan.predicted_secs
+                );
+                assert_eq!(plan.workers(), m as u32);
+                assert!(
+                    (predicted_1f1b_secs(&p, link, plan.stages()) - plan.predicted_secs).abs()
+                        < 1e-12
+                );
+                let theirs = predicted_1f1b_secs(&p, link, rec.exact(m).unwrap().stages());
+                assert!(plan.predicted_secs <= theirs + 1e-12);
+                if plan.predicted_secs < theirs - 1e-9 {
+                    strictly_better += 1;
+                }
+            }
+        }
+        // The round-trip bound matters: the recurrence, blind to it, sometimes picks worse.
+        assert!(strictly_better > 0);
+    }
+
+    #[test]
+    fn latency_slows_round_trips_and_all_reduces_but_not_a_links_throughput() {
+        let layer = LayerProfile {
+            forward_secs: 0.01,
+            backward_secs: 0.02,
+            activation_bytes: 100_000,
+            param_bytes: 1_000,
+        };
+        let p = Profile {
+            batch: 64,
+            layers: vec![layer; 4],
+        };
+        let stages: Vec<StagePlan> = (0..4)
+            .map(|i| StagePlan {
+                layers: i..i + 1,
+                replicas: 1,
+            })
+            .collect();
+        let (fast, late) = (Link::new(1e7, 0.0), Link::new(1e7, 0.01));
+        assert_eq!(plan_secs(&p, fast, &stages), plan_secs(&p, late, &stages));
+        // Three links after stage 0, two latencies each, over 4 minibatches in flight.
+        let extra = round_trip_bound_secs(&p, late, &stages) - round_trip_bound_secs(&p, fast, &stages);
+        assert!((extra - 3.0 * 2.0 * 0.01 / 4.0).abs() < 1e-12, "{extra}");
+        // Data parallelism on 4: the all-reduce (6 latency-bound steps: 60 ms) outlasts the
+        // backward pass (80 ms of it) only with the latency: F + max(B, S) over 4 minibatches.
+        let p1 = Profile {
+            batch: 64,
+            layers: vec![LayerProfile { param_bytes: 100_000, ..layer }; 4],
+        };
+        let s_fast = 4.0 * 3.0 * 400_000.0 / 1e7 / 4.0;
+        let want_fast = (0.04 + f64::max(0.08, s_fast)) / 4.0;
+        assert!((data_parallel_secs(&p1, fast, 4) - want_fast).abs() < 1e-12);
+        let want_late = (0.04 + f64::max(0.08, s_fast + 0.06)) / 4.0;
+        assert!((data_parallel_secs(&p1, late, 4) - want_late).abs() < 1e-12);
+        assert!(want_late > want_fast);
+    }
+
+    #[test]
     fn partitioner_equals_brute_force_on_small_cases() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         for case in 0..60 {
             let n = 1 + case % 5;
             let p = random_profile(&mut rng, n);
-            let link = Link {
-                bytes_per_sec: [1e6, 2e7, 1e9, f64::INFINITY][case % 4],
-            };
-            let part = Partitioner::solve(&p, link, 5);
+            let link = Link::new([1e6, 2e7, 1e9, f64::INFINITY][case % 4], 0.0);
+            let part = Partitioner::solve_recurrence(&p, link, 5);
             for m in 1..=5 {
                 let plan = part.exact(m).unwrap();
                 let want = brute(&p, link, m);
@@ -315,14 +521,12 @@ mod tests {
             })
             .collect();
         // Free links: four stages of 30 ms each, 4 in flight over a 120 ms round trip.
-        let free = Link {
-            bytes_per_sec: f64::INFINITY,
-        };
+        let free = Link::new(f64::INFINITY, 0.0);
         assert!((round_trip_bound_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
         assert!((predicted_1f1b_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
         // 10 ms per transfer at 1e7 B/s: 2 a / B = 20 ms per link and minibatch (below the
         // stages), but the round trip gains 3 links × 40 ms: (120 + 120) / 4 = 60 ms.
-        let slow = Link { bytes_per_sec: 1e7 };
+        let slow = Link::new(1e7, 0.0);
         assert!((plan_secs(&p, slow, &stages) - 0.03).abs() < 1e-12);
         assert!((predicted_1f1b_secs(&p, slow, &stages) - 0.06).abs() < 1e-12);
     }
@@ -339,15 +543,13 @@ mod tests {
             batch: 64,
             layers: vec![layer(100_000, 4_000_000); 4],
         };
-        let slow = Partitioner::solve(&p, Link { bytes_per_sec: 1e7 }, 4);
+        let slow = Partitioner::solve(&p, Link::new(1e7, 0.0), 4);
         let plan = slow.exact(4).unwrap();
         assert_eq!(plan.stages().len(), 4, "{plan}");
-        assert!(plan.predicted_secs < data_parallel_secs(&p, Link { bytes_per_sec: 1e7 }, 4));
+        assert!(plan.predicted_secs < data_parallel_secs(&p, Link::new(1e7, 0.0), 4));
         let fast = Partitioner::solve(
             &p,
-            Link {
-                bytes_per_sec: f64::INFINITY,
-            },
+            Link::new(f64::INFINITY, 0.0),
             4,
         );
         assert_eq!(fast.exact(4).unwrap().stages().len(), 1);
