@@ -126,12 +126,13 @@ fn run_mode(
         checkpoint_every: every,
         replans: Default::default(),
         warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
     };
     println!(
         "{name}: {} for {epochs} epochs ({minibatches} minibatches of {})",
         cfg.plan, args.batch
     );
-    let run = local::run(cfg, train.clone(), Some(link)).map_err(|e| format!("{name}: {e}"))?;
+    let run = local::run(cfg, train.clone(), Some(Link::new(link, 0.0))).map_err(|e| format!("{name}: {e}"))?;
     let cps = run.checkpoints.complete();
     let mut secs_to_target = None;
     for cp in &cps {
@@ -209,6 +210,7 @@ fn run() -> Result<ExitCode, String> {
         );
     }
     let link_model = Link {
+        latency_secs: 0.0,
         bytes_per_sec: link,
     };
     let part = Partitioner::solve(&prof, link_model, WORKERS as usize);

@@ -171,8 +171,24 @@ pub fn backward(
     ends_model: bool,
     input_grad: bool,
 ) -> (Vec<Dense>, Option<Array2<f32>>) {
+    let mut grads: Vec<Option<Dense>> = vec![None; layers.len()];
+    let gin = backward_each(layers, trace, grad_out, ends_model, input_grad, |i, d| {
+        grads[i] = Some(d)
+    });
+    (grads.into_iter().flatten().collect(), gin)
+}
+
+/// [`backward`], handing each layer's parameter gradient to `on_layer` as soon as it is
+/// computed (the last layer first), so that it can be sent while earlier layers are computed.
+pub fn backward_each(
+    layers: &[Dense],
+    trace: &Trace,
+    grad_out: Array2<f32>,
+    ends_model: bool,
+    input_grad: bool,
+    mut on_layer: impl FnMut(usize, Dense),
+) -> Option<Array2<f32>> {
     let n = layers.len();
-    let mut grads: Vec<Option<Dense>> = vec![None; n];
     let mut g = grad_out;
     for i in (0..n).rev() {
         let out = if i + 1 == n {
@@ -189,13 +205,12 @@ pub fn backward(
         let x = &trace.inputs[i];
         let gw = x.t().dot(&g);
         let gb = g.sum_axis(Axis(0));
-        grads[i] = Some(Dense { w: gw, b: gb });
+        on_layer(i, Dense { w: gw, b: gb });
         if i > 0 || input_grad {
             g = g.dot(&layers[i].w.t());
         }
     }
-    let grads = grads.into_iter().flatten().collect();
-    (grads, input_grad.then_some(g))
+    input_grad.then_some(g)
 }
 
 /// Softmax cross-entropy of `logits` against `labels`: (loss sum, correct count, gradient of the

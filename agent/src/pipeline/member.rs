@@ -232,6 +232,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         checkpoint_every: 0,
         replans,
         warn_at: None,
+        allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
     };
     // Heartbeats report the minibatches this worker has stepped through.
     let steps = Arc::new(std::sync::atomic::AtomicU64::new(0));

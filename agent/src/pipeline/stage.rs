@@ -45,6 +45,8 @@ pub enum StageError {
     NoPlan(u32),
     #[error("sending to worker {worker}: {message}")]
     Send { worker: u32, message: String },
+    #[error("a backward pass failed: {0}")]
+    Compute(String),
 }
 
 /// Which samples minibatch `m` holds: a seeded shuffle per epoch, the same on every worker.
@@ -94,6 +96,36 @@ pub struct RunConfig {
     pub replans: BTreeMap<u32, Plan>,
     /// Tests: warn original worker `w` when the leader reaches minibatch `m`.
     pub warn_at: Option<(u64, u32)>,
+    /// A replicated stage all-reduces its gradients in buckets of about this many bytes, each
+    /// as soon as the backward pass has produced it, overlapping the rest of the backward pass
+    /// (as PyTorch DDP does); 0: one all-reduce of everything after the backward pass.
+    pub allreduce_bucket_bytes: usize,
+}
+
+/// Gradient buckets of 1 MiB: PyTorch DDP's first bucket (its later ones are 25 MiB, for
+/// models a hundred times larger than these).
+pub const DEFAULT_BUCKET_BYTES: usize = 1 << 20;
+
+/// At most this many buckets per step (they share a round number's low bits).
+const MAX_BUCKETS: usize = 63;
+
+/// Consecutive layer ranges of about `bytes` of parameters each, from the last layer back (the
+/// order a backward pass produces them in); at most [`MAX_BUCKETS`].
+pub fn buckets(layers: &[Dense], bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let n = layers.len();
+    let total: usize = layers.iter().map(|l| l.len() * 4).sum();
+    let bytes = bytes.max(total.div_ceil(MAX_BUCKETS)).max(1);
+    let mut out = Vec::new();
+    let (mut end, mut size) = (n, 0usize);
+    for i in (0..n).rev() {
+        size += layers[i].len() * 4;
+        if size >= bytes || i == 0 {
+            out.push(i..end);
+            end = i;
+            size = 0;
+        }
+    }
+    out
 }
 
 /// How an optimizer step scales the summed gradients it applies.
@@ -257,6 +289,46 @@ impl StageCore {
         Ok(gin)
     }
 
+    /// Takes minibatch `m`'s backward pass out of the core, to run off the stage's task
+    /// ([`DetachedBackward::run`]) while the gradients it has produced are being all-reduced.
+    /// Counts its samples and minibatch like [`Self::backward`]; the parameter gradients are
+    /// the caller's. Only when nothing is accumulated ([`Self::accumulating`] is false).
+    pub fn detach_backward(
+        &mut self,
+        m: u64,
+        grad_out: Option<Array2<f32>>,
+    ) -> Result<DetachedBackward, StageError> {
+        let st = self.stash.remove(&m).ok_or(StageError::NotStashed(m))?;
+        let g = match (st.loss_grad, grad_out) {
+            (Some(g), _) => g,
+            (None, Some(g)) if g.raw_dim() == st.trace.output.raw_dim() => g,
+            _ => return Err(StageError::Shape(m)),
+        };
+        self.acc_samples += g.nrows();
+        self.acc_minibatches += 1;
+        Ok(DetachedBackward {
+            weights: st.weights,
+            trace: st.trace,
+            grad_out: g,
+            ends_model: self.ends_model,
+            input_grad: !self.starts_model,
+        })
+    }
+
+    /// Whether gradients of earlier backward passes wait for a step.
+    pub fn accumulating(&self) -> bool {
+        self.acc_minibatches > 0
+    }
+
+    /// The sample and minibatch counts of the gradients taken out with
+    /// [`Self::detach_backward`] (the last two entries of a flat vector); resets them.
+    pub fn take_counts(&mut self) -> [f32; 2] {
+        let counts = [self.acc_samples as f32, self.acc_minibatches as f32];
+        self.acc_samples = 0;
+        self.acc_minibatches = 0;
+        counts
+    }
+
     /// The accumulated gradient sums, then their sample count and minibatch count, as one flat
     /// vector (what replicas all-reduce); resets the accumulator.
     pub fn take_gradients(&mut self) -> Vec<f32> {
@@ -297,6 +369,32 @@ impl StageCore {
     /// Weights, optimizer state and stash as they are (for hand-over).
     pub fn optimizer(&self) -> &Sgd {
         &self.opt
+    }
+}
+
+/// A backward pass taken out of its [`StageCore`] (which keeps going with other minibatches'
+/// messages meanwhile): the weights its forward pass used, its trace and output gradient.
+#[derive(Debug)]
+pub struct DetachedBackward {
+    weights: Arc<Vec<Dense>>,
+    trace: Trace,
+    grad_out: Array2<f32>,
+    ends_model: bool,
+    input_grad: bool,
+}
+
+impl DetachedBackward {
+    /// Computes it, handing each layer's gradient to `on_layer` as it is ready (last layer
+    /// first); returns the gradient for the previous stage (none at the first).
+    pub fn run(self, on_layer: impl FnMut(usize, Dense)) -> Option<Array2<f32>> {
+        mlp::backward_each(
+            &self.weights,
+            &self.trace,
+            self.grad_out,
+            self.ends_model,
+            self.input_grad,
+            on_layer,
+        )
     }
 }
 
@@ -987,6 +1085,14 @@ async fn run_segment(
     let mut round = 0u64;
     let round_base = u64::from(seg.index) << 40;
     let last_epoch = cfg.batches.epoch(cfg.minibatches.saturating_sub(1));
+    // Replicas of a stage all-reduce in buckets, overlapped with the backward pass where
+    // there is one.
+    let bucketed = r > 1
+        && cfg.allreduce_bucket_bytes > 0
+        && matches!(cfg.schedule, ScheduleKind::OneFOneB);
+    let layer_buckets = buckets(core.weights(), cfg.allreduce_bucket_bytes);
+    // The step's gradients when the backward pass all-reduced them already.
+    let mut reduced: Option<Vec<f32>> = None;
     let mut pc = 0usize;
     while pc < ops.len() {
         mail.poll();
@@ -1096,16 +1202,34 @@ async fn run_segment(
                         _ => return Err(StageError::InboxClosed),
                     }
                 };
-                let t = Instant::now();
-                let gin = compute(|| core.backward(m, g))?;
-                totals.busy += t.elapsed();
-                if let Some(gin) = gin {
-                    let msg = PipeMsg::Gradient {
-                        to_stage: (s - 1) as u32,
-                        minibatch: m,
-                        tensor: to_tensor(gin),
+                let prev = (!first).then(|| Prev {
+                    worker: seg.physical(plan.worker_for(s - 1, rel)),
+                    stage: (s - 1) as u32,
+                    minibatch: m,
+                });
+                let overlap = bucketed && !core.accumulating();
+                if overlap {
+                    let job = core.detach_backward(m, g)?;
+                    let counts = core.take_counts();
+                    let ring = Ring {
+                        stage: s as u32,
+                        k,
+                        r,
+                        next: ring_next,
+                        step_round: round_base + round,
                     };
-                    out.send(seg.physical(plan.worker_for(s - 1, rel)), msg)?;
+                    let (flat, busy) =
+                        backward_overlapped(job, &layer_buckets, counts, mail, out, ring, prev)
+                            .await?;
+                    totals.busy += busy;
+                    reduced = Some(flat);
+                } else {
+                    let t = Instant::now();
+                    let gin = compute(|| core.backward(m, g))?;
+                    totals.busy += t.elapsed();
+                    if let (Some(gin), Some(prev)) = (gin, prev) {
+                        out.send(prev.worker, prev.message(gin))?;
+                    }
                 }
                 matches!(cfg.schedule, ScheduleKind::OneFOneB).then(|| cfg.batches.epoch(m))
             }
@@ -1121,21 +1245,31 @@ async fn run_segment(
         let Some(epoch) = step_epoch else {
             continue;
         };
-        // An optimizer step: all-reduce among replicas, then apply.
-        let mut flat = compute(|| core.take_gradients());
-        if r > 1 {
-            flat = ring_allreduce(
-                mail,
-                out,
-                s as u32,
-                k,
-                r,
-                ring_next,
-                round_base + round,
-                flat,
-            )
-            .await?;
-        }
+        // An optimizer step: all-reduce among replicas (unless the backward pass did, bucket
+        // by bucket), then apply.
+        let flat = match reduced.take() {
+            Some(flat) => flat,
+            None => {
+                let flat = compute(|| core.take_gradients());
+                let ring = Ring {
+                    stage: s as u32,
+                    k,
+                    r,
+                    next: ring_next,
+                    step_round: round_base + round,
+                };
+                if r == 1 {
+                    flat
+                } else if bucketed {
+                    // A step without a backward pass here (the other replicas may have had
+                    // one): the same buckets in the same order as theirs.
+                    let sizes: Vec<usize> = core.weights().iter().map(Dense::len).collect();
+                    allreduce_in_buckets(mail, out, ring, &layer_buckets, &sizes, flat).await?
+                } else {
+                    ring_allreduce(mail, out, ring, 0, flat).await?
+                }
+            }
+        };
         let t = Instant::now();
         let scale = match cfg.schedule {
             ScheduleKind::OneFOneB => StepScale::SumOfMinibatchMeans,
@@ -1193,19 +1327,140 @@ async fn run_segment(
     Ok((end, core))
 }
 
-/// Ring all-reduce (sum) of `data` among the `r` replicas of `stage`: reduce-scatter, then
-/// all-gather, each `r − 1` steps of one chunk to the next replica.
-#[allow(clippy::too_many_arguments)]
+/// Where a gradient for the previous stage goes.
+struct Prev {
+    worker: u32,
+    stage: u32,
+    minibatch: u64,
+}
+
+impl Prev {
+    fn message(&self, gin: Array2<f32>) -> PipeMsg {
+        PipeMsg::Gradient {
+            to_stage: self.stage,
+            minibatch: self.minibatch,
+            tensor: to_tensor(gin),
+        }
+    }
+}
+
+/// A replica's place in its stage's all-reduce ring for one optimizer step.
+#[derive(Clone, Copy)]
+struct Ring {
+    stage: u32,
+    /// This replica's index and the replica count.
+    k: u32,
+    r: u32,
+    /// The next replica's worker.
+    next: u32,
+    /// The step's number (unique within the run).
+    step_round: u64,
+}
+
+/// A replicated stage's backward pass with its all-reduce overlapped: the pass runs on a
+/// blocking thread and hands over each layer's gradient as it is ready; each bucket (of
+/// `buckets`, from the last layer back) is all-reduced as soon as it is complete, while the
+/// pass computes the layers before it. The gradient for the previous stage goes out as soon as
+/// the pass ends, before the last bucket's all-reduce. Returns the step's summed flat vector
+/// (as [`StageCore::take_gradients`] lays it out, `counts` last) and the compute time.
+async fn backward_overlapped(
+    job: DetachedBackward,
+    buckets: &[std::ops::Range<usize>],
+    counts: [f32; 2],
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    ring: Ring,
+    prev: Option<Prev>,
+) -> Result<(Vec<f32>, Duration), StageError> {
+    let layers = buckets.first().map_or(0, |b| b.end);
+    let last = buckets.len().saturating_sub(1);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let computing = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let gin = job.run(|i, d| {
+            let _ = tx.send((i, d));
+        });
+        (gin, t.elapsed())
+    });
+    let mut grads: Vec<Option<Dense>> = vec![None; layers];
+    let flat_of = |grads: &mut [Option<Dense>], b: &std::ops::Range<usize>| {
+        let mut flat = Vec::new();
+        for g in &mut grads[b.clone()] {
+            let d = g.take().ok_or(StageError::Shape(ring.step_round))?;
+            flat.extend(d.w.iter());
+            flat.extend(d.b.iter());
+        }
+        Ok::<_, StageError>(flat)
+    };
+    let mut reduced: Vec<Vec<f32>> = Vec::with_capacity(buckets.len());
+    while let Some((i, d)) = rx.recv().await {
+        let slot = grads.get_mut(i).ok_or(StageError::Shape(ring.step_round))?;
+        *slot = Some(d);
+        let b = reduced.len();
+        if b < last && buckets[b].start == i {
+            let flat = flat_of(&mut grads, &buckets[b])?;
+            reduced.push(ring_allreduce(mail, out, ring, b + 1, flat).await?);
+        }
+    }
+    let (gin, busy) = computing
+        .await
+        .map_err(|e| StageError::Compute(e.to_string()))?;
+    if let (Some(gin), Some(prev)) = (gin, prev) {
+        out.send(prev.worker, prev.message(gin))?;
+    }
+    let mut flat = flat_of(&mut grads, &buckets[last])?;
+    flat.extend(counts);
+    let mut tail = ring_allreduce(mail, out, ring, last + 1, flat).await?;
+    let counts = tail.split_off(tail.len().saturating_sub(2));
+    reduced.push(tail);
+    // Buckets run from the last layer back; the flat vector from the first layer on.
+    let mut all: Vec<f32> = reduced.into_iter().rev().flatten().collect();
+    all.extend(counts);
+    Ok((all, busy))
+}
+
+/// [`backward_overlapped`]'s all-reduces for a flat vector that is all there already (as
+/// [`StageCore::take_gradients`] lays it out; `sizes`: each layer's length in it): the same
+/// buckets in the same order, so that it pairs with replicas that overlapped theirs.
+async fn allreduce_in_buckets(
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    ring: Ring,
+    buckets: &[std::ops::Range<usize>],
+    sizes: &[usize],
+    mut flat: Vec<f32>,
+) -> Result<Vec<f32>, StageError> {
+    let at = |layer: usize| sizes[..layer].iter().sum::<usize>();
+    let last = buckets.len().saturating_sub(1);
+    for (b, bucket) in buckets.iter().enumerate().take(last) {
+        let range = at(bucket.start)..at(bucket.end);
+        let sum = ring_allreduce(mail, out, ring, b + 1, flat[range.clone()].to_vec()).await?;
+        flat[range].copy_from_slice(&sum);
+    }
+    let end = buckets.get(last).map_or(0, |b| at(b.end));
+    let mut tail = flat[..end].to_vec();
+    tail.extend_from_slice(&flat[flat.len().saturating_sub(2)..]);
+    let sum = ring_allreduce(mail, out, ring, last + 1, tail).await?;
+    flat[..end].copy_from_slice(&sum[..end]);
+    let n = flat.len();
+    flat[n.saturating_sub(2)..].copy_from_slice(&sum[end..]);
+    Ok(flat)
+}
+
+/// Ring all-reduce (sum) of `data` among the `r` replicas of a stage: reduce-scatter, then
+/// all-gather, each `r − 1` steps of one chunk to the next replica. `bucket` tells apart the
+/// all-reduces of one step (0: the whole gradient at once).
 async fn ring_allreduce(
     mail: &mut Mailbox,
     out: &mut Sender,
-    stage: u32,
-    k: u32,
-    r: u32,
-    next: u32,
-    round: u64,
+    ring: Ring,
+    bucket: usize,
     mut data: Vec<f32>,
 ) -> Result<Vec<f32>, StageError> {
+    let Ring {
+        stage, k, r, next, ..
+    } = ring;
+    let round = (ring.step_round << 6) | bucket as u64;
     let n = data.len();
     let ru = r as usize;
     let chunk = |i: u32| (i as usize * n / ru)..((i as usize + 1) * n / ru);

@@ -47,6 +47,7 @@ fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
         checkpoint_every: group,
         replans: Default::default(),
         warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
     };
     let (reference, final_ref) = train_sgd(&cfg, &train, group);
     let run = local::run(cfg, Arc::new(train), None).expect("pipeline runs");
@@ -92,6 +93,7 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
         checkpoint_every: 0,
         replans: Default::default(),
         warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
     };
     let (_, sgd) = train_sgd(&base, &train, 1);
     let sgd_acc = mlp::accuracy(&sgd, &test);
@@ -152,6 +154,7 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
         checkpoint_every: 0,
         replans,
         warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
     };
     let train = Arc::new(train);
     let plain = local::run(base.clone(), train.clone(), None).expect("uninterrupted run");
@@ -372,6 +375,7 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         checkpoint_every: 0,
         replans: Default::default(),
         warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
     };
     let run = tokio::task::spawn_blocking(move || local::run(reference, Arc::new(train), None))
         .await
@@ -384,4 +388,49 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         "{} vs {want}",
         metric.value
     );
+}
+
+#[test]
+fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pass() {
+    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
+    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
+    let train = Arc::new(train);
+    // Data parallelism on three workers, and a replicated middle stage (its overlapped pass
+    // also sends the previous stage its gradient).
+    for stages in [vec![(0, 4, 3)], vec![(0, 1, 1), (1, 3, 2), (3, 4, 1)]] {
+        let base = RunConfig {
+            shape: shape.clone(),
+            plan: plan(&stages, 4),
+            schedule: ScheduleKind::OneFOneB,
+            batches: Batches::new(train.len(), 16, 3),
+            // Not a multiple of the replicas: the last step of some replicas has no backward
+            // pass, and theirs must pair with the others' overlapped buckets.
+            minibatches: 61,
+            lr: LrSchedule::constant(0.05),
+            momentum: 0.9,
+            seed: 5,
+            checkpoint_every: 6,
+            replans: Default::default(),
+            warn_at: None,
+            allreduce_bucket_bytes: 0,
+        };
+        let whole = local::run(base.clone(), train.clone(), None).expect("one all-reduce");
+        // 4 KB buckets: every layer of this model is a bucket of its own or shares one.
+        let bucketed = RunConfig {
+            allreduce_bucket_bytes: 4096,
+            ..base
+        };
+        let buckets = proteus_agent::pipeline::stage::buckets(&shape.init(5), 4096);
+        assert!(buckets.len() >= 3, "{buckets:?}");
+        let run = local::run(bucketed, train.clone(), None).expect("bucketed all-reduce");
+        let (a, b) = (whole.checkpoints.complete(), run.checkpoints.complete());
+        assert_eq!(a.len(), 10, "{stages:?}");
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.minibatch, y.minibatch);
+            let d = max_rel_diff(&x.layers, &y.layers);
+            assert!(d < 1e-5, "{stages:?} after minibatch {}: differs by {d}", x.minibatch);
+        }
+        assert!(max_rel_diff(&whole.model(), &shape.init(5)) > 1e-3, "the model trained");
+    }
 }
