@@ -842,13 +842,21 @@ pub struct TokenBucket {
 /// instead of arriving in one late burst.
 const LIMIT_CHUNK: usize = 32 << 10;
 
+/// How late a token-bucket waiter may wake (tokio's timer works in milliseconds), with margin.
+const TIMER_SLACK: Duration = Duration::from_millis(4);
+
 impl TokenBucket {
-    /// `rate` in bytes per second; the bucket holds at most one chunk, so bursts stay short.
+    /// `rate` in bytes per second. The bucket holds one chunk, or what the link moves in
+    /// [`TIMER_SLACK`] if that is more: a waiter wakes up to a millisecond late (the timer's
+    /// resolution), and the bytes the link moved meanwhile must not be lost to the cap, or a
+    /// fast link would run at a chunk per millisecond (32 MB/s) whatever its rate.
     pub fn new(rate: f64) -> Self {
+        let rate = rate.max(1.0);
+        let burst = (LIMIT_CHUNK as f64).max(rate * TIMER_SLACK.as_secs_f64());
         TokenBucket {
-            rate: rate.max(1.0),
-            burst: LIMIT_CHUNK as f64,
-            state: Mutex::new((LIMIT_CHUNK as f64, std::time::Instant::now())),
+            rate,
+            burst,
+            state: Mutex::new((burst, std::time::Instant::now())),
         }
     }
 
@@ -1153,7 +1161,12 @@ impl Peers {
     }
 
     /// Handles one frame; false when the connection must close.
-    fn on_frame(self: &Arc<Self>, body: Vec<u8>, conn: &Arc<Conn>, key: &mut Option<String>) -> bool {
+    fn on_frame(
+        self: &Arc<Self>,
+        body: Vec<u8>,
+        conn: &Arc<Conn>,
+        key: &mut Option<String>,
+    ) -> bool {
         let Ok(decoded) = decode_frame(&body) else {
             return false;
         };
@@ -1365,6 +1378,26 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn a_fast_link_moves_bytes_at_its_rate_despite_the_timers_resolution() {
+        // 125 MB/s (1 Gbit/s): a 32 KB chunk takes 0.26 ms, well under the timer's 1 ms.
+        let rate = 125e6;
+        let b = TokenBucket::new(rate);
+        let total = 16 << 20;
+        let t = std::time::Instant::now();
+        for _ in 0..total / LIMIT_CHUNK {
+            b.take(LIMIT_CHUNK).await;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let ideal = total as f64 / rate;
+        assert!(
+            secs > 0.8 * ideal && secs < 1.25 * ideal,
+            "{} MB took {secs:.3} s at {} MB/s (ideal {ideal:.3} s)",
+            total >> 20,
+            rate / 1e6
+        );
+    }
+
     #[test]
     fn token_bucket_paces_bytes_at_its_rate() {
         let b = TokenBucket::new(1_000_000.0);
@@ -1424,7 +1457,10 @@ mod tests {
         let answers = calls.join_all().await;
         let ten = t.elapsed();
         assert!(answers.iter().all(|a| a.is_ok()), "{answers:?}");
-        assert!(ten >= 2 * latency && ten < 5 * 2 * latency, "ten concurrent round trips took {ten:?}");
+        assert!(
+            ten >= 2 * latency && ten < 5 * 2 * latency,
+            "ten concurrent round trips took {ten:?}"
+        );
     }
 
     #[tokio::test]

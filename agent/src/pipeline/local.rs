@@ -2,10 +2,10 @@
 //! endpoint per worker, talking over loopback TCP exactly as agents on different machines do
 //! (optionally through the emulated slow links of [`crate::transport::TokenBucket`]).
 
+use super::partition::Link;
 use super::stage::{
     self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
 };
-use super::partition::Link;
 use crate::data::ImageSet;
 use crate::transport::{DataPlane, Peers, frame_bound};
 use proteus_wire::agent_api::DataSecret;
@@ -54,7 +54,11 @@ impl LocalRun {
 
 /// Run `cfg` on `cfg.plan.workers()` local workers, each connection emulating `link` when
 /// given: its rate (both directions together) and its latency.
-pub fn run(cfg: RunConfig, train: Arc<ImageSet>, link: Option<Link>) -> Result<LocalRun, LocalError> {
+pub fn run(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link: Option<Link>,
+) -> Result<LocalRun, LocalError> {
     run_with_warnings(cfg, train, link, Vec::new())
 }
 

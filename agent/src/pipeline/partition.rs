@@ -121,8 +121,8 @@ fn stage_cost(s: &Sums, link: Link, k: usize, j: usize, r: usize) -> f64 {
         return s.compute(k, j);
     }
     let rf = r as f64;
-    let sync = 4.0 * (rf - 1.0) * link.secs(s.w[j] - s.w[k]) / rf
-        + 2.0 * (rf - 1.0) * link.latency_secs;
+    let sync =
+        4.0 * (rf - 1.0) * link.secs(s.w[j] - s.w[k]) / rf + 2.0 * (rf - 1.0) * link.latency_secs;
     (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync)) / rf
 }
 
@@ -409,7 +409,10 @@ mod tests {
         for case in 0..60 {
             let n = 1 + case % 6;
             let p = random_profile(&mut rng, n);
-            let link = Link::new([1e6, 2e7, 1e9, f64::INFINITY][case % 4], [0.0, 0.005][case % 2]);
+            let link = Link::new(
+                [1e6, 2e7, 1e9, f64::INFINITY][case % 4],
+                [0.0, 0.005][case % 2],
+            );
             let part = Partitioner::solve(&p, link, 5);
             let rec = Partitioner::solve_recurrence(&p, link, 5);
             for m in 1..=5 {
@@ -458,13 +461,20 @@ mod tests {
         let (fast, late) = (Link::new(1e7, 0.0), Link::new(1e7, 0.01));
         assert_eq!(plan_secs(&p, fast, &stages), plan_secs(&p, late, &stages));
         // Three links after stage 0, two latencies each, over 4 minibatches in flight.
-        let extra = round_trip_bound_secs(&p, late, &stages) - round_trip_bound_secs(&p, fast, &stages);
+        let extra =
+            round_trip_bound_secs(&p, late, &stages) - round_trip_bound_secs(&p, fast, &stages);
         assert!((extra - 3.0 * 2.0 * 0.01 / 4.0).abs() < 1e-12, "{extra}");
         // Data parallelism on 4: the all-reduce (6 latency-bound steps: 60 ms) outlasts the
         // backward pass (80 ms of it) only with the latency: F + max(B, S) over 4 minibatches.
         let p1 = Profile {
             batch: 64,
-            layers: vec![LayerProfile { param_bytes: 100_000, ..layer }; 4],
+            layers: vec![
+                LayerProfile {
+                    param_bytes: 100_000,
+                    ..layer
+                };
+                4
+            ],
         };
         let s_fast = 4.0 * 3.0 * 400_000.0 / 1e7 / 4.0;
         let want_fast = (0.04 + f64::max(0.08, s_fast)) / 4.0;
@@ -547,11 +557,7 @@ mod tests {
         let plan = slow.exact(4).unwrap();
         assert_eq!(plan.stages().len(), 4, "{plan}");
         assert!(plan.predicted_secs < data_parallel_secs(&p, Link::new(1e7, 0.0), 4));
-        let fast = Partitioner::solve(
-            &p,
-            Link::new(f64::INFINITY, 0.0),
-            4,
-        );
+        let fast = Partitioner::solve(&p, Link::new(f64::INFINITY, 0.0), 4);
         assert_eq!(fast.exact(4).unwrap().stages().len(), 1);
         assert!((fast.exact(4).unwrap().predicted_secs - 0.12 / 4.0).abs() < 1e-12);
     }

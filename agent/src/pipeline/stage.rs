@@ -1087,9 +1087,8 @@ async fn run_segment(
     let last_epoch = cfg.batches.epoch(cfg.minibatches.saturating_sub(1));
     // Replicas of a stage all-reduce in buckets, overlapped with the backward pass where
     // there is one.
-    let bucketed = r > 1
-        && cfg.allreduce_bucket_bytes > 0
-        && matches!(cfg.schedule, ScheduleKind::OneFOneB);
+    let bucketed =
+        r > 1 && cfg.allreduce_bucket_bytes > 0 && matches!(cfg.schedule, ScheduleKind::OneFOneB);
     let layer_buckets = buckets(core.weights(), cfg.allreduce_bucket_bytes);
     // The step's gradients when the backward pass all-reduced them already.
     let mut reduced: Option<Vec<f32>> = None;

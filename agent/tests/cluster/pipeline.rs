@@ -429,8 +429,15 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.minibatch, y.minibatch);
             let d = max_rel_diff(&x.layers, &y.layers);
-            assert!(d < 1e-5, "{stages:?} after minibatch {}: differs by {d}", x.minibatch);
+            assert!(
+                d < 1e-5,
+                "{stages:?} after minibatch {}: differs by {d}",
+                x.minibatch
+            );
         }
-        assert!(max_rel_diff(&whole.model(), &shape.init(5)) > 1e-3, "the model trained");
+        assert!(
+            max_rel_diff(&whole.model(), &shape.init(5)) > 1e-3,
+            "the model trained"
+        );
     }
 }
