@@ -198,9 +198,18 @@ fn run_mode(
         }
         _ => run.wall_secs * 1e3 / minibatches as f64,
     };
+    // Where the time goes: each worker's computing time per minibatch of the run.
+    let busy: Vec<String> = run
+        .outcomes
+        .iter()
+        .map(|o| format!("{:.2}", o.compute_secs * 1e3 / minibatches as f64))
+        .collect();
     println!(
-        "    {name}: {:.2} ms/minibatch, final accuracy {final_accuracy:.4}, wall {:.1} s",
-        ms_per_minibatch, run.wall_secs
+        "    {name}: {:.2} ms/minibatch, final accuracy {final_accuracy:.4}, wall {:.1} s; \
+         computing per minibatch by worker (ms): {}",
+        ms_per_minibatch,
+        run.wall_secs,
+        busy.join(", ")
     );
     Ok(Measured {
         secs_to_target,
