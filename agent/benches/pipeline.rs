@@ -291,9 +291,10 @@ fn run() -> Result<ExitCode, String> {
     let prof = profile::profile(&shape, args.batch, 10, WORKERS as usize);
     for (l, p) in prof.layers.iter().enumerate() {
         println!(
-            "  profile layer {l}: forward {:.2} ms, backward {:.2} ms, activation {} KB, params {} KB",
+            "  profile layer {l}: forward {:.2} ms, backward {:.2} ms, update {:.2} ms, activation {} KB, params {} KB",
             p.forward_secs * 1e3,
             p.backward_secs * 1e3,
+            p.update_secs * 1e3,
             p.activation_bytes / 1000,
             p.param_bytes / 1000
         );

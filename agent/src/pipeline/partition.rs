@@ -2,13 +2,15 @@
 //! worker count up to the job's (so that re-planning after a worker is lost is a lookup).
 //!
 //! **The cost model** (one, used both to choose and to predict). For layers `l` with forward
-//! and backward times `F_l`, `B_l`, output activation bytes `a_l` and parameter bytes `w_l`, and
-//! a link of `B` bytes/s (both directions of a connection share it) and latency `L`:
+//! and backward times `F_l`, `B_l`, optimizer step `U_l`, output activation bytes `a_l` and
+//! parameter bytes `w_l`, and a link of `B` bytes/s (both directions of a connection share it)
+//! and latency `L`:
 //!
-//! - a stage of layers `i..j` on one worker takes `Σ F_l + Σ B_l` per minibatch;
+//! - a stage of layers `i..j` on one worker takes `Σ F_l + Σ B_l + Σ U_l` per minibatch (under
+//!   1F1B it steps after every minibatch);
 //! - replicated on `r` workers, each replica runs its own minibatch and the replicas then sum
 //!   their gradients with a bucketed ring all-reduce that overlaps the backward pass:
-//!   `T(i..j, r) = (Σ F_l + max(Σ B_l, S)) / r` with `S = d · 2 (r − 1) Σ w_l / (B r) + 2 (r − 1) L`
+//!   `T(i..j, r) = (Σ F_l + max(Σ B_l, S) + Σ U_l) / r` with `S = d · 2 (r − 1) Σ w_l / (B r) + 2 (r − 1) L`
 //!   (each replica sends and receives `2 (r − 1) / r` of the weights in `2 (r − 1)` steps that
 //!   each pay the latency; `d = 2` for two replicas, whose one connection carries both
 //!   directions, else 1: a longer ring sends on one connection and receives on another);
@@ -85,6 +87,7 @@ pub struct Partitioner {
 struct Sums {
     f: Vec<f64>,
     b: Vec<f64>,
+    u: Vec<f64>,
     w: Vec<f64>,
     a: Vec<f64>,
 }
@@ -101,13 +104,14 @@ impl Sums {
         Sums {
             f: prefix(&|l| l.forward_secs),
             b: prefix(&|l| l.backward_secs),
+            u: prefix(&|l| l.update_secs),
             w: prefix(&|l| l.param_bytes as f64),
             a: p.layers.iter().map(|l| l.activation_bytes as f64).collect(),
         }
     }
 
     fn compute(&self, k: usize, j: usize) -> f64 {
-        self.f[j] - self.f[k] + self.b[j] - self.b[k]
+        self.f[j] - self.f[k] + self.b[j] - self.b[k] + self.u[j] - self.u[k]
     }
 }
 
@@ -127,7 +131,7 @@ fn stage_cost(s: &Sums, link: Link, k: usize, j: usize, r: usize) -> f64 {
     let directions = if r == 2 { 2.0 } else { 1.0 };
     let sync = directions * 2.0 * (rf - 1.0) * link.secs(s.w[j] - s.w[k]) / rf
         + 2.0 * (rf - 1.0) * link.latency_secs;
-    (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync)) / rf
+    (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync) + s.u[j] - s.u[k]) / rf
 }
 
 /// Time per minibatch the model predicts for data parallelism on `m` workers.
@@ -399,6 +403,7 @@ mod tests {
                 .map(|_| LayerProfile {
                     forward_secs: rng.random_range(0.001..0.02),
                     backward_secs: rng.random_range(0.001..0.04),
+                    update_secs: rng.random_range(0.0..0.005),
                     activation_bytes: rng.random_range(1_000..400_000),
                     param_bytes: rng.random_range(1_000..4_000_000),
                 })
@@ -449,6 +454,7 @@ mod tests {
         let layer = LayerProfile {
             forward_secs: 0.01,
             backward_secs: 0.02,
+            update_secs: 0.0,
             activation_bytes: 100_000,
             param_bytes: 1_000,
         };
@@ -521,6 +527,7 @@ mod tests {
         let layer = LayerProfile {
             forward_secs: 0.01,
             backward_secs: 0.02,
+            update_secs: 0.0,
             activation_bytes: 100_000,
             param_bytes: 1_000,
         };
@@ -550,6 +557,7 @@ mod tests {
         let layer = |act: u64, params: u64| LayerProfile {
             forward_secs: 0.01,
             backward_secs: 0.02,
+            update_secs: 0.0,
             activation_bytes: act,
             param_bytes: params,
         };

@@ -14,6 +14,9 @@ use std::time::Instant;
 pub struct LayerProfile {
     pub forward_secs: f64,
     pub backward_secs: f64,
+    /// One optimizer step of the layer as a stage takes it: its gradient flattened and back,
+    /// the weights copied (stashed versions keep theirs), momentum SGD.
+    pub update_secs: f64,
     /// Bytes of the layer's output for one minibatch (what crosses a stage boundary after it,
     /// forward; its gradient crosses back).
     pub activation_bytes: u64,
@@ -21,9 +24,9 @@ pub struct LayerProfile {
 }
 
 impl LayerProfile {
-    /// Forward plus backward.
+    /// Forward, backward and an optimizer step.
     pub fn compute_secs(&self) -> f64 {
-        self.forward_secs + self.backward_secs
+        self.forward_secs + self.backward_secs + self.update_secs
     }
 }
 
@@ -48,29 +51,44 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Time one layer's forward and backward `reps` times (after one warm-up run).
-fn time_layer(layer: &Dense, batch: usize, last: bool, reps: usize) -> (Vec<f64>, Vec<f64>) {
+/// Time one layer's forward pass, backward pass and optimizer step `reps` times each (after
+/// one warm-up run).
+fn time_layer(layer: &Dense, batch: usize, last: bool, reps: usize) -> [Vec<f64>; 3] {
     let inputs = layer.w.nrows();
     let x = Array2::from_shape_fn((batch, inputs), |(i, j)| {
         ((i * 31 + j * 17) % 97) as f32 / 97.0
     });
     let layers = std::slice::from_ref(layer);
-    let (mut f, mut b) = (Vec::new(), Vec::new());
+    let mut opt = mlp::Sgd::new(layers, mlp::LrSchedule::constant(0.01), 0.9);
+    let mut weights = std::sync::Arc::new(layers.to_vec());
+    let (mut f, mut b, mut u) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..=reps {
         let t = Instant::now();
         let trace = mlp::forward(layers, x.clone(), last);
         let tf = t.elapsed().as_secs_f64();
         let g = Array2::from_elem(trace.output.raw_dim(), 0.01f32);
         let t = Instant::now();
-        let out = mlp::backward(layers, &trace, g, last, true);
+        let (grads, gin) = mlp::backward(layers, &trace, g, last, true);
         let tb = t.elapsed().as_secs_f64();
-        std::hint::black_box(out);
+        std::hint::black_box(gin);
+        // As `StageCore::apply` steps: a flat gradient back into layers, the weights copied
+        // on write while a stashed version shares them.
+        let t = Instant::now();
+        let flat = mlp::flatten(&grads);
+        let stashed = weights.clone();
+        if let Some(grads) = mlp::unflatten(&weights, &flat) {
+            let w = std::sync::Arc::make_mut(&mut weights);
+            opt.step(w, &grads, batch as f32, 0);
+        }
+        let tu = t.elapsed().as_secs_f64();
+        std::hint::black_box(stashed);
         if rep > 0 {
             f.push(tf);
             b.push(tb);
+            u.push(tu);
         }
     }
-    (f, b)
+    [f, b, u]
 }
 
 /// Profile every layer of `shape` at minibatch size `batch`, `reps` timed runs per layer, on
@@ -78,7 +96,7 @@ fn time_layer(layer: &Dense, batch: usize, last: bool, reps: usize) -> (Vec<f64>
 pub fn profile(shape: &MlpShape, batch: usize, reps: usize, concurrency: usize) -> Profile {
     let layers = shape.init(0);
     let n = layers.len();
-    let runs: Vec<Vec<(Vec<f64>, Vec<f64>)>> = std::thread::scope(|s| {
+    let runs: Vec<Vec<[Vec<f64>; 3]>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..concurrency.max(1))
             .map(|_| {
                 let layers = &layers;
@@ -93,11 +111,13 @@ pub fn profile(shape: &MlpShape, batch: usize, reps: usize, concurrency: usize) 
     });
     let layers = (0..n)
         .map(|l| {
-            let f: Vec<f64> = runs.iter().flat_map(|r| r[l].0.iter().copied()).collect();
-            let b: Vec<f64> = runs.iter().flat_map(|r| r[l].1.iter().copied()).collect();
+            let of = |i: usize| -> Vec<f64> {
+                runs.iter().flat_map(|r| r[l][i].iter().copied()).collect()
+            };
             LayerProfile {
-                forward_secs: median(f),
-                backward_secs: median(b),
+                forward_secs: median(of(0)),
+                backward_secs: median(of(1)),
+                update_secs: median(of(2)),
                 activation_bytes: (batch * shape.widths()[l + 1] * 4) as u64,
                 param_bytes: (shape.layer_params(l) * 4) as u64,
             }
@@ -121,7 +141,7 @@ mod tests {
         assert!(
             p.layers
                 .iter()
-                .all(|l| l.forward_secs > 0.0 && l.backward_secs > 0.0)
+                .all(|l| l.forward_secs > 0.0 && l.backward_secs > 0.0 && l.update_secs > 0.0)
         );
     }
 }
