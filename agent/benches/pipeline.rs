@@ -137,6 +137,7 @@ struct Data {
     test: data::ImageSet,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_mode(
     name: &str,
     plan: Plan,
