@@ -497,7 +497,8 @@ async fn wait_for_handovers(
     let Some(launcher) = &broker.launcher() else {
         return;
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A hand-over takes well under a second on an idle machine; a loaded one gets a minute.
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let warned = match broker.store().instances_of_job(job).await {
             Ok(rows) => rows
@@ -553,13 +554,23 @@ async fn keep_pace_with_training(
     let Some(control) = broker.control().get(job) else {
         return false;
     };
-    let deadline = Instant::now() + Duration::from_secs(if fraction >= 1.0 { 120 } else { 15 });
+    // Agents that fall behind are waited for as long as they keep making progress: on a
+    // loaded machine they may need longer than a fixed bound, and stepping the market on
+    // without them would end the job at another instant than the simulator does. Only a
+    // stall (no clock finished for this long) stops the wait.
+    let stall = Duration::from_secs(if fraction >= 1.0 { 120 } else { 15 });
+    let mut deadline = Instant::now() + stall;
+    let mut last_clock = None;
     loop {
         let status = control.read(|c| c.status());
         let total = status.progress.total_clocks.max(1);
         let wanted = ((fraction * total as f64).ceil() as u64).min(total);
         let caught_up = status.progress.clock >= wanted;
         let done = status.state == proteus_wire::coordinator::JobState::Completed;
+        if last_clock != Some(status.progress.clock) {
+            last_clock = Some(status.progress.clock);
+            deadline = Instant::now() + stall;
+        }
         if caught_up || done || Instant::now() > deadline || status.members.is_empty() {
             return fraction >= 1.0 && done;
         }
