@@ -53,7 +53,7 @@ struct Args {
     batch: usize,
     epochs: u64,
     dp_budget_secs: f64,
-    lrs: Vec<f32>,
+    lrs: Vec<f64>,
     momentum: f32,
 }
 
@@ -143,7 +143,7 @@ fn run_mode(
     plan: Plan,
     shape: &MlpShape,
     args: &Args,
-    lr: f32,
+    lr: f64,
     minibatches: u64,
     data: &Data,
     link: Link,
@@ -157,7 +157,7 @@ fn run_mode(
         schedule: ScheduleKind::OneFOneB,
         batches: batches.clone(),
         minibatches,
-        lr: LrSchedule::constant(lr),
+        lr: LrSchedule::constant(lr as f32),
         momentum: args.momentum,
         seed: 7,
         checkpoint_every: every,
@@ -236,7 +236,6 @@ fn link(args: &Args, mbit: f64) -> Link {
 }
 
 /// The learning rate of the grid whose one-epoch run is most accurate, and every result.
-#[allow(clippy::too_many_arguments)]
 fn tune(
     name: &str,
     plan: &Plan,
@@ -245,7 +244,7 @@ fn tune(
     data: &Data,
     link: Link,
     per_epoch: u64,
-) -> Result<(f32, Vec<serde_json::Value>), String> {
+) -> Result<(f64, Vec<serde_json::Value>), String> {
     let mut best = (args.lrs[0], f64::MIN);
     let mut rows = Vec::new();
     for &lr in &args.lrs {

@@ -449,8 +449,9 @@ mod tests {
         assert!(strictly_better > 0);
     }
 
-    #[test]
-    fn latency_slows_round_trips_and_all_reduces_but_not_a_links_throughput() {
+    /// Four layers of 30 ms (10 forward, 20 backward) with 100 KB activations and 1 KB of
+    /// parameters, and the plan of one layer per stage.
+    fn four_equal_stages() -> (LayerProfile, Profile, Vec<StagePlan>) {
         let layer = LayerProfile {
             forward_secs: 0.01,
             backward_secs: 0.02,
@@ -462,12 +463,18 @@ mod tests {
             batch: 64,
             layers: vec![layer; 4],
         };
-        let stages: Vec<StagePlan> = (0..4)
+        let stages = (0..4)
             .map(|i| StagePlan {
                 layers: i..i + 1,
                 replicas: 1,
             })
             .collect();
+        (layer, p, stages)
+    }
+
+    #[test]
+    fn latency_slows_round_trips_and_all_reduces_but_not_a_links_throughput() {
+        let (layer, p, stages) = four_equal_stages();
         let (fast, late) = (Link::new(1e7, 0.0), Link::new(1e7, 0.01));
         assert_eq!(plan_secs(&p, fast, &stages), plan_secs(&p, late, &stages));
         // Three links after stage 0, two latencies each, over 4 minibatches in flight.
@@ -524,25 +531,9 @@ mod tests {
 
     #[test]
     fn round_trip_bound_binds_only_when_links_dominate() {
-        let layer = LayerProfile {
-            forward_secs: 0.01,
-            backward_secs: 0.02,
-            update_secs: 0.0,
-            activation_bytes: 100_000,
-            param_bytes: 1_000,
-        };
-        let p = Profile {
-            batch: 64,
-            layers: vec![layer; 4],
-        };
-        let stages: Vec<StagePlan> = (0..4)
-            .map(|i| StagePlan {
-                layers: i..i + 1,
-                replicas: 1,
-            })
-            .collect();
+        let (_, p, stages) = four_equal_stages();
         // Free links: four stages of 30 ms each, 4 in flight over a 120 ms round trip.
-        let free = Link::new(f64::INFINITY, 0.0);
+        let free = Link::free();
         assert!((round_trip_bound_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
         assert!((predicted_1f1b_secs(&p, free, &stages) - 0.03).abs() < 1e-12);
         // 10 ms per transfer at 1e7 B/s: 2 a / B = 20 ms per link and minibatch (below the
@@ -569,7 +560,7 @@ mod tests {
         let plan = slow.exact(4).unwrap();
         assert_eq!(plan.stages().len(), 4, "{plan}");
         assert!(plan.predicted_secs < data_parallel_secs(&p, Link::new(1e7, 0.0), 4));
-        let fast = Partitioner::solve(&p, Link::new(f64::INFINITY, 0.0), 4);
+        let fast = Partitioner::solve(&p, Link::free(), 4);
         assert_eq!(fast.exact(4).unwrap().stages().len(), 1);
         assert!((fast.exact(4).unwrap().predicted_secs - 0.12 / 4.0).abs() < 1e-12);
     }
