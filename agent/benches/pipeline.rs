@@ -164,6 +164,7 @@ fn run_mode(
         replans: Default::default(),
         warn_at: None,
         allreduce_bucket_bytes: DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
     };
     println!(
         "  {name}: {} at lr {lr}, {minibatches} minibatches ({:.2} epochs) of {}",

@@ -467,6 +467,9 @@ pub enum AppConfig {
         /// Emulated link bandwidth per connection between agents, Mbit/s (none when absent).
         #[serde(default)]
         link_mbit_per_sec: Option<f64>,
+        /// The pipeline's schedule and vertical sync (`parallelism = "pipeline"`).
+        #[serde(default)]
+        pipeline: PipelineOptions,
     },
     /// The user's own program, run by the agent under the contract of `docs/command-jobs.md`.
     Command(CommandConfig),
@@ -561,6 +564,35 @@ pub enum Parallelism {
     Data,
 }
 
+/// How a pipeline schedules its forward and backward passes (`training.pipeline` of a spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PipelineOptions {
+    #[serde(default)]
+    pub schedule: PipelineSchedule,
+    /// PipeDream's vertical sync: every stage runs a minibatch on the weight version the input
+    /// stage had when it entered, so each minibatch sees one consistent model (1F1B only; the
+    /// later stages keep older weight versions for it).
+    #[serde(default)]
+    pub vertical_sync: bool,
+}
+
+/// The order of a pipeline's passes and when it steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum PipelineSchedule {
+    /// PipeDream's 1F1B with weight stashing: a step after every backward pass, up to warm-up + 1
+    /// weight versions per stage.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// PipeDream-2BW: 1F1B's order with one step per group of minibatches (gradients
+    /// accumulated), two weight versions per stage.
+    #[serde(rename = "2bw")]
+    TwoBW,
+}
+
 pub fn default_mlp_layers() -> Vec<u32> {
     vec![512, 512, 512, 10]
 }
@@ -637,8 +669,19 @@ impl AppConfig {
                 learning_rate,
                 momentum,
                 link_mbit_per_sec,
+                parallelism,
+                pipeline,
                 ..
             } => {
+                if pipeline.vertical_sync && pipeline.schedule != PipelineSchedule::OneFOneB {
+                    return Err(
+                        "mlp pipeline vertical_sync applies to the 1f1b schedule only".into(),
+                    );
+                }
+                if *pipeline != PipelineOptions::default() && *parallelism != Parallelism::Pipeline
+                {
+                    return Err("mlp pipeline options apply to parallelism = pipeline only".into());
+                }
                 if layers.is_empty() || layers.contains(&0) || *batch == 0 {
                     return Err("mlp needs at least one layer, widths >= 1 and batch >= 1".into());
                 }

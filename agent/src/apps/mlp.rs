@@ -24,6 +24,7 @@ pub struct MlpJob {
     pub lr: LrSchedule,
     pub momentum: f32,
     pub parallelism: proteus_wire::agent_api::Parallelism,
+    pub pipeline: proteus_wire::agent_api::PipelineOptions,
     /// Bytes per second per connection, when links are emulated.
     pub link_bytes_per_sec: Option<f64>,
 }

@@ -157,6 +157,7 @@ impl App {
                 momentum,
                 parallelism,
                 link_mbit_per_sec,
+                pipeline,
             } => {
                 let (train, test) = match dataset {
                     ImageDataset::Mnist => data::load_mnist(data_dir)?,
@@ -174,6 +175,7 @@ impl App {
                     lr: mlp::LrSchedule::constant(*learning_rate),
                     momentum: *momentum,
                     parallelism: *parallelism,
+                    pipeline: *pipeline,
                     link_bytes_per_sec: link_mbit_per_sec.map(|b| b * 1e6 / 8.0),
                 }))
             }

@@ -17,7 +17,7 @@ use crate::transport::{Handler, Peers, Request, Response};
 use crate::worker::{SharedProgress, WorkerEvent};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    ClusterView, Metric, MetricKind, Parallelism, StopCondition, TrainingConfig,
+    ClusterView, Metric, MetricKind, Parallelism, PipelineSchedule, StopCondition, TrainingConfig,
 };
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -220,10 +220,16 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
     };
     let mut replans = plans;
     replans.remove(&n);
+    let schedule = match ctx.job.pipeline.schedule {
+        PipelineSchedule::OneFOneB => ScheduleKind::OneFOneB,
+        PipelineSchedule::TwoBW => ScheduleKind::TwoBW {
+            group: super::schedule::two_bw_group(&plan),
+        },
+    };
     let cfg = RunConfig {
         shape: ctx.job.shape.clone(),
         plan,
-        schedule: ScheduleKind::OneFOneB,
+        schedule,
         batches,
         minibatches,
         lr: ctx.job.lr,
@@ -233,6 +239,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         replans,
         warn_at: None,
         allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: ctx.job.pipeline.vertical_sync,
     };
     // Heartbeats report the minibatches this worker has stepped through.
     let steps = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -6,13 +6,19 @@
 //!   passes, then one optimizer step with the group's summed gradients; the pipeline drains at
 //!   every group, so every forward pass of a group sees the same weights and training equals
 //!   single-process SGD on the group's samples.
+//! - **2BW** (PipeDream-2BW, Narayanan et al., ICML 2021): 1F1B's order, but the optimizer steps
+//!   once per group of minibatches with their accumulated gradients. With a group of at least
+//!   `(warm-up + 1) × replicas` minibatches at every stage, the minibatches in flight when a step
+//!   lands all ran on the version before it, so a stage holds two weight versions at most (the
+//!   double buffer) instead of 1F1B's warm-up + 1, and nothing flushes.
 
 /// One step of a stage replica's schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
     Forward(u64),
     Backward(u64),
-    /// Flushing schedule only: the optimizer step of a group (after its last backward).
+    /// Flushing and 2BW: the optimizer step of a group (after this replica's last backward of
+    /// it).
     Flush {
         group: u64,
     },
@@ -28,6 +34,21 @@ pub enum ScheduleKind {
     OneFOneB,
     /// GPipe-style: groups of `group` minibatches, a flush after each.
     Flushing { group: u64 },
+    /// PipeDream-2BW: 1F1B order, one optimizer step per group of `group` minibatches (across
+    /// the stage's replicas), two weight versions per stage (see [`two_bw_group`]).
+    TwoBW { group: u64 },
+}
+
+/// The smallest 2BW group under which no stage of `plan` ever holds more than two weight
+/// versions: every stage's `(warm-up + 1) × replicas`, at its largest.
+pub fn two_bw_group(plan: &super::Plan) -> u64 {
+    (0..plan.stages().len())
+        .map(|s| {
+            let r = plan.stages()[s].replicas;
+            (warmup(plan.workers_from(s), r) as u64 + 1) * u64::from(r)
+        })
+        .max()
+        .unwrap_or(1)
 }
 
 /// PipeDream's warm-up: `(workers in this and later stages − 1) / replicas of this stage`.
@@ -77,6 +98,28 @@ pub fn flushing(minibatches: &[u64], group: u64, total: u64) -> Vec<Op> {
     ops
 }
 
+/// 2BW over `minibatches`: [`one_f_one_b`]'s order with the optimizer step of each group of
+/// `group` minibatches (by `m / group`) after this replica's last backward pass in it; a group in
+/// which this replica has no minibatch (the last, when `total` is not a multiple) still gets
+/// its step, at the end, so that replicas take the same steps.
+pub fn two_bw(minibatches: &[u64], warmup: usize, group: u64, total: u64) -> Vec<Op> {
+    let group = group.max(1);
+    let last_in = |g: u64| minibatches.iter().rev().find(|&&m| m / group == g).copied();
+    let mut ops = Vec::with_capacity(2 * minibatches.len() + total.div_ceil(group) as usize);
+    let mut stepped = 0;
+    for op in one_f_one_b(minibatches, warmup) {
+        ops.push(op);
+        if let Op::Backward(m) = op
+            && last_in(m / group) == Some(m)
+        {
+            ops.push(Op::Flush { group: m / group });
+            stepped = m / group + 1;
+        }
+    }
+    ops.extend((stepped..total.div_ceil(group)).map(|group| Op::Flush { group }));
+    ops
+}
+
 /// The schedule of one replica.
 pub fn ops(
     kind: ScheduleKind,
@@ -94,6 +137,12 @@ pub fn ops(
             ops
         }
         ScheduleKind::Flushing { group } => flushing(&mine, group, total),
+        ScheduleKind::TwoBW { group } => two_bw(
+            &mine,
+            warmup(workers_here_and_later, replicas),
+            group,
+            total,
+        ),
     }
 }
 
@@ -163,6 +212,64 @@ mod tests {
         );
     }
 
+    #[test]
+    fn two_bw_is_one_f_one_b_with_a_step_per_group() {
+        // A first stage of four (warm-up 3), groups of 4: steps after B(3) and B(7).
+        assert_eq!(
+            ops(ScheduleKind::TwoBW { group: 4 }, 8, 1, 0, 4),
+            [
+                F(0),
+                F(1),
+                F(2),
+                F(3),
+                B(0),
+                F(4),
+                B(1),
+                F(5),
+                B(2),
+                F(6),
+                B(3),
+                Op::Flush { group: 0 },
+                F(7),
+                B(4),
+                B(5),
+                B(6),
+                B(7),
+                Op::Flush { group: 1 }
+            ]
+        );
+        // Two replicas, 5 minibatches in groups of 4: replica 1 has none of group 1 (minibatch
+        // 4) and still steps with it, at the end.
+        assert_eq!(
+            ops(ScheduleKind::TwoBW { group: 4 }, 5, 2, 1, 2),
+            [
+                F(1),
+                B(1),
+                F(3),
+                B(3),
+                Op::Flush { group: 0 },
+                Op::Flush { group: 1 }
+            ]
+        );
+        let p = |stages: &[(usize, usize, u32)]| {
+            let stages = stages
+                .iter()
+                .map(|&(a, b, r)| crate::pipeline::StagePlan {
+                    layers: a..b,
+                    replicas: r,
+                })
+                .collect();
+            crate::pipeline::Plan::new(stages, 4, 0.0).unwrap()
+        };
+        assert_eq!(
+            two_bw_group(&p(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)])),
+            4
+        );
+        // (3 − 1) / 2 + 1 = 2 per replica of the first stage, times 2 replicas.
+        assert_eq!(two_bw_group(&p(&[(0, 2, 2), (2, 4, 1)])), 4);
+        assert_eq!(two_bw_group(&p(&[(0, 4, 3)])), 3);
+    }
+
     /// Run every replica's schedule against the others with the pipeline's dependencies (a
     /// forward needs the previous stage's forward of the minibatch, a backward the next stage's
     /// backward, replicas synchronise after each step) and check that it never deadlocks and that
@@ -218,7 +325,7 @@ mod tests {
                                     .iter()
                                     .filter(|o| matches!(o, Op::Backward(_)))
                                     .count();
-                            if kind == ScheduleKind::OneFOneB {
+                            if !matches!(kind, ScheduleKind::Flushing { .. }) {
                                 assert!(mine <= warmup(later(s), replicas[s]) + 1);
                             }
                         }
@@ -265,6 +372,20 @@ mod tests {
             for total in [1, 5, 12] {
                 simulate(ScheduleKind::OneFOneB, &replicas, total);
                 simulate(ScheduleKind::Flushing { group: 4 }, &replicas, total);
+                let stages = replicas
+                    .iter()
+                    .scan(0, |at, &r| {
+                        *at += 1;
+                        Some(crate::pipeline::StagePlan {
+                            layers: *at - 1..*at,
+                            replicas: r,
+                        })
+                    })
+                    .collect();
+                let plan = crate::pipeline::Plan::new(stages, replicas.len(), 0.0).unwrap();
+                let group = two_bw_group(&plan);
+                simulate(ScheduleKind::TwoBW { group }, &replicas, total);
+                simulate(ScheduleKind::TwoBW { group: group + 3 }, &replicas, total);
             }
         }
     }

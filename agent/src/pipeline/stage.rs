@@ -47,6 +47,10 @@ pub enum StageError {
     Send { worker: u32, message: String },
     #[error("a backward pass failed: {0}")]
     Compute(String),
+    #[error("minibatch {minibatch}: weight version {version} is not held (vertical sync)")]
+    VersionGone { minibatch: u64, version: u64 },
+    #[error("{0}")]
+    Config(String),
 }
 
 /// Which samples minibatch `m` holds: a seeded shuffle per epoch, the same on every worker.
@@ -100,6 +104,34 @@ pub struct RunConfig {
     /// as soon as the backward pass has produced it, overlapping the rest of the backward pass
     /// (as PyTorch DDP does); 0: one all-reduce of everything after the backward pass.
     pub allreduce_bucket_bytes: usize,
+    /// PipeDream's vertical sync (1F1B only): every stage runs minibatch `m` forward and
+    /// backward on the weight version the input stage had when `m` entered the pipeline (for a
+    /// replicated stage, its newest version with no more minibatches applied than that), so
+    /// each minibatch sees one consistent model; stages keep the older versions it needs.
+    pub vertical_sync: bool,
+}
+
+impl RunConfig {
+    /// Combinations the runtime cannot run, with the reason.
+    pub fn check(&self) -> Result<(), StageError> {
+        if self.vertical_sync && self.schedule != ScheduleKind::OneFOneB {
+            return Err(StageError::Config(
+                "vertical sync applies to the 1F1B schedule only (flushing runs every stage on \
+                 one version already; 2BW keeps two)"
+                    .into(),
+            ));
+        }
+        if let ScheduleKind::TwoBW { group } = self.schedule {
+            let need = schedule::two_bw_group(&self.plan);
+            if group < need {
+                return Err(StageError::Config(format!(
+                    "a 2BW group of {group} minibatches is smaller than this plan needs for two \
+                     weight versions per stage ({need})"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Gradient buckets of 1 MiB: PyTorch DDP's first bucket (its later ones are 25 MiB, for
@@ -170,6 +202,13 @@ pub struct StageCore {
     pub samples: usize,
     /// Most weight versions the stash held at once.
     pub max_versions: usize,
+    /// Older versions kept for vertical sync, oldest first (empty without it).
+    history: std::collections::VecDeque<(u64, Arc<Vec<Dense>>)>,
+    keep_history: bool,
+    /// Most copies of the stage's weights alive at once: the current version, the versions
+    /// stashed for backward passes and those kept for vertical sync (the weight memory a
+    /// schedule costs, in units of the stage's parameters).
+    pub max_weight_copies: usize,
 }
 
 impl StageCore {
@@ -199,7 +238,25 @@ impl StageCore {
             correct: 0,
             samples: 0,
             max_versions: 0,
+            history: std::collections::VecDeque::new(),
+            keep_history: false,
+            max_weight_copies: 1,
         }
+    }
+
+    /// Keep every version a later [`Self::forward_at`] may ask for (vertical sync).
+    pub fn keep_versions(&mut self) {
+        self.keep_history = true;
+        self.history.push_back((self.version, self.weights.clone()));
+    }
+
+    fn count_copies(&mut self) {
+        let mut v: Vec<u64> = self.stash.values().map(|s| s.version).collect();
+        v.extend(self.history.iter().map(|h| h.0));
+        v.push(self.version);
+        v.sort_unstable();
+        v.dedup();
+        self.max_weight_copies = self.max_weight_copies.max(v.len());
     }
 
     pub fn weights(&self) -> &[Dense] {
@@ -224,6 +281,48 @@ impl StageCore {
         x: Array2<f32>,
         labels: Option<&[u8]>,
     ) -> Result<Array2<f32>, StageError> {
+        let (version, weights) = (self.version, self.weights.clone());
+        self.forward_with(m, x, labels, version, weights)
+    }
+
+    /// [`Self::forward`] with weight version `version`, kept since [`Self::keep_versions`];
+    /// versions older than it are dropped (minibatches ask for versions in order).
+    pub fn forward_at(
+        &mut self,
+        m: u64,
+        x: Array2<f32>,
+        labels: Option<&[u8]>,
+        version: u64,
+    ) -> Result<Array2<f32>, StageError> {
+        self.release_before(version);
+        let weights = match self.history.front() {
+            Some((v, w)) if *v == version => w.clone(),
+            _ => {
+                return Err(StageError::VersionGone {
+                    minibatch: m,
+                    version,
+                });
+            }
+        };
+        self.forward_with(m, x, labels, version, weights)
+    }
+
+    /// Drop the versions kept for vertical sync that are older than `version` (no later
+    /// forward pass asks for them).
+    pub fn release_before(&mut self, version: u64) {
+        while self.history.front().is_some_and(|h| h.0 < version) {
+            self.history.pop_front();
+        }
+    }
+
+    fn forward_with(
+        &mut self,
+        m: u64,
+        x: Array2<f32>,
+        labels: Option<&[u8]>,
+        version: u64,
+        weights: Arc<Vec<Dense>>,
+    ) -> Result<Array2<f32>, StageError> {
         if self.stash.len() >= self.capacity {
             return Err(StageError::StashFull {
                 minibatch: m,
@@ -234,7 +333,7 @@ impl StageCore {
         if x.ncols() != w0 {
             return Err(StageError::Shape(m));
         }
-        let trace = mlp::forward(&self.weights, x, self.ends_model);
+        let trace = mlp::forward(&weights, x, self.ends_model);
         let out = trace.output.clone();
         let loss_grad = match (self.ends_model, labels) {
             (true, Some(y)) if y.len() == out.nrows() => {
@@ -250,15 +349,17 @@ impl StageCore {
         self.stash.insert(
             m,
             Stashed {
-                version: self.version,
-                weights: self.weights.clone(),
+                version,
+                weights,
                 trace,
                 loss_grad,
             },
         );
         let mut versions: Vec<u64> = self.stash.values().map(|s| s.version).collect();
+        versions.sort_unstable();
         versions.dedup();
         self.max_versions = self.max_versions.max(versions.len());
+        self.count_copies();
         Ok(out)
     }
 
@@ -363,6 +464,10 @@ impl StageCore {
             }
         }
         self.version += 1;
+        if self.keep_history {
+            self.history.push_back((self.version, self.weights.clone()));
+        }
+        self.count_copies();
         Ok(())
     }
 
@@ -684,6 +789,9 @@ pub struct StageOutcome {
     /// Minibatches whose loss this worker computed (as the last stage), in order.
     pub minibatches: Vec<u64>,
     pub max_versions: usize,
+    /// Most copies of its stage's weights this worker held at once (current, stashed and kept
+    /// for vertical sync): the weight memory its schedule costs.
+    pub max_weight_copies: usize,
     /// Seconds spent computing (forward, backward, optimizer).
     pub compute_secs: f64,
     /// From the first operation to the last.
@@ -817,6 +925,7 @@ struct Totals {
     samples: usize,
     minibatches: Vec<u64>,
     max_versions: usize,
+    max_weight_copies: usize,
     busy: Duration,
     /// When this worker learnt of the last drain (to log the pause when training resumes).
     drained_at: Option<Instant>,
@@ -849,6 +958,7 @@ pub async fn run_keeping_inbox(ctx: StageCtx) -> Result<(StageOutcome, Leftovers
 
 async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageError> {
     let cfg = ctx.cfg.clone();
+    cfg.check()?;
     let n = cfg.plan.workers();
     let mut seg = Segment {
         index: 0,
@@ -906,6 +1016,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         layers = core.weights().to_vec();
         velocity = core.optimizer().velocity.clone();
         totals.max_versions = totals.max_versions.max(core.max_versions);
+        totals.max_weight_copies = totals.max_weight_copies.max(core.max_weight_copies);
         let (at, evicted) = match end {
             SegmentEnd::Finished => {
                 out.drain().await?;
@@ -1046,6 +1157,7 @@ fn outcome(
         samples: t.samples,
         minibatches: t.minibatches,
         max_versions: t.max_versions,
+        max_weight_copies: t.max_weight_copies,
         compute_secs: t.busy.as_secs_f64(),
         wall_secs: started.elapsed().as_secs_f64(),
     }
@@ -1071,11 +1183,20 @@ async fn run_segment(
     let r = sp.replicas;
     let warm = schedule::warmup(plan.workers_from(s), r);
     let capacity = match cfg.schedule {
-        ScheduleKind::OneFOneB => warm + 1,
+        ScheduleKind::OneFOneB | ScheduleKind::TwoBW { .. } => warm + 1,
         ScheduleKind::Flushing { group } => group as usize,
     };
     let mut core = StageCore::new(layers, first, last, capacity, cfg.lr, cfg.momentum);
     core.opt.velocity = velocity;
+    // Vertical sync: the input stage's version when minibatch `rel` (of this segment) entered,
+    // as the minibatches it had applied: its replica ran `rel / r0` forward passes before and
+    // stepped after each backward pass past its warm-up.
+    let r0 = u64::from(plan.stages()[0].replicas);
+    let warm0 = schedule::warmup(plan.workers(), plan.stages()[0].replicas) as u64;
+    let entered_with = |rel: u64| (rel / r0).saturating_sub(warm0) * r0;
+    if cfg.vertical_sync && !first {
+        core.keep_versions();
+    }
     let left = cfg.minibatches.saturating_sub(seg.start);
     let later = plan.workers_from(s);
     let mut ops = schedule::ops(cfg.schedule, left, r, k, later);
@@ -1134,6 +1255,8 @@ async fn run_segment(
                 let ahead = match cfg.schedule {
                     ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
                     ScheduleKind::Flushing { group } => (round + 2) * group,
+                    // Replicas are at most one group apart and admit at most a group ahead.
+                    ScheduleKind::TwoBW { group } => (round + 3) * group,
                 };
                 let at = seg.start + ahead;
                 if at < cfg.minibatches {
@@ -1176,7 +1299,19 @@ async fn run_segment(
                 };
                 let labels = last.then(|| mlp::labels(&ctx.train, &rows));
                 let t = Instant::now();
-                let y = compute(|| core.forward(m, x, labels.as_deref()))?;
+                let y = if cfg.vertical_sync && !first {
+                    let v = entered_with(rel) / u64::from(r);
+                    compute(|| core.forward_at(m, x, labels.as_deref(), v))?
+                } else {
+                    if cfg.vertical_sync && core.version() * r0 != entered_with(rel) {
+                        return Err(StageError::Config(format!(
+                            "vertical sync: the input stage runs minibatch {m} on version {}, \
+                             not the one its later stages expect",
+                            core.version()
+                        )));
+                    }
+                    compute(|| core.forward(m, x, labels.as_deref()))?
+                };
                 totals.busy += t.elapsed();
                 if last {
                     totals.minibatches.push(m);
@@ -1234,7 +1369,7 @@ async fn run_segment(
             }
             Op::Sync => Some(last_epoch),
             Op::Flush { group } => match cfg.schedule {
-                ScheduleKind::Flushing { group: g } => {
+                ScheduleKind::Flushing { group: g } | ScheduleKind::TwoBW { group: g } => {
                     Some(cfg.batches.epoch(seg.start + group * g))
                 }
                 ScheduleKind::OneFOneB => None,
@@ -1269,9 +1404,18 @@ async fn run_segment(
                 }
             }
         };
+        // Vertical sync: before the step makes a new version, drop those the stage's next
+        // forward passes no longer need.
+        if cfg.vertical_sync && !first {
+            let next = ops[pc..].iter().find_map(|op| match op {
+                Op::Forward(rel) => Some(entered_with(*rel) / u64::from(r)),
+                _ => None,
+            });
+            core.release_before(next.unwrap_or(u64::MAX));
+        }
         let t = Instant::now();
         let scale = match cfg.schedule {
-            ScheduleKind::OneFOneB => StepScale::SumOfMinibatchMeans,
+            ScheduleKind::OneFOneB | ScheduleKind::TwoBW { .. } => StepScale::SumOfMinibatchMeans,
             ScheduleKind::Flushing { .. } => StepScale::Mean,
         };
         compute(|| core.apply(&flat, epoch, scale))?;
@@ -1303,7 +1447,9 @@ async fn run_segment(
             // Minibatches whose updates this step completes.
             let covered = match cfg.schedule {
                 ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
-                ScheduleKind::Flushing { group } => round * group..(round + 1) * group,
+                ScheduleKind::Flushing { group } | ScheduleKind::TwoBW { group } => {
+                    round * group..(round + 1) * group
+                }
             };
             if k == 0 && cfg.checkpoint_every > 0 {
                 let limit = drain.map_or(cfg.minibatches, |d| d.0);

@@ -48,6 +48,7 @@ fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
         replans: Default::default(),
         warn_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
     };
     let (reference, final_ref) = train_sgd(&cfg, &train, group);
     let run = local::run(cfg, Arc::new(train), None).expect("pipeline runs");
@@ -94,6 +95,7 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
         replans: Default::default(),
         warn_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
     };
     let (_, sgd) = train_sgd(&base, &train, 1);
     let sgd_acc = mlp::accuracy(&sgd, &test);
@@ -155,6 +157,7 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
         replans,
         warn_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
     };
     let train = Arc::new(train);
     let plain = local::run(base.clone(), train.clone(), None).expect("uninterrupted run");
@@ -264,6 +267,7 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         parallelism: Parallelism::Pipeline,
         // Slow links make the partitioner split the layers into stages.
         link_mbit_per_sec: Some(200.0),
+        pipeline: Default::default(),
     });
     // Two epochs: the comparison is made once training has mostly converged, where a re-plan's
     // change of replication (and so of staleness) no longer shows at the first decimal.
@@ -376,6 +380,7 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         replans: Default::default(),
         warn_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
     };
     let run = tokio::task::spawn_blocking(move || local::run(reference, Arc::new(train), None))
         .await
@@ -413,6 +418,7 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
             replans: Default::default(),
             warn_at: None,
             allreduce_bucket_bytes: 0,
+            vertical_sync: false,
         };
         let whole = local::run(base.clone(), train.clone(), None).expect("one all-reduce");
         // 4 KB buckets: every layer of this model is a bucket of its own or shares one.
@@ -440,4 +446,187 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
             "the model trained"
         );
     }
+}
+
+/// Single-process training that writes out what a pipeline schedule promises: minibatch `m`'s
+/// gradient is computed (forward and backward) with each stage `s`'s layers as the model was
+/// after `version(s, m)` optimizer steps, and the model steps once per `group` minibatches with
+/// their accumulated gradients, as `group` sequential steps (1F1B's scaling).
+fn train_versioned(
+    cfg: &RunConfig,
+    train: &data::ImageSet,
+    group: u64,
+    version: impl Fn(usize, u64) -> u64,
+) -> Vec<Dense> {
+    let stages = cfg.plan.stages();
+    let mut history = vec![cfg.shape.init(cfg.seed)];
+    let mut opt = mlp::Sgd::new(&history[0], cfg.lr, cfg.momentum);
+    let mut acc: Vec<Dense> = history[0].iter().map(Dense::zeros_like).collect();
+    let (mut samples, mut count) = (0usize, 0u32);
+    for m in 0..cfg.minibatches {
+        let layers: Vec<Dense> = stages
+            .iter()
+            .enumerate()
+            .flat_map(|(s, st)| {
+                let v = version(s, m) as usize;
+                assert!(
+                    v < history.len(),
+                    "stage {s} minibatch {m}: version {v} lies ahead"
+                );
+                history[v][st.layers.clone()].to_vec()
+            })
+            .collect();
+        let rows = cfg.batches.rows(m);
+        let t = mlp::forward(&layers, mlp::features(train, &rows), true);
+        let (_, _, g) = mlp::softmax_xent(&t.output, &mlp::labels(train, &rows));
+        let (grads, _) = mlp::backward(&layers, &t, g, true, false);
+        mlp::add_into(&mut acc, &grads);
+        samples += rows.len();
+        count += 1;
+        if u64::from(count) == group || m + 1 == cfg.minibatches {
+            let mut w = history.last().expect("a version").clone();
+            opt.step_as(&mut w, &acc, samples as f32 / count as f32, 0, count);
+            history.push(w);
+            acc.iter_mut().for_each(|a| {
+                a.w.fill(0.0);
+                a.b.fill(0.0)
+            });
+            (samples, count) = (0, 0);
+        }
+    }
+    history.pop().expect("a version")
+}
+
+#[test]
+fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise() {
+    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
+    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
+    let four = plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4);
+    let base = RunConfig {
+        shape: shape.clone(),
+        plan: four.clone(),
+        schedule: ScheduleKind::OneFOneB,
+        batches: Batches::new(train.len(), 16, 3),
+        minibatches: 50,
+        lr: LrSchedule::constant(0.05),
+        momentum: 0.9,
+        seed: 11,
+        checkpoint_every: 0,
+        replans: Default::default(),
+        warn_at: None,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
+    };
+    // Warm-ups 3, 2, 1, 0: stage s runs minibatch m forward after m − warm(s) of its steps.
+    let warm = |s: usize| 3 - s as u64;
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
+    assert_eq!(group, 4);
+    let train = Arc::new(train);
+    let cases: [(
+        &str,
+        RunConfig,
+        u64,
+        Box<dyn Fn(usize, u64) -> u64>,
+        [usize; 4],
+    ); 3] = [
+        (
+            "1F1B",
+            base.clone(),
+            1,
+            Box::new(move |s, m| m.saturating_sub(warm(s))),
+            [4, 3, 2, 1],
+        ),
+        (
+            // Every stage runs m on the input stage's version when m entered: one model.
+            "1F1B with vertical sync",
+            RunConfig {
+                vertical_sync: true,
+                ..base.clone()
+            },
+            1,
+            Box::new(move |_, m| m.saturating_sub(warm(0))),
+            [4, 4, 4, 4],
+        ),
+        (
+            // One step per 4 minibatches; a stage's versions advance once per group.
+            "2BW",
+            RunConfig {
+                schedule: ScheduleKind::TwoBW { group },
+                ..base.clone()
+            },
+            group,
+            Box::new(move |s, m| m.saturating_sub(warm(s)) / group),
+            [2, 2, 2, 1],
+        ),
+    ];
+    let mut finals = Vec::new();
+    for (name, cfg, step_every, version, copies) in cases {
+        let want = train_versioned(&cfg, &train, step_every, version);
+        let run = local::run(cfg, train.clone(), None).expect("pipeline runs");
+        let d = max_rel_diff(&run.model(), &want);
+        assert!(d < 1e-4, "{name}: differs from its promise by {d}");
+        assert!(
+            max_rel_diff(&run.model(), &shape.init(11)) > 1e-3,
+            "{name} trained"
+        );
+        let mut held = [0; 4];
+        for o in &run.outcomes {
+            held[o.stage] = o.max_weight_copies;
+        }
+        assert_eq!(held, copies, "{name}: weight copies held per stage");
+        finals.push(run.model());
+    }
+    // The three really train differently.
+    assert!(max_rel_diff(&finals[0], &finals[1]) > 1e-4);
+    assert!(max_rel_diff(&finals[0], &finals[2]) > 1e-4);
+
+    // Replicated stages: vertical sync maps the input stage's version to each stage's own
+    // (replicas 2, 1, 1 step every 2, 1, 1 minibatches), and 2BW's group covers both replicas.
+    let replicated = plan(&[(0, 2, 2), (2, 3, 1), (3, 4, 1)], 4);
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&replicated);
+    for cfg in [
+        RunConfig {
+            plan: replicated.clone(),
+            vertical_sync: true,
+            ..base.clone()
+        },
+        RunConfig {
+            plan: replicated.clone(),
+            schedule: ScheduleKind::TwoBW { group },
+            ..base.clone()
+        },
+    ] {
+        let two_bw = cfg.schedule != ScheduleKind::OneFOneB;
+        let run = local::run(cfg, train.clone(), None).expect("replicated pipeline runs");
+        assert!(max_rel_diff(&run.model(), &shape.init(11)) > 1e-3);
+        if two_bw {
+            assert!(run.outcomes.iter().all(|o| o.max_weight_copies <= 2));
+        }
+    }
+
+    // What the runtime cannot do is refused before anything runs.
+    let e = local::run(
+        RunConfig {
+            schedule: ScheduleKind::TwoBW { group: 2 },
+            ..base.clone()
+        },
+        train.clone(),
+        None,
+    )
+    .expect_err("a 2BW group too small for two versions");
+    assert!(
+        e.to_string().contains("smaller than this plan needs"),
+        "{e}"
+    );
+    let e = local::run(
+        RunConfig {
+            schedule: ScheduleKind::Flushing { group: 4 },
+            vertical_sync: true,
+            ..base
+        },
+        train,
+        None,
+    )
+    .expect_err("vertical sync with flushing");
+    assert!(e.to_string().contains("1F1B schedule only"), "{e}");
 }

@@ -20,7 +20,7 @@ use crate::job::WorkModelSpec;
 use crate::market::{InstanceType, Timestamp, Usd};
 use proteus_wire::agent_api::{
     AppConfig, CommandConfig, CommandLauncher, ImageDataset, MAX_HELPER_GROUP, MAX_SLACK,
-    Parallelism, StopCondition, SyncModel, TrainingConfig,
+    Parallelism, PipelineOptions, PipelineSchedule, StopCondition, SyncModel, TrainingConfig,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -439,6 +439,11 @@ pub struct TrainingSpec {
     /// `mlp` only: emulate links of this many Mbit/s between agents.
     #[serde(default)]
     pub link_mbit_per_sec: Option<f64>,
+    /// `mlp` pipelines only: `schedule` = `1f1b` (PipeDream, default) or `2bw` (PipeDream-2BW:
+    /// two weight versions per stage), and `vertical_sync` (1F1B only), e.g.
+    /// `pipeline = { schedule = "2bw" }`. See docs/pipeline.md.
+    #[serde(default)]
+    pub pipeline: Option<PipelineOptions>,
     /// Training starts once this many workers are placed (an `mlp` pipeline is planned for
     /// them). Default 1.
     #[serde(default)]
@@ -911,11 +916,29 @@ impl JobSpec {
                 || t.batch.is_some()
                 || t.momentum.is_some()
                 || t.link_mbit_per_sec.is_some()
+                || t.pipeline.is_some()
         });
         if mlp_only && self.app != App::Mlp {
             return Err(bad(
                 "training",
-                "parallelism, layers, batch, momentum and link_mbit_per_sec apply to `mlp` only",
+                "parallelism, layers, batch, momentum, link_mbit_per_sec and pipeline apply to \
+                 `mlp` only",
+            ));
+        }
+        let pipeline = t.and_then(|t| t.pipeline).unwrap_or_default();
+        if pipeline.vertical_sync && pipeline.schedule != PipelineSchedule::OneFOneB {
+            return Err(bad(
+                "training.pipeline.vertical_sync",
+                "applies to schedule = \"1f1b\" only (2BW keeps two weight versions per stage; \
+                 vertical sync needs more)",
+            ));
+        }
+        if t.is_some_and(|t| t.pipeline.is_some())
+            && t.and_then(|t| t.parallelism).unwrap_or_default() != Parallelism::Pipeline
+        {
+            return Err(bad(
+                "training.pipeline",
+                "applies to parallelism = \"pipeline\" only",
             ));
         }
         match self.app {
@@ -940,6 +963,7 @@ impl JobSpec {
                         .unwrap_or(proteus_wire::agent_api::default_mlp_momentum()),
                     parallelism: t.and_then(|t| t.parallelism).unwrap_or_default(),
                     link_mbit_per_sec: t.and_then(|t| t.link_mbit_per_sec),
+                    pipeline,
                 };
                 Ok(app)
             }
@@ -1160,6 +1184,53 @@ mod tests {
             .validate(BillingModel::PerSecond, NOW)
             .unwrap_err();
         assert_eq!(e.field, "training");
+    }
+
+    #[test]
+    fn mlp_pipelines_choose_their_schedule_and_vertical_sync() {
+        let pipeline_of = |training: &str| {
+            let s = spec(&format!(
+                r#"{{"app":"mlp","policy":"x","limits":{{"max_instances":4}},"training":{training}}}"#
+            ));
+            match s
+                .validate(BillingModel::PerSecond, NOW)
+                .map(|v| v.training.app)
+            {
+                Ok(AppConfig::Mlp { pipeline, .. }) => Ok(pipeline),
+                Ok(other) => panic!("{other:?}"),
+                Err(e) => Err(e),
+            }
+        };
+        assert_eq!(pipeline_of("{}").unwrap(), PipelineOptions::default());
+        assert_eq!(
+            pipeline_of(r#"{"pipeline":{"schedule":"2bw"}}"#).unwrap(),
+            PipelineOptions {
+                schedule: PipelineSchedule::TwoBW,
+                vertical_sync: false
+            }
+        );
+        assert_eq!(
+            pipeline_of(r#"{"pipeline":{"vertical_sync":true}}"#).unwrap(),
+            PipelineOptions {
+                schedule: PipelineSchedule::OneFOneB,
+                vertical_sync: true
+            }
+        );
+        let e = pipeline_of(r#"{"pipeline":{"schedule":"2bw","vertical_sync":true}}"#).unwrap_err();
+        assert_eq!(e.field, "training.pipeline.vertical_sync");
+        let e = pipeline_of(r#"{"parallelism":"data","pipeline":{"schedule":"2bw"}}"#).unwrap_err();
+        assert_eq!(e.field, "training.pipeline");
+        // An unknown schedule or key is refused when the spec is read, naming it.
+        let bad = serde_json::from_str::<JobSpec>(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"pipeline":{"schedule":"gpipe"}}}"#,
+        )
+        .unwrap_err();
+        assert!(bad.to_string().contains("gpipe"), "{bad}");
+        let bad = serde_json::from_str::<JobSpec>(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"pipeline":{"vertcal_sync":true}}}"#,
+        )
+        .unwrap_err();
+        assert!(bad.to_string().contains("vertcal_sync"), "{bad}");
     }
 
     fn spec(json: &str) -> JobSpec {
