@@ -201,16 +201,18 @@ impl Agent {
         );
 
         // MLP jobs may emulate slow links between agents (all of this agent's connections).
-        let link = match &*app {
-            App::Mlp(job) => job.link_bytes_per_sec,
-            _ => None,
+        let (link, latency) = match &*app {
+            App::Mlp(job) => (job.link_bytes_per_sec, job.link_latency),
+            _ => (None, None),
         };
         let secret = reg.data_secret.clone().ok_or_else(|| {
             AgentError::Config(
                 "the broker sent no data-plane secret (a broker older than this agent?)".into(),
             )
         })?;
-        let plane = DataPlane::new(secret, app.max_frame(&reg.training)).with_link_limit(link);
+        let plane = DataPlane::new(secret, app.max_frame(&reg.training))
+            .with_link_limit(link)
+            .with_link_latency(latency);
         tracing::info!(max_frame = plane.max_frame(), "data plane bound");
         let peers = Peers::new(data_addr, plane);
         let (ps_tx, ps_rx) = mpsc::unbounded_channel();

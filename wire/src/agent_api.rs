@@ -467,6 +467,9 @@ pub enum AppConfig {
         /// Emulated link bandwidth per connection between agents, Mbit/s (none when absent).
         #[serde(default)]
         link_mbit_per_sec: Option<f64>,
+        /// Emulated one-way latency per message between agents, ms (none when absent).
+        #[serde(default)]
+        link_latency_ms: Option<f64>,
         /// The pipeline's schedule and vertical sync (`parallelism = "pipeline"`).
         #[serde(default)]
         pipeline: PipelineOptions,
@@ -669,10 +672,16 @@ impl AppConfig {
                 learning_rate,
                 momentum,
                 link_mbit_per_sec,
+                link_latency_ms,
                 parallelism,
                 pipeline,
                 ..
             } => {
+                if link_latency_ms
+                    .is_some_and(|l| !(l.is_finite() && (0.0..=10_000.0).contains(&l)))
+                {
+                    return Err("mlp link_latency_ms must be in [0, 10000]".into());
+                }
                 if pipeline.vertical_sync && pipeline.schedule != PipelineSchedule::OneFOneB {
                     return Err(
                         "mlp pipeline vertical_sync applies to the 1f1b schedule only".into(),

@@ -27,6 +27,8 @@ pub struct MlpJob {
     pub pipeline: proteus_wire::agent_api::PipelineOptions,
     /// Bytes per second per connection, when links are emulated.
     pub link_bytes_per_sec: Option<f64>,
+    /// One-way latency per message, when links are emulated.
+    pub link_latency: Option<std::time::Duration>,
 }
 
 /// The most workers a pipeline's plan table is sized for in the frame bound.

@@ -157,6 +157,7 @@ impl App {
                 momentum,
                 parallelism,
                 link_mbit_per_sec,
+                link_latency_ms,
                 pipeline,
             } => {
                 let (train, test) = match dataset {
@@ -177,6 +178,9 @@ impl App {
                     parallelism: *parallelism,
                     pipeline: *pipeline,
                     link_bytes_per_sec: link_mbit_per_sec.map(|b| b * 1e6 / 8.0),
+                    link_latency: link_latency_ms
+                        .filter(|ms| *ms > 0.0)
+                        .map(|ms| std::time::Duration::from_secs_f64(ms / 1e3)),
                 }))
             }
             AppConfig::Synthetic { model_len } => App::Synthetic {
@@ -261,6 +265,61 @@ impl App {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_mlp_job_brings_its_links_and_schedule_to_the_agent() {
+        use proteus_wire::agent_api::{Parallelism, PipelineOptions, PipelineSchedule};
+        let dir = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../data/ml"));
+        let pipeline = PipelineOptions {
+            schedule: PipelineSchedule::TwoBW,
+            vertical_sync: false,
+        };
+        let cfg = TrainingConfig::new(AppConfig::Mlp {
+            dataset: ImageDataset::Digits,
+            layers: vec![32, 10],
+            batch: 16,
+            learning_rate: 0.05,
+            momentum: 0.9,
+            parallelism: Parallelism::Pipeline,
+            link_mbit_per_sec: Some(80.0),
+            link_latency_ms: Some(2.5),
+            pipeline,
+        });
+        cfg.validate().expect("valid");
+        let App::Mlp(job) = App::load(&cfg, &dir).expect("digits load") else {
+            panic!("an mlp job loads as one");
+        };
+        assert_eq!(job.link_bytes_per_sec, Some(10e6));
+        assert_eq!(
+            job.link_latency,
+            Some(std::time::Duration::from_micros(2500))
+        );
+        assert_eq!(job.pipeline, pipeline);
+        // No latency is none, not a zero delay line.
+        let mut none = cfg.clone();
+        if let AppConfig::Mlp {
+            link_latency_ms, ..
+        } = &mut none.app
+        {
+            *link_latency_ms = Some(0.0);
+        }
+        let App::Mlp(job) = App::load(&none, &dir).expect("digits load") else {
+            panic!("an mlp job loads as one");
+        };
+        assert_eq!(job.link_latency, None);
+        // Out of range is refused by the configuration's check, naming the field.
+        for bad in [-1.0, f64::NAN, 20_000.0] {
+            let mut c = cfg.clone();
+            if let AppConfig::Mlp {
+                link_latency_ms, ..
+            } = &mut c.app
+            {
+                *link_latency_ms = Some(bad);
+            }
+            let e = c.validate().expect_err("out of range");
+            assert!(e.contains("link_latency_ms"), "{e}");
+        }
+    }
 
     #[test]
     fn partitions_cover_every_item_once_per_epoch() {

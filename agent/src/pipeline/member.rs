@@ -121,7 +121,10 @@ fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
             .collect(),
         Parallelism::Pipeline => {
             let prof = profile::profile(&job.shape, job.batch, 5, 1);
-            let link = Link::new(job.link_bytes_per_sec.unwrap_or(f64::INFINITY), 0.0);
+            let link = Link::new(
+                job.link_bytes_per_sec.unwrap_or(f64::INFINITY),
+                job.link_latency.map_or(0.0, |l| l.as_secs_f64()),
+            );
             let part = Partitioner::solve(&prof, link, workers as usize);
             (1..=workers)
                 .filter_map(|n| part.exact(n as usize).map(|p| (n, p.clone())))

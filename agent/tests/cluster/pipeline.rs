@@ -267,6 +267,7 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         parallelism: Parallelism::Pipeline,
         // Slow links make the partitioner split the layers into stages.
         link_mbit_per_sec: Some(200.0),
+        link_latency_ms: None,
         pipeline: Default::default(),
     });
     // Two epochs: the comparison is made once training has mostly converged, where a re-plan's

@@ -439,6 +439,9 @@ pub struct TrainingSpec {
     /// `mlp` only: emulate links of this many Mbit/s between agents.
     #[serde(default)]
     pub link_mbit_per_sec: Option<f64>,
+    /// `mlp` only: emulate this one-way latency (ms, 0–10000) on every message between agents.
+    #[serde(default)]
+    pub link_latency_ms: Option<f64>,
     /// `mlp` pipelines only: `schedule` = `1f1b` (PipeDream, default) or `2bw` (PipeDream-2BW:
     /// two weight versions per stage), and `vertical_sync` (1F1B only), e.g.
     /// `pipeline = { schedule = "2bw" }`. See docs/pipeline.md.
@@ -916,13 +919,14 @@ impl JobSpec {
                 || t.batch.is_some()
                 || t.momentum.is_some()
                 || t.link_mbit_per_sec.is_some()
+                || t.link_latency_ms.is_some()
                 || t.pipeline.is_some()
         });
         if mlp_only && self.app != App::Mlp {
             return Err(bad(
                 "training",
-                "parallelism, layers, batch, momentum, link_mbit_per_sec and pipeline apply to \
-                 `mlp` only",
+                "parallelism, layers, batch, momentum, link_mbit_per_sec, link_latency_ms and \
+                 pipeline apply to `mlp` only",
             ));
         }
         let pipeline = t.and_then(|t| t.pipeline).unwrap_or_default();
@@ -963,6 +967,7 @@ impl JobSpec {
                         .unwrap_or(proteus_wire::agent_api::default_mlp_momentum()),
                     parallelism: t.and_then(|t| t.parallelism).unwrap_or_default(),
                     link_mbit_per_sec: t.and_then(|t| t.link_mbit_per_sec),
+                    link_latency_ms: t.and_then(|t| t.link_latency_ms),
                     pipeline,
                 };
                 Ok(app)
@@ -1220,6 +1225,39 @@ mod tests {
         assert_eq!(e.field, "training.pipeline.vertical_sync");
         let e = pipeline_of(r#"{"parallelism":"data","pipeline":{"schedule":"2bw"}}"#).unwrap_err();
         assert_eq!(e.field, "training.pipeline");
+        // Link emulation reaches the agents' configuration; a bad latency is refused.
+        let s = spec(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"link_mbit_per_sec":100,"link_latency_ms":2}}"#,
+        );
+        match s
+            .validate(BillingModel::PerSecond, NOW)
+            .unwrap()
+            .training
+            .app
+        {
+            AppConfig::Mlp {
+                link_mbit_per_sec,
+                link_latency_ms,
+                ..
+            } => assert_eq!(
+                (link_mbit_per_sec, link_latency_ms),
+                (Some(100.0), Some(2.0))
+            ),
+            other => panic!("{other:?}"),
+        }
+        let e = spec(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"link_latency_ms":-3}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap_err();
+        assert_eq!(e.field, "training");
+        assert!(e.message.contains("link_latency_ms"), "{e:?}");
+        let e = spec(
+            r#"{"app":"mlr","policy":"x","limits":{"max_instances":4},"training":{"link_latency_ms":2}}"#,
+        )
+        .validate(BillingModel::PerSecond, NOW)
+        .unwrap_err();
+        assert_eq!(e.field, "training");
         // An unknown schedule or key is refused when the spec is read, naming it.
         let bad = serde_json::from_str::<JobSpec>(
             r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"pipeline":{"schedule":"gpipe"}}}"#,
