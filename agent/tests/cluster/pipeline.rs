@@ -449,53 +449,67 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
     }
 }
 
-/// Single-process training that writes out what a pipeline schedule promises: minibatch `m`'s
-/// gradient is computed (forward and backward) with each stage `s`'s layers as the model was
-/// after `version(s, m)` optimizer steps, and the model steps once per `group` minibatches with
-/// their accumulated gradients, as `group` sequential steps (1F1B's scaling).
+/// Single-process training that writes out what a pipeline schedule promises: each segment
+/// (a run of minibatches on one plan; a re-plan starts the next) begins from the model as the
+/// previous one left it, with versions counted from its start; minibatch `m`'s gradient is
+/// computed (forward and backward) with each stage `s`'s layers as the model was after
+/// `version(plan, s, m − start)` of the segment's optimizer steps, and the model steps once per
+/// `group` minibatches of the segment with their accumulated gradients, as `group` sequential
+/// steps (1F1B's scaling).
 fn train_versioned(
     cfg: &RunConfig,
     train: &data::ImageSet,
+    segments: &[(std::ops::Range<u64>, &Plan)],
     group: u64,
-    version: impl Fn(usize, u64) -> u64,
+    version: impl Fn(&Plan, usize, u64) -> u64,
 ) -> Vec<Dense> {
-    let stages = cfg.plan.stages();
-    let mut history = vec![cfg.shape.init(cfg.seed)];
-    let mut opt = mlp::Sgd::new(&history[0], cfg.lr, cfg.momentum);
-    let mut acc: Vec<Dense> = history[0].iter().map(Dense::zeros_like).collect();
-    let (mut samples, mut count) = (0usize, 0u32);
-    for m in 0..cfg.minibatches {
-        let layers: Vec<Dense> = stages
-            .iter()
-            .enumerate()
-            .flat_map(|(s, st)| {
-                let v = version(s, m) as usize;
-                assert!(
-                    v < history.len(),
-                    "stage {s} minibatch {m}: version {v} lies ahead"
-                );
-                history[v][st.layers.clone()].to_vec()
-            })
-            .collect();
-        let rows = cfg.batches.rows(m);
-        let t = mlp::forward(&layers, mlp::features(train, &rows), true);
-        let (_, _, g) = mlp::softmax_xent(&t.output, &mlp::labels(train, &rows));
-        let (grads, _) = mlp::backward(&layers, &t, g, true, false);
-        mlp::add_into(&mut acc, &grads);
-        samples += rows.len();
-        count += 1;
-        if u64::from(count) == group || m + 1 == cfg.minibatches {
-            let mut w = history.last().expect("a version").clone();
-            opt.step_as(&mut w, &acc, samples as f32 / count as f32, 0, count);
-            history.push(w);
-            acc.iter_mut().for_each(|a| {
-                a.w.fill(0.0);
-                a.b.fill(0.0)
-            });
-            (samples, count) = (0, 0);
+    let mut model = cfg.shape.init(cfg.seed);
+    let mut opt = mlp::Sgd::new(&model, cfg.lr, cfg.momentum);
+    for (range, plan) in segments {
+        let mut history = vec![model.clone()];
+        let mut acc: Vec<Dense> = model.iter().map(Dense::zeros_like).collect();
+        let (mut samples, mut count) = (0usize, 0u32);
+        for m in range.clone() {
+            let layers: Vec<Dense> = plan
+                .stages()
+                .iter()
+                .enumerate()
+                .flat_map(|(s, st)| {
+                    let v = version(plan, s, m - range.start) as usize;
+                    assert!(
+                        v < history.len(),
+                        "stage {s} minibatch {m}: version {v} lies ahead"
+                    );
+                    history[v][st.layers.clone()].to_vec()
+                })
+                .collect();
+            let rows = cfg.batches.rows(m);
+            let t = mlp::forward(&layers, mlp::features(train, &rows), true);
+            let (_, _, g) = mlp::softmax_xent(&t.output, &mlp::labels(train, &rows));
+            let (grads, _) = mlp::backward(&layers, &t, g, true, false);
+            mlp::add_into(&mut acc, &grads);
+            samples += rows.len();
+            count += 1;
+            if u64::from(count) == group || m + 1 == range.end {
+                let mut w = history.last().expect("a version").clone();
+                opt.step_as(&mut w, &acc, samples as f32 / count as f32, 0, count);
+                history.push(w);
+                acc.iter_mut().for_each(|a| {
+                    a.w.fill(0.0);
+                    a.b.fill(0.0)
+                });
+                (samples, count) = (0, 0);
+            }
         }
+        model = history.pop().expect("a version");
     }
-    history.pop().expect("a version")
+    model
+}
+
+/// PipeDream's warm-up of stage `s` of `plan`.
+fn warm(plan: &Plan, s: usize) -> u64 {
+    proteus_agent::pipeline::schedule::warmup(plan.workers_from(s), plan.stages()[s].replicas)
+        as u64
 }
 
 #[test]
@@ -519,22 +533,16 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
         vertical_sync: false,
     };
     // Warm-ups 3, 2, 1, 0: stage s runs minibatch m forward after m − warm(s) of its steps.
-    let warm = |s: usize| 3 - s as u64;
     let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
     assert_eq!(group, 4);
     let train = Arc::new(train);
-    let cases: [(
-        &str,
-        RunConfig,
-        u64,
-        Box<dyn Fn(usize, u64) -> u64>,
-        [usize; 4],
-    ); 3] = [
+    type Version = Box<dyn Fn(&Plan, usize, u64) -> u64>;
+    let cases: [(&str, RunConfig, u64, Version, [usize; 4]); 3] = [
         (
             "1F1B",
             base.clone(),
             1,
-            Box::new(move |s, m| m.saturating_sub(warm(s))),
+            Box::new(|p, s, m| m.saturating_sub(warm(p, s))),
             [4, 3, 2, 1],
         ),
         (
@@ -545,7 +553,7 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
                 ..base.clone()
             },
             1,
-            Box::new(move |_, m| m.saturating_sub(warm(0))),
+            Box::new(|p, _, m| m.saturating_sub(warm(p, 0))),
             [4, 4, 4, 4],
         ),
         (
@@ -556,13 +564,19 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
                 ..base.clone()
             },
             group,
-            Box::new(move |s, m| m.saturating_sub(warm(s)) / group),
+            Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
             [2, 2, 2, 1],
         ),
     ];
     let mut finals = Vec::new();
     for (name, cfg, step_every, version, copies) in cases {
-        let want = train_versioned(&cfg, &train, step_every, version);
+        let want = train_versioned(
+            &cfg,
+            &train,
+            &[(0..cfg.minibatches, &cfg.plan)],
+            step_every,
+            version,
+        );
         let run = local::run(cfg, train.clone(), None).expect("pipeline runs");
         let d = max_rel_diff(&run.model(), &want);
         assert!(d < 1e-4, "{name}: differs from its promise by {d}");
@@ -630,4 +644,100 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
     )
     .expect_err("vertical sync with flushing");
     assert!(e.to_string().contains("1F1B schedule only"), "{e}");
+}
+
+#[test]
+fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_the_replan() {
+    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
+    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
+    let four = plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4);
+    let three = plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4);
+    let base = RunConfig {
+        shape: shape.clone(),
+        plan: four.clone(),
+        schedule: ScheduleKind::OneFOneB,
+        batches: Batches::new(train.len(), 16, 3),
+        minibatches: 70,
+        lr: LrSchedule::constant(0.05),
+        momentum: 0.9,
+        seed: 11,
+        checkpoint_every: 0,
+        replans: [(3, three.clone())].into_iter().collect(),
+        // Worker 1 (stage 1) is warned when the leader reaches minibatch 20.
+        warn_at: Some((20, 1)),
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
+    };
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
+    let train = Arc::new(train);
+    type Version = Box<dyn Fn(&Plan, usize, u64) -> u64>;
+    let cases: [(&str, RunConfig, u64, Version); 2] = [
+        (
+            "vertical sync",
+            RunConfig {
+                vertical_sync: true,
+                ..base.clone()
+            },
+            1,
+            Box::new(|p, _, m| m.saturating_sub(warm(p, 0))),
+        ),
+        (
+            "2BW",
+            RunConfig {
+                schedule: ScheduleKind::TwoBW { group },
+                ..base
+            },
+            group,
+            Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
+        ),
+    ];
+    for (name, cfg, step_every, version) in cases {
+        let run = local::run(cfg.clone(), train.clone(), None).expect("run with an eviction");
+        let evicted: Vec<u32> = run
+            .outcomes
+            .iter()
+            .filter(|o| o.evicted)
+            .map(|o| o.worker)
+            .collect();
+        assert_eq!(evicted, [1], "{name}");
+        let drain_at = run
+            .checkpoints
+            .events()
+            .iter()
+            .find_map(|e| match e.0 {
+                proteus_agent::pipeline::stage::Event::Notice { drain_at, .. } => Some(drain_at),
+                _ => None,
+            })
+            .expect("a drain");
+        assert!(
+            drain_at > 20 && drain_at < 70,
+            "{name}: drained at {drain_at}"
+        );
+        if step_every > 1 {
+            assert_eq!(drain_at % step_every, 0, "{name}: drained inside a group");
+        }
+        // Every minibatch went through the last stage exactly once.
+        let mut seen: Vec<u64> = run
+            .outcomes
+            .iter()
+            .flat_map(|o| o.minibatches.iter().copied())
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "{name}");
+        let want = train_versioned(
+            &cfg,
+            &train,
+            &[(0..drain_at, &four), (drain_at..70, &three)],
+            step_every,
+            version,
+        );
+        let d = max_rel_diff(&run.model(), &want);
+        assert!(
+            d < 1e-4,
+            "{name}: differs from its promise across the re-plan by {d}"
+        );
+        if name == "2BW" {
+            assert!(run.outcomes.iter().all(|o| o.max_weight_copies <= 2));
+        }
+    }
 }
