@@ -512,17 +512,38 @@ fn warm(plan: &Plan, s: usize) -> u64 {
         as u64
 }
 
-#[test]
-fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise() {
+/// A schedule's promise, as [`train_versioned`] takes it: the minibatches one step covers, and
+/// the version stage `s` of a plan runs minibatch `m` (of its segment) on.
+type Promise = (u64, Box<dyn Fn(&Plan, usize, u64) -> u64>);
+
+/// 1F1B: stage `s` runs `m` after `m − warm-up(s)` of its steps.
+fn one_f_one_b_promise() -> Promise {
+    (1, Box::new(|p, s, m| m.saturating_sub(warm(p, s))))
+}
+
+/// Vertical sync: every stage runs `m` on the input stage's version when `m` entered.
+fn vertical_sync_promise() -> Promise {
+    (1, Box::new(|p, _, m| m.saturating_sub(warm(p, 0))))
+}
+
+/// 2BW: a step per `group` minibatches, so a stage's version advances once per group.
+fn two_bw_promise(group: u64) -> Promise {
+    (
+        group,
+        Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
+    )
+}
+
+/// The schedule tests' setting: digits, an MLP of four layers on four single stages,
+/// minibatches of 16, 1F1B without vertical sync.
+fn four_stage_digits(minibatches: u64) -> (Arc<data::ImageSet>, RunConfig) {
     let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
-    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
-    let four = plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4);
-    let base = RunConfig {
-        shape: shape.clone(),
-        plan: four.clone(),
+    let cfg = RunConfig {
+        shape: MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap(),
+        plan: plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4),
         schedule: ScheduleKind::OneFOneB,
         batches: Batches::new(train.len(), 16, 3),
-        minibatches: 50,
+        minibatches,
         lr: LrSchedule::constant(0.05),
         momentum: 0.9,
         seed: 11,
@@ -532,19 +553,18 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
+    (Arc::new(train), cfg)
+}
+
+#[test]
+fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise() {
+    let (train, base) = four_stage_digits(50);
+    let shape = base.shape.clone();
     // Warm-ups 3, 2, 1, 0: stage s runs minibatch m forward after m − warm(s) of its steps.
-    let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&base.plan);
     assert_eq!(group, 4);
-    let train = Arc::new(train);
-    type Version = Box<dyn Fn(&Plan, usize, u64) -> u64>;
-    let cases: [(&str, RunConfig, u64, Version, [usize; 4]); 3] = [
-        (
-            "1F1B",
-            base.clone(),
-            1,
-            Box::new(|p, s, m| m.saturating_sub(warm(p, s))),
-            [4, 3, 2, 1],
-        ),
+    let cases: [(&str, RunConfig, Promise, [usize; 4]); 3] = [
+        ("1F1B", base.clone(), one_f_one_b_promise(), [4, 3, 2, 1]),
         (
             // Every stage runs m on the input stage's version when m entered: one model.
             "1F1B with vertical sync",
@@ -552,8 +572,7 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
                 vertical_sync: true,
                 ..base.clone()
             },
-            1,
-            Box::new(|p, _, m| m.saturating_sub(warm(p, 0))),
+            vertical_sync_promise(),
             [4, 4, 4, 4],
         ),
         (
@@ -563,13 +582,12 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
                 schedule: ScheduleKind::TwoBW { group },
                 ..base.clone()
             },
-            group,
-            Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
+            two_bw_promise(group),
             [2, 2, 2, 1],
         ),
     ];
     let mut finals = Vec::new();
-    for (name, cfg, step_every, version, copies) in cases {
+    for (name, cfg, (step_every, version), copies) in cases {
         let want = train_versioned(
             &cfg,
             &train,
@@ -648,38 +666,24 @@ fn one_f_one_b_vertical_sync_and_2bw_train_on_the_weight_versions_they_promise()
 
 #[test]
 fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_the_replan() {
-    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
-    let shape = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap();
-    let four = plan(&[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 4, 1)], 4);
+    let (train, base) = four_stage_digits(70);
+    let four = base.plan.clone();
     let three = plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4);
     let base = RunConfig {
-        shape: shape.clone(),
-        plan: four.clone(),
-        schedule: ScheduleKind::OneFOneB,
-        batches: Batches::new(train.len(), 16, 3),
-        minibatches: 70,
-        lr: LrSchedule::constant(0.05),
-        momentum: 0.9,
-        seed: 11,
-        checkpoint_every: 0,
         replans: [(3, three.clone())].into_iter().collect(),
         // Worker 1 (stage 1) is warned when the leader reaches minibatch 20.
         warn_at: Some((20, 1)),
-        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
-        vertical_sync: false,
+        ..base
     };
     let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
-    let train = Arc::new(train);
-    type Version = Box<dyn Fn(&Plan, usize, u64) -> u64>;
-    let cases: [(&str, RunConfig, u64, Version); 2] = [
+    let cases: [(&str, RunConfig, Promise); 2] = [
         (
             "vertical sync",
             RunConfig {
                 vertical_sync: true,
                 ..base.clone()
             },
-            1,
-            Box::new(|p, _, m| m.saturating_sub(warm(p, 0))),
+            vertical_sync_promise(),
         ),
         (
             "2BW",
@@ -687,11 +691,10 @@ fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_th
                 schedule: ScheduleKind::TwoBW { group },
                 ..base
             },
-            group,
-            Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
+            two_bw_promise(group),
         ),
     ];
-    for (name, cfg, step_every, version) in cases {
+    for (name, cfg, (step_every, version)) in cases {
         let run = local::run(cfg.clone(), train.clone(), None).expect("run with an eviction");
         let evicted: Vec<u32> = run
             .outcomes
