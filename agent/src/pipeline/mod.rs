@@ -1,10 +1,12 @@
 //! Pipeline-parallel training (PipeDream): the layers of an MLP split into stages across
-//! workers by a profiled partitioner, 1F1B with weight stashing (or a flushing schedule), over the
-//! agents' TCP transport.
+//! workers by a profiled partitioner, 1F1B with weight stashing (optionally with vertical sync),
+//! PipeDream-2BW's double-buffered weights or a flushing schedule, over the agents' TCP
+//! transport.
 //!
 //! - [`profile`]: per-layer compute time, activation and parameter bytes on this machine;
-//! - [`partition`]: PipeDream's dynamic program, the best plan for every worker count;
-//! - [`schedule`]: the order of forward and backward passes of a stage replica (pure);
+//! - [`partition`]: the cost model, and the plan it predicts fastest for every worker count;
+//! - [`schedule`]: the order of forward and backward passes of a stage replica, and when it
+//!   steps (pure);
 //! - [`stage`]: a stage replica at run time: compute, stashing, messages, weight sync;
 //! - [`member`]: an agent's pipeline worker (plan from rank 0, final evaluation);
 //! - [`local`]: a whole pipeline of workers on this machine (one runtime and one TCP endpoint

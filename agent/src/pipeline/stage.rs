@@ -1,7 +1,8 @@
 //! A stage replica at run time.
 //!
 //! [`StageCore`] is the synchronous part: the stage's layers, its current weights, the stash of
-//! (weights, activations) per minibatch in flight, the gradient accumulator and the optimizer.
+//! (weights, activations) per minibatch in flight, the older versions vertical sync keeps, the
+//! gradient accumulator and the optimizer.
 //! [`run`] drives it through the replica's schedule, receiving activations and gradients from its
 //! neighbours, sending its own, and synchronising weights with its peer replicas (ring
 //! all-reduce of the summed gradients, the same for the data-parallel baseline, which is one
