@@ -163,6 +163,7 @@ fn run_mode(
         checkpoint_every: every,
         replans: Default::default(),
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };

@@ -63,14 +63,30 @@ pub fn run(
 }
 
 /// [`run`], with interruption warnings delivered at wall-clock times (the leader drains the
-/// pipeline and every survivor continues on the plan for one worker fewer).
+/// pipeline and every survivor continues on the plan for one worker fewer). With
+/// `cfg.join_at`, one more worker (numbered after the first plan's) stands by until the
+/// leader folds it in.
 pub fn run_with_warnings(
     cfg: RunConfig,
     train: Arc<ImageSet>,
     link: Option<Link>,
     warnings: Warnings,
 ) -> Result<LocalRun, LocalError> {
-    let n = cfg.plan.workers();
+    cfg.check()
+        .map_err(|source| LocalError::Stage { worker: 0, source })?;
+    let first = cfg.plan.workers();
+    let n = match cfg.join_at {
+        Some((_, w)) if w == first => first + 1,
+        Some((_, w)) => {
+            return Err(LocalError::Stage {
+                worker: w,
+                source: StageError::Config(format!(
+                    "a local run folds in worker {first}, the one after its first plan's, not {w}"
+                )),
+            });
+        }
+        None => first,
+    };
     let cfg = Arc::new(cfg);
     let checkpoints = Checkpoints::new(cfg.shape.layers());
     let notices = Arc::new(Notices::default());

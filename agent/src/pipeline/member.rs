@@ -241,6 +241,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         checkpoint_every: 0,
         replans,
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: ctx.job.pipeline.vertical_sync,
     };

@@ -187,6 +187,14 @@ pub enum PipeMsg {
     /// Re-planning: finish every minibatch below `at` and admit none from it on; then segment
     /// `segment + 1` starts at `at` without worker `evicted`.
     Drain { segment: u32, at: u64, evicted: u32 },
+    /// Re-planning to fold in a worker: finish every minibatch below `at` and admit none from
+    /// it on; then segment `segment + 1` starts at `at` on `members` (original worker numbers,
+    /// in plan order), the joining worker last. Sent to the joining worker too.
+    Grow {
+        segment: u32,
+        at: u64,
+        members: Vec<u32>,
+    },
     /// A layer's weights and optimizer state, for its owner in segment `segment`.
     State {
         segment: u32,
@@ -222,6 +230,7 @@ impl PipeMsg {
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
             PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
+            PipeMsg::Grow { members, .. } => members.len() * 4,
             PipeMsg::Plans { table } => table.len() * 4,
             PipeMsg::State {
                 weights, velocity, ..
@@ -294,6 +303,16 @@ impl PipeMsg {
                 e.u8(7);
                 e.u32(*worker);
             }
+            PipeMsg::Grow {
+                segment,
+                at,
+                members,
+            } => {
+                e.u8(8);
+                e.u32(*segment);
+                e.u64(*at);
+                e.u32s(members);
+            }
         }
     }
 
@@ -346,6 +365,11 @@ impl PipeMsg {
             },
             6 => PipeMsg::Plans { table: d.f32s()? },
             7 => PipeMsg::Warn { worker: d.u32()? },
+            8 => PipeMsg::Grow {
+                segment: d.u32()?,
+                at: d.u64()?,
+                members: d.u32s()?,
+            },
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
     }
@@ -430,6 +454,11 @@ mod tests {
                 table: vec![1.0, 0.0, 3.0, 4.0, 0.5],
             },
             PipeMsg::Warn { worker: 3 },
+            PipeMsg::Grow {
+                segment: 2,
+                at: 64,
+                members: vec![0, 2, 3, 4],
+            },
         ];
         for m in msgs {
             let mut e = Enc::default();

@@ -101,6 +101,9 @@ pub struct RunConfig {
     pub replans: BTreeMap<u32, Plan>,
     /// Tests: warn original worker `w` when the leader reaches minibatch `m`.
     pub warn_at: Option<(u64, u32)>,
+    /// Tests: fold in worker `w`, a standby outside the first plan (its address is in the
+    /// address table, it waits for a [`PipeMsg::Grow`]), when the leader reaches minibatch `m`.
+    pub join_at: Option<(u64, u32)>,
     /// A replicated stage all-reduces its gradients in buckets of about this many bytes, each
     /// as soon as the backward pass has produced it, overlapping the rest of the backward pass
     /// (as PyTorch DDP does); 0: one all-reduce of everything after the backward pass.
@@ -121,6 +124,13 @@ impl RunConfig {
                  one version already; 2BW keeps two)"
                     .into(),
             ));
+        }
+        if let Some((_, w)) = self.join_at
+            && w < self.plan.workers()
+        {
+            return Err(StageError::Config(format!(
+                "worker {w} cannot join: it is in the first plan already"
+            )));
         }
         if let ScheduleKind::TwoBW { group } = self.schedule {
             let need = schedule::two_bw_group(&self.plan);
@@ -521,6 +531,8 @@ pub struct Checkpoints {
 pub enum Event {
     /// The leader decided to drain because worker `evicted` was warned.
     Notice { evicted: u32, drain_at: u64 },
+    /// The leader decided to drain to fold in worker `joined`.
+    Join { joined: u32, drain_at: u64 },
     /// The first optimizer step of segment `segment` (training again on the new plan).
     Resumed { segment: u32 },
 }
@@ -640,12 +652,21 @@ struct Mailbox {
     grads: HashMap<u64, Tensor>,
     reduces: HashMap<(u64, u32), Vec<f32>>,
     states: HashMap<(u32, u32), (Vec<f32>, Vec<f32>)>,
-    /// Drain orders by segment: (at, evicted).
-    drains: HashMap<u32, (u64, u32)>,
+    /// Drain orders by segment: where, and how the members change.
+    drains: HashMap<u32, (u64, Change)>,
     /// Warnings forwarded to this worker as the leader.
     warns: Vec<u32>,
     /// Messages that are not the stage's (plan tables), kept for the caller.
     other: Vec<PipeMsg>,
+}
+
+/// How a re-plan changes the pipeline's members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Change {
+    /// This worker leaves (it was warned).
+    Leave(u32),
+    /// The members of the next plan, in plan order (a worker joins).
+    Grow(Vec<u32>),
 }
 
 enum Want {
@@ -694,7 +715,15 @@ impl Mailbox {
                 at,
                 evicted,
             } => {
-                self.drains.insert(segment, (at, evicted));
+                self.drains.insert(segment, (at, Change::Leave(evicted)));
+                return true;
+            }
+            PipeMsg::Grow {
+                segment,
+                at,
+                members,
+            } => {
+                self.drains.insert(segment, (at, Change::Grow(members)));
                 return true;
             }
             PipeMsg::Warn { worker } => self.warns.push(worker),
@@ -740,6 +769,38 @@ impl Mailbox {
                         Want::State(g, l) => format!("layer {l}'s state for segment {g}"),
                     };
                     return Err(StageError::Timeout(MESSAGE_TIMEOUT, what));
+                }
+            }
+        }
+    }
+
+    /// A worker outside the pipeline: wait until a re-plan folds it in; (segment, drain point,
+    /// members of the next plan).
+    async fn wait_to_join(&mut self, worker: u32) -> Result<(u32, u64, Vec<u32>), StageError> {
+        let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
+        loop {
+            let found = self
+                .drains
+                .iter()
+                .find_map(|(&segment, (at, change))| match change {
+                    Change::Grow(members) if members.contains(&worker) => {
+                        Some((segment, *at, members.clone()))
+                    }
+                    _ => None,
+                });
+            if let Some(found) = found {
+                return Ok(found);
+            }
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(msg)) => {
+                    self.file(msg);
+                }
+                Ok(None) => return Err(StageError::InboxClosed),
+                Err(_) => {
+                    return Err(StageError::Timeout(
+                        MESSAGE_TIMEOUT,
+                        "an invitation to join the pipeline".into(),
+                    ));
                 }
             }
         }
@@ -915,7 +976,7 @@ impl Segment {
 
 enum SegmentEnd {
     Finished,
-    Drained { at: u64, evicted: u32 },
+    Drained { at: u64, change: Change },
 }
 
 /// Totals across segments.
@@ -961,22 +1022,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
     let cfg = ctx.cfg.clone();
     cfg.check()?;
     let n = cfg.plan.workers();
-    let mut seg = Segment {
-        index: 0,
-        start: 0,
-        plan: cfg.plan.clone(),
-        members: (0..n).collect(),
-    };
-    let me = seg
-        .members
-        .iter()
-        .position(|&w| w == ctx.worker)
-        .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
-    let (s0, _) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
     let all = cfg.shape.init(cfg.seed);
-    let range = seg.plan.stages()[s0].layers.clone();
-    let mut layers = all[range.clone()].to_vec();
-    let mut velocity: Vec<Dense> = layers.iter().map(Dense::zeros_like).collect();
     let mut mail = Mailbox {
         rx: std::mem::replace(&mut ctx.inbox, mpsc::unbounded_channel().1),
         acts: HashMap::new(),
@@ -995,6 +1041,34 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
     };
     let started = Instant::now();
     let mut totals = Totals::default();
+    let (mut seg, mut layers, mut velocity) = if ctx.worker < n {
+        let seg = Segment {
+            index: 0,
+            start: 0,
+            plan: cfg.plan.clone(),
+            members: (0..n).collect(),
+        };
+        let (s0, _) = seg
+            .plan
+            .role(ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))?;
+        let layers = all[seg.plan.stages()[s0].layers.clone()].to_vec();
+        let velocity = layers.iter().map(Dense::zeros_like).collect();
+        (seg, layers, velocity)
+    } else {
+        // A worker outside the first plan waits to be folded in, then takes over its layers.
+        let (segment, at, members) = mail.wait_to_join(ctx.worker).await?;
+        totals.drained_at = Some(Instant::now());
+        let next = Segment {
+            index: segment + 1,
+            start: at,
+            plan: plan_for(&cfg, members.len() as u32)?,
+            members,
+        };
+        let (layers, velocity) = take_over(&mut mail, &next, ctx.worker, &all).await?;
+        tracing::info!(worker = ctx.worker, segment = next.index, from = at, plan = %next.plan, "joined the pipeline");
+        (next, layers, velocity)
+    };
     loop {
         let me = seg
             .members
@@ -1018,7 +1092,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         velocity = core.optimizer().velocity.clone();
         totals.max_versions = totals.max_versions.max(core.max_versions);
         totals.max_weight_copies = totals.max_weight_copies.max(core.max_weight_copies);
-        let (at, evicted) = match end {
+        let (at, change) = match end {
             SegmentEnd::Finished => {
                 out.drain().await?;
                 let members = seg.members.clone();
@@ -1035,24 +1109,22 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
                 );
                 return Ok((o, mail));
             }
-            SegmentEnd::Drained { at, evicted } => (at, evicted),
+            SegmentEnd::Drained { at, change } => (at, change),
         };
-        // Re-plan for the survivors: a lookup in the partitioner's table.
-        let members: Vec<u32> = seg
-            .members
-            .iter()
-            .copied()
-            .filter(|&w| w != evicted)
-            .collect();
-        let plan = cfg
-            .replans
-            .get(&(members.len() as u32))
-            .cloned()
-            .ok_or(StageError::NoPlan(members.len() as u32))?;
+        // Re-plan for the new members: a lookup in the partitioner's table.
+        let members: Vec<u32> = match &change {
+            Change::Leave(evicted) => seg
+                .members
+                .iter()
+                .copied()
+                .filter(|w| w != evicted)
+                .collect(),
+            Change::Grow(members) => members.clone(),
+        };
         let next = Segment {
             index: seg.index + 1,
             start: at,
-            plan,
+            plan: plan_for(&cfg, members.len() as u32)?,
             members,
         };
         // Replica 0 of every stage hands its layers (weights and momentum) to every replica of
@@ -1081,7 +1153,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
             }
         }
         out.drain().await?;
-        if evicted == ctx.worker {
+        if change == Change::Leave(ctx.worker) {
             tracing::info!(
                 worker = ctx.worker,
                 "state handed over; leaving the pipeline"
@@ -1100,37 +1172,54 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
             );
             return Ok((o, mail));
         }
-        let me = next
-            .members
-            .iter()
-            .position(|&w| w == ctx.worker)
-            .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
-        let (ns, _) = next
-            .plan
-            .role(me)
-            .ok_or(StageError::NotInPlan(ctx.worker))?;
-        let range = next.plan.stages()[ns].layers.clone();
-        let (mut nl, mut nv) = (Vec::new(), Vec::new());
-        for layer in range.clone() {
-            let like = std::slice::from_ref(&all[layer]);
-            match mail
-                .wait(Want::State(next.index, layer as u32), false)
-                .await?
-            {
-                Got::State(w, v) => {
-                    let w = mlp::unflatten(like, &w).ok_or(StageError::Shape(at))?;
-                    let v = mlp::unflatten(like, &v).ok_or(StageError::Shape(at))?;
-                    nl.extend(w);
-                    nv.extend(v);
-                }
-                _ => return Err(StageError::InboxClosed),
-            }
-        }
+        (layers, velocity) = take_over(&mut mail, &next, ctx.worker, &all).await?;
         tracing::info!(worker = ctx.worker, segment = next.index, from = at, plan = %next.plan, "re-planned");
-        layers = nl;
-        velocity = nv;
         seg = next;
     }
+}
+
+/// The plan for `workers` workers: the run's first, or one of its re-plans.
+fn plan_for(cfg: &RunConfig, workers: u32) -> Result<Plan, StageError> {
+    if workers == cfg.plan.workers() {
+        return Ok(cfg.plan.clone());
+    }
+    cfg.replans
+        .get(&workers)
+        .cloned()
+        .ok_or(StageError::NoPlan(workers))
+}
+
+/// The layers (weights and momentum) worker `worker` owns in segment `next`, as their previous
+/// owners hand them over.
+async fn take_over(
+    mail: &mut Mailbox,
+    next: &Segment,
+    worker: u32,
+    all: &[Dense],
+) -> Result<(Vec<Dense>, Vec<Dense>), StageError> {
+    let me = next
+        .members
+        .iter()
+        .position(|&w| w == worker)
+        .ok_or(StageError::NotInPlan(worker))? as u32;
+    let (ns, _) = next.plan.role(me).ok_or(StageError::NotInPlan(worker))?;
+    let (mut layers, mut velocity) = (Vec::new(), Vec::new());
+    for layer in next.plan.stages()[ns].layers.clone() {
+        let like = std::slice::from_ref(&all[layer]);
+        match mail
+            .wait(Want::State(next.index, layer as u32), false)
+            .await?
+        {
+            Got::State(w, v) => {
+                let w = mlp::unflatten(like, &w).ok_or(StageError::Shape(next.start))?;
+                let v = mlp::unflatten(like, &v).ok_or(StageError::Shape(next.start))?;
+                layers.extend(w);
+                velocity.extend(v);
+            }
+            _ => return Err(StageError::InboxClosed),
+        }
+    }
+    Ok((layers, velocity))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1203,7 +1292,7 @@ async fn run_segment(
     let mut ops = schedule::ops(cfg.schedule, left, r, k, later);
     let ring_next = seg.physical(plan.first_worker(s) + (k + 1) % r);
     let leader = me == 0;
-    let mut drain: Option<(u64, u32)> = None;
+    let mut drain: Option<(u64, Change)> = None;
     let mut round = 0u64;
     let round_base = u64::from(seg.index) << 40;
     let last_epoch = cfg.batches.epoch(cfg.minibatches.saturating_sub(1));
@@ -1218,9 +1307,9 @@ async fn run_segment(
     while pc < ops.len() {
         mail.poll();
         if drain.is_none()
-            && let Some(&(at, evicted)) = mail.drains.get(&seg.index)
+            && let Some((at, change)) = mail.drains.get(&seg.index).cloned()
         {
-            drain = Some((at, evicted));
+            drain = Some((at, change));
             totals.drained_at = Some(Instant::now());
             ops = schedule::ops(cfg.schedule, at - seg.start, r, k, later);
             continue;
@@ -1233,8 +1322,19 @@ async fn run_segment(
         {
             out.send(seg.physical(0), PipeMsg::Warn { worker: w })?;
         }
-        // The leader turns a warning into a drain point no replica has admitted yet.
+        // The leader turns a warning, or a worker ready to join, into a drain point no replica
+        // has admitted yet.
         if leader && drain.is_none() {
+            let joining = match (cfg.join_at, op) {
+                (Some((m, w)), Op::Forward(rel))
+                    if seg.start + rel >= m && !seg.members.contains(&w) =>
+                {
+                    let mut members = seg.members.clone();
+                    members.push(w);
+                    Some(Change::Grow(members))
+                }
+                _ => None,
+            };
             let warned = match (cfg.warn_at, op) {
                 (Some((m, w)), Op::Forward(rel))
                     if seg.start + rel >= m
@@ -1252,7 +1352,7 @@ async fn run_segment(
                         Some(mail.warns.remove(i))
                     }),
             };
-            if let Some(evicted) = warned {
+            if let Some(change) = joining.or(warned.map(Change::Leave)) {
                 let ahead = match cfg.schedule {
                     ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
                     ScheduleKind::Flushing { group } => (round + 2) * group,
@@ -1261,26 +1361,51 @@ async fn run_segment(
                 };
                 let at = seg.start + ahead;
                 if at < cfg.minibatches {
-                    if let Some(cp) = &ctx.checkpoints {
-                        cp.event(Event::Notice {
-                            evicted,
-                            drain_at: at,
-                        });
-                    }
-                    tracing::warn!(
-                        evicted,
-                        drain_at = at,
-                        "warning: draining the pipeline for a re-plan"
-                    );
-                    let order = PipeMsg::Drain {
-                        segment: seg.index,
-                        at,
-                        evicted,
+                    let (order, event, also) = match &change {
+                        Change::Leave(evicted) => {
+                            tracing::warn!(
+                                evicted,
+                                drain_at = at,
+                                "warning: draining the pipeline for a re-plan"
+                            );
+                            let order = PipeMsg::Drain {
+                                segment: seg.index,
+                                at,
+                                evicted: *evicted,
+                            };
+                            let event = Event::Notice {
+                                evicted: *evicted,
+                                drain_at: at,
+                            };
+                            (order, event, None)
+                        }
+                        Change::Grow(members) => {
+                            let joined = members.last().copied().unwrap_or_default();
+                            tracing::info!(
+                                joined,
+                                drain_at = at,
+                                "a worker joins: draining the pipeline for a re-plan"
+                            );
+                            let order = PipeMsg::Grow {
+                                segment: seg.index,
+                                at,
+                                members: members.clone(),
+                            };
+                            let event = Event::Join {
+                                joined,
+                                drain_at: at,
+                            };
+                            (order, event, Some(joined))
+                        }
                     };
-                    for &w in seg.members.iter().filter(|&&w| w != ctx.worker) {
+                    if let Some(cp) = &ctx.checkpoints {
+                        cp.event(event);
+                    }
+                    let others = seg.members.iter().copied().filter(|&w| w != ctx.worker);
+                    for w in others.chain(also) {
                         out.send_now(w, order.clone()).await?;
                     }
-                    mail.drains.insert(seg.index, (at, evicted));
+                    mail.drains.insert(seg.index, (at, change));
                     continue;
                 }
             }
@@ -1453,7 +1578,7 @@ async fn run_segment(
                 }
             };
             if k == 0 && cfg.checkpoint_every > 0 {
-                let limit = drain.map_or(cfg.minibatches, |d| d.0);
+                let limit = drain.as_ref().map_or(cfg.minibatches, |d| d.0);
                 for m in covered.map(|rel| seg.start + rel).filter(|m| *m < limit) {
                     if (m + 1).is_multiple_of(cfg.checkpoint_every) {
                         cp.record(m, sp.layers.start, core.weights());
@@ -1467,7 +1592,7 @@ async fn run_segment(
     totals.correct += core.correct;
     totals.samples += core.samples;
     let end = match drain {
-        Some((at, evicted)) => SegmentEnd::Drained { at, evicted },
+        Some((at, change)) => SegmentEnd::Drained { at, change },
         None => SegmentEnd::Finished,
     };
     Ok((end, core))

@@ -47,6 +47,7 @@ fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
         checkpoint_every: group,
         replans: Default::default(),
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -94,6 +95,7 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
         checkpoint_every: 0,
         replans: Default::default(),
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -156,6 +158,7 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
         checkpoint_every: 0,
         replans,
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -166,6 +169,7 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
     // moves to worker 2, whose layer moves to worker 3.
     let cfg = RunConfig {
         warn_at: Some((minibatches / 3, 1)),
+        join_at: None,
         ..base
     };
     let run = local::run(cfg, train, None).expect("run with an eviction");
@@ -380,6 +384,7 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         checkpoint_every: 0,
         replans: Default::default(),
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -418,6 +423,7 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
             checkpoint_every: 6,
             replans: Default::default(),
             warn_at: None,
+            join_at: None,
             allreduce_bucket_bytes: 0,
             vertical_sync: false,
         };
@@ -550,6 +556,7 @@ fn four_stage_digits(minibatches: u64) -> (Arc<data::ImageSet>, RunConfig) {
         checkpoint_every: 0,
         replans: Default::default(),
         warn_at: None,
+        join_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -743,4 +750,110 @@ fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_th
             assert!(run.outcomes.iter().all(|o| o.max_weight_copies <= 2));
         }
     }
+}
+
+#[test]
+fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() {
+    let (train, base) = four_stage_digits(70);
+    let four = base.plan.clone();
+    let three = plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4);
+    // Three workers start; worker 3 stands by and is folded in when the leader reaches
+    // minibatch 20, on the plan for four.
+    let base = RunConfig {
+        plan: three.clone(),
+        replans: [(4, four.clone())].into_iter().collect(),
+        join_at: Some((20, 3)),
+        ..base
+    };
+    let cases: [(&str, RunConfig, Promise); 2] = [
+        ("1F1B", base.clone(), one_f_one_b_promise()),
+        (
+            "1F1B with vertical sync",
+            RunConfig {
+                vertical_sync: true,
+                ..base.clone()
+            },
+            vertical_sync_promise(),
+        ),
+    ];
+    for (name, cfg, (step_every, version)) in cases {
+        let run = local::run(cfg.clone(), train.clone(), None).expect("run with a join");
+        let drain_at = run
+            .checkpoints
+            .events()
+            .iter()
+            .find_map(|e| match e.0 {
+                proteus_agent::pipeline::stage::Event::Join { joined, drain_at } => {
+                    assert_eq!(joined, 3);
+                    Some(drain_at)
+                }
+                _ => None,
+            })
+            .expect("a join");
+        assert!(
+            drain_at > 20 && drain_at < 70,
+            "{name}: drained at {drain_at}"
+        );
+        // The newcomer took the last stage of the plan for four; nobody left.
+        assert!(run.outcomes.iter().all(|o| !o.evicted));
+        let layout: Vec<(u32, usize, usize)> = run
+            .outcomes
+            .iter()
+            .map(|o| (o.worker, o.first_layer, o.layers.len()))
+            .collect();
+        assert_eq!(
+            layout,
+            [(0, 0, 1), (1, 1, 1), (2, 2, 1), (3, 3, 1)],
+            "{name}"
+        );
+        assert!(run.outcomes.iter().all(|o| o.final_members == [0, 1, 2, 3]));
+        // Every minibatch went through a last stage exactly once: the old one's before the
+        // drain point, the newcomer's after.
+        let mut seen: Vec<u64> = run
+            .outcomes
+            .iter()
+            .flat_map(|o| o.minibatches.iter().copied())
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "{name}");
+        let newcomer = run.outcomes.iter().find(|o| o.worker == 3).unwrap();
+        assert_eq!(
+            newcomer.minibatches,
+            (drain_at..70).collect::<Vec<_>>(),
+            "{name}"
+        );
+        let want = train_versioned(
+            &cfg,
+            &train,
+            &[(0..drain_at, &three), (drain_at..70, &four)],
+            step_every,
+            version,
+        );
+        let d = max_rel_diff(&run.model(), &want);
+        assert!(
+            d < 1e-4,
+            "{name}: differs from its promise across the join by {d}"
+        );
+    }
+    // Only the worker after the first plan's can stand by in a local run.
+    let e = local::run(
+        RunConfig {
+            join_at: Some((20, 5)),
+            ..base.clone()
+        },
+        train.clone(),
+        None,
+    )
+    .expect_err("worker 5 is not the next one");
+    assert!(e.to_string().contains("folds in worker 3"), "{e}");
+    let e = local::run(
+        RunConfig {
+            join_at: Some((20, 1)),
+            ..base
+        },
+        train,
+        None,
+    )
+    .expect_err("worker 1 is in the plan");
+    assert!(e.to_string().contains("in the first plan already"), "{e}");
 }
