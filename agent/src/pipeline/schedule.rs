@@ -35,7 +35,8 @@ pub enum ScheduleKind {
     /// GPipe-style: groups of `group` minibatches, a flush after each.
     Flushing { group: u64 },
     /// PipeDream-2BW: 1F1B order, one optimizer step per group of `group` minibatches (across
-    /// the stage's replicas), two weight versions per stage (see [`two_bw_group`]).
+    /// the stage's replicas), two weight versions per stage (see [`two_bw_group`]; a run raises
+    /// the group to that minimum on a plan that needs more, as one grown by a join may).
     TwoBW { group: u64 },
 }
 

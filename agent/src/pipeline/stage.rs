@@ -1272,7 +1272,15 @@ async fn run_segment(
     let (first, last) = (s == 0, s + 1 == plan.stages().len());
     let r = sp.replicas;
     let warm = schedule::warmup(plan.workers_from(s), r);
-    let capacity = match cfg.schedule {
+    // 2BW's group is the run's, or larger when this segment's plan needs it for two versions per
+    // stage (and a replica in every group): a plan grown by a join may.
+    let kind = match cfg.schedule {
+        ScheduleKind::TwoBW { group } => ScheduleKind::TwoBW {
+            group: group.max(schedule::two_bw_group(plan)),
+        },
+        other => other,
+    };
+    let capacity = match kind {
         ScheduleKind::OneFOneB | ScheduleKind::TwoBW { .. } => warm + 1,
         ScheduleKind::Flushing { group } => group as usize,
     };
@@ -1289,7 +1297,7 @@ async fn run_segment(
     }
     let left = cfg.minibatches.saturating_sub(seg.start);
     let later = plan.workers_from(s);
-    let mut ops = schedule::ops(cfg.schedule, left, r, k, later);
+    let mut ops = schedule::ops(kind, left, r, k, later);
     let ring_next = seg.physical(plan.first_worker(s) + (k + 1) % r);
     let leader = me == 0;
     let mut drain: Option<(u64, Change)> = None;
@@ -1299,7 +1307,7 @@ async fn run_segment(
     // Replicas of a stage all-reduce in buckets, overlapped with the backward pass where
     // there is one.
     let bucketed =
-        r > 1 && cfg.allreduce_bucket_bytes > 0 && matches!(cfg.schedule, ScheduleKind::OneFOneB);
+        r > 1 && cfg.allreduce_bucket_bytes > 0 && matches!(kind, ScheduleKind::OneFOneB);
     let layer_buckets = buckets(core.weights(), cfg.allreduce_bucket_bytes);
     // The step's gradients when the backward pass all-reduced them already.
     let mut reduced: Option<Vec<f32>> = None;
@@ -1311,7 +1319,7 @@ async fn run_segment(
         {
             drain = Some((at, change));
             totals.drained_at = Some(Instant::now());
-            ops = schedule::ops(cfg.schedule, at - seg.start, r, k, later);
+            ops = schedule::ops(kind, at - seg.start, r, k, later);
             continue;
         }
         let op = ops[pc];
@@ -1353,7 +1361,7 @@ async fn run_segment(
                     }),
             };
             if let Some(change) = joining.or(warned.map(Change::Leave)) {
-                let ahead = match cfg.schedule {
+                let ahead = match kind {
                     ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
                     ScheduleKind::Flushing { group } => (round + 2) * group,
                     // Replicas are at most one group apart and admit at most a group ahead.
@@ -1491,10 +1499,10 @@ async fn run_segment(
                         out.send(prev.worker, prev.message(gin))?;
                     }
                 }
-                matches!(cfg.schedule, ScheduleKind::OneFOneB).then(|| cfg.batches.epoch(m))
+                matches!(kind, ScheduleKind::OneFOneB).then(|| cfg.batches.epoch(m))
             }
             Op::Sync => Some(last_epoch),
-            Op::Flush { group } => match cfg.schedule {
+            Op::Flush { group } => match kind {
                 ScheduleKind::Flushing { group: g } | ScheduleKind::TwoBW { group: g } => {
                     Some(cfg.batches.epoch(seg.start + group * g))
                 }
@@ -1540,7 +1548,7 @@ async fn run_segment(
             core.release_before(next.unwrap_or(u64::MAX));
         }
         let t = Instant::now();
-        let scale = match cfg.schedule {
+        let scale = match kind {
             ScheduleKind::OneFOneB | ScheduleKind::TwoBW { .. } => StepScale::SumOfMinibatchMeans,
             ScheduleKind::Flushing { .. } => StepScale::Mean,
         };
@@ -1571,7 +1579,7 @@ async fn run_segment(
                 cp.event(Event::Resumed { segment: seg.index });
             }
             // Minibatches whose updates this step completes.
-            let covered = match cfg.schedule {
+            let covered = match kind {
                 ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
                 ScheduleKind::Flushing { group } | ScheduleKind::TwoBW { group } => {
                     round * group..(round + 1) * group

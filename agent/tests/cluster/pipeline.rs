@@ -460,13 +460,13 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
 /// previous one left it, with versions counted from its start; minibatch `m`'s gradient is
 /// computed (forward and backward) with each stage `s`'s layers as the model was after
 /// `version(plan, s, m − start)` of the segment's optimizer steps, and the model steps once per
-/// `group` minibatches of the segment with their accumulated gradients, as `group` sequential
-/// steps (1F1B's scaling).
+/// `group(plan)` minibatches of the segment with their accumulated gradients, as that many
+/// sequential steps (1F1B's scaling).
 fn train_versioned(
     cfg: &RunConfig,
     train: &data::ImageSet,
     segments: &[(std::ops::Range<u64>, &Plan)],
-    group: u64,
+    group: impl Fn(&Plan) -> u64,
     version: impl Fn(&Plan, usize, u64) -> u64,
 ) -> Vec<Dense> {
     let mut model = cfg.shape.init(cfg.seed);
@@ -496,7 +496,7 @@ fn train_versioned(
             mlp::add_into(&mut acc, &grads);
             samples += rows.len();
             count += 1;
-            if u64::from(count) == group || m + 1 == range.end {
+            if u64::from(count) == group(plan) || m + 1 == range.end {
                 let mut w = history.last().expect("a version").clone();
                 opt.step_as(&mut w, &acc, samples as f32 / count as f32, 0, count);
                 history.push(w);
@@ -518,25 +518,36 @@ fn warm(plan: &Plan, s: usize) -> u64 {
         as u64
 }
 
-/// A schedule's promise, as [`train_versioned`] takes it: the minibatches one step covers, and
-/// the version stage `s` of a plan runs minibatch `m` (of its segment) on.
-type Promise = (u64, Box<dyn Fn(&Plan, usize, u64) -> u64>);
+/// A schedule's promise, as [`train_versioned`] takes it: the minibatches one step covers on a
+/// plan, and the version stage `s` of a plan runs minibatch `m` (of its segment) on.
+type Promise = (
+    Box<dyn Fn(&Plan) -> u64>,
+    Box<dyn Fn(&Plan, usize, u64) -> u64>,
+);
 
 /// 1F1B: stage `s` runs `m` after `m − warm-up(s)` of its steps.
 fn one_f_one_b_promise() -> Promise {
-    (1, Box::new(|p, s, m| m.saturating_sub(warm(p, s))))
+    (
+        Box::new(|_| 1),
+        Box::new(|p, s, m| m.saturating_sub(warm(p, s))),
+    )
 }
 
 /// Vertical sync: every stage runs `m` on the input stage's version when `m` entered.
 fn vertical_sync_promise() -> Promise {
-    (1, Box::new(|p, _, m| m.saturating_sub(warm(p, 0))))
+    (
+        Box::new(|_| 1),
+        Box::new(|p, _, m| m.saturating_sub(warm(p, 0))),
+    )
 }
 
-/// 2BW: a step per `group` minibatches, so a stage's version advances once per group.
+/// 2BW: a step per group of minibatches (the run's `group`, or the plan's own minimum when that
+/// is larger), so a stage's version advances once per group.
 fn two_bw_promise(group: u64) -> Promise {
+    let on = move |p: &Plan| group.max(proteus_agent::pipeline::schedule::two_bw_group(p));
     (
-        group,
-        Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / group),
+        Box::new(on),
+        Box::new(move |p, s, m| m.saturating_sub(warm(p, s)) / on(p)),
     )
 }
 
@@ -723,8 +734,9 @@ fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_th
             drain_at > 20 && drain_at < 70,
             "{name}: drained at {drain_at}"
         );
-        if step_every > 1 {
-            assert_eq!(drain_at % step_every, 0, "{name}: drained inside a group");
+        let group = step_every(&four);
+        if group > 1 {
+            assert_eq!(drain_at % group, 0, "{name}: drained inside a group");
         }
         // Every minibatch went through the last stage exactly once.
         let mut seen: Vec<u64> = run
@@ -765,7 +777,10 @@ fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() 
         join_at: Some((20, 3)),
         ..base
     };
-    let cases: [(&str, RunConfig, Promise); 2] = [
+    // 2BW starts with the group three workers need (3) and takes four's (4) after the join.
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&three);
+    assert_eq!(group, 3);
+    let cases: [(&str, RunConfig, Promise); 3] = [
         ("1F1B", base.clone(), one_f_one_b_promise()),
         (
             "1F1B with vertical sync",
@@ -774,6 +789,14 @@ fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() 
                 ..base.clone()
             },
             vertical_sync_promise(),
+        ),
+        (
+            "2BW",
+            RunConfig {
+                schedule: ScheduleKind::TwoBW { group },
+                ..base.clone()
+            },
+            two_bw_promise(group),
         ),
     ];
     for (name, cfg, (step_every, version)) in cases {
@@ -834,6 +857,10 @@ fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() 
             d < 1e-4,
             "{name}: differs from its promise across the join by {d}"
         );
+        if name == "2BW" {
+            assert_eq!(drain_at % group, 0, "{name}: drained inside a group");
+            assert!(run.outcomes.iter().all(|o| o.max_weight_copies <= 2));
+        }
     }
     // Only the worker after the first plan's can stand by in a local run.
     let e = local::run(
