@@ -674,6 +674,8 @@ enum Want {
     Grad(u64),
     Reduce(u64, u32),
     State(u32, u32),
+    /// A re-plan that folds in this worker (a standby outside the pipeline).
+    Join(u32),
 }
 
 enum Got {
@@ -682,6 +684,8 @@ enum Got {
     State(Vec<f32>, Vec<f32>),
     /// A drain order arrived while waiting (interruptible waits only).
     Drain,
+    /// (segment, drain point, members of the next plan).
+    Join(u32, u64, Vec<u32>),
 }
 
 impl Mailbox {
@@ -745,6 +749,16 @@ impl Mailbox {
             Want::Grad(m) => self.grads.remove(&m).map(Got::Tensor),
             Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Got::Chunk),
             Want::State(g, l) => self.states.remove(&(g, l)).map(|(w, v)| Got::State(w, v)),
+            Want::Join(worker) => {
+                self.drains
+                    .iter()
+                    .find_map(|(&segment, (at, change))| match change {
+                        Change::Grow(members) if members.contains(&worker) => {
+                            Some(Got::Join(segment, *at, members.clone()))
+                        }
+                        _ => None,
+                    })
+            }
         }
     }
 
@@ -767,40 +781,9 @@ impl Mailbox {
                         Want::Grad(m) => format!("the gradient of minibatch {m}"),
                         Want::Reduce(r, s) => format!("all-reduce round {r} step {s}"),
                         Want::State(g, l) => format!("layer {l}'s state for segment {g}"),
+                        Want::Join(_) => "an invitation to join the pipeline".into(),
                     };
                     return Err(StageError::Timeout(MESSAGE_TIMEOUT, what));
-                }
-            }
-        }
-    }
-
-    /// A worker outside the pipeline: wait until a re-plan folds it in; (segment, drain point,
-    /// members of the next plan).
-    async fn wait_to_join(&mut self, worker: u32) -> Result<(u32, u64, Vec<u32>), StageError> {
-        let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
-        loop {
-            let found = self
-                .drains
-                .iter()
-                .find_map(|(&segment, (at, change))| match change {
-                    Change::Grow(members) if members.contains(&worker) => {
-                        Some((segment, *at, members.clone()))
-                    }
-                    _ => None,
-                });
-            if let Some(found) = found {
-                return Ok(found);
-            }
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(msg)) => {
-                    self.file(msg);
-                }
-                Ok(None) => return Err(StageError::InboxClosed),
-                Err(_) => {
-                    return Err(StageError::Timeout(
-                        MESSAGE_TIMEOUT,
-                        "an invitation to join the pipeline".into(),
-                    ));
                 }
             }
         }
@@ -1057,7 +1040,10 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         (seg, layers, velocity)
     } else {
         // A worker outside the first plan waits to be folded in, then takes over its layers.
-        let (segment, at, members) = mail.wait_to_join(ctx.worker).await?;
+        let Got::Join(segment, at, members) = mail.wait(Want::Join(ctx.worker), false).await?
+        else {
+            return Err(StageError::InboxClosed);
+        };
         totals.drained_at = Some(Instant::now());
         let next = Segment {
             index: segment + 1,
@@ -1343,7 +1329,9 @@ async fn run_segment(
                 }
                 _ => None,
             };
-            let warned = match (cfg.warn_at, op) {
+            // A warning is taken only when no join is being handled at this step: taking it
+            // would consume it unhandled.
+            let mut warned = || match (cfg.warn_at, op) {
                 (Some((m, w)), Op::Forward(rel))
                     if seg.start + rel >= m
                         && seg.members.contains(&w)
@@ -1360,7 +1348,7 @@ async fn run_segment(
                         Some(mail.warns.remove(i))
                     }),
             };
-            if let Some(change) = joining.or(warned.map(Change::Leave)) {
+            if let Some(change) = joining.or_else(|| warned().map(Change::Leave)) {
                 let ahead = match kind {
                     ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
                     ScheduleKind::Flushing { group } => (round + 2) * group,
