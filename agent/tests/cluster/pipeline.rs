@@ -20,6 +20,18 @@ fn plan(stages: &[(usize, usize, u32)], layers: usize) -> Plan {
     Plan::new(stages, layers, 0.0).expect("valid plan")
 }
 
+/// Every minibatch a last stage computed the loss of, over all workers, sorted: each exactly
+/// once when nothing was lost or run twice.
+fn through_last_stages(run: &local::LocalRun) -> Vec<u64> {
+    let mut seen: Vec<u64> = run
+        .outcomes
+        .iter()
+        .flat_map(|o| o.minibatches.iter().copied())
+        .collect();
+    seen.sort_unstable();
+    seen
+}
+
 fn max_rel_diff(a: &[Dense], b: &[Dense]) -> f32 {
     let (fa, fb) = (mlp::flatten(a), mlp::flatten(b));
     assert_eq!(fa.len(), fb.len());
@@ -189,13 +201,10 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
         .collect();
     assert_eq!(layout, [(0, 0, 1), (2, 1, 1), (3, 2, 2)]);
     // Every minibatch went through the last stage exactly once.
-    let mut seen: Vec<u64> = run
-        .outcomes
-        .iter()
-        .flat_map(|o| o.minibatches.iter().copied())
-        .collect();
-    seen.sort_unstable();
-    assert_eq!(seen, (0..minibatches).collect::<Vec<_>>());
+    assert_eq!(
+        through_last_stages(&run),
+        (0..minibatches).collect::<Vec<_>>()
+    );
     for o in &run.outcomes {
         eprintln!(
             "worker {} stage {} replica {} first layer {} shapes {:?} evicted {}",
@@ -739,13 +748,11 @@ fn vertical_sync_and_2bw_survive_a_warned_stage_and_keep_their_promise_across_th
             assert_eq!(drain_at % group, 0, "{name}: drained inside a group");
         }
         // Every minibatch went through the last stage exactly once.
-        let mut seen: Vec<u64> = run
-            .outcomes
-            .iter()
-            .flat_map(|o| o.minibatches.iter().copied())
-            .collect();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "{name}");
+        assert_eq!(
+            through_last_stages(&run),
+            (0..70).collect::<Vec<_>>(),
+            "{name}"
+        );
         let want = train_versioned(
             &cfg,
             &train,
@@ -832,13 +839,11 @@ fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() 
         assert!(run.outcomes.iter().all(|o| o.final_members == [0, 1, 2, 3]));
         // Every minibatch went through a last stage exactly once: the old one's before the
         // drain point, the newcomer's after.
-        let mut seen: Vec<u64> = run
-            .outcomes
-            .iter()
-            .flat_map(|o| o.minibatches.iter().copied())
-            .collect();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "{name}");
+        assert_eq!(
+            through_last_stages(&run),
+            (0..70).collect::<Vec<_>>(),
+            "{name}"
+        );
         let newcomer = run.outcomes.iter().find(|o| o.worker == 3).unwrap();
         assert_eq!(
             newcomer.minibatches,
