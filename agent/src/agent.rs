@@ -153,8 +153,6 @@ struct Agent {
     pipeline: Option<JoinHandle<Result<member::MemberExit, crate::pipeline::stage::StageError>>>,
     pipe_inbox: Option<mpsc::UnboundedReceiver<PipeMsg>>,
     pipe_notices: Arc<Notices>,
-    /// This agent's worker number in the pipeline (its rank in the pipeline's first view).
-    pipe_rank: Option<u32>,
     finished: bool,
     /// Set by an interruption warning: leave by then.
     leave_by: Option<Instant>,
@@ -284,7 +282,6 @@ impl Agent {
             pipeline: None,
             pipe_inbox: Some(pipe_inbox),
             pipe_notices: Arc::new(Notices::default()),
-            pipe_rank: None,
             finished: false,
             leave_by: None,
         })
@@ -387,8 +384,9 @@ impl Agent {
 
     fn spawn_worker(&mut self) {
         if let App::Mlp(job) = &*self.app {
-            // Once per job: the pipeline is fixed to the workers of its first view and re-plans
-            // itself when one of them is warned.
+            // Once per job: the pipeline's founders are the job's first layout; it re-plans
+            // itself when one of them is warned, and folds in a newcomer (this agent, when it
+            // is not a founder) when it is ready.
             let (Some(inbox), Some(view)) =
                 (self.pipe_inbox.take(), self.views_tx.borrow().clone())
             else {
@@ -405,7 +403,6 @@ impl Agent {
                 progress: self.progress.clone(),
                 events: self.worker_tx.clone(),
             };
-            self.pipe_rank = ctx.view.worker(&self.me).map(|w| w.rank);
             self.pipeline = Some(tokio::spawn(member::run(ctx)));
             return;
         }
@@ -454,8 +451,8 @@ impl Agent {
                 self.leave_by = Some(Instant::now() + budget);
                 let ps = self.ps.clone();
                 tokio::spawn(async move { ps.sync_backups().await });
-                if let Some(rank) = self.pipe_rank {
-                    self.pipe_notices.warn(rank);
+                if self.pipeline.is_some() {
+                    self.pipe_notices.warn_this_worker();
                 }
                 let event = AgentEvent::InterruptionWarning {
                     action,

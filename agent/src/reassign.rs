@@ -372,6 +372,7 @@ mod tests {
         ClusterView {
             epoch: 1,
             stage: Stage::Stage1,
+            founders: Vec::new(),
             members: hosts
                 .iter()
                 .enumerate()

@@ -1248,6 +1248,13 @@ pub struct ClusterView {
     pub workers: Vec<WorkerAssignment>,
     pub num_partitions: u32,
     pub model_len: u64,
+    /// MLP jobs: the workers of the job's first layout, in rank order, for the job's whole life.
+    /// They are the pipeline's (or data parallelism's) founding workers and keep their numbers
+    /// (positions here) across re-plans; a worker not listed joined later and is folded in by
+    /// the pipeline's leader. Empty for other jobs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
+    pub founders: Vec<InstanceId>,
 }
 
 impl ClusterView {

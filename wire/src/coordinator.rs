@@ -281,6 +281,9 @@ pub struct Coordinator {
     /// the newest checkpoint of that rank. See [`Coordinator::rank_holder`].
     #[serde(default)]
     ranks: BTreeMap<InstanceId, u32>,
+    /// MLP jobs: the workers of the first layout, in rank order (see [`ClusterView::founders`]).
+    #[serde(default)]
+    founders: Vec<InstanceId>,
 }
 
 impl Coordinator {
@@ -309,6 +312,7 @@ impl Coordinator {
             program_progress: None,
             program_failures: 0,
             ranks: BTreeMap::new(),
+            founders: Vec::new(),
         })
     }
 
@@ -844,6 +848,9 @@ impl Coordinator {
             if workers.len() >= self.training.min_workers as usize {
                 self.started = true;
                 self.state = JobState::Running;
+                if matches!(self.training.app, crate::agent_api::AppConfig::Mlp { .. }) {
+                    self.founders = workers.iter().map(|w| w.instance_id.clone()).collect();
+                }
             } else {
                 workers.clear();
             }
@@ -868,6 +875,7 @@ impl Coordinator {
             workers,
             num_partitions: self.training.num_partitions,
             model_len,
+            founders: self.founders.clone(),
         };
         let unchanged = self.view.as_ref().is_some_and(|old| {
             old.stage == view.stage
@@ -1173,6 +1181,45 @@ mod tests {
         c.event(&id("a"), AgentEvent::Ready { model_len: 1000 }, 900)
             .unwrap();
         assert_eq!(member(&c).ready_at_ms, Some(250));
+    }
+
+    /// An MLP job's founders are the first layout's workers, for good: a warned founder stays
+    /// listed (the pipeline keeps its number), and a replacement is a worker but no founder,
+    /// whatever its rank among the workers.
+    #[test]
+    fn an_mlp_job_keeps_its_founders_and_a_replacement_is_not_one() {
+        let app: AppConfig = serde_json::from_value(serde_json::json!({"type": "mlp"})).unwrap();
+        let mut cfg = config();
+        cfg.app = app;
+        cfg.min_workers = 2;
+        let mut c = Coordinator::new(JobId(1), cfg).unwrap();
+        join(&mut c, "b", Tier::Transient, 1);
+        assert!(view(&c).founders.is_empty(), "no layout yet");
+        join(&mut c, "c", Tier::Transient, 2);
+        assert_eq!(view(&c).founders, [id("b"), id("c")]);
+        c.event(
+            &id("b"),
+            AgentEvent::InterruptionWarning {
+                action: "terminate".into(),
+                action_time: "t".into(),
+            },
+            3,
+        )
+        .unwrap();
+        // The replacement sorts first, so it takes rank 0 among the workers.
+        join(&mut c, "a", Tier::Transient, 4);
+        let v = view(&c);
+        assert_eq!(v.worker(&id("a")).map(|w| w.rank), Some(0));
+        assert_eq!(v.founders, [id("b"), id("c")]);
+        // Saved and restored (a broker restart), the founders stay.
+        let saved = serde_json::to_string(&c).unwrap();
+        let back: Coordinator = serde_json::from_str(&saved).unwrap();
+        assert_eq!(view(&back).founders, [id("b"), id("c")]);
+
+        // Other jobs have none.
+        let mut c = Coordinator::new(JobId(2), config()).unwrap();
+        join(&mut c, "a", Tier::Transient, 1);
+        assert!(view(&c).workers.len() == 1 && view(&c).founders.is_empty());
     }
 
     fn tier_of(v: &ClusterView, i: &InstanceId) -> Tier {

@@ -91,6 +91,7 @@ mod tests {
         ClusterView {
             epoch: 1,
             stage: Stage::Stage2,
+            founders: Vec::new(),
             members: members
                 .iter()
                 .enumerate()

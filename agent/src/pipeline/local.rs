@@ -2,9 +2,10 @@
 //! endpoint per worker, talking over loopback TCP exactly as agents on different machines do
 //! (optionally through the emulated slow links of [`crate::transport::TokenBucket`]).
 
+use super::PipeMsg;
 use super::partition::Link;
 use super::stage::{
-    self, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
+    self, AddressBook, Checkpoints, Inbox, Notices, RunConfig, StageCtx, StageError, StageOutcome,
 };
 use crate::data::ImageSet;
 use crate::transport::{DataPlane, Peers, frame_bound};
@@ -72,10 +73,42 @@ pub fn run_with_warnings(
     link: Option<Link>,
     warnings: Warnings,
 ) -> Result<LocalRun, LocalError> {
+    run_local(cfg, train, link, warnings, false)
+}
+
+/// [`run_with_warnings`], with one more worker that joins as a replacement agent does: it
+/// knows the first plan's workers' addresses only, tells them it is ready when the run starts,
+/// and whoever leads folds it in, under the next free number, as soon as a plan has room for
+/// it (at once when the run has a plan for one more worker; else after a warned worker left).
+pub fn run_with_newcomer(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link: Option<Link>,
+    warnings: Warnings,
+) -> Result<LocalRun, LocalError> {
+    run_local(cfg, train, link, warnings, true)
+}
+
+fn run_local(
+    cfg: RunConfig,
+    train: Arc<ImageSet>,
+    link: Option<Link>,
+    warnings: Warnings,
+    newcomer: bool,
+) -> Result<LocalRun, LocalError> {
     cfg.check()
         .map_err(|source| LocalError::Stage { worker: 0, source })?;
     let first = cfg.plan.workers();
     let n = match cfg.join_at {
+        Some(_) if newcomer => {
+            return Err(LocalError::Stage {
+                worker: first,
+                source: StageError::Config(
+                    "a newcomer joins when it is ready, not at a given minibatch".into(),
+                ),
+            });
+        }
+        None if newcomer => first + 1,
         Some((_, w)) if w == first => first + 1,
         Some((_, w)) => {
             return Err(LocalError::Stage {
@@ -104,7 +137,7 @@ pub fn run_with_warnings(
         let addr = listener.local_addr().map_err(setup)?.to_string();
         setups.push((rt, listener, addr));
     }
-    let addrs: Arc<Vec<String>> = Arc::new(setups.iter().map(|s| s.2.clone()).collect());
+    let addrs: Vec<String> = setups.iter().map(|s| s.2.clone()).collect();
     // Every runtime stays up until every worker is done, so late acknowledgements still flow.
     let all_done = Arc::new(Barrier::new(n as usize));
     let started = Instant::now();
@@ -130,7 +163,16 @@ pub fn run_with_warnings(
     let mut threads = Vec::new();
     for (w, (rt, listener, addr)) in setups.into_iter().enumerate() {
         let w = w as u32;
-        let (addrs, cfg, train, plane) = (addrs.clone(), cfg.clone(), train.clone(), plane.clone());
+        // Each worker its own address book. A newcomer is in none but its own until it is
+        // folded in; a standby the leader folds in at `join_at` is in every one.
+        let book = if newcomer && w < first {
+            AddressBook::new(addrs[..first as usize].to_vec())
+        } else {
+            AddressBook::new(addrs.clone())
+        };
+        let founders = addrs[..first as usize].to_vec();
+        let announce = newcomer && w == first;
+        let (cfg, train, plane) = (cfg.clone(), train.clone(), plane.clone());
         let (cps, all_done, notices) = (checkpoints.clone(), all_done.clone(), notices.clone());
         let handle = std::thread::Builder::new()
             .name(format!("pipe-worker-{w}"))
@@ -142,9 +184,20 @@ pub fn run_with_warnings(
                     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                     peers.set_handler(Arc::new(Inbox(tx)));
                     tokio::spawn(peers.clone().serve(listener));
+                    if announce {
+                        let ready = PipeMsg::Ready {
+                            addr: book.get(w).unwrap_or_default(),
+                        }
+                        .to_request();
+                        // Twice, as a replacement that heard nothing says it again: the second
+                        // must change nothing. A worker that does not answer cannot lead.
+                        for to in founders.iter().chain(&founders) {
+                            let _ = peers.call(to, &ready, stage::MESSAGE_TIMEOUT).await;
+                        }
+                    }
                     let ctx = StageCtx {
                         worker: w,
-                        addrs,
+                        addrs: book,
                         peers,
                         inbox: rx,
                         train,

@@ -10,8 +10,8 @@
 
 use super::partition::{Link, Partitioner};
 use super::schedule::ScheduleKind;
-use super::stage::{self, Batches, Notices, RunConfig, StageCtx, StageError};
-use super::{PipeMsg, Plan, StagePlan, profile};
+use super::stage::{self, AddressBook, Batches, Notices, RunConfig, StageCtx, StageError};
+use super::{PipeMsg, Plan, profile};
 use crate::apps::mlp::{self, MlpJob};
 use crate::transport::{Handler, Peers, Request, Response};
 use crate::worker::{SharedProgress, WorkerEvent};
@@ -75,42 +75,6 @@ pub enum MemberExit {
     Evicted,
 }
 
-/// Plans for 1..=n workers as a flat list: per plan, its stage count, then (start, end,
-/// replicas) per stage.
-fn encode_plans(plans: &BTreeMap<u32, Plan>) -> Vec<f32> {
-    let mut out = Vec::new();
-    for p in plans.values() {
-        out.push(p.stages().len() as f32);
-        for s in p.stages() {
-            out.extend([
-                s.layers.start as f32,
-                s.layers.end as f32,
-                s.replicas as f32,
-            ]);
-        }
-        out.push(p.predicted_secs as f32);
-    }
-    out
-}
-
-fn decode_plans(flat: &[f32], layers: usize) -> Option<BTreeMap<u32, Plan>> {
-    let mut plans = BTreeMap::new();
-    let mut it = flat.iter().map(|&x| x as f64);
-    while let Some(n) = it.next() {
-        let mut stages = Vec::new();
-        for _ in 0..n as usize {
-            let (a, b, r) = (it.next()?, it.next()?, it.next()?);
-            stages.push(StagePlan {
-                layers: a as usize..b as usize,
-                replicas: r as u32,
-            });
-        }
-        let plan = Plan::new(stages, layers, it.next()?).ok()?;
-        plans.insert(plan.workers(), plan);
-    }
-    Some(plans)
-}
-
 /// The plan table: data parallelism on every count, or the partitioner's plans from a profile
 /// of this machine.
 fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
@@ -133,85 +97,175 @@ fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
     }
 }
 
-/// Run this agent's pipeline worker until the job's last minibatch or its eviction.
-pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
-    let workers: Vec<_> = ctx.view.workers.clone();
-    let rank = ctx
-        .view
-        .worker(&ctx.me)
-        .map(|w| w.rank)
-        .ok_or(StageError::NotInPlan(u32::MAX))?;
-    let n = workers.len() as u32;
-    let addrs: Vec<String> = workers
-        .iter()
-        .map(|w| {
-            ctx.view
-                .data_addr(&w.instance_id)
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
-    let addrs = Arc::new(addrs);
-    let mut inbox = ctx.inbox;
-    let layers = ctx.job.shape.layers();
-    let plans = if rank == 0 {
-        let job = ctx.job.clone();
-        let plans = tokio::task::spawn_blocking(move || solve(&job, n))
-            .await
-            .map_err(|_| StageError::InboxClosed)?;
-        let table = encode_plans(&plans);
-        for (w, addr) in addrs.iter().enumerate().skip(1) {
-            let msg = PipeMsg::Plans {
-                table: table.clone(),
-            };
-            match ctx
-                .peers
-                .call(addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
-                .await
-            {
-                Ok(Response::Ack) => {}
-                other => {
-                    return Err(StageError::Send {
-                        worker: w as u32,
-                        message: format!("plan table: {other:?}"),
-                    });
-                }
+/// How often a newcomer says again that it is ready while it waits to be folded in (a leader
+/// that was busy handing over, or gone, may have missed it).
+const ANNOUNCE_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// What waiting for the plan table came to.
+enum Waited {
+    /// The table, and the stage's inbox (what arrived meanwhile first, in order).
+    Plans(Vec<f32>, mpsc::UnboundedReceiver<PipeMsg>),
+    /// A newcomer warned before anyone folded it in.
+    Warned,
+}
+
+/// A newcomer's announcement: to whom, and where it is reachable.
+struct Announce<'a> {
+    peers: &'a Arc<Peers>,
+    to: Vec<String>,
+    me: String,
+    notices: &'a Notices,
+}
+
+/// Wait for the plan table. A founder waits for rank 0's, up to [`stage::MESSAGE_TIMEOUT`]; a
+/// newcomer tells every worker it knows of that it is ready, again every [`ANNOUNCE_EVERY`],
+/// and waits for the leader's as long as it takes (its agent stops it when the job ends).
+async fn await_plans(
+    mut inbox: mpsc::UnboundedReceiver<PipeMsg>,
+    announce: Option<Announce<'_>>,
+) -> Result<Waited, StageError> {
+    let mut early = Vec::new();
+    let table = loop {
+        if let Some(a) = &announce {
+            if a.notices.is_warned(u32::MAX) {
+                return Ok(Waited::Warned);
+            }
+            let ready = PipeMsg::Ready { addr: a.me.clone() }.to_request();
+            for to in &a.to {
+                // Best effort: a worker that does not answer is leaving or not leading.
+                let _ = a.peers.call(to, &ready, ANNOUNCE_EVERY).await;
             }
         }
-        plans
-    } else {
-        // The plan table comes first from rank 0; anything else that arrives meanwhile is
-        // for the stage and goes back in order.
-        let mut early = Vec::new();
-        let table = loop {
-            match tokio::time::timeout(stage::MESSAGE_TIMEOUT, inbox.recv()).await {
-                Ok(Some(PipeMsg::Plans { table })) => break table,
+        let wait = if announce.is_some() {
+            ANNOUNCE_EVERY
+        } else {
+            stage::MESSAGE_TIMEOUT
+        };
+        let deadline = tokio::time::Instant::now() + wait;
+        let got = loop {
+            match tokio::time::timeout_at(deadline, inbox.recv()).await {
+                Ok(Some(PipeMsg::Plans { table })) => break Some(table),
                 Ok(Some(other)) => early.push(other),
                 Ok(None) => return Err(StageError::InboxClosed),
-                Err(_) => {
-                    return Err(StageError::Timeout(
-                        stage::MESSAGE_TIMEOUT,
-                        "the plan table".into(),
-                    ));
-                }
+                Err(_) => break None,
             }
         };
-        let (tx, rx) = mpsc::unbounded_channel();
-        for m in early {
-            let _ = tx.send(m);
+        match got {
+            Some(table) => break table,
+            None if announce.is_some() => continue,
+            None => {
+                return Err(StageError::Timeout(
+                    stage::MESSAGE_TIMEOUT,
+                    "the plan table".into(),
+                ));
+            }
         }
-        // Keep forwarding from the real inbox.
-        let mut real = inbox;
-        tokio::spawn(async move {
-            while let Some(m) = real.recv().await {
-                if tx.send(m).is_err() {
-                    return;
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    for m in early {
+        let _ = tx.send(m);
+    }
+    // Keep forwarding from the real inbox.
+    tokio::spawn(async move {
+        while let Some(m) = inbox.recv().await {
+            if tx.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(Waited::Plans(table, rx))
+}
+
+/// Run this agent's pipeline worker until the job's last minibatch or its eviction.
+///
+/// The pipeline's workers are the job's founders (its first layout, see
+/// [`ClusterView::founders`]), numbered by their position there. An agent that is not one (a
+/// replacement) is a newcomer: it says it is ready, and the pipeline's leader folds it in by a
+/// re-plan as soon as a plan has room for it (after a warned worker left).
+pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
+    let founders: Vec<InstanceId> = if ctx.view.founders.is_empty() {
+        // A broker that predates founders: the first view's workers.
+        ctx.view
+            .workers
+            .iter()
+            .map(|w| w.instance_id.clone())
+            .collect()
+    } else {
+        ctx.view.founders.clone()
+    };
+    let n = founders.len() as u32;
+    let addr_of = |id: &InstanceId| ctx.view.data_addr(id).unwrap_or_default().to_string();
+    let mut book: Vec<String> = founders.iter().map(addr_of).collect();
+    let founder = founders.iter().position(|f| *f == ctx.me).map(|p| p as u32);
+    let layers = ctx.job.shape.layers();
+    let (rank, inbox, plans) = match founder {
+        Some(0) => {
+            let job = ctx.job.clone();
+            let plans = tokio::task::spawn_blocking(move || solve(&job, n))
+                .await
+                .map_err(|_| StageError::InboxClosed)?;
+            let table = super::encode_plans(plans.values());
+            for (w, addr) in book.iter().enumerate().skip(1) {
+                let msg = PipeMsg::Plans {
+                    table: table.clone(),
+                };
+                match ctx
+                    .peers
+                    .call(addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
+                    .await
+                {
+                    Ok(Response::Ack) => {}
+                    other => {
+                        return Err(StageError::Send {
+                            worker: w as u32,
+                            message: format!("plan table: {other:?}"),
+                        });
+                    }
                 }
             }
-        });
-        inbox = rx;
-        decode_plans(&table, layers).ok_or(StageError::Shape(0))?
+            (0, ctx.inbox, plans)
+        }
+        Some(rank) => {
+            let Waited::Plans(table, inbox) = await_plans(ctx.inbox, None).await? else {
+                return Err(StageError::InboxClosed);
+            };
+            let plans = super::decode_plans(&table, layers).ok_or(StageError::Shape(0))?;
+            (rank, inbox, plans)
+        }
+        None => {
+            let me = addr_of(&ctx.me);
+            let to = ctx
+                .view
+                .members
+                .iter()
+                .filter(|m| m.instance_id != ctx.me)
+                .map(|m| m.data_addr.clone())
+                .collect();
+            tracing::info!(
+                founders = n,
+                "joining a running pipeline: telling its workers"
+            );
+            let announce = Announce {
+                peers: &ctx.peers,
+                to,
+                me: me.clone(),
+                notices: &ctx.notices,
+            };
+            let (table, inbox) = match await_plans(ctx.inbox, Some(announce)).await? {
+                Waited::Plans(table, inbox) => (table, inbox),
+                Waited::Warned => {
+                    tracing::warn!("warned before joining the pipeline: leaving");
+                    return Ok(MemberExit::Evicted);
+                }
+            };
+            let plans = super::decode_plans(&table, layers).ok_or(StageError::Shape(0))?;
+            // Listed after the founders until the leader's book (in the re-plan that folds
+            // this worker in) gives it its number.
+            book.push(me);
+            (n, inbox, plans)
+        }
     };
+    let addrs = AddressBook::new(book);
     let plan = plans.get(&n).cloned().ok_or(StageError::NoPlan(n))?;
     if rank == 0 {
         tracing::info!(%plan, "pipeline plan");
@@ -300,7 +354,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
                 weights: mlp::flatten(std::slice::from_ref(l)),
                 velocity: Vec::new(),
             };
-            let addr = addrs.get(leader as usize).cloned().unwrap_or_default();
+            let addr = addrs.get(leader).unwrap_or_default();
             match ctx
                 .peers
                 .call(&addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
@@ -316,7 +370,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
             }
         }
     }
-    if rank == leader {
+    if outcome.worker == leader {
         let init = ctx.job.shape.init(0);
         let mut got: BTreeMap<u32, mlp::Dense> = BTreeMap::new();
         while got.len() < layers {
@@ -389,7 +443,10 @@ mod tests {
         )
         .unwrap();
         plans.insert(3, p);
-        assert_eq!(decode_plans(&encode_plans(&plans), 3), Some(plans));
-        assert_eq!(decode_plans(&[1.0, 0.0, 2.0], 3), None);
+        assert_eq!(
+            super::super::decode_plans(&super::super::encode_plans(plans.values()), 3),
+            Some(plans)
+        );
+        assert_eq!(super::super::decode_plans(&[1.0, 0.0, 2.0], 3), None);
     }
 }

@@ -21,6 +21,7 @@ pub mod stage;
 
 use crate::error::{AgentError, Result};
 use crate::transport::{Dec, Enc, Request};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
@@ -153,6 +154,43 @@ impl fmt::Display for Plan {
     }
 }
 
+/// Plans for several worker counts as one flat list (the [`PipeMsg::Plans`] table): per plan,
+/// its stage count, then (first layer, end layer, replicas) per stage, then its prediction.
+pub fn encode_plans<'a>(plans: impl IntoIterator<Item = &'a Plan>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for p in plans {
+        out.push(p.stages().len() as f32);
+        for s in p.stages() {
+            out.extend([
+                s.layers.start as f32,
+                s.layers.end as f32,
+                s.replicas as f32,
+            ]);
+        }
+        out.push(p.predicted_secs as f32);
+    }
+    out
+}
+
+/// The plans of a table from [`encode_plans`], by worker count; `None` when it is not one.
+pub fn decode_plans(flat: &[f32], layers: usize) -> Option<BTreeMap<u32, Plan>> {
+    let mut plans = BTreeMap::new();
+    let mut it = flat.iter().map(|&x| x as f64);
+    while let Some(n) = it.next() {
+        let mut stages = Vec::new();
+        for _ in 0..n as usize {
+            let (a, b, r) = (it.next()?, it.next()?, it.next()?);
+            stages.push(StagePlan {
+                layers: a as usize..b as usize,
+                replicas: r as u32,
+            });
+        }
+        let plan = Plan::new(stages, layers, it.next()?).ok()?;
+        plans.insert(plan.workers(), plan);
+    }
+    Some(plans)
+}
+
 /// A tensor between stages: `rows × cols`, row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
@@ -189,11 +227,14 @@ pub enum PipeMsg {
     Drain { segment: u32, at: u64, evicted: u32 },
     /// Re-planning to fold in a worker: finish every minibatch below `at` and admit none from
     /// it on; then segment `segment + 1` starts at `at` on `members` (original worker numbers,
-    /// in plan order), the joining worker last. Sent to the joining worker too.
+    /// in plan order), the joining worker last. `addrs` is the leader's address book (every
+    /// worker's data address by number, the joining worker's included). Sent to the joining
+    /// worker too.
     Grow {
         segment: u32,
         at: u64,
         members: Vec<u32>,
+        addrs: Vec<String>,
     },
     /// A layer's weights and optimizer state, for its owner in segment `segment`.
     State {
@@ -206,6 +247,9 @@ pub enum PipeMsg {
     Plans { table: Vec<f32> },
     /// Original worker `worker` was warned: for the current leader, which drains and re-plans.
     Warn { worker: u32 },
+    /// A worker outside the pipeline (a replacement) can train and is reachable at `addr`: sent
+    /// to every worker it knows of, so that whoever leads folds it in (see [`PipeMsg::Grow`]).
+    Ready { addr: String },
 }
 
 impl PipeMsg {
@@ -230,7 +274,10 @@ impl PipeMsg {
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
             PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
-            PipeMsg::Grow { members, .. } => members.len() * 4,
+            PipeMsg::Grow { members, addrs, .. } => {
+                members.len() * 4 + addrs.iter().map(|a| a.len() + 4).sum::<usize>()
+            }
+            PipeMsg::Ready { addr } => addr.len() + 4,
             PipeMsg::Plans { table } => table.len() * 4,
             PipeMsg::State {
                 weights, velocity, ..
@@ -307,11 +354,20 @@ impl PipeMsg {
                 segment,
                 at,
                 members,
+                addrs,
             } => {
                 e.u8(8);
                 e.u32(*segment);
                 e.u64(*at);
                 e.u32s(members);
+                e.u32(addrs.len() as u32);
+                for a in addrs {
+                    e.str(a);
+                }
+            }
+            PipeMsg::Ready { addr } => {
+                e.u8(9);
+                e.str(addr);
             }
         }
     }
@@ -365,11 +421,23 @@ impl PipeMsg {
             },
             6 => PipeMsg::Plans { table: d.f32s()? },
             7 => PipeMsg::Warn { worker: d.u32()? },
-            8 => PipeMsg::Grow {
-                segment: d.u32()?,
-                at: d.u64()?,
-                members: d.u32s()?,
-            },
+            8 => {
+                let (segment, at, members) = (d.u32()?, d.u64()?, d.u32s()?);
+                let n = d.u32()?;
+                // Every address takes at least its 4-byte length: a count the frame cannot
+                // hold is refused before anything is allocated for it.
+                if (n as usize).saturating_mul(4) > d.0.len() {
+                    return Err(AgentError::Frame(format!("{n} addresses exceed the frame")));
+                }
+                let addrs = (0..n).map(|_| d.str()).collect::<Result<_>>()?;
+                PipeMsg::Grow {
+                    segment,
+                    at,
+                    members,
+                    addrs,
+                }
+            }
+            9 => PipeMsg::Ready { addr: d.str()? },
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
     }
@@ -458,6 +526,16 @@ mod tests {
                 segment: 2,
                 at: 64,
                 members: vec![0, 2, 3, 4],
+                addrs: vec![
+                    "a:1".into(),
+                    String::new(),
+                    "c:3".into(),
+                    "d:4".into(),
+                    "e:5".into(),
+                ],
+            },
+            PipeMsg::Ready {
+                addr: "10.0.0.7:7000".into(),
             },
         ];
         for m in msgs {

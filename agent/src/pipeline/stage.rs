@@ -599,10 +599,15 @@ impl Checkpoints {
     }
 }
 
-/// Interruption notices for workers of a local run: the current leader (worker 0 of the
-/// current plan) takes them and drains the pipeline for a re-plan.
+/// Interruption notices: the current leader (worker 0 of the current plan) takes them and
+/// drains the pipeline for a re-plan. A local run shares one among its workers; an agent has its
+/// own, for the one worker it runs.
 #[derive(Debug, Default)]
 pub struct Notices(Mutex<Vec<u32>>);
+
+/// In [`Notices`]: the worker that reads them, whatever its number (an agent's worker learns
+/// its number only when it is folded in).
+const THIS_WORKER: u32 = u32::MAX;
 
 impl Notices {
     /// Worker `worker` (by its number in the original plan) will be gone soon.
@@ -611,10 +616,64 @@ impl Notices {
             n.push(worker);
         }
     }
-    fn take(&self, members: &[u32]) -> Option<u32> {
+    /// The worker reading these notices will be gone soon.
+    pub fn warn_this_worker(&self) {
+        self.warn(THIS_WORKER);
+    }
+    /// Whether a notice is waiting for worker `me` (or for this worker).
+    pub fn is_warned(&self, me: u32) -> bool {
+        self.0
+            .lock()
+            .is_ok_and(|n| n.iter().any(|&w| w == me || w == THIS_WORKER))
+    }
+    /// A notice for one of `members`, read by worker `me`.
+    fn take(&self, me: u32, members: &[u32]) -> Option<u32> {
         let mut n = self.0.lock().ok()?;
-        let i = n.iter().position(|w| members.contains(w))?;
-        Some(n.remove(i))
+        let of = |w: u32| if w == THIS_WORKER { me } else { w };
+        let i = n.iter().position(|&w| members.contains(&of(w)))?;
+        Some(of(n.remove(i)))
+    }
+}
+
+/// Every worker's data address, by worker number. It grows when a worker joins: the leader
+/// adds the newcomer, and every [`PipeMsg::Grow`] carries the leader's book to the others.
+#[derive(Debug, Default)]
+pub struct AddressBook(Mutex<Vec<String>>);
+
+impl AddressBook {
+    pub fn new(addrs: Vec<String>) -> Arc<AddressBook> {
+        Arc::new(AddressBook(Mutex::new(addrs)))
+    }
+    pub fn get(&self, worker: u32) -> Option<String> {
+        let book = self.0.lock().ok()?;
+        book.get(worker as usize).filter(|a| !a.is_empty()).cloned()
+    }
+    pub fn len(&self) -> u32 {
+        self.0.lock().map_or(0, |b| b.len() as u32)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn snapshot(&self) -> Vec<String> {
+        self.0.lock().map(|b| b.clone()).unwrap_or_default()
+    }
+    /// A newcomer's number.
+    fn add(&self, addr: String) -> u32 {
+        match self.0.lock() {
+            Ok(mut b) => {
+                b.push(addr);
+                b.len() as u32 - 1
+            }
+            Err(_) => u32::MAX,
+        }
+    }
+    /// A leader's book: it only ever grows, so an older one changes nothing.
+    fn adopt(&self, addrs: Vec<String>) {
+        if let Ok(mut b) = self.0.lock()
+            && addrs.len() >= b.len()
+        {
+            *b = addrs;
+        }
     }
 }
 
@@ -656,6 +715,11 @@ struct Mailbox {
     drains: HashMap<u32, (u64, Change)>,
     /// Warnings forwarded to this worker as the leader.
     warns: Vec<u32>,
+    /// Workers outside the pipeline ready to join, by address, oldest first (for whoever
+    /// leads).
+    readies: Vec<String>,
+    /// Updated from every [`PipeMsg::Grow`].
+    book: Arc<AddressBook>,
     /// Messages that are not the stage's (plan tables), kept for the caller.
     other: Vec<PipeMsg>,
 }
@@ -674,8 +738,8 @@ enum Want {
     Grad(u64),
     Reduce(u64, u32),
     State(u32, u32),
-    /// A re-plan that folds in this worker (a standby outside the pipeline).
-    Join(u32),
+    /// A re-plan that folds in the standby at this address (a worker outside the pipeline).
+    Join(String),
 }
 
 enum Got {
@@ -726,11 +790,22 @@ impl Mailbox {
                 segment,
                 at,
                 members,
+                addrs,
             } => {
+                self.book.adopt(addrs);
+                // Whoever leads next must not fold the newcomer in twice.
+                if let Some(joined) = members.last().and_then(|&w| self.book.get(w)) {
+                    self.readies.retain(|a| *a != joined);
+                }
                 self.drains.insert(segment, (at, Change::Grow(members)));
                 return true;
             }
             PipeMsg::Warn { worker } => self.warns.push(worker),
+            PipeMsg::Ready { addr } => {
+                if !self.readies.contains(&addr) {
+                    self.readies.push(addr);
+                }
+            }
             m @ PipeMsg::Plans { .. } => self.other.push(m),
         }
         false
@@ -749,11 +824,15 @@ impl Mailbox {
             Want::Grad(m) => self.grads.remove(&m).map(Got::Tensor),
             Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Got::Chunk),
             Want::State(g, l) => self.states.remove(&(g, l)).map(|(w, v)| Got::State(w, v)),
-            Want::Join(worker) => {
+            Want::Join(ref addr) => {
                 self.drains
                     .iter()
                     .find_map(|(&segment, (at, change))| match change {
-                        Change::Grow(members) if members.contains(&worker) => {
+                        Change::Grow(members)
+                            if members
+                                .last()
+                                .is_some_and(|&w| self.book.get(w).as_ref() == Some(addr)) =>
+                        {
                             Some(Got::Join(segment, *at, members.clone()))
                         }
                         _ => None,
@@ -801,8 +880,10 @@ impl Mailbox {
 pub struct StageCtx {
     /// This worker's number in the run's first plan (its identity across re-plans).
     pub worker: u32,
-    /// Data address of every worker, by worker number.
-    pub addrs: Arc<Vec<String>>,
+    /// Data address of every worker, by worker number. A standby (a worker outside the first
+    /// plan, `worker ≥ plan.workers()`) is listed at its number until it is folded in; the
+    /// [`PipeMsg::Grow`] that folds it in gives it its real number.
+    pub addrs: Arc<AddressBook>,
     pub peers: Arc<Peers>,
     pub inbox: mpsc::UnboundedReceiver<PipeMsg>,
     pub train: Arc<ImageSet>,
@@ -873,7 +954,7 @@ fn compute<R>(f: impl FnOnce() -> R) -> R {
 struct Sender {
     me: u32,
     peers: Arc<Peers>,
-    addrs: Arc<Vec<String>>,
+    addrs: Arc<AddressBook>,
     tasks: JoinSet<Result<(), StageError>>,
 }
 
@@ -905,10 +986,7 @@ async fn deliver(
 
 impl Sender {
     fn addr(&self, to: u32) -> Result<String, StageError> {
-        self.addrs
-            .get(to as usize)
-            .cloned()
-            .ok_or(StageError::NotInPlan(to))
+        self.addrs.get(to).ok_or(StageError::NotInPlan(to))
     }
 
     /// Send in the background (to worker `to`, by original number).
@@ -1014,6 +1092,8 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         states: HashMap::new(),
         drains: HashMap::new(),
         warns: Vec::new(),
+        readies: Vec::new(),
+        book: ctx.addrs.clone(),
         other: Vec::new(),
     };
     let mut out = Sender {
@@ -1039,11 +1119,17 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         let velocity = layers.iter().map(Dense::zeros_like).collect();
         (seg, layers, velocity)
     } else {
-        // A worker outside the first plan waits to be folded in, then takes over its layers.
-        let Got::Join(segment, at, members) = mail.wait(Want::Join(ctx.worker), false).await?
-        else {
+        // A worker outside the first plan waits to be folded in, then takes over its layers
+        // under the number the leader gave it (the last of the new members).
+        let addr = ctx
+            .addrs
+            .get(ctx.worker)
+            .ok_or(StageError::NotInPlan(ctx.worker))?;
+        let Got::Join(segment, at, members) = mail.wait(Want::Join(addr), false).await? else {
             return Err(StageError::InboxClosed);
         };
+        ctx.worker = members.last().copied().unwrap_or(ctx.worker);
+        out.me = ctx.worker;
         totals.drained_at = Some(Instant::now());
         let next = Segment {
             index: segment + 1,
@@ -1312,20 +1398,41 @@ async fn run_segment(
         // A warned worker that does not lead tells the leader.
         if !leader
             && drain.is_none()
-            && let Some(w) = ctx.notices.as_ref().and_then(|n| n.take(&[ctx.worker]))
+            && let Some(w) = ctx
+                .notices
+                .as_ref()
+                .and_then(|n| n.take(ctx.worker, &[ctx.worker]))
         {
             out.send(seg.physical(0), PipeMsg::Warn { worker: w })?;
         }
         // The leader turns a warning, or a worker ready to join, into a drain point no replica
         // has admitted yet.
         if leader && drain.is_none() {
+            // A worker joins when a test says so, or when a newcomer said it is ready (then it
+            // is numbered after every worker in the address book) and a plan has room for it.
+            let grown = |w: u32| {
+                let mut members = seg.members.clone();
+                members.push(w);
+                Change::Grow(members)
+            };
             let joining = match (cfg.join_at, op) {
                 (Some((m, w)), Op::Forward(rel))
                     if seg.start + rel >= m && !seg.members.contains(&w) =>
                 {
-                    let mut members = seg.members.clone();
-                    members.push(w);
-                    Some(Change::Grow(members))
+                    Some((grown(w), None))
+                }
+                (_, Op::Forward(_)) => {
+                    let member_at = |a: &String| {
+                        seg.members
+                            .iter()
+                            .any(|&w| ctx.addrs.get(w).as_ref() == Some(a))
+                    };
+                    mail.readies.retain(|a| !member_at(a));
+                    let room = plan_for(cfg, seg.members.len() as u32 + 1).is_ok();
+                    match mail.readies.first() {
+                        Some(a) if room => Some((grown(ctx.addrs.len()), Some(a.clone()))),
+                        _ => None,
+                    }
                 }
                 _ => None,
             };
@@ -1342,13 +1449,17 @@ async fn run_segment(
                 _ => ctx
                     .notices
                     .as_ref()
-                    .and_then(|n| n.take(&seg.members))
+                    .and_then(|n| n.take(ctx.worker, &seg.members))
                     .or_else(|| {
                         let i = mail.warns.iter().position(|w| seg.members.contains(w))?;
                         Some(mail.warns.remove(i))
                     }),
             };
-            if let Some(change) = joining.or_else(|| warned().map(Change::Leave)) {
+            let (change, newcomer) = match joining {
+                Some((change, newcomer)) => (Some(change), newcomer),
+                None => (warned().map(Change::Leave), None),
+            };
+            if let Some(change) = change {
                 let ahead = match kind {
                     ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
                     ScheduleKind::Flushing { group } => (round + 2) * group,
@@ -1377,6 +1488,18 @@ async fn run_segment(
                         }
                         Change::Grow(members) => {
                             let joined = members.last().copied().unwrap_or_default();
+                            if let Some(addr) = newcomer {
+                                // Numbered, and given the plan table, before anyone hears of it.
+                                mail.readies.retain(|a| *a != addr);
+                                tracing::info!(joined, %addr, "a newcomer is ready to join");
+                                if ctx.addrs.add(addr) != joined {
+                                    return Err(StageError::NotInPlan(joined));
+                                }
+                                let table = super::encode_plans(
+                                    std::iter::once(&cfg.plan).chain(cfg.replans.values()),
+                                );
+                                out.send_now(joined, PipeMsg::Plans { table }).await?;
+                            }
                             tracing::info!(
                                 joined,
                                 drain_at = at,
@@ -1386,6 +1509,7 @@ async fn run_segment(
                                 segment: seg.index,
                                 at,
                                 members: members.clone(),
+                                addrs: ctx.addrs.snapshot(),
                             };
                             let event = Event::Join {
                                 joined,

@@ -37,6 +37,7 @@ fn view(
     ClusterView {
         epoch,
         stage: Stage::Stage2,
+        founders: Vec::new(),
         members: addrs
             .iter()
             .map(|(n, a)| MemberInfo {

@@ -81,6 +81,7 @@ async fn start(app: Arc<App>, cfg: TrainingConfig, slowdowns: &[f64]) -> InProce
     let view = ClusterView {
         epoch: 1,
         stage: Stage::Stage1,
+        founders: Vec::new(),
         members: (0..n)
             .map(|i| MemberInfo {
                 instance_id: id(i),

@@ -70,6 +70,7 @@ fn view(
     ClusterView {
         epoch,
         stage: Stage::Stage2,
+        founders: Vec::new(),
         members: members
             .iter()
             .map(|(n, a)| MemberInfo {

@@ -889,3 +889,134 @@ fn a_worker_that_joins_is_folded_in_by_a_replan_and_the_run_keeps_its_promise() 
     .expect_err("worker 1 is in the plan");
     assert!(e.to_string().contains("in the first plan already"), "{e}");
 }
+
+/// A replacement agent's path, in a local run: the newcomer knows only the founders' addresses
+/// and says it is ready when the run starts. With no plan for five it waits; worker 1 is warned,
+/// the pipeline re-plans for three, and then the leader numbers the newcomer 4, gives it the
+/// plan table and the address book, and re-plans for four. The run equals the segmented
+/// reference of the plans it went through.
+/// The leader's decisions to re-plan, in order.
+fn replans(run: &local::LocalRun) -> Vec<proteus_agent::pipeline::stage::Event> {
+    use proteus_agent::pipeline::stage::Event;
+    run.checkpoints
+        .events()
+        .into_iter()
+        .map(|e| e.0)
+        .filter(|e| !matches!(e, Event::Resumed { .. }))
+        .collect()
+}
+
+#[test]
+fn a_replacement_that_says_it_is_ready_is_folded_in_once_a_plan_has_room() {
+    use proteus_agent::pipeline::stage::Event;
+    let (train, base) = four_stage_digits(70);
+    let four = base.plan.clone();
+    let three = plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4);
+    let base = RunConfig {
+        replans: [(3, three.clone())].into_iter().collect(),
+        warn_at: Some((15, 1)),
+        ..base
+    };
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
+    let cases: [(&str, RunConfig, Promise); 2] = [
+        ("1F1B", base.clone(), one_f_one_b_promise()),
+        (
+            "2BW",
+            RunConfig {
+                schedule: ScheduleKind::TwoBW { group },
+                ..base.clone()
+            },
+            two_bw_promise(group),
+        ),
+    ];
+    for (name, cfg, (step_every, version)) in cases {
+        let run = local::run_with_newcomer(cfg.clone(), train.clone(), None, Vec::new())
+            .expect("run with a newcomer");
+        let events = replans(&run);
+        let (left_at, joined_at) = match events[..] {
+            [
+                Event::Notice {
+                    evicted: 1,
+                    drain_at: l,
+                },
+                Event::Join {
+                    joined: 4,
+                    drain_at: j,
+                },
+            ] => (l, j),
+            _ => panic!("{name}: a leave, then a join of worker 4: {events:?}"),
+        };
+        assert!(
+            15 < left_at && left_at < joined_at && joined_at < 70,
+            "{name}: left at {left_at}, joined at {joined_at}"
+        );
+        let layout: Vec<(u32, bool)> = run.outcomes.iter().map(|o| (o.worker, o.evicted)).collect();
+        assert_eq!(
+            layout,
+            [(0, false), (1, true), (2, false), (3, false), (4, false)],
+            "{name}: the newcomer got the next free number"
+        );
+        let finished = run.outcomes.iter().filter(|o| !o.evicted);
+        assert!(
+            finished.clone().all(|o| o.final_members == [0, 2, 3, 4]),
+            "{name}"
+        );
+        let newcomer = run.outcomes.iter().find(|o| o.worker == 4).unwrap();
+        assert_eq!(
+            newcomer.minibatches,
+            (joined_at..70).collect::<Vec<_>>(),
+            "{name}: the newcomer took the last stage from the join on"
+        );
+        assert_eq!(
+            through_last_stages(&run),
+            (0..70).collect::<Vec<_>>(),
+            "{name}"
+        );
+        let want = train_versioned(
+            &cfg,
+            &train,
+            &[
+                (0..left_at, &four),
+                (left_at..joined_at, &three),
+                (joined_at..70, &four),
+            ],
+            step_every,
+            version,
+        );
+        let d = max_rel_diff(&run.model(), &want);
+        assert!(
+            d < 1e-4,
+            "{name}: differs from its promise across the leave and the join by {d}"
+        );
+    }
+
+    // With a plan for one more worker from the start, the newcomer is folded in at once.
+    let cfg = RunConfig {
+        plan: three.clone(),
+        replans: [(4, four.clone())].into_iter().collect(),
+        warn_at: None,
+        ..base.clone()
+    };
+    let run = local::run_with_newcomer(cfg, train.clone(), None, Vec::new())
+        .expect("run with a newcomer");
+    let events = replans(&run);
+    assert!(
+        matches!(events[..], [Event::Join { joined: 3, .. }]),
+        "{events:?}"
+    );
+    assert!(run.outcomes.iter().all(|o| o.final_members == [0, 1, 2, 3]));
+    assert_eq!(through_last_stages(&run), (0..70).collect::<Vec<_>>());
+
+    // A newcomer is for a run that folds it in when it is ready, not at a set minibatch.
+    let e = local::run_with_newcomer(
+        RunConfig {
+            join_at: Some((20, 4)),
+            ..base
+        },
+        train,
+        None,
+        Vec::new(),
+    )
+    .expect_err("both");
+    assert!(e.to_string().contains("when it is ready"), "{e}");
+}
