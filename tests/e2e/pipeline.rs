@@ -2,7 +2,8 @@
 //! `proteus serve` on the simulated cloud, four real agents on spot instances, the interruption
 //! sent with `proteus interrupt` (what AWS Fault Injection Service does on EC2). The warning
 //! reaches the agent through its metadata endpoint, the pipeline drains, the warned stage's
-//! state moves to the survivors, and they train again on the plan for three workers. The job
+//! state moves to the survivors, and they train again on the plan for three workers. The
+//! replacement the policy buys is folded in: the pipeline re-plans for four with it. The job
 //! ends within half a point of the same job uninterrupted.
 
 use proteus_e2e::{BrokerProcess, fresh_pg_database, proteus, write_c3_trace};
@@ -130,21 +131,47 @@ async fn an_interrupted_pipeline_stage_moves_to_the_survivors_and_the_job_matche
         "out of order:\n{story}"
     );
     // Every other worker trained again on the plan for three.
-    let resumed: Vec<&Value> = events
-        .iter()
-        .filter(|e| e["kind"] == "pipeline_resumed")
-        .collect();
+    let resumed_for = |workers: u32| -> Vec<&Value> {
+        let plan = format!("(for {workers} workers)");
+        events
+            .iter()
+            .filter(|e| {
+                e["kind"] == "pipeline_resumed" && e["detail"].as_str().unwrap().contains(&plan)
+            })
+            .collect()
+    };
+    let resumed = resumed_for(3);
     let survivors: std::collections::BTreeSet<&str> = resumed
         .iter()
         .map(|e| e["instance_id"].as_str().unwrap())
         .collect();
     assert_eq!(survivors.len(), 3, "three survivors resume:\n{story}");
     assert!(!survivors.contains(victim.as_str()), "{story}");
+    // The policy replaced the victim, and the pipeline folded the replacement in: the three
+    // survivors and the newcomer trained on the plan for four, after the plan for three.
+    let regrown = resumed_for(4);
+    let regrown_by: std::collections::BTreeSet<&str> = regrown
+        .iter()
+        .map(|e| e["instance_id"].as_str().unwrap())
+        .collect();
+    let newcomers: Vec<&&str> = regrown_by.difference(&survivors).collect();
     assert!(
-        resumed
+        regrown_by.len() == 4 && newcomers.len() == 1 && *newcomers[0] != victim,
+        "the survivors and one replacement train on the plan for four:\n{story}"
+    );
+    assert!(
+        regrown
             .iter()
-            .all(|e| e["detail"].as_str().unwrap().contains("for 3 workers")),
-        "{story}"
+            .all(|r| resumed.iter().all(|e| r["id"].as_i64() > e["id"].as_i64())),
+        "the plan for four comes after the plan for three:\n{story}"
+    );
+    eprintln!(
+        "replacement {} folded in: {:?}",
+        newcomers[0],
+        regrown
+            .iter()
+            .map(|e| e["detail"].as_str().unwrap())
+            .collect::<Vec<_>>()
     );
     // From the victim's agent seeing the notice to the last survivor training again, in wall
     // time (the events carry market time, which runs SPEED× faster).

@@ -1051,7 +1051,8 @@ struct Totals {
     max_weight_copies: usize,
     busy: Duration,
     /// When this worker learnt of the last drain (to log the pause when training resumes).
-    drained_at: Option<Instant>,
+    /// The segment that trains next, and when this worker learnt of the drain before it.
+    drained_at: Option<(u32, Instant)>,
 }
 
 /// Run worker `ctx.worker` through the whole run: its stage replica's schedule under the first
@@ -1130,7 +1131,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         };
         ctx.worker = members.last().copied().unwrap_or(ctx.worker);
         out.me = ctx.worker;
-        totals.drained_at = Some(Instant::now());
+        totals.drained_at = Some((segment + 1, Instant::now()));
         let next = Segment {
             index: segment + 1,
             start: at,
@@ -1390,7 +1391,7 @@ async fn run_segment(
             && let Some((at, change)) = mail.drains.get(&seg.index).cloned()
         {
             drain = Some((at, change));
-            totals.drained_at = Some(Instant::now());
+            totals.drained_at = Some((seg.index + 1, Instant::now()));
             ops = schedule::ops(kind, at - seg.start, r, k, later);
             continue;
         }
@@ -1666,9 +1667,12 @@ async fn run_segment(
         };
         compute(|| core.apply(&flat, epoch, scale))?;
         totals.busy += t.elapsed();
-        if seg.index > 0
-            && let Some(t) = totals.drained_at.take()
+        // The first step of a segment after a re-plan (steps that finish the minibatches
+        // below a drain point still belong to the segment being drained).
+        if let Some((next, t)) = totals.drained_at
+            && next == seg.index
         {
+            totals.drained_at = None;
             let pause = t.elapsed();
             tracing::info!(
                 segment = seg.index,
