@@ -164,6 +164,8 @@ fn run_mode(
         replans: Default::default(),
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };

@@ -43,7 +43,7 @@ impl LocalRun {
         let mut stages: Vec<&StageOutcome> = self
             .outcomes
             .iter()
-            .filter(|o| o.replica == 0 && !o.evicted)
+            .filter(|o| o.replica == 0 && !o.evicted && !o.lost)
             .collect();
         stages.sort_by_key(|o| o.first_layer);
         stages
@@ -214,8 +214,15 @@ fn run_local(
                 if let Err(e) = &result {
                     tracing::error!(worker = w, error = %e, "pipeline worker failed");
                 }
-                all_done.wait();
-                drop(rt);
+                // A worker stopped dead goes at once, its endpoint with it, as a killed
+                // process's does: the others' connections to it fail.
+                if result.as_ref().is_ok_and(|o| o.lost) {
+                    drop(rt);
+                    all_done.wait();
+                } else {
+                    all_done.wait();
+                    drop(rt);
+                }
                 result
             })
             .map_err(|source| LocalError::Setup { worker: w, source })?;

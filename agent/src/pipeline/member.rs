@@ -296,6 +296,8 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         replans,
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: ctx.job.pipeline.vertical_sync,
     };

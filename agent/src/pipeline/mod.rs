@@ -202,14 +202,17 @@ pub struct Tensor {
 /// What pipeline stages send each other (one-way; the receiver acknowledges).
 #[derive(Debug, Clone, PartialEq)]
 pub enum PipeMsg {
-    /// The output of stage `to_stage − 1` for minibatch `minibatch`.
+    /// The output of stage `to_stage − 1` for minibatch `minibatch`, in segment `segment` (a
+    /// minibatch is computed again in a later segment after a lost worker).
     Activation {
+        segment: u32,
         to_stage: u32,
         minibatch: u64,
         tensor: Tensor,
     },
     /// The gradient with respect to stage `to_stage + 1`'s input, for `minibatch`.
     Gradient {
+        segment: u32,
         to_stage: u32,
         minibatch: u64,
         tensor: Tensor,
@@ -250,6 +253,21 @@ pub enum PipeMsg {
     /// A worker outside the pipeline (a replacement) can train and is reachable at `addr`: sent
     /// to every worker it knows of, so that whoever leads folds it in (see [`PipeMsg::Grow`]).
     Ready { addr: String },
+    /// A layer (weights and momentum) after every minibatch below `at`, from its stage's first
+    /// replica to the leader and the next member, so that a worker lost without warning can be
+    /// restored from it.
+    Snapshot {
+        at: u64,
+        layer: u32,
+        weights: Vec<f32>,
+        velocity: Vec<f32>,
+    },
+    /// Worker `worker` stopped answering in segment `segment` (lost without warning): abandon
+    /// the segment and wait for the first surviving member's [`PipeMsg::Restore`].
+    Lost { segment: u32, worker: u32 },
+    /// Segment `segment + 1` starts at `at`, without `lost`, from the snapshot at `at`; the
+    /// sender (the first surviving member) sends every layer to its owner.
+    Restore { segment: u32, at: u64, lost: u32 },
 }
 
 impl PipeMsg {
@@ -273,6 +291,10 @@ impl PipeMsg {
                 tensor.data.len() * 4
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
+            PipeMsg::Snapshot {
+                weights, velocity, ..
+            } => (weights.len() + velocity.len()) * 4,
+            PipeMsg::Lost { .. } | PipeMsg::Restore { .. } => 0,
             PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
             PipeMsg::Grow { members, addrs, .. } => {
                 members.len() * 4 + addrs.iter().map(|a| a.len() + 4).sum::<usize>()
@@ -288,11 +310,13 @@ impl PipeMsg {
     fn encode(&self, e: &mut Enc) {
         match self {
             PipeMsg::Activation {
+                segment,
                 to_stage,
                 minibatch,
                 tensor,
             }
             | PipeMsg::Gradient {
+                segment,
                 to_stage,
                 minibatch,
                 tensor,
@@ -302,6 +326,7 @@ impl PipeMsg {
                 } else {
                     2
                 });
+                e.u32(*segment);
                 e.u32(*to_stage);
                 e.u64(*minibatch);
                 e.u32(tensor.rows);
@@ -369,6 +394,29 @@ impl PipeMsg {
                 e.u8(9);
                 e.str(addr);
             }
+            PipeMsg::Snapshot {
+                at,
+                layer,
+                weights,
+                velocity,
+            } => {
+                e.u8(10);
+                e.u64(*at);
+                e.u32(*layer);
+                e.f32s(weights);
+                e.f32s(velocity);
+            }
+            PipeMsg::Lost { segment, worker } => {
+                e.u8(11);
+                e.u32(*segment);
+                e.u32(*worker);
+            }
+            PipeMsg::Restore { segment, at, lost } => {
+                e.u8(12);
+                e.u32(*segment);
+                e.u64(*at);
+                e.u32(*lost);
+            }
         }
     }
 
@@ -376,6 +424,7 @@ impl PipeMsg {
         let tag = d.u8()?;
         Ok(match tag {
             1 | 2 => {
+                let segment = d.u32()?;
                 let to_stage = d.u32()?;
                 let minibatch = d.u64()?;
                 let rows = d.u32()?;
@@ -390,12 +439,14 @@ impl PipeMsg {
                 let tensor = Tensor { rows, cols, data };
                 if tag == 1 {
                     PipeMsg::Activation {
+                        segment,
                         to_stage,
                         minibatch,
                         tensor,
                     }
                 } else {
                     PipeMsg::Gradient {
+                        segment,
                         to_stage,
                         minibatch,
                         tensor,
@@ -438,6 +489,21 @@ impl PipeMsg {
                 }
             }
             9 => PipeMsg::Ready { addr: d.str()? },
+            10 => PipeMsg::Snapshot {
+                at: d.u64()?,
+                layer: d.u32()?,
+                weights: d.f32s()?,
+                velocity: d.f32s()?,
+            },
+            11 => PipeMsg::Lost {
+                segment: d.u32()?,
+                worker: d.u32()?,
+            },
+            12 => PipeMsg::Restore {
+                segment: d.u32()?,
+                at: d.u64()?,
+                lost: d.u32()?,
+            },
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
     }
@@ -484,6 +550,7 @@ mod tests {
     fn messages_roundtrip_and_reject_bad_shapes() {
         let msgs = [
             PipeMsg::Activation {
+                segment: 3,
                 to_stage: 1,
                 minibatch: 7,
                 tensor: Tensor {
@@ -493,6 +560,7 @@ mod tests {
                 },
             },
             PipeMsg::Gradient {
+                segment: 0,
                 to_stage: 0,
                 minibatch: 9,
                 tensor: Tensor {
@@ -537,6 +605,21 @@ mod tests {
             PipeMsg::Ready {
                 addr: "10.0.0.7:7000".into(),
             },
+            PipeMsg::Snapshot {
+                at: 128,
+                layer: 2,
+                weights: vec![1.0, -2.0],
+                velocity: vec![0.5, 0.0],
+            },
+            PipeMsg::Lost {
+                segment: 1,
+                worker: 3,
+            },
+            PipeMsg::Restore {
+                segment: 1,
+                at: 96,
+                lost: 3,
+            },
         ];
         for m in msgs {
             let mut e = Enc::default();
@@ -548,6 +631,7 @@ mod tests {
         }
         let mut e = Enc::default();
         PipeMsg::Activation {
+            segment: 0,
             to_stage: 1,
             minibatch: 0,
             tensor: Tensor {
@@ -564,6 +648,7 @@ mod tests {
     fn messages_travel_as_request_tag_10_followed_by_their_encoding() {
         // The data plane's bytes from when the transport encoded pipeline messages itself.
         let activation = PipeMsg::Activation {
+            segment: 2,
             to_stage: 1,
             minibatch: 7,
             tensor: Tensor {
@@ -573,8 +658,8 @@ mod tests {
             },
         };
         let activation_bytes = vec![
-            10, 1, 1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0,
-            0, 0, 0, 0x80, 0x3f,
+            10, 1, 2, 0, 0, 0, 1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0,
+            0, 0, 0, 0, 0, 0, 0, 0x80, 0x3f,
         ];
         let warn = PipeMsg::Warn { worker: 3 };
         for (msg, bytes) in [

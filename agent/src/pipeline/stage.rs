@@ -52,6 +52,16 @@ pub enum StageError {
     VersionGone { minibatch: u64, version: u64 },
     #[error("{0}")]
     Config(String),
+    /// Worker `0` stopped answering (lost without warning).
+    #[error("worker {0} was lost without warning")]
+    PeerLost(u32),
+    #[error(
+        "worker {0} was lost without warning and no snapshot of every layer is held to restart from"
+    )]
+    NoSnapshot(u32),
+    /// Tests: this worker stopped dead ([`RunConfig::kill_at`]).
+    #[error("stopped dead")]
+    Killed,
 }
 
 /// Which samples minibatch `m` holds: a seeded shuffle per epoch, the same on every worker.
@@ -104,6 +114,15 @@ pub struct RunConfig {
     /// Tests: fold in worker `w`, a standby outside the first plan (its address is in the
     /// address table, it waits for a [`PipeMsg::Grow`]), when the leader reaches minibatch `m`.
     pub join_at: Option<(u64, u32)>,
+    /// Every stage's first replica sends its layers to the leader and the next member at the
+    /// start of every segment and then every this many minibatches (rounded up to a multiple
+    /// of the plan's step), so that the pipeline can restart without a worker lost without
+    /// warning, from the newest snapshot of every layer. 0: no snapshots, and a lost worker
+    /// ends the run.
+    pub snapshot_every: u64,
+    /// Tests: worker `w` stops dead, with no hand-over, when it reaches minibatch `m` (as a
+    /// `kill -9` would stop it).
+    pub kill_at: Option<(u64, u32)>,
     /// A replicated stage all-reduces its gradients in buckets of about this many bytes, each
     /// as soon as the backward pass has produced it, overlapping the rest of the backward pass
     /// (as PyTorch DDP does); 0: one all-reduce of everything after the backward pass.
@@ -535,6 +554,9 @@ pub enum Event {
     Join { joined: u32, drain_at: u64 },
     /// The first optimizer step of segment `segment` (training again on the new plan).
     Resumed { segment: u32 },
+    /// Worker `worker` was lost without warning; the survivors restart from the snapshot at
+    /// `restart_at`.
+    Lost { worker: u32, restart_at: u64 },
 }
 
 /// A checkpoint every stage has recorded: the whole model after minibatch `minibatch`.
@@ -707,8 +729,10 @@ pub(super) fn receive(inbox: &mpsc::UnboundedSender<PipeMsg>, payload: &[u8]) ->
 /// Messages received ahead of when the schedule needs them.
 struct Mailbox {
     rx: mpsc::UnboundedReceiver<PipeMsg>,
-    acts: HashMap<u64, Tensor>,
-    grads: HashMap<u64, Tensor>,
+    /// The segment this worker runs (activations and gradients of others are stale).
+    segment: u32,
+    acts: HashMap<(u32, u64), Tensor>,
+    grads: HashMap<(u32, u64), Tensor>,
     reduces: HashMap<(u64, u32), Vec<f32>>,
     states: HashMap<(u32, u32), (Vec<f32>, Vec<f32>)>,
     /// Drain orders by segment: where, and how the members change.
@@ -720,6 +744,15 @@ struct Mailbox {
     readies: Vec<String>,
     /// Updated from every [`PipeMsg::Grow`].
     book: Arc<AddressBook>,
+    /// Layers' snapshots by the minibatch they were taken before (the newest complete one, and
+    /// newer ones still arriving).
+    snapshots: BTreeMap<u64, HashMap<u32, (Vec<f32>, Vec<f32>)>>,
+    /// The model's layer count (a snapshot with every layer is complete).
+    layers: usize,
+    /// Workers lost without warning, by the segment they were lost in.
+    lost: HashMap<u32, u32>,
+    /// Restart orders by segment: (restart point, lost worker).
+    restores: HashMap<u32, (u64, u32)>,
     /// Messages that are not the stage's (plan tables), kept for the caller.
     other: Vec<PipeMsg>,
 }
@@ -740,6 +773,8 @@ enum Want {
     State(u32, u32),
     /// A re-plan that folds in the standby at this address (a worker outside the pipeline).
     Join(String),
+    /// The restart order after a worker of this segment was lost.
+    Restore(u32),
 }
 
 enum Got {
@@ -750,20 +785,45 @@ enum Got {
     Drain,
     /// (segment, drain point, members of the next plan).
     Join(u32, u64, Vec<u32>),
+    /// (restart point, lost worker).
+    Restore(u64, u32),
 }
 
 impl Mailbox {
     fn file(&mut self, msg: PipeMsg) -> bool {
         match msg {
             PipeMsg::Activation {
-                minibatch, tensor, ..
+                segment,
+                minibatch,
+                tensor,
+                ..
             } => {
-                self.acts.insert(minibatch, tensor);
+                // One abandoned after a lost worker arrives late, and is dropped.
+                if segment >= self.segment {
+                    self.acts.insert((segment, minibatch), tensor);
+                }
             }
             PipeMsg::Gradient {
-                minibatch, tensor, ..
+                segment,
+                minibatch,
+                tensor,
+                ..
             } => {
-                self.grads.insert(minibatch, tensor);
+                if segment >= self.segment {
+                    self.grads.insert((segment, minibatch), tensor);
+                }
+            }
+            PipeMsg::Snapshot {
+                at,
+                layer,
+                weights,
+                velocity,
+            } => self.snapshot(at, layer, weights, velocity),
+            PipeMsg::Lost { segment, worker } => {
+                self.lost.entry(segment).or_insert(worker);
+            }
+            PipeMsg::Restore { segment, at, lost } => {
+                self.restores.insert(segment, (at, lost));
             }
             PipeMsg::Reduce {
                 round, step, data, ..
@@ -820,8 +880,12 @@ impl Mailbox {
 
     fn take(&mut self, w: &Want) -> Option<Got> {
         match *w {
-            Want::Act(m) => self.acts.remove(&m).map(Got::Tensor),
-            Want::Grad(m) => self.grads.remove(&m).map(Got::Tensor),
+            Want::Act(m) => self.acts.remove(&(self.segment, m)).map(Got::Tensor),
+            Want::Grad(m) => self.grads.remove(&(self.segment, m)).map(Got::Tensor),
+            Want::Restore(segment) => self
+                .restores
+                .get(&segment)
+                .map(|&(at, lost)| Got::Restore(at, lost)),
             Want::Reduce(r, s) => self.reduces.remove(&(r, s)).map(Got::Chunk),
             Want::State(g, l) => self.states.remove(&(g, l)).map(|(w, v)| Got::State(w, v)),
             Want::Join(ref addr) => {
@@ -841,11 +905,42 @@ impl Mailbox {
         }
     }
 
+    /// A worker lost in this worker's segment.
+    fn lost_here(&self) -> Option<u32> {
+        self.lost.get(&self.segment).copied()
+    }
+
+    /// File a layer's snapshot; once one has every layer, older ones go.
+    fn snapshot(&mut self, at: u64, layer: u32, weights: Vec<f32>, velocity: Vec<f32>) {
+        self.snapshots
+            .entry(at)
+            .or_default()
+            .insert(layer, (weights, velocity));
+        if let Some(newest) = self.newest_snapshot() {
+            self.snapshots.retain(|&a, _| a >= newest);
+        }
+    }
+
+    /// The newest snapshot that holds every layer.
+    fn newest_snapshot(&self) -> Option<u64> {
+        self.snapshots
+            .iter()
+            .rev()
+            .find(|(_, l)| l.len() == self.layers)
+            .map(|(&at, _)| at)
+    }
+
     async fn wait(&mut self, w: Want, interruptible: bool) -> Result<Got, StageError> {
         let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
         loop {
             if let Some(x) = self.take(&w) {
                 return Ok(x);
+            }
+            // Nothing of this segment's may come any more; the restart order still may.
+            if let Some(lost) = self.lost_here()
+                && !matches!(w, Want::Restore(_) | Want::State(..))
+            {
+                return Err(StageError::PeerLost(lost));
             }
             match tokio::time::timeout_at(deadline, self.rx.recv()).await {
                 Ok(Some(msg)) => {
@@ -861,6 +956,9 @@ impl Mailbox {
                         Want::Reduce(r, s) => format!("all-reduce round {r} step {s}"),
                         Want::State(g, l) => format!("layer {l}'s state for segment {g}"),
                         Want::Join(_) => "an invitation to join the pipeline".into(),
+                        Want::Restore(g) => {
+                            format!("the order to restart segment {g} after a lost worker")
+                        }
                     };
                     return Err(StageError::Timeout(MESSAGE_TIMEOUT, what));
                 }
@@ -907,6 +1005,8 @@ pub struct StageOutcome {
     pub layers: Vec<Dense>,
     /// The worker left after a warning (its state moved to the survivors).
     pub evicted: bool,
+    /// Tests: the worker stopped dead ([`RunConfig::kill_at`]).
+    pub lost: bool,
     /// Original worker numbers of the last plan's workers, in plan order (the first leads).
     pub final_members: Vec<u32>,
     pub loss_sum: f64,
@@ -956,6 +1056,10 @@ struct Sender {
     peers: Arc<Peers>,
     addrs: Arc<AddressBook>,
     tasks: JoinSet<Result<(), StageError>>,
+    /// The segment sends belong to, and this worker's own inbox: a background send that fails
+    /// files [`PipeMsg::Lost`] there, so that a worker waiting on the lost one learns of it.
+    segment: u32,
+    loopback: mpsc::UnboundedSender<PipeMsg>,
 }
 
 async fn deliver(
@@ -992,8 +1096,18 @@ impl Sender {
     /// Send in the background (to worker `to`, by original number).
     fn send(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
         let addr = self.addr(to)?;
-        self.tasks
-            .spawn(deliver(self.peers.clone(), addr, self.me, to, msg));
+        let (peers, me, segment) = (self.peers.clone(), self.me, self.segment);
+        let loopback = self.loopback.clone();
+        self.tasks.spawn(async move {
+            let sent = deliver(peers, addr, me, to, msg).await;
+            if sent.is_err() {
+                let _ = loopback.send(PipeMsg::Lost {
+                    segment,
+                    worker: to,
+                });
+            }
+            sent
+        });
         // Surface failures of earlier sends without waiting for the others.
         while let Some(done) = self.tasks.try_join_next() {
             if let Ok(Err(e)) = done {
@@ -1001,6 +1115,16 @@ impl Sender {
             }
         }
         Ok(())
+    }
+
+    /// One attempt, best effort (news for a worker that may have stopped).
+    async fn try_once(&self, to: u32, msg: &PipeMsg) {
+        if let Some(addr) = self.addrs.get(to) {
+            let _ = self
+                .peers
+                .call(&addr, &msg.to_request(), Duration::from_secs(5))
+                .await;
+        }
     }
 
     /// Send and wait for the receiver's acknowledgement.
@@ -1085,8 +1209,20 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
     cfg.check()?;
     let n = cfg.plan.workers();
     let all = cfg.shape.init(cfg.seed);
+    // The inbox, with this worker's own notes of failed sends merged in.
+    let (loopback, merged) = mpsc::unbounded_channel();
+    let mut inbox = std::mem::replace(&mut ctx.inbox, mpsc::unbounded_channel().1);
+    let forward = loopback.clone();
+    tokio::spawn(async move {
+        while let Some(m) = inbox.recv().await {
+            if forward.send(m).is_err() {
+                return;
+            }
+        }
+    });
     let mut mail = Mailbox {
-        rx: std::mem::replace(&mut ctx.inbox, mpsc::unbounded_channel().1),
+        rx: merged,
+        segment: 0,
         acts: HashMap::new(),
         grads: HashMap::new(),
         reduces: HashMap::new(),
@@ -1095,6 +1231,10 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         warns: Vec::new(),
         readies: Vec::new(),
         book: ctx.addrs.clone(),
+        snapshots: BTreeMap::new(),
+        layers: cfg.shape.layers(),
+        lost: HashMap::new(),
+        restores: HashMap::new(),
         other: Vec::new(),
     };
     let mut out = Sender {
@@ -1102,6 +1242,8 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         peers: ctx.peers.clone(),
         addrs: ctx.addrs.clone(),
         tasks: JoinSet::new(),
+        segment: 0,
+        loopback,
     };
     let started = Instant::now();
     let mut totals = Totals::default();
@@ -1150,7 +1292,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
             .ok_or(StageError::NotInPlan(ctx.worker))? as u32;
         let (s, k) = seg.plan.role(me).ok_or(StageError::NotInPlan(ctx.worker))?;
         let first_layer = seg.plan.stages()[s].layers.start;
-        let (end, core) = run_segment(
+        let ran = run_segment(
             &ctx,
             &seg,
             me,
@@ -1160,7 +1302,63 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
             &mut out,
             &mut totals,
         )
-        .await?;
+        .await;
+        let (end, core) = match ran {
+            Ok(ran) => ran,
+            Err(StageError::Killed) => {
+                tracing::warn!(worker = ctx.worker, "stopped dead (test)");
+                let mut o = outcome(
+                    &ctx,
+                    s,
+                    k,
+                    first_layer,
+                    Vec::new(),
+                    false,
+                    seg.members.clone(),
+                    totals,
+                    started,
+                );
+                o.lost = true;
+                return Ok((o, mail));
+            }
+            Err(e) => {
+                // A worker of this segment lost without warning: restart without it from the
+                // newest snapshot, when snapshots are taken.
+                let lost = match e {
+                    StageError::PeerLost(w) => w,
+                    StageError::Send { worker, .. }
+                        if worker != ctx.worker && seg.members.contains(&worker) =>
+                    {
+                        worker
+                    }
+                    e => return Err(e),
+                };
+                // Sends of the abandoned segment are dropped, and the others hear of the loss
+                // (a worker that waits on the lost one would not notice by itself).
+                out.tasks = JoinSet::new();
+                mail.lost.entry(seg.index).or_insert(lost);
+                let heard = PipeMsg::Lost {
+                    segment: seg.index,
+                    worker: lost,
+                };
+                for &w in seg
+                    .members
+                    .iter()
+                    .filter(|&&w| w != lost && w != ctx.worker)
+                {
+                    out.try_once(w, &heard).await;
+                }
+                if cfg.snapshot_every == 0 || seg.members.len() < 2 {
+                    return Err(StageError::PeerLost(lost));
+                }
+                let (next, l, v) =
+                    restart_without(&ctx, &seg, lost, &mut mail, &mut out, &mut totals, &all)
+                        .await?;
+                (layers, velocity) = (l, v);
+                seg = next;
+                continue;
+            }
+        };
         layers = core.weights().to_vec();
         velocity = core.optimizer().velocity.clone();
         totals.max_versions = totals.max_versions.max(core.max_versions);
@@ -1251,6 +1449,101 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
     }
 }
 
+/// After worker `lost` stopped answering in `seg` (and the others were told): agree on the restart point
+/// (the first surviving member decides: its newest snapshot of every layer), and take over this
+/// worker's layers of the plan for the survivors from that snapshot. Minibatches from the
+/// restart point on are computed again.
+async fn restart_without(
+    ctx: &StageCtx,
+    seg: &Segment,
+    lost: u32,
+    mail: &mut Mailbox,
+    out: &mut Sender,
+    totals: &mut Totals,
+    all: &[Dense],
+) -> Result<(Segment, Vec<Dense>, Vec<Dense>), StageError> {
+    let cfg = &ctx.cfg;
+    tracing::warn!(
+        worker = ctx.worker,
+        lost,
+        segment = seg.index,
+        "a worker was lost without warning: restarting from the newest snapshot"
+    );
+    let survivors: Vec<u32> = seg.members.iter().copied().filter(|&w| w != lost).collect();
+    let first = survivors
+        .first()
+        .copied()
+        .ok_or(StageError::NoSnapshot(lost))?;
+    let at = if first == ctx.worker {
+        let at = mail.newest_snapshot().ok_or(StageError::NoSnapshot(lost))?;
+        for &w in survivors.iter().filter(|&&w| w != ctx.worker) {
+            out.send_now(
+                w,
+                PipeMsg::Restore {
+                    segment: seg.index,
+                    at,
+                    lost,
+                },
+            )
+            .await?;
+        }
+        if let Some(cp) = &ctx.checkpoints {
+            cp.event(Event::Lost {
+                worker: lost,
+                restart_at: at,
+            });
+        }
+        at
+    } else {
+        match mail.wait(Want::Restore(seg.index), false).await? {
+            Got::Restore(at, theirs) if theirs == lost => at,
+            // Two losses at once (or two workers that name different ones): not recoverable.
+            Got::Restore(_, theirs) => return Err(StageError::PeerLost(theirs)),
+            _ => return Err(StageError::InboxClosed),
+        }
+    };
+    totals.drained_at = Some((seg.index + 1, Instant::now()));
+    totals.minibatches.retain(|&m| m < at);
+    let next = Segment {
+        index: seg.index + 1,
+        start: at,
+        plan: plan_for(cfg, survivors.len() as u32)?,
+        members: survivors,
+    };
+    if first == ctx.worker {
+        // Every layer of the snapshot to every replica of the stage that owns it now.
+        let snapshot = mail.snapshots.get(&at).cloned().unwrap_or_default();
+        for (layer, (weights, velocity)) in snapshot {
+            let Some(ns) = next
+                .plan
+                .stages()
+                .iter()
+                .position(|st| st.layers.contains(&(layer as usize)))
+            else {
+                continue;
+            };
+            for rep in 0..next.plan.stages()[ns].replicas {
+                let to = next.physical(next.plan.first_worker(ns) + rep);
+                let msg = PipeMsg::State {
+                    segment: next.index,
+                    layer,
+                    weights: weights.clone(),
+                    velocity: velocity.clone(),
+                };
+                if to == ctx.worker {
+                    mail.file(msg);
+                } else {
+                    out.send(to, msg)?;
+                }
+            }
+        }
+        out.drain().await?;
+    }
+    let (layers, velocity) = take_over(mail, &next, ctx.worker, all).await?;
+    tracing::info!(worker = ctx.worker, segment = next.index, from = at, plan = %next.plan, "restarted without the lost worker");
+    Ok((next, layers, velocity))
+}
+
 /// The plan for `workers` workers: the run's first, or one of its re-plans.
 fn plan_for(cfg: &RunConfig, workers: u32) -> Result<Plan, StageError> {
     if workers == cfg.plan.workers() {
@@ -1314,6 +1607,7 @@ fn outcome(
         first_layer,
         layers,
         evicted,
+        lost: false,
         final_members,
         loss_sum: t.loss_sum,
         correct: t.correct,
@@ -1359,6 +1653,47 @@ async fn run_segment(
     };
     let mut core = StageCore::new(layers, first, last, capacity, cfg.lr, cfg.momentum);
     core.opt.velocity = velocity;
+    mail.segment = seg.index;
+    out.segment = seg.index;
+    mail.acts.retain(|&(g, _), _| g >= seg.index);
+    mail.grads.retain(|&(g, _), _| g >= seg.index);
+    // Snapshots for restarting without a worker lost without warning: at the segment's start
+    // and every `every` minibatches, a multiple of every stage's step.
+    let every = match kind {
+        ScheduleKind::OneFOneB => plan
+            .stages()
+            .iter()
+            .fold(1u64, |l, st| lcm(l, u64::from(st.replicas))),
+        ScheduleKind::Flushing { group } | ScheduleKind::TwoBW { group } => group.max(1),
+    };
+    let every = cfg.snapshot_every.div_ceil(every) * every;
+    let keepers: Vec<u32> = seg.members.iter().copied().take(2).collect();
+    let snapshot = |core: &StageCore, at: u64, mail: &mut Mailbox, out: &mut Sender| {
+        for (i, (w, v)) in core
+            .weights()
+            .iter()
+            .zip(&core.optimizer().velocity)
+            .enumerate()
+        {
+            let msg = PipeMsg::Snapshot {
+                at,
+                layer: (sp.layers.start + i) as u32,
+                weights: mlp::flatten(std::slice::from_ref(w)),
+                velocity: mlp::flatten(std::slice::from_ref(v)),
+            };
+            for &to in &keepers {
+                if to == ctx.worker {
+                    mail.file(msg.clone());
+                } else {
+                    out.send(to, msg.clone())?;
+                }
+            }
+        }
+        Ok::<(), StageError>(())
+    };
+    if every > 0 && k == 0 {
+        snapshot(&core, seg.start, mail, out)?;
+    }
     // Vertical sync: the input stage's version when minibatch `rel` (of this segment) entered,
     // as the minibatches it had applied: its replica ran `rel / r0` forward passes before and
     // stepped after each backward pass past its warm-up.
@@ -1387,6 +1722,15 @@ async fn run_segment(
     let mut pc = 0usize;
     while pc < ops.len() {
         mail.poll();
+        if let Some(lost) = mail.lost_here() {
+            return Err(StageError::PeerLost(lost));
+        }
+        if let (Some((m, w)), Op::Forward(rel) | Op::Backward(rel)) = (cfg.kill_at, ops[pc])
+            && w == ctx.worker
+            && seg.start + rel >= m
+        {
+            return Err(StageError::Killed);
+        }
         if drain.is_none()
             && let Some((at, change)) = mail.drains.get(&seg.index).cloned()
         {
@@ -1565,6 +1909,7 @@ async fn run_segment(
                 }
                 if !last {
                     let msg = PipeMsg::Activation {
+                        segment: seg.index,
                         to_stage: (s + 1) as u32,
                         minibatch: m,
                         tensor: to_tensor(y),
@@ -1584,6 +1929,7 @@ async fn run_segment(
                     }
                 };
                 let prev = (!first).then(|| Prev {
+                    segment: seg.index,
                     worker: seg.physical(plan.worker_for(s - 1, rel)),
                     stage: (s - 1) as u32,
                     minibatch: m,
@@ -1690,17 +2036,23 @@ async fn run_segment(
         if let Some(c) = &ctx.steps {
             c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        // Minibatches whose updates this step completes.
+        let covered = match kind {
+            ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
+            ScheduleKind::Flushing { group } | ScheduleKind::TwoBW { group } => {
+                round * group..(round + 1) * group
+            }
+        };
+        if every > 0 && k == 0 && covered.end.is_multiple_of(every) {
+            let limit = drain.as_ref().map_or(cfg.minibatches, |d| d.0);
+            if seg.start + covered.end < limit {
+                snapshot(&core, seg.start + covered.end, mail, out)?;
+            }
+        }
         if let Some(cp) = &ctx.checkpoints {
             if seg.index > 0 {
                 cp.event(Event::Resumed { segment: seg.index });
             }
-            // Minibatches whose updates this step completes.
-            let covered = match kind {
-                ScheduleKind::OneFOneB => round * u64::from(r)..(round + 1) * u64::from(r),
-                ScheduleKind::Flushing { group } | ScheduleKind::TwoBW { group } => {
-                    round * group..(round + 1) * group
-                }
-            };
             if k == 0 && cfg.checkpoint_every > 0 {
                 let limit = drain.as_ref().map_or(cfg.minibatches, |d| d.0);
                 for m in covered.map(|rel| seg.start + rel).filter(|m| *m < limit) {
@@ -1724,6 +2076,7 @@ async fn run_segment(
 
 /// Where a gradient for the previous stage goes.
 struct Prev {
+    segment: u32,
     worker: u32,
     stage: u32,
     minibatch: u64,
@@ -1732,6 +2085,7 @@ struct Prev {
 impl Prev {
     fn message(&self, gin: Array2<f32>) -> PipeMsg {
         PipeMsg::Gradient {
+            segment: self.segment,
             to_stage: self.stage,
             minibatch: self.minibatch,
             tensor: to_tensor(gin),
@@ -2000,5 +2354,16 @@ mod tests {
         let (_, _, g) = mlp::softmax_xent(&t.output, &[0, 1]);
         let (_, want) = mlp::backward(&last, &t, g, true, true);
         assert_eq!(Some(gin), want);
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    if a == 0 || b == 0 {
+        a.max(b)
+    } else {
+        a / gcd(a, b) * b
     }
 }

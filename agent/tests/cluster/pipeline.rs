@@ -60,6 +60,8 @@ fn flushing_pipeline_matches_single_process_sgd_step_for_step() {
         replans: Default::default(),
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -108,6 +110,8 @@ fn one_f_one_b_with_stashing_reaches_sgd_accuracy() {
         replans: Default::default(),
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -171,6 +175,8 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
         replans,
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -182,6 +188,8 @@ fn a_warned_stage_moves_to_the_survivors_and_no_minibatch_is_lost() {
     let cfg = RunConfig {
         warn_at: Some((minibatches / 3, 1)),
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         ..base
     };
     let run = local::run(cfg, train, None).expect("run with an eviction");
@@ -394,6 +402,8 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         replans: Default::default(),
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -433,6 +443,8 @@ fn bucketed_overlapped_all_reduce_steps_as_one_all_reduce_after_the_backward_pas
             replans: Default::default(),
             warn_at: None,
             join_at: None,
+            snapshot_every: 0,
+            kill_at: None,
             allreduce_bucket_bytes: 0,
             vertical_sync: false,
         };
@@ -577,6 +589,8 @@ fn four_stage_digits(minibatches: u64) -> (Arc<data::ImageSet>, RunConfig) {
         replans: Default::default(),
         warn_at: None,
         join_at: None,
+        snapshot_every: 0,
+        kill_at: None,
         allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
     };
@@ -1019,4 +1033,108 @@ fn a_replacement_that_says_it_is_ready_is_folded_in_once_a_plan_has_room() {
     )
     .expect_err("both");
     assert!(e.to_string().contains("when it is ready"), "{e}");
+}
+
+/// A worker lost without warning (`kill -9`): a middle stage, the leader (the member that plans
+/// re-plans), and a 2BW last stage. Whoever cannot reach it tells the others; the first survivor
+/// restarts them from its newest snapshot of every layer (taken every 8 minibatches, held by
+/// the leader and the next member), so the minibatches after the snapshot are computed again.
+/// The run equals the reference that re-plans at the snapshot, and the result counts every
+/// minibatch once. Without snapshots, the loss ends the run at once with an error that names it.
+#[test]
+fn a_worker_lost_without_warning_is_restarted_from_the_newest_snapshot() {
+    use proteus_agent::pipeline::stage::Event;
+    let (train, base) = four_stage_digits(70);
+    let four = base.plan.clone();
+    let three = plan(&[(0, 1, 1), (1, 2, 1), (2, 4, 1)], 4);
+    let base = RunConfig {
+        replans: [(3, three.clone())].into_iter().collect(),
+        snapshot_every: 8,
+        ..base
+    };
+    let group = proteus_agent::pipeline::schedule::two_bw_group(&four);
+    let cases: [(&str, RunConfig, Promise); 3] = [
+        (
+            "1F1B, a middle stage",
+            RunConfig {
+                kill_at: Some((30, 2)),
+                ..base.clone()
+            },
+            one_f_one_b_promise(),
+        ),
+        (
+            "1F1B, the leader",
+            RunConfig {
+                kill_at: Some((30, 0)),
+                ..base.clone()
+            },
+            one_f_one_b_promise(),
+        ),
+        (
+            "2BW, the last stage",
+            RunConfig {
+                kill_at: Some((30, 3)),
+                schedule: ScheduleKind::TwoBW { group },
+                ..base.clone()
+            },
+            two_bw_promise(group),
+        ),
+    ];
+    for (name, cfg, (step_every, version)) in cases {
+        let killed = cfg.kill_at.unwrap().1;
+        let run = local::run(cfg.clone(), train.clone(), None).expect(name);
+        let events = replans(&run);
+        let restart_at = match events[..] {
+            [Event::Lost { worker, restart_at }] if worker == killed => restart_at,
+            _ => panic!("{name}: one loss, of worker {killed}: {events:?}"),
+        };
+        let every = 8u64.div_ceil(step_every(&four)) * step_every(&four);
+        assert!(
+            restart_at >= 8 && restart_at <= 30 && restart_at.is_multiple_of(every),
+            "{name}: restarted at {restart_at}"
+        );
+        let survivors: Vec<u32> = (0..4).filter(|&w| w != killed).collect();
+        for o in &run.outcomes {
+            assert_eq!(o.lost, o.worker == killed, "{name}");
+            if !o.lost {
+                assert_eq!(o.final_members, survivors, "{name}");
+            }
+        }
+        // Every minibatch's loss counted once: the lost worker's only before the restart.
+        let mut seen: Vec<u64> = run
+            .outcomes
+            .iter()
+            .flat_map(|o| {
+                o.minibatches
+                    .iter()
+                    .copied()
+                    .filter(move |&m| !o.lost || m < restart_at)
+            })
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "{name}");
+        let want = train_versioned(
+            &cfg,
+            &train,
+            &[(0..restart_at, &four), (restart_at..70, &three)],
+            step_every,
+            version,
+        );
+        let d = max_rel_diff(&run.model(), &want);
+        assert!(
+            d < 1e-4,
+            "{name}: differs from a re-plan at the snapshot by {d}"
+        );
+    }
+    let e = local::run(
+        RunConfig {
+            kill_at: Some((30, 2)),
+            snapshot_every: 0,
+            ..base
+        },
+        train,
+        None,
+    )
+    .expect_err("no snapshots");
+    assert!(e.to_string().contains("worker 2 was lost"), "{e}");
 }
