@@ -304,6 +304,22 @@ impl BrokerProcess {
         out
     }
 
+    /// `kill -9` the agent of `instance` only (a process dying without a word; its VM, to the
+    /// cloud, still runs).
+    pub fn kill_agent(&self, instance: &str) {
+        let pid_file = self
+            .state_dir
+            .join("agents")
+            .join(format!("{instance}.pid"));
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
+            .trim()
+            .parse()
+            .expect("a pid");
+        // SAFETY: signalling a process this test's broker started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0, "kill {pid}");
+    }
+
     pub fn kill_agents(&self) {
         if let Ok(rd) = std::fs::read_dir(self.state_dir.join("agents")) {
             for e in rd.flatten() {

@@ -331,9 +331,9 @@ impl Agent {
                         let metric = metric.unwrap_or(Metric { kind: MetricKind::Accuracy, value: 0.0, baseline: None, clock: 0 });
                         self.event(AgentEvent::TrainingComplete { metric }).await;
                     }
-                    WorkerEvent::PipelineResumed { segment, workers, pause } => {
+                    WorkerEvent::PipelineResumed { segment, from, workers, pause } => {
                         let pause_ms = pause.as_millis() as u64;
-                        self.event(AgentEvent::PipelineResumed { segment, workers, pause_ms }).await;
+                        self.event(AgentEvent::PipelineResumed { segment, from, workers, pause_ms }).await;
                     }
                 },
                 Some(PsEvent::HandedOver { shard, to, seq }) = self.ps_rx.recv() => {

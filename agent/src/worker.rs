@@ -31,6 +31,7 @@ pub enum WorkerEvent {
     /// Pipeline jobs: training again after a re-plan (see [`proteus_wire::agent_api::AgentEvent::PipelineResumed`]).
     PipelineResumed {
         segment: u32,
+        from: u64,
         workers: u32,
         pause: Duration,
     },

@@ -212,3 +212,140 @@ async fn an_interrupted_pipeline_stage_moves_to_the_survivors_and_the_job_matche
         "interrupted {interrupted_acc:.4} vs uninterrupted {reference_acc:.4}"
     );
 }
+
+/// The pipeline's leader, the member that planned it, is killed (`kill -9` of its agent: no
+/// warning, no hand-over). Whoever cannot reach it tells the others, and the first survivor
+/// restarts the three of them on the plan for three from its newest snapshot (every 20
+/// minibatches here); the broker declares the silent member dead. The job finishes and
+/// learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_whose_leader_is_killed_restarts_from_a_snapshot_and_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        &SPEED.to_string(),
+        &[
+            "--trace",
+            &trace,
+            "--on-demand",
+            &od,
+            "--billing",
+            "hourly-2015",
+        ],
+    )
+    .await;
+    let api = broker.client();
+    // Snapshots every 20 minibatches, so that the restart point is one taken during training.
+    let killed_spec = format!(
+        "{}[training.pipeline]\nsnapshot_every = 20\n",
+        spec("pipe-killed")
+    );
+    let id = broker.submit_file(dir.path(), &killed_spec);
+    let training = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(240),
+            "the pipeline to train half of the job",
+            |j| {
+                j["progress"].as_f64().unwrap_or(0.0) >= 0.5
+                    && j["instances"].as_array().is_some_and(|a| {
+                        a.iter().filter(|i| i["worker_rank"].is_u64()).count() == 4
+                    })
+            },
+        )
+        .await;
+    // Rank 0 of the first layout is the pipeline's first worker: it planned the pipeline and
+    // leads it.
+    let instances = training["instances"].as_array().unwrap();
+    let founders: std::collections::BTreeSet<&str> = instances
+        .iter()
+        .filter(|i| i["worker_rank"].is_u64())
+        .map(|i| i["id"].as_str().unwrap())
+        .collect();
+    let leader = instances
+        .iter()
+        .find(|i| i["worker_rank"] == 0)
+        .expect("rank 0")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    broker.kill_agent(&leader);
+
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(400),
+            "the pipeline job to finish without its leader",
+        )
+        .await;
+    let accuracy = job["metric"]["value"].as_f64().unwrap();
+    let events = api.get(&format!("/v1/jobs/{id}/events")).await;
+    let events = events.as_array().unwrap();
+    let story = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {} {} {}",
+                e["time"], e["instance_id"], e["kind"], e["detail"]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let resumed_by = |workers: u32| -> std::collections::BTreeSet<&str> {
+        let plan = format!("(for {workers} workers)");
+        events
+            .iter()
+            .filter(|e| {
+                e["kind"] == "pipeline_resumed" && e["detail"].as_str().unwrap().contains(&plan)
+            })
+            .map(|e| e["instance_id"].as_str().unwrap())
+            .collect()
+    };
+    // The three other founders restarted on the plan for three.
+    let survivors: std::collections::BTreeSet<&str> =
+        founders.iter().copied().filter(|f| *f != leader).collect();
+    assert_eq!(resumed_by(3), survivors, "the survivors restart:\n{story}");
+    // From a snapshot taken during training: a multiple of 20 minibatches above 0.
+    let restarts: Vec<u64> = events
+        .iter()
+        .filter(|e| e["kind"] == "pipeline_resumed")
+        .filter_map(|e| {
+            let d = e["detail"].as_str().unwrap();
+            d.contains("(for 3 workers)").then(|| {
+                let from = d.split("from minibatch ").nth(1).expect("a restart point");
+                from.split(',')
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .expect("a minibatch")
+            })
+        })
+        .collect();
+    assert!(
+        restarts.len() == 3
+            && restarts
+                .iter()
+                .all(|&m| m == restarts[0] && m > 0 && m % 20 == 0),
+        "restart points {restarts:?}:\n{story}"
+    );
+    // Whether the policy bought a replacement in time is its own business (the warned case
+    // above checks the fold-in); if it did, it trained with the survivors.
+    let regrown = resumed_by(4);
+    if !regrown.is_empty() {
+        assert!(
+            regrown.len() == 4 && regrown.is_superset(&survivors),
+            "the survivors and one replacement train on the plan for four:\n{story}"
+        );
+    }
+    eprintln!(
+        "leader {leader} killed; restart from minibatch {}; replacement folded in: {}; accuracy {accuracy:.4}",
+        restarts[0],
+        !regrown.is_empty()
+    );
+    // The uninterrupted job reaches 0.969-0.973 (the other test); a restart computes the
+    // minibatches after the snapshot again, on the same plans an interrupted run takes.
+    assert!(accuracy > 0.96, "accuracy {accuracy:.4}:\n{story}");
+}

@@ -568,7 +568,7 @@ pub enum Parallelism {
 }
 
 /// How a pipeline schedules its forward and backward passes (`training.pipeline` of a spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PipelineOptions {
@@ -579,6 +579,26 @@ pub struct PipelineOptions {
     /// later stages keep older weight versions for it).
     #[serde(default)]
     pub vertical_sync: bool,
+    /// Every stage sends its layers to the pipeline's leader and the next member every this
+    /// many minibatches (rounded up to the plan's step), so that the pipeline restarts without
+    /// a worker lost without warning from the newest snapshot, computing at most about this
+    /// many minibatches again. 0: no snapshots, and such a loss ends the job.
+    #[serde(default = "default_snapshot_every")]
+    pub snapshot_every: u32,
+}
+
+fn default_snapshot_every() -> u32 {
+    100
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            schedule: PipelineSchedule::default(),
+            vertical_sync: false,
+            snapshot_every: default_snapshot_every(),
+        }
+    }
 }
 
 /// The order of a pipeline's passes and when it steps.
@@ -1329,11 +1349,15 @@ pub enum AgentEvent {
     Ready { model_len: u64 },
     /// A worker completed the last clock and evaluated the final model.
     TrainingComplete { metric: Metric },
-    /// Pipeline jobs: after a re-plan (a stage was warned), this worker took its first
-    /// optimizer step on the plan for `workers` workers, `pause_ms` after the pipeline drained.
-    /// `segment` counts the plans the run has had (1 after the first re-plan).
+    /// Pipeline jobs: after a re-plan (a stage was warned or lost, or a worker joined), this
+    /// worker took its first optimizer step on the plan for `workers` workers, `pause_ms` after
+    /// the pipeline drained; the plan starts at minibatch `from` (after a lost worker, the
+    /// snapshot it restarted from). `segment` counts the plans the run has had (1 after the
+    /// first re-plan).
     PipelineResumed {
         segment: u32,
+        #[serde(default)]
+        from: u64,
         workers: u32,
         pause_ms: u64,
     },

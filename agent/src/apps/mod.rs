@@ -273,6 +273,7 @@ mod tests {
         let pipeline = PipelineOptions {
             schedule: PipelineSchedule::TwoBW,
             vertical_sync: false,
+            snapshot_every: 7,
         };
         let cfg = TrainingConfig::new(AppConfig::Mlp {
             dataset: ImageDataset::Digits,

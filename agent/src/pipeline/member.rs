@@ -296,7 +296,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         replans,
         warn_at: None,
         join_at: None,
-        snapshot_every: 0,
+        snapshot_every: u64::from(ctx.job.pipeline.snapshot_every),
         kill_at: None,
         allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: ctx.job.pipeline.vertical_sync,
@@ -423,6 +423,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::StagePlan;
     use super::*;
 
     #[test]

@@ -726,6 +726,9 @@ pub(super) fn receive(inbox: &mpsc::UnboundedSender<PipeMsg>, payload: &[u8]) ->
     }
 }
 
+/// A layer's weights and momentum, flat.
+type LayerState = (Vec<f32>, Vec<f32>);
+
 /// Messages received ahead of when the schedule needs them.
 struct Mailbox {
     rx: mpsc::UnboundedReceiver<PipeMsg>,
@@ -746,7 +749,7 @@ struct Mailbox {
     book: Arc<AddressBook>,
     /// Layers' snapshots by the minibatch they were taken before (the newest complete one, and
     /// newer ones still arriving).
-    snapshots: BTreeMap<u64, HashMap<u32, (Vec<f32>, Vec<f32>)>>,
+    snapshots: BTreeMap<u64, HashMap<u32, LayerState>>,
     /// The model's layer count (a snapshot with every layer is complete).
     layers: usize,
     /// Workers lost without warning, by the segment they were lost in.
@@ -2028,6 +2031,7 @@ async fn run_segment(
             if let Some(tx) = &ctx.resumed {
                 let _ = tx.send(crate::worker::WorkerEvent::PipelineResumed {
                     segment: seg.index,
+                    from: seg.start,
                     workers: seg.members.len() as u32,
                     pause,
                 });
@@ -2288,6 +2292,17 @@ pub fn train_sgd(
     (checkpoints, layers)
 }
 
+fn lcm(a: u64, b: u64) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    if a == 0 || b == 0 {
+        a.max(b)
+    } else {
+        a / gcd(a, b) * b
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2354,16 +2369,5 @@ mod tests {
         let (_, _, g) = mlp::softmax_xent(&t.output, &[0, 1]);
         let (_, want) = mlp::backward(&last, &t, g, true, true);
         assert_eq!(Some(gin), want);
-    }
-}
-
-fn lcm(a: u64, b: u64) -> u64 {
-    fn gcd(a: u64, b: u64) -> u64 {
-        if b == 0 { a } else { gcd(b, a % b) }
-    }
-    if a == 0 || b == 0 {
-        a.max(b)
-    } else {
-        a / gcd(a, b) * b
     }
 }

@@ -1090,7 +1090,7 @@ fn a_worker_lost_without_warning_is_restarted_from_the_newest_snapshot() {
         };
         let every = 8u64.div_ceil(step_every(&four)) * step_every(&four);
         assert!(
-            restart_at >= 8 && restart_at <= 30 && restart_at.is_multiple_of(every),
+            (8..=30).contains(&restart_at) && restart_at.is_multiple_of(every),
             "{name}: restarted at {restart_at}"
         );
         let survivors: Vec<u32> = (0..4).filter(|&w| w != killed).collect();
@@ -1126,6 +1126,47 @@ fn a_worker_lost_without_warning_is_restarted_from_the_newest_snapshot() {
             "{name}: differs from a re-plan at the snapshot by {d}"
         );
     }
+    // The leader killed while a replacement waits: the new leader restarts the survivors, then
+    // folds the replacement in (as a replacement agent the broker buys after a loss is).
+    let cfg = RunConfig {
+        kill_at: Some((30, 0)),
+        ..base.clone()
+    };
+    let run = local::run_with_newcomer(cfg.clone(), train.clone(), None, Vec::new())
+        .expect("a loss, then a join");
+    let events = replans(&run);
+    let (restart_at, joined_at) = match events[..] {
+        [
+            Event::Lost {
+                worker: 0,
+                restart_at,
+            },
+            Event::Join {
+                joined: 4,
+                drain_at,
+            },
+        ] => (restart_at, drain_at),
+        _ => panic!("a loss of worker 0, then worker 4 joins: {events:?}"),
+    };
+    assert!(restart_at <= 30 && restart_at < joined_at && joined_at < 70);
+    for o in run.outcomes.iter().filter(|o| !o.lost) {
+        assert_eq!(o.final_members, [1, 2, 3, 4]);
+    }
+    let (step_every, version) = one_f_one_b_promise();
+    let want = train_versioned(
+        &cfg,
+        &train,
+        &[
+            (0..restart_at, &four),
+            (restart_at..joined_at, &three),
+            (joined_at..70, &four),
+        ],
+        step_every,
+        version,
+    );
+    let d = max_rel_diff(&run.model(), &want);
+    assert!(d < 1e-4, "a loss then a join: differs by {d}");
+
     let e = local::run(
         RunConfig {
             kill_at: Some((30, 2)),

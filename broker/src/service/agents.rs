@@ -456,12 +456,14 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
         ),
         AgentEvent::PipelineResumed {
             segment,
+            from,
             workers,
             pause_ms,
         } => (
             "pipeline_resumed",
             format!(
-                "training again on plan {segment} (for {workers} workers), {pause_ms} ms after the drain"
+                "training again on plan {segment} (for {workers} workers) from minibatch {from}, \
+                 {pause_ms} ms after the drain"
             ),
         ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
@@ -591,11 +593,12 @@ mod tests {
             (
                 AgentEvent::PipelineResumed {
                     segment: 2,
+                    from: 640,
                     workers: 3,
                     pause_ms: 40,
                 },
                 "pipeline_resumed",
-                "training again on plan 2 (for 3 workers), 40 ms after the drain",
+                "training again on plan 2 (for 3 workers) from minibatch 640, 40 ms after the drain",
             ),
             (
                 AgentEvent::Exit {

@@ -443,8 +443,10 @@ pub struct TrainingSpec {
     #[serde(default)]
     pub link_latency_ms: Option<f64>,
     /// `mlp` pipelines only: `schedule` = `1f1b` (PipeDream, default) or `2bw` (PipeDream-2BW:
-    /// two weight versions per stage), and `vertical_sync` (1F1B only), e.g.
-    /// `pipeline = { schedule = "2bw" }`. See docs/pipeline.md.
+    /// two weight versions per stage), `vertical_sync` (1F1B only), and `snapshot_every`
+    /// (minibatches between the snapshots a pipeline restarts from when a worker is lost
+    /// without warning; default 100, 0 for none), e.g. `pipeline = { schedule = "2bw" }`. See
+    /// docs/pipeline.md.
     #[serde(default)]
     pub pipeline: Option<PipelineOptions>,
     /// Training starts once this many workers are placed (an `mlp` pipeline is planned for
@@ -1211,15 +1213,24 @@ mod tests {
             pipeline_of(r#"{"pipeline":{"schedule":"2bw"}}"#).unwrap(),
             PipelineOptions {
                 schedule: PipelineSchedule::TwoBW,
-                vertical_sync: false
+                vertical_sync: false,
+                ..PipelineOptions::default()
             }
         );
         assert_eq!(
             pipeline_of(r#"{"pipeline":{"vertical_sync":true}}"#).unwrap(),
             PipelineOptions {
                 schedule: PipelineSchedule::OneFOneB,
-                vertical_sync: true
+                vertical_sync: true,
+                ..PipelineOptions::default()
             }
+        );
+        assert_eq!(PipelineOptions::default().snapshot_every, 100);
+        assert_eq!(
+            pipeline_of(r#"{"pipeline":{"snapshot_every":0}}"#)
+                .unwrap()
+                .snapshot_every,
+            0
         );
         let e = pipeline_of(r#"{"pipeline":{"schedule":"2bw","vertical_sync":true}}"#).unwrap_err();
         assert_eq!(e.field, "training.pipeline.vertical_sync");
