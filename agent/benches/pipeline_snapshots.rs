@@ -107,8 +107,16 @@ fn run() -> Result<ExitCode, String> {
             };
             let out = local::run(cfg, train.clone(), Some(link)).map_err(|e| e.to_string())?;
             let ms = out.wall_secs * 1e3 / minibatches as f64;
-            println!("  run {}: snapshots every {snapshot_every}: {ms:.2} ms/minibatch", r + 1);
-            if snapshot_every == 0 { &mut without } else { &mut with }.push(ms);
+            println!(
+                "  run {}: snapshots every {snapshot_every}: {ms:.2} ms/minibatch",
+                r + 1
+            );
+            if snapshot_every == 0 {
+                &mut without
+            } else {
+                &mut with
+            }
+            .push(ms);
         }
     }
     let (ms_without, ms_with) = (median(without), median(with));
@@ -132,8 +140,15 @@ fn run() -> Result<ExitCode, String> {
             "target_throughput_ratio": TARGET_THROUGHPUT_RATIO,
             "met": met,
         });
-        std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|e| format!("{path}: {e}"))?;
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&doc).unwrap_or_default(),
+        )
+        .map_err(|e| format!("{path}: {e}"))?;
     }
-    Ok(if met { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if met {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
