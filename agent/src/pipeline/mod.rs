@@ -268,6 +268,9 @@ pub enum PipeMsg {
     /// Segment `segment + 1` starts at `at`, without `lost`, from the snapshot at `at`; the
     /// sender (the first surviving member) sends every layer to its owner.
     Restore { segment: u32, at: u64, lost: u32 },
+    /// Are you there? (A worker that has waited a while on this one; the acknowledgement is
+    /// the answer.)
+    Ping,
 }
 
 impl PipeMsg {
@@ -294,7 +297,7 @@ impl PipeMsg {
             PipeMsg::Snapshot {
                 weights, velocity, ..
             } => (weights.len() + velocity.len()) * 4,
-            PipeMsg::Lost { .. } | PipeMsg::Restore { .. } => 0,
+            PipeMsg::Lost { .. } | PipeMsg::Restore { .. } | PipeMsg::Ping => 0,
             PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
             PipeMsg::Grow { members, addrs, .. } => {
                 members.len() * 4 + addrs.iter().map(|a| a.len() + 4).sum::<usize>()
@@ -417,6 +420,7 @@ impl PipeMsg {
                 e.u64(*at);
                 e.u32(*lost);
             }
+            PipeMsg::Ping => e.u8(13),
         }
     }
 
@@ -504,6 +508,7 @@ impl PipeMsg {
                 at: d.u64()?,
                 lost: d.u32()?,
             },
+            13 => PipeMsg::Ping,
             t => return Err(AgentError::Frame(format!("unknown pipeline message {t}"))),
         })
     }
@@ -620,6 +625,7 @@ mod tests {
                 at: 96,
                 lost: 3,
             },
+            PipeMsg::Ping,
         ];
         for m in msgs {
             let mut e = Enc::default();

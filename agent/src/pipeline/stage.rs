@@ -25,6 +25,12 @@ use tokio::task::JoinSet;
 
 /// How long a stage waits for a message before it declares the pipeline broken.
 pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(120);
+/// A worker that has waited this long for a neighbour's activation or gradient asks whether the
+/// neighbour is still there (a neighbour killed after its last send is noticed by nobody's
+/// send).
+const PROBE_AFTER: Duration = Duration::from_secs(1);
+/// How long a probed neighbour has to answer; a slower one is not taken for lost.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Why a stage failed.
@@ -747,6 +753,8 @@ struct Mailbox {
     readies: Vec<String>,
     /// Updated from every [`PipeMsg::Grow`].
     book: Arc<AddressBook>,
+    /// To probe a neighbour that keeps this worker waiting.
+    peers: Arc<Peers>,
     /// Layers' snapshots by the minibatch they were taken before (the newest complete one, and
     /// newer ones still arriving).
     snapshots: BTreeMap<u64, HashMap<u32, LayerState>>,
@@ -828,6 +836,7 @@ impl Mailbox {
             PipeMsg::Restore { segment, at, lost } => {
                 self.restores.insert(segment, (at, lost));
             }
+            PipeMsg::Ping => {}
             PipeMsg::Reduce {
                 round, step, data, ..
             } => {
@@ -934,7 +943,21 @@ impl Mailbox {
     }
 
     async fn wait(&mut self, w: Want, interruptible: bool) -> Result<Got, StageError> {
+        self.wait_on(w, interruptible, None).await
+    }
+
+    /// [`Mailbox::wait`] for what worker `from` sends: once the wait has lasted
+    /// [`PROBE_AFTER`], and again every as long, `from` is asked whether it is there; a worker
+    /// that cannot be reached, or whose stage is gone, is lost (one that is slow to answer is
+    /// not).
+    async fn wait_on(
+        &mut self,
+        w: Want,
+        interruptible: bool,
+        from: Option<u32>,
+    ) -> Result<Got, StageError> {
         let deadline = tokio::time::Instant::now() + MESSAGE_TIMEOUT;
+        let mut probe_at = tokio::time::Instant::now() + PROBE_AFTER;
         loop {
             if let Some(x) = self.take(&w) {
                 return Ok(x);
@@ -945,13 +968,37 @@ impl Mailbox {
             {
                 return Err(StageError::PeerLost(lost));
             }
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+            let until = match from {
+                Some(_) => deadline.min(probe_at),
+                None => deadline,
+            };
+            match tokio::time::timeout_at(until, self.rx.recv()).await {
                 Ok(Some(msg)) => {
                     if self.file(msg) && interruptible {
                         return Ok(Got::Drain);
                     }
                 }
                 Ok(None) => return Err(StageError::InboxClosed),
+                Err(_) if tokio::time::Instant::now() < deadline => {
+                    let Some(peer) = from else { continue };
+                    probe_at = tokio::time::Instant::now() + PROBE_AFTER;
+                    let gone = match self.book.get(peer) {
+                        None => true,
+                        Some(addr) => match self
+                            .peers
+                            .call(&addr, &PipeMsg::Ping.to_request(), PROBE_TIMEOUT)
+                            .await
+                        {
+                            Ok(Response::Ack) => false,
+                            Ok(_) => true,
+                            Err(e) => !e.to_string().contains("timed out"),
+                        },
+                    };
+                    if gone {
+                        self.lost.entry(self.segment).or_insert(peer);
+                        return Err(StageError::PeerLost(peer));
+                    }
+                }
                 Err(_) => {
                     let what = match w {
                         Want::Act(m) => format!("the activation of minibatch {m}"),
@@ -1234,6 +1281,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         warns: Vec::new(),
         readies: Vec::new(),
         book: ctx.addrs.clone(),
+        peers: ctx.peers.clone(),
         snapshots: BTreeMap::new(),
         layers: cfg.shape.layers(),
         lost: HashMap::new(),
@@ -1885,7 +1933,11 @@ async fn run_segment(
                 let x = if first {
                     mlp::features(&ctx.train, &rows)
                 } else {
-                    match mail.wait(Want::Act(m), drain.is_none()).await? {
+                    let from = seg.physical(plan.worker_for(s - 1, rel));
+                    match mail
+                        .wait_on(Want::Act(m), drain.is_none(), Some(from))
+                        .await?
+                    {
                         Got::Tensor(t) => from_tensor(t, m)?,
                         Got::Drain => continue,
                         _ => return Err(StageError::InboxClosed),
@@ -1926,7 +1978,8 @@ async fn run_segment(
                 let g = if last {
                     None
                 } else {
-                    match mail.wait(Want::Grad(m), false).await? {
+                    let from = seg.physical(plan.worker_for(s + 1, rel));
+                    match mail.wait_on(Want::Grad(m), false, Some(from)).await? {
                         Got::Tensor(t) => Some(from_tensor(t, m)?),
                         _ => return Err(StageError::InboxClosed),
                     }
