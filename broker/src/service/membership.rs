@@ -158,15 +158,11 @@ impl Broker {
         Ok(())
     }
 
-    /// Forgets a job this broker no longer owns: nothing of it is acted on here any more.
+    /// Forgets a job this broker no longer owns: nothing of it is acted on here any more. The
+    /// lease goes first, so that nothing rebuilds the job once its state is forgotten.
     fn drop_job(&self, job: JobId) {
         self.membership.lock().remove(&job);
-        self.forget_runtime(job);
-        self.control.remove(job);
-        self.agent_cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|_, a| a.job_id != job);
+        self.forget_job_state(job);
     }
 
     /// Forgets the lease on a job wound down here (released in the store).
@@ -227,6 +223,13 @@ impl Broker {
                 unowned,
             )
             .await?;
+        // A claimed lease had lapsed: whatever this broker still holds of the job in memory
+        // (it owned it before a pause, say) may be older than what another owner saved since,
+        // so the job is rebuilt from the store.
+        for l in &claimed {
+            self.membership.lock().remove(&l.job());
+            self.forget_job_state(l.job());
+        }
         if !claimed.is_empty() {
             let mut held = self.membership.lock();
             for l in &claimed {

@@ -337,11 +337,37 @@ impl Broker {
             .remove(&job);
     }
 
+    /// Forgets everything this broker holds in memory of a job — its runtime, its coordinator,
+    /// its agents' identities — under the lock [`Broker::ensure_runtime`] creates them under, so
+    /// that no request already past its lease check brings a copy back afterwards.
+    pub(super) fn forget_job_state(&self, job: JobId) {
+        {
+            let mut runtimes = self.runtimes.lock().unwrap_or_else(|e| e.into_inner());
+            runtimes.remove(&job);
+            self.control.remove(job);
+        }
+        self.agent_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, a| a.job_id != job);
+    }
+
     /// Builds (or returns) the runtime of a stored job: its policy, its work model and its
     /// coordinator. Used at submit and when a restarted broker resumes a job.
+    ///
+    /// Only while this broker holds the job's lease ([`ServiceError::NotOwner`] otherwise), and
+    /// checked under the lock that forgetting a job takes: an agent's request that passed its
+    /// lease check just before the lease was lost must not rebuild the job here from what the
+    /// store held at that instant. Such a copy outlived the drop, and when this broker took the
+    /// job back later it ran that copy instead of the new owner's saved state: a coordinator
+    /// behind its agents' command cursors, which never gave them another command (the job
+    /// stopped at 19% in a three-broker CI run).
     pub fn ensure_runtime(&self, job: &JobRow) -> Result<Arc<Mutex<JobRuntime>>, ServiceError> {
         if let Some(r) = self.runtime(job.id) {
             return Ok(r);
+        }
+        if self.membership.lease(job.id).is_none() {
+            return Err(ServiceError::NotOwner { job: job.id });
         }
         let spec: JobSpec = serde_json::from_str(&job.spec)
             .map_err(|e| ServiceError::Internal(format!("stored spec of job {}: {e}", job.id)))?;
@@ -358,6 +384,13 @@ impl Broker {
             job.started.unwrap_or(job.created),
             job.engine_state.as_deref(),
         )?;
+        let mut runtimes = self.runtimes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = runtimes.get(&job.id) {
+            return Ok(r.clone());
+        }
+        if self.membership.lease(job.id).is_none() {
+            return Err(ServiceError::NotOwner { job: job.id });
+        }
         self.control
             .ensure(
                 job.id,
@@ -366,10 +399,7 @@ impl Broker {
             )
             .map_err(|e| ServiceError::Internal(e.to_string()))?;
         let runtime = Arc::new(Mutex::new(runtime));
-        self.runtimes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(job.id, runtime.clone());
+        runtimes.insert(job.id, runtime.clone());
         Ok(runtime)
     }
 

@@ -62,7 +62,7 @@ impl Cloud for GatedCloud {
     }
 }
 
-fn sim_cloud(clock: &ManualClock) -> SimCloud {
+pub(crate) fn sim_cloud(clock: &ManualClock) -> SimCloud {
     use proteus_broker::data;
     use proteus_broker::prices::files;
     let raw = files::decompress_if_gzipped(data::TRACE_2015.to_vec()).expect("built-in trace");

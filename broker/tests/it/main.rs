@@ -21,3 +21,4 @@ mod sim_today;
 mod store_jobs;
 mod store_leases;
 mod store_prices;
+mod takeover;
