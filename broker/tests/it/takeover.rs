@@ -129,7 +129,10 @@ async fn a_job_taken_back_runs_the_last_owners_state_not_a_copy_from_before_it_w
     let before = decisions(&a, job);
     expire(&pool, job).await;
     b.tick().await.unwrap();
-    assert!(b.membership().lease(job).is_some(), "b took the job over again");
+    assert!(
+        b.membership().lease(job).is_some(),
+        "b took the job over again"
+    );
     for _ in 0..6 {
         clock.advance_secs(1200.0);
         b.tick().await.unwrap();
