@@ -106,6 +106,11 @@ pub struct SimulateArgs {
     /// and a reliability table (see sim/calibration.rs).
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// With --availability: fit the availability model BidBrain plans with (the pools' spot
+    /// capacity coming and going, on 10-minute steps) to these traces, and print it as the
+    /// `[today.availability]` table of a policy file (JSON with --output json). Runs nothing.
+    #[arg(long, requires = "availability", conflicts_with_all = ["policy", "compare", "optimal"])]
+    pub fit_availability: bool,
     /// With --availability: the instance type the traces are of.
     #[arg(long, default_value = "p3.2xlarge")]
     pub instance_type: String,

@@ -362,7 +362,53 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
+/// `--fit-availability`: the model fitted to the files, as a policy file's table.
+fn fit(args: &SimulateArgs) -> Result<ExitCode> {
+    use crate::market_model::availability::{AvailabilityModel, resample};
+    let step_minutes = 10.0;
+    let mut series = Vec::new();
+    for path in &args.availability {
+        let t = AvailabilityTrace::load(path, args.availability_reading)?;
+        let up: Vec<bool> = t.counts.iter().map(|&c| c > 0).collect();
+        series.push(resample(&up, t.gap_secs as f64, step_minutes * 60.0));
+    }
+    let mut model = AvailabilityModel::fit(
+        &series,
+        step_minutes,
+        &AvailabilityModel::DEFAULT_BUCKETS,
+        1.0,
+    );
+    // Four places are plenty for a probability, and keep a policy file readable.
+    for p in model.up_end.iter_mut().chain(model.down_end.iter_mut()) {
+        *p = (*p * 1e4).round() / 1e4;
+    }
+    if args.output == crate::output::OutputFormat::Json {
+        println!("{}", serde_json::to_string_pretty(&model)?);
+    } else {
+        let files: Vec<String> = args
+            .availability
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        println!(
+            "# Fitted by `proteus simulate --fit-availability` to {} (reading: {}); up {:.1}% \
+             of the time in the long run.\n[today.availability]\n{}",
+            files.join(", "),
+            match args.availability_reading {
+                crate::sim::availability::Reading::Available => "available",
+                crate::sim::availability::Reading::Preempted => "preempted",
+            },
+            100.0 * model.up_share(),
+            toml::to_string(&model).context("writing the model as TOML")?
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    if args.fit_availability {
+        return fit(&args);
+    }
     let began = std::time::Instant::now();
     let report = sweep(&args)?;
     eprintln!(

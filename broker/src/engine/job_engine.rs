@@ -270,12 +270,22 @@ pub struct Member {
     pub terminate_at: Option<Timestamp>,
     /// Released by the policy (or at the job's end); its end is on its way.
     pub releasing: bool,
+    /// Being replaced by this instance (make before break, [`Decision::replace`]): it works on
+    /// until that one is ready, and is released then; meanwhile it does not count against the
+    /// limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_by: Option<InstanceId>,
 }
 
 impl Member {
-    /// Held against the limits: not warned, not being released.
+    /// Not warned, not being released: it works once ready, and the policy sees it.
     fn is_held(&self) -> bool {
         self.warned.is_none() && !self.releasing
+    }
+
+    /// Held against the limits: held, and not being replaced.
+    fn counts(&self) -> bool {
+        self.is_held() && self.replaced_by.is_none()
     }
 
     /// Working for the job at this instant.
@@ -376,6 +386,8 @@ struct Round {
     /// A launch the budget held back: what was committed then, and what it would have added.
     budget_hold: Option<(Usd, Usd)>,
     awaiting: Option<Awaiting>,
+    /// Instances the round's launches replace, in order ([`Decision::replace`]).
+    replacing: VecDeque<InstanceId>,
 }
 
 #[derive(Debug)]
@@ -684,6 +696,16 @@ impl<'p> JobEngine<'p> {
                 if let Some(round) = &mut self.round {
                     round.committed += a.period;
                 }
+                let replaces = self.round.as_mut().and_then(|r| r.replacing.pop_front());
+                if let Some(old) = replaces
+                    && let Some(m) = self
+                        .state
+                        .members
+                        .iter_mut()
+                        .find(|m| m.id == old && m.is_held() && m.replaced_by.is_none())
+                {
+                    m.replaced_by = Some(id.clone());
+                }
                 self.state.members.push(Member {
                     id,
                     market: a.market,
@@ -694,6 +716,7 @@ impl<'p> JobEngine<'p> {
                     warned: None,
                     terminate_at: None,
                     releasing: false,
+                    replaced_by: None,
                 });
             }
             Input::LaunchRefused { reason } => {
@@ -905,6 +928,8 @@ impl<'p> JobEngine<'p> {
                 continue;
             };
             let m = self.state.members.remove(i);
+            // Its replacement is gone before it was ready: the instance it was to replace stays.
+            self.keep_replaced(&m.id);
             let end = at.max(m.launched_at);
             // A warned instance that ends was reclaimed, whatever ended it during its notice.
             let by = if by_provider || m.warned.is_some() {
@@ -966,7 +991,12 @@ impl<'p> JobEngine<'p> {
             };
             m.warned = Some(at);
             m.terminate_at = Some(terminate_at);
-            if m.releasing {
+            let releasing = m.releasing;
+            self.keep_replaced(&id);
+            let Some(m) = self.state.members.iter_mut().find(|m| m.id == id) else {
+                continue;
+            };
+            if releasing {
                 // Warned while its release is on its way: it no longer works for the job, so the
                 // warning costs no work and is not the policy's business; it is only billed as
                 // reclaimed (its last partial hour free).
@@ -1026,6 +1056,20 @@ impl<'p> JobEngine<'p> {
                     });
                 }
             }
+        }
+        // Make before break: an instance whose replacement is ready goes now.
+        let mut released_any = false;
+        for new in &events.ready {
+            for m in self.state.members.iter_mut() {
+                if m.replaced_by.as_ref() == Some(new) && m.is_held() {
+                    m.releasing = true;
+                    released_any = true;
+                    out.push(Command::Release { id: m.id.clone() });
+                }
+            }
+        }
+        if released_any && self.config.pacing == Pacing::Modelled {
+            self.state.work.released(now);
         }
         if work_done {
             return;
@@ -1233,6 +1277,17 @@ impl<'p> JobEngine<'p> {
                 None => Usd::ZERO,
             };
             self.state.held = None;
+            let replacing = decision
+                .replace
+                .iter()
+                .filter(|id| {
+                    self.state
+                        .members
+                        .iter()
+                        .any(|m| m.id == **id && m.is_held() && m.replaced_by.is_none())
+                })
+                .cloned()
+                .collect();
             self.round = Some(Round {
                 retry,
                 acquisitions: decision.acquire.into_iter().collect(),
@@ -1240,6 +1295,7 @@ impl<'p> JobEngine<'p> {
                 committed,
                 budget_hold: None,
                 awaiting: None,
+                replacing,
             });
         }
     }
@@ -1395,9 +1451,26 @@ impl<'p> JobEngine<'p> {
             && self.state.total_work == self.state.submitted_work
     }
 
+    /// The replacement `id` will not come: the instance it was to replace counts again.
+    fn keep_replaced(&mut self, id: &InstanceId) {
+        for m in self.state.members.iter_mut() {
+            if m.replaced_by.as_ref() == Some(id) {
+                m.replaced_by = None;
+            }
+        }
+    }
+
+    /// What counts against the limits: held instances, but not those being replaced, nor those
+    /// this round's next launches are to replace.
     fn held_footprint(&self) -> Held {
         let mut held = Held::default();
-        for m in self.state.members.iter().filter(|m| m.is_held()) {
+        let pending = self.round.as_ref().map(|r| &r.replacing);
+        for m in self
+            .state
+            .members
+            .iter()
+            .filter(|m| m.counts() && !pending.is_some_and(|p| p.contains(&m.id)))
+        {
             held.add(m.purchase.tier(), m.rate);
         }
         held
@@ -2383,6 +2456,7 @@ mod tests {
             warned: Some(warned),
             terminate_at: Some(warned.plus_secs(NOTICE_SECS)),
             releasing: false,
+            replaced_by: None,
         };
         e.adopt(member, Some((gone, false)), &w.markets);
         assert_eq!(e.ended()[0].by, EndedBy::Provider);
@@ -2403,6 +2477,7 @@ mod tests {
             warned: m.warned,
             terminate_at: m.warned.map(|w| w.plus_secs(NOTICE_SECS)),
             releasing: m.releasing,
+            replaced_by: None,
         }
     }
 
@@ -2662,5 +2737,194 @@ mod tests {
         assert_eq!(ends(&ticks.last().unwrap().1), vec![end]);
         assert_eq!(e.fraction(), 1.0);
         assert!(e.work_complete());
+    }
+
+    // ---- make before break ----
+
+    /// Pushes `decision` and steps to the engine's next look, where the policy answers with it.
+    fn decide_next(
+        w: &World,
+        e: &mut JobEngine<'_>,
+        policy: &Scripted,
+        now: &mut Timestamp,
+        decision: Decision,
+        answer: &mut dyn FnMut(Timestamp, &Market, Purchase) -> Input,
+    ) -> Vec<Command> {
+        policy.push(decision);
+        let t = e.next_wake(*now).expect("a next look");
+        *now = t;
+        let out = w.feed(e, t, Input::Tick, answer);
+        assert_eq!(policy.asked().iter().filter(|a| a.at == t).count(), 1);
+        out
+    }
+
+    /// A one-instance job moves from on-demand to spot without a gap: the spot launch replaces
+    /// the on-demand instance, which does not count against `max_instances` meanwhile, works on
+    /// while the spot instance starts, and is released the moment it is ready. A replacement
+    /// refused, or warned before it is ready, leaves the instance where it was.
+    #[test]
+    fn a_replacement_is_launched_beside_what_it_replaces_and_takes_over_when_ready() {
+        let w = World::new();
+        let job = job(
+            &w,
+            100.0,
+            1,
+            5.0,
+            "[eviction_cost]\nmodel = \"agileml\"\nsync_interval_minutes = 2\n\
+             rebalance_seconds = 0\n",
+        );
+        let policy = Scripted::default();
+        // Every other answer asks to look again in ten minutes.
+        policy.0.lock().unwrap().wake_at = None;
+        let look = |t: Timestamp| Some(t.plus_secs(600.0));
+        policy.push(Decision {
+            acquire: vec![acquire(A, Purchase::OnDemand, 1)],
+            wake_at: look(t0()),
+            ..Decision::default()
+        });
+        let mut e = engine(job, &policy, terms(None, None));
+        let mut accept = accept();
+        w.feed(&mut e, t0(), Input::Tick, &mut accept);
+        let mut now = t0();
+        // The on-demand instance starts (five minutes) and works.
+        let ready = t0().plus_secs(300.0);
+        let until = |e: &JobEngine<'_>, now: Timestamp| e.next_wake(now).unwrap();
+        while until(&e, now) <= ready {
+            let t = until(&e, now);
+            policy.push(Decision {
+                wake_at: look(t),
+                ..Decision::default()
+            });
+            now = t;
+            w.feed(&mut e, t, Input::Tick, &mut accept);
+        }
+
+        // Without `replace`, the limit of one instance holds the spot launch back.
+        let out = decide_next(
+            &w,
+            &mut e,
+            &policy,
+            &mut now,
+            Decision {
+                acquire: vec![acquire(A, spot(0.10), 1)],
+                wake_at: Some(ready.plus_secs(900.0)),
+                ..Decision::default()
+            },
+            &mut accept,
+        );
+        assert!(launches(&out).is_empty(), "{out:?}");
+
+        // A refused replacement: the on-demand instance stays, and counts again.
+        let mut refuse = |_: Timestamp, _: &Market, _: Purchase| Input::LaunchRefused {
+            reason: "InsufficientInstanceCapacity".into(),
+        };
+        policy.push(Decision {
+            acquire: vec![acquire(A, spot(0.10), 1)],
+            replace: vec![id(1)],
+            wake_at: look(now),
+            ..Decision::default()
+        });
+        let t = e.next_wake(now).unwrap();
+        now = t;
+        // Its answer to the refusal: nothing more.
+        policy.push(Decision {
+            wake_at: look(t),
+            ..Decision::default()
+        });
+        let out = w.feed(&mut e, t, Input::Tick, &mut refuse);
+        assert_eq!(launches(&out), vec![market(A)], "{out:?}");
+        assert!(!out.iter().any(|c| matches!(c, Command::Release { .. })));
+        assert_eq!(e.members().len(), 1);
+        assert!(e.members()[0].replaced_by.is_none());
+
+        // Granted: both run; the on-demand instance works on while the spot one starts.
+        let mut accept = accept_from(2);
+        let far = now.plus_secs(3000.0);
+        let out = decide_next(
+            &w,
+            &mut e,
+            &policy,
+            &mut now,
+            Decision {
+                acquire: vec![acquire(A, spot(0.10), 1)],
+                replace: vec![id(1)],
+                wake_at: Some(far),
+                ..Decision::default()
+            },
+            &mut accept,
+        );
+        assert_eq!(launches(&out), vec![market(A)], "{out:?}");
+        assert_eq!(e.members().len(), 2);
+        assert_eq!(e.members()[0].replaced_by, Some(id(2)));
+        let launched = now;
+        let before = e.done_work();
+        // The spot instance is ready five minutes later: the on-demand one goes then, not before.
+        let spot_ready = launched.plus_secs(300.0);
+        let t = e.next_wake(now).unwrap();
+        assert_eq!(t, spot_ready, "the readiness is the next wake-up");
+        policy.push(Decision {
+            wake_at: Some(spot_ready.plus_secs(3000.0)),
+            ..Decision::default()
+        });
+        now = t;
+        let out = w.feed(&mut e, t, Input::Tick, &mut accept);
+        assert!(out.contains(&Command::Release { id: id(1) }), "{out:?}");
+        // No gap: the work went on at one instance's rate through the switch.
+        let expected = before + 300.0 / 3600.0;
+        assert!(
+            (e.done_work() - expected).abs() < 1e-6,
+            "{} vs {expected}",
+            e.done_work()
+        );
+
+        // A replacement warned before it is ready: the instance it was to replace stays.
+        let mut accept = accept_from(3);
+        let far = now.plus_secs(3600.0);
+        decide_next(
+            &w,
+            &mut e,
+            &policy,
+            &mut now,
+            Decision {
+                acquire: vec![acquire(B, spot(0.10), 1)],
+                replace: vec![id(2)],
+                wake_at: Some(far),
+                ..Decision::default()
+            },
+            &mut accept,
+        );
+        let two = |e: &JobEngine<'_>| e.members().iter().find(|m| m.id == id(2)).cloned().unwrap();
+        assert_eq!(two(&e).replaced_by, Some(id(3)));
+        let warned = now.plus_secs(60.0);
+        w.step(
+            &mut e,
+            warned,
+            Input::Warned {
+                id: id(3),
+                at: warned,
+                terminate_at: warned.plus_secs(NOTICE_SECS),
+            },
+        )
+        .unwrap();
+        policy.push(Decision {
+            wake_at: Some(warned.plus_secs(3600.0)),
+            ..Decision::default()
+        });
+        w.feed(&mut e, warned, Input::Tick, &mut accept);
+        assert!(
+            two(&e).replaced_by.is_none() && !two(&e).releasing,
+            "{:?}",
+            two(&e)
+        );
+        // Its readiness comes and goes: i-2 is not released for a warned replacement.
+        let mut now = warned;
+        let ticks = run_until(&w, &mut e, &mut now, warned.plus_secs(600.0), &mut accept);
+        assert!(
+            !ticks
+                .iter()
+                .flat_map(|(_, c)| c)
+                .any(|c| *c == Command::Release { id: id(2) }),
+            "{ticks:?}"
+        );
     }
 }

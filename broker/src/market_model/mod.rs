@@ -16,6 +16,7 @@
 //! bid is `bid_delta` above the current price, the probability of eviction within a horizon and
 //! the expected time it keeps running within that horizon.
 
+pub mod availability;
 mod hazard;
 mod price;
 

@@ -235,6 +235,32 @@ mod tests {
         );
     }
 
+    /// `policies/bidbrain.toml` says it shows the defaults: it does, for the availability model
+    /// fitted on the tuning set too.
+    #[test]
+    fn the_shipped_bidbrain_file_states_the_defaults() {
+        let path = resolve_policy_path("bidbrain").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let shipped: crate::policy::BidBrainConfig = toml::from_str(
+            &text
+                .lines()
+                .filter(|l| !l.starts_with("kind"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+        .unwrap();
+        let defaults: crate::policy::BidBrainConfig = toml::from_str("").unwrap();
+        assert_eq!(shipped.today, defaults.today);
+        assert_eq!(
+            crate::policy::BidBrainConfig {
+                name: None,
+                ..shipped
+            },
+            defaults,
+            "policies/bidbrain.toml differs from BidBrainConfig's defaults"
+        );
+    }
+
     #[test]
     fn the_shipped_policies_load() {
         for name in ["bidbrain", "on-demand", "standard-bidding"] {

@@ -52,12 +52,13 @@
 
 mod bidbrain;
 mod config;
+pub mod deadline_plan;
 mod on_demand;
 mod skypilot;
 mod standard;
 mod uniform_progress;
 
-pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice};
+pub use bidbrain::{BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice, TodayConfig};
 pub use config::{
     PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path,
 };
@@ -352,6 +353,13 @@ pub struct Decision {
     pub acquire: Vec<Acquisition>,
     /// Instances to terminate now (by the user, for billing purposes).
     pub release: Vec<InstanceId>,
+    /// Make before break: instances the acquisitions replace, the first launched instance
+    /// replacing the first of these, and so on. Each keeps working until its replacement is
+    /// ready and is then released by the driver; while they overlap it does not count against
+    /// the job's limits (as a warned instance does not). If its replacement is refused, warned
+    /// or ends before it is ready, it stays.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replace: Vec<InstanceId>,
     /// Ask again no later than this (in addition to the driver's own ticks and events).
     pub wake_at: Option<Timestamp>,
     /// Why: one reason per acquisition and release, for policies that weigh expectations.

@@ -468,6 +468,9 @@ impl Broker {
                 warned: row.warned,
                 terminate_at: row.warned.map(|w| w.plus_secs(NOTICE_SECS)),
                 releasing: row.state == InstanceState::Terminating,
+                // A replacement in flight when the engine was last saved is not known from
+                // the store: the replaced instance counts again, and the policy decides anew.
+                replaced_by: None,
             };
             let ended = row
                 .state

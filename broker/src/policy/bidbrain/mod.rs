@@ -62,9 +62,12 @@ use super::{
 use crate::billing::{BillingModel, FREE_INTERRUPTION_MS};
 use crate::job::{EvictionCost, JobModel};
 use crate::market::{InstanceType, Market, Timestamp, Usd, UsdPerHour};
+use crate::market_model::availability::AvailabilityModel;
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+mod today;
 
 /// The keys of a `kind = "bidbrain"` policy file. Every key has a default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -130,7 +133,67 @@ pub struct BidBrainConfig {
     /// The reliable (on-demand) tier for backup parameter-server shards.
     #[serde(default)]
     pub reliable: ReliableTier,
+    /// Today's market: how a one-instance job with a deadline is planned.
+    #[serde(default)]
+    pub today: TodayConfig,
 }
+
+/// Today's market (per-second billing, interruptions that follow capacity): a one-instance job
+/// with a deadline is planned against its pools' availability ([`crate::policy::deadline_plan`])
+/// instead of Uniform Progress's straight line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TodayConfig {
+    /// Plan one-instance jobs with a deadline. `false`: pace them on Uniform Progress's line,
+    /// as elastic jobs are.
+    #[serde(default = "yes")]
+    pub plan: bool,
+    /// Slack the plan keeps in hand, in looks (`tick_minutes`), for what it does not model:
+    /// the policy acts at its looks, an interruption loses the work since the last sync, and a
+    /// change of instance pauses the job. Tuned on the 2022 traces: without it some deadlines
+    /// were missed by seconds; 1 and 2 cost the same. Default 1.
+    #[serde(default = "one")]
+    pub margin_ticks: f64,
+    /// How a pool's spot capacity comes and goes. The default is fitted on the 2022
+    /// availability traces (the tuning set): `proteus simulate --fit-availability
+    /// --availability data/spot/skypilot-spot-traces/availability/1-node/aws-10-26-2022/us-west-2a_v100_1.json
+    /// --availability …/us-west-2b_v100_1.json`.
+    #[serde(default = "default_availability")]
+    pub availability: AvailabilityModel,
+}
+
+impl Default for TodayConfig {
+    fn default() -> Self {
+        TodayConfig {
+            plan: true,
+            margin_ticks: 1.0,
+            availability: default_availability(),
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Fitted on the 2022 V100 ×1 availability traces (us-west-2a, us-west-2b; 10-minute steps, the
+/// default buckets, a prior of 1 step): see [`TodayConfig::availability`].
+pub fn default_availability() -> AvailabilityModel {
+    AvailabilityModel {
+        step_minutes: 10.0,
+        bucket_steps: AvailabilityModel::DEFAULT_BUCKETS.to_vec(),
+        up_end: DEFAULT_UP_END.to_vec(),
+        down_end: DEFAULT_DOWN_END.to_vec(),
+    }
+}
+
+/// Rounded to four places, as `--fit-availability` prints them.
+const DEFAULT_UP_END: [f64; 10] = [
+    0.2502, 0.1513, 0.0997, 0.0759, 0.0559, 0.0847, 0.052, 0.0269, 0.0249, 0.017,
+];
+const DEFAULT_DOWN_END: [f64; 10] = [
+    0.4186, 0.2538, 0.2089, 0.0889, 0.123, 0.0828, 0.0626, 0.056, 0.0826, 0.0751,
+];
 
 /// The reliable tier BidBrain keeps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -305,6 +368,30 @@ impl BidBrainConfig {
         if self.max_per_allocation == 0 {
             return bad("max_per_allocation", "is 0".into(), "a whole number ≥ 1");
         }
+        if let Err(p) = self.today.availability.check() {
+            return bad(
+                &format!("today.availability.{}", p.key),
+                p.problem,
+                "see `proteus simulate --fit-availability`",
+            );
+        }
+        if !(self.today.margin_ticks.is_finite() && self.today.margin_ticks >= 0.0) {
+            return bad(
+                "today.margin_ticks",
+                format!("{} is not a number of looks", self.today.margin_ticks),
+                "a number ≥ 0",
+            );
+        }
+        if self.today.availability.step_minutes > 30.0 {
+            return bad(
+                "today.availability.step_minutes",
+                format!(
+                    "{} is too coarse for the first hour's billing",
+                    self.today.availability.step_minutes
+                ),
+                "at most 30 minutes",
+            );
+        }
         self.markets
             .iter()
             .map(|m| {
@@ -435,6 +522,8 @@ pub struct BidBrain {
     refused: BTreeMap<Market, Timestamp>,
     /// The deadline's slack ran out: on-demand to the end.
     committed: bool,
+    /// The deadline plan's memory (one-instance jobs on today's market).
+    today: today::Today,
     // Scratch space reused across decisions (a decision allocates little).
     deltas: Vec<f64>,
     estimates: Vec<EvictionEstimate>,
@@ -449,6 +538,7 @@ impl BidBrain {
             markets,
             refused: BTreeMap::new(),
             committed: false,
+            today: today::Today::default(),
             deltas: Vec::new(),
             estimates: Vec::new(),
         })
@@ -840,6 +930,8 @@ impl Policy for BidBrain {
     ) -> Result<Decision, PolicyError> {
         if let super::PolicyEvent::LaunchFailed { market, .. } = event {
             self.refused.insert(market.clone(), ctx.now());
+            self.today
+                .launch_failed(&self.config.today, market, ctx.now());
         }
         self.decide(ctx)
     }
@@ -856,6 +948,32 @@ impl Policy for BidBrain {
         };
         if remaining <= 0.0 {
             return Ok(decision);
+        }
+        let tick_secs = self.config.tick_minutes * 60.0;
+        if self.config.today.plan
+            && ctx.billing == BillingModel::PerSecond
+            && ctx.progress.deadline.is_some()
+            && job.max_instances == 1
+            && ctx.market.model_kind() == ModelKind::Hazard
+        {
+            self.refused.retain(|_, at| now.secs_since(*at) < tick_secs);
+            let pools: Vec<&Market> = ctx
+                .market
+                .markets()
+                .into_iter()
+                .filter(|m| self.allowed(m, job) && ctx.market.spot_price(m).is_some())
+                .collect();
+            if let Some(planned) = self.today.decide(
+                &self.config.today,
+                ctx,
+                &pools,
+                &self.refused,
+                &mut self.committed,
+                tick_secs,
+                tick,
+            )? {
+                return Ok(planned);
+            }
         }
         let Some((_, od_cpw, _)) = cheapest_on_demand(ctx.market, job, None) else {
             return Err(PolicyError::NoMarket {
@@ -888,7 +1006,6 @@ impl Policy for BidBrain {
             .map(|(i, _)| rate_of(job, &i.market).unwrap_or(0.0))
             .sum();
         let mut costs = self.job_costs(ctx, working_rate);
-        let tick_secs = self.config.tick_minutes * 60.0;
         self.refused.retain(|_, at| now.secs_since(*at) < tick_secs);
         let plan = self.plan(ctx, tick_secs);
         let mut candidates = self.gather_candidates(ctx, &costs)?;
