@@ -126,10 +126,13 @@ impl AvailabilityModel {
         let mut p = vec![0.0; n * n];
         for up in [false, true] {
             let ends = if up { &self.up_end } else { &self.down_end };
-            for b in 0..nb {
+            for (b, &end) in ends.iter().enumerate() {
                 let from = usize::from(up) * nb + b;
-                let end = ends[b];
-                let lo = if b == 0 { 1 } else { self.bucket_steps[b - 1] + 1 };
+                let lo = if b == 0 {
+                    1
+                } else {
+                    self.bucket_steps[b - 1] + 1
+                };
                 let advance = if b + 1 < nb {
                     // Widths are whole steps: a bucket of width w is left after w steps on
                     // average.
@@ -369,12 +372,7 @@ mod tests {
         assert!((m.down_end[0] - 1e-4).abs() < 1e-12, "{:?}", m.down_end);
         assert!((m.down_end[1] - 0.9999).abs() < 1e-12);
         // A prior pulls empty buckets to the overall rate.
-        let m = AvailabilityModel::fit(
-            &[vec![true, true, false, true]],
-            10.0,
-            &[1, 2],
-            1.0,
-        );
+        let m = AvailabilityModel::fit(&[vec![true, true, false, true]], 10.0, &[1, 2], 1.0);
         assert!(m.up_end[2] > 0.0 && m.up_end[2] < 1.0);
         m.check().unwrap();
     }

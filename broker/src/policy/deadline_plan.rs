@@ -257,7 +257,8 @@ impl DeadlinePlan {
                 let s = s as isize - ofl as isize;
                 (1.0 - ofr) * at(ev, s, i) + ofr * at(ev, s - 1, i)
             };
-            let spot_ev = |k: usize| &ev_spot[(k - 3) * (slack + 1) * na..(k - 2) * (slack + 1) * na];
+            let spot_ev =
+                |k: usize| &ev_spot[(k - 3) * (slack + 1) * na..(k - 2) * (slack + 1) * na];
             for s in 0..=slack {
                 let done = s >= tau * QUANTA;
                 for m in 0..modes {
@@ -531,7 +532,8 @@ impl DeadlinePlan {
                     if w == 0.0 {
                         continue;
                     }
-                    let a = ((tau * (self.slack + 1) + s as usize) * (self.young + 1) + age) * nb + b;
+                    let a =
+                        ((tau * (self.slack + 1) + s as usize) * (self.young + 1) + age) * nb + b;
                     votes[usize::from(self.spot_actions[a])] += w;
                     let restart = leave + od_step + started(s, 1, nb + b);
                     od += w * if mbb {
@@ -607,7 +609,12 @@ mod tests {
         assert!((c.expected_usd - 2.1).abs() < 0.25, "{c:?}");
         assert!(c.on_demand_usd.unwrap() > c.expected_usd + 0.3, "{c:?}");
         // Once on spot it stays.
-        let c = plan.choose(2.5 * 3600.0, 3600.0, Mode::Spot { age_secs: 1800.0 }, &seen(&m, true));
+        let c = plan.choose(
+            2.5 * 3600.0,
+            3600.0,
+            Mode::Spot { age_secs: 1800.0 },
+            &seen(&m, true),
+        );
         assert_eq!(c.action, Action::Spot);
     }
 
@@ -624,7 +631,10 @@ mod tests {
         assert_eq!(c.action, Action::OnDemand, "{c:?}");
         let c = plan.choose(2.25 * 3600.0, 0.25 * 3600.0, Mode::OnDemand, &down);
         assert_eq!(c.action, Action::OnDemand, "{c:?}");
-        assert!(c.expected_usd < f64::from(PENALTY), "the deadline is met: {c:?}");
+        assert!(
+            c.expected_usd < f64::from(PENALTY),
+            "the deadline is met: {c:?}"
+        );
     }
 
     #[test]
@@ -638,7 +648,11 @@ mod tests {
         };
         let plan = DeadlinePlan::solve(spec(10.0, 14.0, 0.2), &m);
         let c = plan.choose(13.0 * 3600.0, 3.0 * 3600.0, Mode::Idle, &seen(&m, false));
-        assert_eq!(c.action, Action::Wait, "a short outage, hours of slack: {c:?}");
+        assert_eq!(
+            c.action,
+            Action::Wait,
+            "a short outage, hours of slack: {c:?}"
+        );
         // On on-demand with little slack, a spot run that has just begun is likely to end
         // within the hour; one that has lasted is not.
         let mut fresh = Belief::unknown(&m);

@@ -333,3 +333,69 @@ fn bidbrain_paces_against_the_deadline_on_spot_and_buys_on_demand_only_when_it_m
         );
     }
 }
+
+/// Where BidBrain's deadline plan and Uniform Progress part: a short outage with hours of slack
+/// behind the line is waited out (Uniform Progress buys on-demand for it and pays its restart
+/// twice), and on-demand bought in a long outage is left for spot only once spot has lasted,
+/// without losing the restart (the spot instance starts beside it).
+#[test]
+fn the_deadline_plan_waits_out_a_short_outage_and_leaves_on_demand_without_a_gap() {
+    // Up 30 min, down 30 min (a short outage), then up for good: behind the line in the outage.
+    let short = world(&[(
+        "us-west-2a",
+        &format!("{}{}{}", "1".repeat(3), "0".repeat(3), "1".repeat(90)),
+    )]);
+    let up = simulate(&short, "uniform-progress", 8.0, 10.0);
+    let bb = simulate(&short, "bidbrain", 8.0, 10.0);
+    for r in [&up, &bb] {
+        assert_eq!(
+            r.outcome,
+            Outcome::Completed,
+            "{}: {}",
+            r.policy,
+            r.end_reason
+        );
+    }
+    assert!(up.instance_hours_reliable > 0.0, "{up:?}");
+    assert_eq!(bb.instance_hours_reliable, 0.0, "{bb:?}");
+    assert!(bb.cost_usd.get() < up.cost_usd.get(), "{bb:?} vs {up:?}");
+
+    // Down 4 h (on-demand is bought), then up for good, with little slack: both policies end on
+    // spot, but the plan moves there with the on-demand instance still working, so it needs no
+    // more on-demand time than Uniform Progress does.
+    let long = world(&[(
+        "us-west-2a",
+        &format!("{}{}", "0".repeat(24), "1".repeat(90)),
+    )]);
+    let up = simulate(&long, "uniform-progress", 8.0, 9.0);
+    let bb = simulate(&long, "bidbrain", 8.0, 9.0);
+    for r in [&up, &bb] {
+        assert_eq!(
+            r.outcome,
+            Outcome::Completed,
+            "{}: {}",
+            r.policy,
+            r.end_reason
+        );
+        assert!(
+            r.instance_hours_reliable > 0.0 && r.instance_hours_transient > 0.0,
+            "{r:?}"
+        );
+    }
+    assert!(
+        bb.instance_hours_reliable <= up.instance_hours_reliable + 0.2,
+        "{bb:?} vs {up:?}"
+    );
+    assert!(
+        bb.cost_usd.get() <= up.cost_usd.get() + 0.5,
+        "{bb:?} vs {up:?}"
+    );
+    // Every BidBrain decision on the way says what the plan expected of it.
+    let planned = bb
+        .decisions
+        .iter()
+        .flat_map(|(_, d)| &d.reasons)
+        .filter(|r| r.rule.starts_with("deadline plan:"))
+        .count();
+    assert!(planned > 0, "{:?}", bb.decisions);
+}

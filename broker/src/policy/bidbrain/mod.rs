@@ -970,7 +970,6 @@ impl Policy for BidBrain {
                 &self.refused,
                 &mut self.committed,
                 tick_secs,
-                tick,
             )? {
                 return Ok(planned);
             }

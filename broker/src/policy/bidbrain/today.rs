@@ -50,7 +50,8 @@ impl Today {
         });
         if now > w.at {
             let t = transition.unwrap_or_else(|| model.transition());
-            w.belief.drift(model, &t, now.secs_since(w.at) / model.step_secs());
+            w.belief
+                .drift(model, &t, now.secs_since(w.at) / model.step_secs());
             w.at = now;
         }
         w
@@ -75,9 +76,9 @@ impl Today {
         refused: &BTreeMap<Market, Timestamp>,
         committed: &mut bool,
         tick_secs: f64,
-        wake_at: Timestamp,
     ) -> Result<Option<Decision>, PolicyError> {
         let now = ctx.now();
+        let wake_at = now + std::time::Duration::from_secs_f64(tick_secs);
         let job = ctx.job;
         let Some(deadline) = ctx.progress.deadline else {
             return Ok(None);
@@ -227,18 +228,19 @@ impl Today {
                 _ => Action::OnDemand,
             };
         }
-        if std::env::var_os("PROTEUS_DEBUG_PLAN").is_some() {
-            eprintln!(
-                "{now} left {:.2}h slack {:.3}h mode {mode:?} pool {home} p_up {:.2} -> {:?} wait {:?} od {:?} spot {:?}",
-                time_left / 3600.0,
-                slack / 3600.0,
-                choice.p_up,
-                choice.action,
-                choice.wait_usd,
-                choice.on_demand_usd,
-                choice.spot_usd
-            );
-        }
+        tracing::trace!(
+            %now,
+            hours_left = time_left / 3600.0,
+            slack_hours = slack / 3600.0,
+            ?mode,
+            pool = %home,
+            p_up = choice.p_up,
+            action = ?choice.action,
+            wait_usd = ?choice.wait_usd,
+            on_demand_usd = ?choice.on_demand_usd,
+            spot_usd = ?choice.spot_usd,
+            "deadline plan"
+        );
         let mut decision = Decision {
             wake_at: Some(wake_at),
             ..Decision::default()
@@ -307,7 +309,12 @@ impl Today {
                             // It works on until the spot instance is ready, and goes then.
                             decision.replace.push(od.id.clone());
                         } else {
-                            release(&mut decision, &od.id, &od.market, because("leave on-demand"));
+                            release(
+                                &mut decision,
+                                &od.id,
+                                &od.market,
+                                because("leave on-demand"),
+                            );
                         }
                     }
                 }
