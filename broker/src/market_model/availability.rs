@@ -304,6 +304,43 @@ impl Belief {
         self.probs.iter_mut().for_each(|p| *p = 0.0);
         self.probs[usize::from(up) * nb] = 1.0;
     }
+
+    /// If the pool is up now, what its up run does over the next `steps`: the chance that it
+    /// ends within them, and the expected steps it stays up (at most `steps`). From the belief
+    /// conditioned on up (a pool seen down a little while ago that is up now has only just come
+    /// back); `None` if the belief rules up out.
+    pub fn up_run_within(
+        &self,
+        model: &AvailabilityModel,
+        transition: &[f64],
+        steps: usize,
+    ) -> Option<(f64, f64)> {
+        let n = model.states();
+        let nb = model.buckets();
+        let up: f64 = self.probs[nb..].iter().sum();
+        if up <= 1e-12 {
+            return None;
+        }
+        let mut alive: Vec<f64> = self
+            .probs
+            .iter()
+            .enumerate()
+            .map(|(s, p)| if model.is_up(s) { p / up } else { 0.0 })
+            .collect();
+        let mut expected = 0.0;
+        for _ in 0..steps {
+            let next = step(&alive, transition, n);
+            // Mass that went down has ended; it never comes back within this run.
+            alive = next
+                .into_iter()
+                .enumerate()
+                .map(|(s, p)| if model.is_up(s) { p } else { 0.0 })
+                .collect();
+            expected += alive.iter().sum::<f64>();
+        }
+        let survived: f64 = alive.iter().sum();
+        Some((1.0 - survived, expected))
+    }
 }
 
 fn step(pi: &[f64], p: &[f64], n: usize) -> Vec<f64> {
@@ -401,6 +438,28 @@ mod tests {
         // Half a step: halfway between.
         b.drift(&m, &p, 0.5);
         assert!((b.up(&m) - 0.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_up_run_seen_to_begin_is_likelier_to_end_within_the_hour_than_an_old_one() {
+        let m = model();
+        let p = m.transition();
+        let mut fresh = Belief::unknown(&m);
+        fresh.see(&m, true, true);
+        let (end_fresh, up_fresh) = fresh.up_run_within(&m, &p, 6).unwrap();
+        // One step: it ends with its first bucket's 0.3.
+        let (end_one, up_one) = fresh.up_run_within(&m, &p, 1).unwrap();
+        assert!((end_one - 0.3).abs() < 1e-12 && (up_one - 0.7).abs() < 1e-12);
+        let mut old = Belief::unknown(&m);
+        old.see(&m, true, true);
+        old.drift(&m, &p, 12.0);
+        old.see(&m, true, false);
+        let (end_old, up_old) = old.up_run_within(&m, &p, 6).unwrap();
+        assert!(end_fresh > end_old + 0.2, "{end_fresh} vs {end_old}");
+        assert!(up_fresh < up_old && up_old <= 6.0, "{up_fresh} vs {up_old}");
+        let mut down = Belief::unknown(&m);
+        down.see(&m, false, true);
+        assert_eq!(down.up_run_within(&m, &p, 6), None);
     }
 
     #[test]

@@ -154,6 +154,14 @@ pub struct TodayConfig {
     /// were missed by seconds; 1 and 2 cost the same. Default 1.
     #[serde(default = "one")]
     pub margin_ticks: f64,
+    /// Switches between on-demand and spot are made before they are broken: the new instance
+    /// starts beside the old, which works on until it is ready ([`super::Decision::replace`]).
+    /// This also makes a try at spot from on-demand free (a refusal leaves on-demand running),
+    /// and lets a job on several pools move to capacity that has just come back without losing
+    /// progress. `false`: the old instance goes first and every switch pays the restart
+    /// overhead, as Uniform Progress's switches do.
+    #[serde(default = "yes")]
+    pub make_before_break: bool,
     /// How a pool's spot capacity comes and goes. The default is fitted on the 2022
     /// availability traces (the tuning set): `proteus simulate --fit-availability
     /// --availability data/spot/skypilot-spot-traces/availability/1-node/aws-10-26-2022/us-west-2a_v100_1.json
@@ -167,6 +175,7 @@ impl Default for TodayConfig {
         TodayConfig {
             plan: true,
             margin_ticks: 1.0,
+            make_before_break: true,
             availability: default_availability(),
         }
     }

@@ -30,8 +30,20 @@ pub(super) struct Today {
     plan: Option<Arc<DeadlinePlan>>,
     /// Interruptions already taken into the beliefs.
     warned: BTreeSet<InstanceId>,
-    /// The pool spot was last tried in, and when.
-    tried: Option<(Market, Timestamp)>,
+    /// The pools spot was last tried in, and when.
+    tried: BTreeSet<Market>,
+    tried_at: Option<Timestamp>,
+}
+
+/// What a stint of spot in a pool is expected to cost, if the pool is up now.
+#[derive(Debug, Clone, Copy)]
+struct Stint {
+    p_up: f64,
+    /// The chance that the pool goes within the instance's first hour, which is then free.
+    p_free: f64,
+    price: f64,
+    usd_per_hour_of_work: f64,
+    usd_per_hour_beside: f64,
 }
 
 struct Watch {
@@ -60,7 +72,7 @@ impl Today {
     /// A launch into `market` failed now: if it was the spot launch the plan tried, the pool
     /// is down (an on-demand refusal says nothing of spot).
     pub(super) fn launch_failed(&mut self, config: &TodayConfig, market: &Market, now: Timestamp) {
-        if self.tried.as_ref() == Some(&(market.clone(), now)) {
+        if self.tried_at == Some(now) && self.tried.contains(market) {
             let w = self.watch(config, market, now);
             w.belief.see(&config.availability, false, false);
         }
@@ -148,30 +160,60 @@ impl Today {
         if *committed || slack <= overhead + tick_secs {
             *committed = true;
         }
-        // The spot pool the job is in, or the one to try: most likely up, then cheapest.
+        // What a stint in each pool is expected to cost per hour of work, if the pool is up now:
+        // its instance is free when the pool goes within the first hour; one that lasts is
+        // paid for the hour (and, when chasing, left then for capacity that has just come
+        // back). A pool seen down a little while ago that is up now has only just come back,
+        // and its first hour is likely free; one long up is likely to last, and paid.
         let spot_price = |m: &Market| ctx.market.spot_price(m).map(|p| p.get());
-        let home = match spot {
-            Some(i) => i.market.clone(),
-            None => {
-                let mut order: Vec<(&Market, f64, f64)> = pools
-                    .iter()
-                    .filter(|m| !refused.contains_key(**m))
-                    .filter_map(|m| {
-                        let up = self.pools.get(*m).map_or(0.0, |w| w.belief.up(model));
-                        Some((*m, up, spot_price(m)?))
-                    })
-                    .collect();
-                order.sort_by(|a, b| {
-                    b.1.total_cmp(&a.1)
-                        .then(a.2.total_cmp(&b.2))
-                        .then(a.0.cmp(b.0))
-                });
-                match order.first() {
-                    Some((m, ..)) => (*m).clone(),
-                    // Every pool refused at this instant: believe the first one, down.
-                    None => (*pools[0]).clone(),
+        let transition = model.transition();
+        let hour_steps = ((3600.0 / model.step_secs()).round() as usize).max(1);
+        let o_h = overhead / 3600.0;
+        let stint = |m: &Market| -> Option<Stint> {
+            let w = self.pools.get(m)?;
+            let price = spot_price(m)?;
+            let p_up = w.belief.up(model);
+            let (p_end, up_steps) = w.belief.up_run_within(model, &transition, hour_steps)?;
+            // Hours up within the hour, and the first hour's bill if it lasts.
+            let up_h = up_steps * model.step_secs() / 3600.0;
+            let paid = (1.0 - p_end) * price;
+            let per_hour = |cost: f64, work: f64| {
+                if work > 1e-6 {
+                    cost / work
+                } else {
+                    f64::INFINITY
                 }
-            }
+            };
+            Some(Stint {
+                p_up,
+                p_free: p_end,
+                price,
+                // Started from nothing: the start-up is the stint's own.
+                usd_per_hour_of_work: per_hour(paid, up_h - o_h),
+                // Started beside an instance that works on (make before break): its start-up
+                // is the old instance's work, paid.
+                usd_per_hour_beside: per_hour(paid + price * o_h, up_h),
+            })
+        };
+        // Pools to try spot in, cheapest stint first (a refusal costs nothing); not those that
+        // refused at this instant, nor those surely down.
+        let mut candidates: Vec<(&Market, Stint)> = pools
+            .iter()
+            .filter(|m| !refused.contains_key(**m))
+            .filter_map(|m| Some((*m, stint(m)?)))
+            .filter(|(_, s)| s.p_up > 0.02)
+            .collect();
+        candidates.sort_by(|a, b| {
+            a.1.usd_per_hour_of_work
+                .total_cmp(&b.1.usd_per_hour_of_work)
+                .then(a.1.price.total_cmp(&b.1.price))
+                .then(a.0.cmp(b.0))
+        });
+        let home = match (spot, candidates.first()) {
+            (Some(i), _) => i.market.clone(),
+            (None, Some((m, _))) => (*m).clone(),
+            // Every pool refused at this instant, or is surely down: believe the first one.
+            (None, None) => (*pools[0]).clone(),
         };
         let price = spot_price(&home).unwrap_or(od_price.get());
         let spec = PlanSpec {
@@ -180,7 +222,7 @@ impl Today {
             overhead_secs: overhead,
             spot_usd_per_hour: price,
             on_demand_usd_per_hour: od_price.get(),
-            make_before_break: true,
+            make_before_break: config.make_before_break,
         };
         let plan = match &self.plan {
             Some(p) if p.covers(time_left, slack) && p.spec().overhead_secs == overhead => {
@@ -285,25 +327,73 @@ impl Today {
                 rule,
             });
         };
+        self.tried.clear();
+        self.tried_at = Some(now);
+        let spot_in = |m: &Market| Acquisition {
+            market: m.clone(),
+            purchase: Purchase::Spot {
+                bid: ctx.market.on_demand_price(m).unwrap_or(od_price),
+            },
+            count: 1,
+        };
         match choice.action {
             Action::Spot => {
                 if let (Some(_), Some(od)) = (spot, on_demand) {
                     release(&mut decision, &od.id, &od.market, because("keep spot"));
                 }
+                // Chasing capacity that has just come back: with several pools and a start-up
+                // short enough, the instance past its (paid) first hour is replaced by one in a
+                // pool whose first hour is likely free, made before it is broken.
+                if let Some(i) = spot
+                    && config.make_before_break
+                    && pools.len() > 1
+                    && matches!(i.state, InstanceState::Running)
+                    && now.secs_since(i.launched_at) >= 3600.0
+                {
+                    let here = spot_price(&i.market).unwrap_or(price);
+                    let better: Vec<&(&Market, Stint)> = candidates
+                        .iter()
+                        .filter(|(m, s)| {
+                            // Cheaper per hour of work than staying (the 2022 traces: any
+                            // margin asked of it cost more, in sample).
+                            **m != i.market && s.usd_per_hour_beside < here
+                        })
+                        .collect();
+                    for (m, st) in &better {
+                        let acquisition = spot_in(m);
+                        decision.reasons.push(Reason {
+                            subject: Subject::Acquire(acquisition.clone()),
+                            expected: Expectation {
+                                cost_usd: st.usd_per_hour_beside,
+                                work_units: 1.0,
+                                eviction_probability: st.p_free,
+                                horizon_hours: 1.0,
+                            },
+                            rule: format!(
+                                "deadline plan: chase capacity that has just come back: a stint \
+                                 in {m} is expected at ${:.3} per hour of work (its first hour \
+                                 free with probability {:.2}, the pool up with {:.2}) against \
+                                 ${here:.3} on {}, past its first hour",
+                                st.usd_per_hour_beside, st.p_free, st.p_up, i.id
+                            ),
+                        });
+                        decision.acquire.push(acquisition);
+                        self.tried.insert((*m).clone());
+                    }
+                    if !better.is_empty() {
+                        decision.replace.push(i.id.clone());
+                    }
+                }
                 if spot.is_none() {
-                    let bid = ctx.market.on_demand_price(&home).unwrap_or(od_price);
-                    let acquisition = Acquisition {
-                        market: home.clone(),
-                        purchase: Purchase::Spot { bid },
-                        count: 1,
-                    };
+                    // The cheapest stint first; if it is refused, the next at once.
+                    let acquisition = spot_in(&home);
                     decision.reasons.push(Reason {
                         subject: Subject::Acquire(acquisition.clone()),
                         expected: expected(choice.spot_usd, 1.0 - choice.p_up),
                         rule: because("try spot"),
                     });
                     decision.acquire.push(acquisition);
-                    self.tried = Some((home.clone(), now));
+                    self.tried.insert(home.clone());
                     if let Some(od) = on_demand {
                         if choice.replace {
                             // It works on until the spot instance is ready, and goes then.
