@@ -350,7 +350,9 @@ async fn a_pipeline_whose_leader_is_killed_restarts_from_a_snapshot_and_finishes
         restarts[0],
         !regrown.is_empty()
     );
-    // The uninterrupted job reaches 0.969-0.973 (the other test); a restart computes the
-    // minibatches after the snapshot again, on the same plans an interrupted run takes.
-    assert!(accuracy > 0.96, "accuracy {accuracy:.4}:\n{story}");
+    // A restart computes the minibatches after the snapshot again, on the same plans an
+    // interrupted run takes, so the job learns as the uninterrupted one does: above 0.95, the
+    // other test's bound for it (0.969-0.973 on machines whose profile gives one worker per
+    // stage, 0.956 on one that gives a stage three replicas, which steps a third as often).
+    assert!(accuracy > 0.95, "accuracy {accuracy:.4}:\n{story}");
 }

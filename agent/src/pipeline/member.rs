@@ -182,6 +182,23 @@ async fn await_plans(
 /// [`ClusterView::founders`]), numbered by their position there. An agent that is not one (a
 /// replacement) is a newcomer: it says it is ready, and the pipeline's leader folds it in by a
 /// re-plan as soon as a plan has room for it (after a warned worker left).
+/// Minibatches stepped, as the job's clocks: `clocks_per_epoch` a pass over the training set
+/// when the job stops after epochs; one a minibatch when it stops after a number of clocks
+/// (which a pipeline counts in minibatches).
+fn job_clock(
+    training: &TrainingConfig,
+    per_epoch: u64,
+) -> impl Fn(u64) -> u64 + Send + Copy + 'static {
+    let scale = match training.stop {
+        StopCondition::Epochs { .. } => Some(u64::from(training.clocks_per_epoch)),
+        StopCondition::Clocks { .. } => None,
+    };
+    move |minibatches| match scale {
+        Some(clocks) => minibatches.saturating_mul(clocks) / per_epoch.max(1),
+        None => minibatches,
+    }
+}
+
 pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
     let founders: Vec<InstanceId> = if ctx.view.founders.is_empty() {
         // A broker that predates founders: the first view's workers.
@@ -301,18 +318,23 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         allreduce_bucket_bytes: super::stage::DEFAULT_BUCKET_BYTES,
         vertical_sync: ctx.job.pipeline.vertical_sync,
     };
-    // Heartbeats report the minibatches this worker has stepped through.
+    // Heartbeats report the minibatches this worker has stepped through, in the job's clocks:
+    // the broker counts progress as clocks over the stop condition's (`clocks_per_epoch` a
+    // pass), not minibatches. Reported as minibatches, a two-epoch job looked done after 40 of
+    // its 1,875, and its policy bought no replacement for a warned stage (the work being
+    // "complete").
     let steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let per_epoch = cfg.batches.per_epoch().max(1);
+    let clock_of = job_clock(&ctx.training, per_epoch);
     let reporter = {
         let (steps, progress) = (steps.clone(), ctx.progress.clone());
-        let per_epoch = cfg.batches.per_epoch().max(1);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
             loop {
                 tick.tick().await;
                 let n = steps.load(std::sync::atomic::Ordering::Relaxed);
                 if let Ok(mut p) = progress.lock() {
-                    p.clock = n;
+                    p.clock = clock_of(n);
                     p.epoch = n as f64 / per_epoch as f64;
                 }
             }
@@ -341,7 +363,12 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
     drop(early_tx);
     if let Ok(mut p) = ctx.progress.lock() {
         p.samples_processed = outcome.samples as u64;
-        p.clock = minibatches;
+        // Only a worker that saw the run through reports it whole. A warned one keeps the
+        // minibatches it stepped through: its last heartbeats must not tell the broker the job
+        // is done (it then bought no replacement for it, its work being "complete").
+        if !outcome.evicted {
+            p.clock = clock_of(minibatches);
+        }
     }
     if outcome.evicted {
         return Ok(MemberExit::Evicted);
@@ -451,5 +478,30 @@ mod tests {
             Some(plans)
         );
         assert_eq!(super::super::decode_plans(&[1.0, 0.0, 2.0], 3), None);
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::*;
+
+    #[test]
+    fn minibatches_are_reported_in_the_jobs_clocks() {
+        let mut t = TrainingConfig::new(proteus_wire::agent_api::AppConfig::Mlr {
+            dataset: Default::default(),
+            learning_rate: 0.1,
+            l2: 0.0,
+        });
+        t.stop = StopCondition::Epochs { epochs: 2 };
+        t.clocks_per_epoch = 20;
+        // 938 minibatches a pass: the run's 1,876 are the job's 40 clocks, and a quarter of
+        // them a quarter.
+        let c = job_clock(&t, 938);
+        assert_eq!(c(1876), t.total_clocks());
+        assert_eq!(c(469), 10);
+        assert_eq!(c(0), 0);
+        t.stop = StopCondition::Clocks { clocks: 500 };
+        let c = job_clock(&t, 938);
+        assert_eq!(c(500), t.total_clocks());
     }
 }
