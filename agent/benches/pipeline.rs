@@ -163,6 +163,7 @@ fn run_mode(
         checkpoint_every: every,
         replans: Default::default(),
         warn_at: None,
+        drain_at: None,
         join_at: None,
         snapshot_every: 0,
         kill_at: None,

@@ -99,6 +99,7 @@ fn run() -> Result<ExitCode, String> {
                 checkpoint_every: 0,
                 replans: Default::default(),
                 warn_at: None,
+                drain_at: None,
                 join_at: None,
                 snapshot_every,
                 kill_at: None,

@@ -343,6 +343,9 @@ impl Agent {
                     if let Some(out) = self.check_leaving().await {
                         return out;
                     }
+                    if let Some(failed) = self.reap_pipeline().await {
+                        return failed;
+                    }
                     self.reap_worker();
                 }
             }
@@ -425,6 +428,33 @@ impl Agent {
         };
         self.node.set_worker(ctx.clone());
         self.worker = Some(tokio::spawn(worker::run(ctx)));
+    }
+
+    /// A pipeline member that ended in an error (a peer that never sent, a hand-in nobody
+    /// took) leaves the agent with nothing to do for the job: say so, and leave as failed, so
+    /// that the broker hears of it at once. (Its error used to end with the task, unread, and
+    /// the job waited for a final metric that would never come.) A member that finished or
+    /// handed over stays until the broker stops this agent or the warning's deadline.
+    async fn reap_pipeline(&mut self) -> Option<Result<Outcome>> {
+        if self.leave_by.is_some() || !self.pipeline.as_ref()?.is_finished() {
+            return None;
+        }
+        let message = match self.pipeline.take()?.await {
+            Ok(Ok(exit)) => {
+                tracing::info!(?exit, "pipeline worker ended");
+                return None;
+            }
+            Ok(Err(e)) => format!("the pipeline worker failed: {e}"),
+            Err(e) => format!("the pipeline worker panicked: {e}"),
+        };
+        tracing::error!("{message}: leaving the job");
+        let out = self
+            .exit(
+                ExitReason::failed(&message),
+                Outcome::Stopped(message.clone()),
+            )
+            .await;
+        Some(out.and(Err(AgentError::Training(message))))
     }
 
     fn reap_worker(&mut self) {

@@ -32,6 +32,9 @@ pub enum AgentError {
     Frame(String),
     #[error("instance metadata: {0}")]
     Imds(String),
+    /// The job's training stopped in this agent with an error (it left the job as failed).
+    #[error("training: {0}")]
+    Training(String),
     #[error("I/O: {0}")]
     Net(#[from] std::io::Error),
 }

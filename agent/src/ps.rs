@@ -877,18 +877,20 @@ impl PsNode {
     /// Copy every active shard whose backup is behind to its backup. Called periodically and, on
     /// an interruption warning, at once (the flush).
     pub async fn sync_backups(&self) {
-        let work: Vec<(u32, String, Snapshot)> = {
+        let work: Vec<(u32, String, Snapshot, i64)> = {
             let slots = self.slots();
             slots
                 .iter()
                 .filter_map(|(k, s)| {
                     let a = s.active.as_ref()?;
                     let addr = a.backup_addr.clone()?;
-                    (a.synced_seq != Some(a.state.seq)).then(|| (*k, addr, a.state.snapshot()))
+                    let done = a.state.clocks.done().map_or(-1, |d| d as i64);
+                    (a.synced_seq != Some(a.state.seq))
+                        .then(|| (*k, addr, a.state.snapshot(), done))
                 })
                 .collect()
         };
-        for (shard, addr, snapshot) in work {
+        for (shard, addr, snapshot, done) in work {
             let seq = snapshot.seq;
             match self
                 .peers
@@ -903,7 +905,9 @@ impl PsNode {
                     if let Some(a) = self.slots().get_mut(&shard).and_then(|s| s.active.as_mut()) {
                         a.synced_seq = Some(seq);
                     }
-                    tracing::debug!(shard, seq, "backup synced");
+                    // The backup now holds every clock up to `done`: what a crash of this
+                    // owner can no longer lose.
+                    tracing::debug!(shard, seq, done, "backup synced");
                 }
                 other => tracing::warn!(shard, ?other, "backup sync failed"),
             }

@@ -568,7 +568,7 @@ pub enum Parallelism {
 }
 
 /// How a pipeline schedules its forward and backward passes (`training.pipeline` of a spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PipelineOptions {
@@ -585,6 +585,71 @@ pub struct PipelineOptions {
     /// many minibatches again. 0: no snapshots, and such a loss ends the job.
     #[serde(default = "default_snapshot_every")]
     pub snapshot_every: u32,
+    /// A pinned profile, one `{forward_ms, backward_ms, update_ms}` per layer of `layers`
+    /// (milliseconds for one minibatch, each in [0, 3600000]): the partitioner plans from these
+    /// times instead of the leader's own measurement (PipeDream's profile file), so every run of
+    /// the job, and every job given the same profile, trains the same plans. Absent: the
+    /// pipeline's leader profiles on its machine and logs the profile in this form.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<Vec<LayerTiming>>,
+}
+
+/// One layer's times in a pinned pipeline profile (`training.pipeline.profile`), milliseconds
+/// for one minibatch of the job's size. Activation and parameter bytes follow from the layers'
+/// widths.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct LayerTiming {
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    /// One optimizer step of the layer.
+    pub update_ms: f64,
+}
+
+impl PipelineOptions {
+    /// A pinned profile fits a model of `layers` layers (one entry each), and its times are
+    /// real durations, not all zero.
+    pub fn check_profile(&self, layers: usize) -> Result<(), String> {
+        let Some(profile) = &self.profile else {
+            return Ok(());
+        };
+        if profile.len() != layers {
+            return Err(format!(
+                "mlp pipeline profile has {} entries but the model {layers} layers (one entry \
+                 per width of `layers`)",
+                profile.len()
+            ));
+        }
+        for (l, t) in profile.iter().enumerate() {
+            t.check(l)?;
+        }
+        let total: f64 = profile
+            .iter()
+            .map(|t| t.forward_ms + t.backward_ms + t.update_ms)
+            .sum();
+        if total <= 0.0 {
+            return Err("mlp pipeline profile takes no time at all".into());
+        }
+        Ok(())
+    }
+}
+
+impl LayerTiming {
+    fn check(&self, layer: usize) -> Result<(), String> {
+        for (name, v) in [
+            ("forward_ms", self.forward_ms),
+            ("backward_ms", self.backward_ms),
+            ("update_ms", self.update_ms),
+        ] {
+            if !(v.is_finite() && (0.0..=3_600_000.0).contains(&v)) {
+                return Err(format!(
+                    "mlp pipeline profile[{layer}].{name} must be in [0, 3600000] ms, got {v}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn default_snapshot_every() -> u32 {
@@ -597,6 +662,7 @@ impl Default for PipelineOptions {
             schedule: PipelineSchedule::default(),
             vertical_sync: false,
             snapshot_every: default_snapshot_every(),
+            profile: None,
         }
     }
 }
@@ -714,6 +780,7 @@ impl AppConfig {
                 if layers.is_empty() || layers.contains(&0) || *batch == 0 {
                     return Err("mlp needs at least one layer, widths >= 1 and batch >= 1".into());
                 }
+                pipeline.check_profile(layers.len())?;
                 if !(positive(*learning_rate) && non_negative(*momentum) && *momentum < 1.0) {
                     return Err("mlp needs learning_rate > 0 and momentum in [0, 1)".into());
                 }

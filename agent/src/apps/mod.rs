@@ -176,7 +176,7 @@ impl App {
                     lr: mlp::LrSchedule::constant(*learning_rate),
                     momentum: *momentum,
                     parallelism: *parallelism,
-                    pipeline: *pipeline,
+                    pipeline: pipeline.clone(),
                     link_bytes_per_sec: link_mbit_per_sec.map(|b| b * 1e6 / 8.0),
                     link_latency: link_latency_ms
                         .filter(|ms| *ms > 0.0)
@@ -274,6 +274,7 @@ mod tests {
             schedule: PipelineSchedule::TwoBW,
             vertical_sync: false,
             snapshot_every: 7,
+            profile: None,
         };
         let cfg = TrainingConfig::new(AppConfig::Mlp {
             dataset: ImageDataset::Digits,
@@ -284,7 +285,7 @@ mod tests {
             parallelism: Parallelism::Pipeline,
             link_mbit_per_sec: Some(80.0),
             link_latency_ms: Some(2.5),
-            pipeline,
+            pipeline: pipeline.clone(),
         });
         cfg.validate().expect("valid");
         let App::Mlp(job) = App::load(&cfg, &dir).expect("digits load") else {

@@ -75,8 +75,8 @@ pub enum MemberExit {
     Evicted,
 }
 
-/// The plan table: data parallelism on every count, or the partitioner's plans from a profile
-/// of this machine.
+/// The plan table: data parallelism on every count, or the partitioner's plans from the job's
+/// pinned profile or, without one, a profile of this machine.
 fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
     let layers = job.shape.layers();
     match job.parallelism {
@@ -84,7 +84,22 @@ fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
             .map(|n| (n, Plan::data_parallel(layers, n, 0.0)))
             .collect(),
         Parallelism::Pipeline => {
-            let prof = profile::profile(&job.shape, job.batch, 5, 1);
+            let pinned = job.pipeline.profile.as_ref().and_then(|t| {
+                profile::pinned(&job.shape, job.batch, t)
+                    .inspect_err(|e| tracing::warn!("{e}: profiling this machine instead"))
+                    .ok()
+            });
+            let prof = match pinned {
+                Some(p) => p,
+                None => {
+                    let p = profile::profile(&job.shape, job.batch, 5, 1);
+                    tracing::info!(
+                        profile = %serde_json::to_string(&p.timings()).unwrap_or_default(),
+                        "pipeline profile measured (training.pipeline.profile pins it)"
+                    );
+                    p
+                }
+            };
             let link = Link::new(
                 job.link_bytes_per_sec.unwrap_or(f64::INFINITY),
                 job.link_latency.map_or(0.0, |l| l.as_secs_f64()),
@@ -312,6 +327,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
         checkpoint_every: 0,
         replans,
         warn_at: None,
+        drain_at: None,
         join_at: None,
         snapshot_every: u64::from(ctx.job.pipeline.snapshot_every),
         kill_at: None,

@@ -7,6 +7,7 @@
 
 use crate::apps::mlp::{self, Dense, MlpShape};
 use ndarray::Array2;
+use proteus_wire::agent_api::LayerTiming;
 use std::time::Instant;
 
 /// What the partitioner knows of one layer.
@@ -44,6 +45,66 @@ impl Profile {
     pub fn param_bytes(&self) -> u64 {
         self.layers.iter().map(|l| l.param_bytes).sum()
     }
+}
+
+impl Profile {
+    /// The times of this profile as a job spec pins them (`training.pipeline.profile`).
+    pub fn timings(&self) -> Vec<LayerTiming> {
+        self.layers
+            .iter()
+            .map(|l| LayerTiming {
+                forward_ms: l.forward_secs * 1e3,
+                backward_ms: l.backward_secs * 1e3,
+                update_ms: l.update_secs * 1e3,
+            })
+            .collect()
+    }
+}
+
+/// A pinned profile that does not fit the model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a pinned profile of {got} layers for a model of {want}")]
+pub struct PinnedMismatch {
+    pub got: usize,
+    pub want: usize,
+}
+
+/// The profile a job pinned (`training.pipeline.profile`): its times, and the bytes `shape`
+/// and `batch` give, as [`profile`] counts them.
+pub fn pinned(
+    shape: &MlpShape,
+    batch: usize,
+    timings: &[LayerTiming],
+) -> Result<Profile, PinnedMismatch> {
+    if timings.len() != shape.layers() {
+        return Err(PinnedMismatch {
+            got: timings.len(),
+            want: shape.layers(),
+        });
+    }
+    let layers = timings
+        .iter()
+        .enumerate()
+        .map(|(l, t)| {
+            let (activation_bytes, param_bytes) = layer_bytes(shape, batch, l);
+            LayerProfile {
+                forward_secs: t.forward_ms / 1e3,
+                backward_secs: t.backward_ms / 1e3,
+                update_secs: t.update_ms / 1e3,
+                activation_bytes,
+                param_bytes,
+            }
+        })
+        .collect();
+    Ok(Profile { batch, layers })
+}
+
+/// Layer `l`'s output bytes for one minibatch and its parameter bytes (f32).
+fn layer_bytes(shape: &MlpShape, batch: usize, l: usize) -> (u64, u64) {
+    (
+        (batch * shape.widths()[l + 1] * 4) as u64,
+        (shape.layer_params(l) * 4) as u64,
+    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -114,12 +175,13 @@ pub fn profile(shape: &MlpShape, batch: usize, reps: usize, concurrency: usize) 
             let of = |i: usize| -> Vec<f64> {
                 runs.iter().flat_map(|r| r[l][i].iter().copied()).collect()
             };
+            let (activation_bytes, param_bytes) = layer_bytes(shape, batch, l);
             LayerProfile {
                 forward_secs: median(of(0)),
                 backward_secs: median(of(1)),
                 update_secs: median(of(2)),
-                activation_bytes: (batch * shape.widths()[l + 1] * 4) as u64,
-                param_bytes: (shape.layer_params(l) * 4) as u64,
+                activation_bytes,
+                param_bytes,
             }
         })
         .collect();
@@ -142,6 +204,20 @@ mod tests {
             p.layers
                 .iter()
                 .all(|l| l.forward_secs > 0.0 && l.backward_secs > 0.0 && l.update_secs > 0.0)
+        );
+        // Pinned as a spec writes it, the same profile comes back, bytes and all.
+        let again = pinned(&shape, 16, &p.timings()).unwrap();
+        assert_eq!(again.layers.len(), p.layers.len());
+        for (a, b) in again.layers.iter().zip(&p.layers) {
+            assert_eq!(
+                (a.activation_bytes, a.param_bytes),
+                (b.activation_bytes, b.param_bytes)
+            );
+            assert!((a.compute_secs() - b.compute_secs()).abs() < 1e-12);
+        }
+        assert_eq!(
+            pinned(&shape, 16, &p.timings()[..1]),
+            Err(PinnedMismatch { got: 1, want: 2 })
         );
     }
 }

@@ -117,6 +117,11 @@ pub struct RunConfig {
     pub replans: BTreeMap<u32, Plan>,
     /// Tests: warn original worker `w` when the leader reaches minibatch `m`.
     pub warn_at: Option<(u64, u32)>,
+    /// Tests: the leader drains for original worker `w`'s warning at the first step whose drain
+    /// point reaches minibatch `m`. A replay of a run whose leader logged that drain point
+    /// (`drain_at`): the run then goes the same way whichever step its leader took the warning
+    /// at, and so trains the same model.
+    pub drain_at: Option<(u64, u32)>,
     /// Tests: fold in worker `w`, a standby outside the first plan (its address is in the
     /// address table, it waits for a [`PipeMsg::Grow`]), when the leader reaches minibatch `m`.
     pub join_at: Option<(u64, u32)>,
@@ -1167,6 +1172,24 @@ impl Sender {
         Ok(())
     }
 
+    /// Send a snapshot in the background, best effort: one that does not arrive only leaves
+    /// the restart point at an older snapshot. A keeper that has finished the run (it runs a
+    /// later stage, and the last snapshot can be taken a step or two before the end) no
+    /// longer takes it; that is no loss, and a keeper that is really lost is found by the
+    /// data path. (Counted as a lost worker, such a send failed the run at its very end: a
+    /// job whose clocks were all done stayed running.)
+    fn send_snapshot(&mut self, to: u32, msg: PipeMsg) -> Result<(), StageError> {
+        let addr = self.addr(to)?;
+        let (peers, me) = (self.peers.clone(), self.me);
+        self.tasks.spawn(async move {
+            if let Err(e) = deliver(peers, addr, me, to, msg).await {
+                tracing::warn!(to, error = %e, "a snapshot did not reach its keeper");
+            }
+            Ok(())
+        });
+        Ok(())
+    }
+
     /// One attempt, best effort (news for a worker that may have stopped).
     async fn try_once(&self, to: u32, msg: &PipeMsg) {
         if let Some(addr) = self.addrs.get(to) {
@@ -1736,7 +1759,7 @@ async fn run_segment(
                 if to == ctx.worker {
                     mail.file(msg.clone());
                 } else {
-                    out.send(to, msg.clone())?;
+                    out.send_snapshot(to, msg.clone())?;
                 }
             }
         }
@@ -1834,14 +1857,19 @@ async fn run_segment(
             };
             // A warning is taken only when no join is being handled at this step: taking it
             // would consume it unhandled.
-            let mut warned = || match (cfg.warn_at, op) {
-                (Some((m, w)), Op::Forward(rel))
-                    if seg.start + rel >= m
-                        && seg.members.contains(&w)
-                        && seg.members.len() > 1 =>
-                {
+            // The first minibatch no replica has admitted yet, were the pipeline drained now.
+            let ahead = match kind {
+                ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
+                ScheduleKind::Flushing { group } => (round + 2) * group,
+                // Replicas are at most one group apart and admit at most a group ahead.
+                ScheduleKind::TwoBW { group } => (round + 3) * group,
+            };
+            let drainable = |w: u32| seg.members.contains(&w) && seg.members.len() > 1;
+            let mut warned = || match (cfg.warn_at, cfg.drain_at, op) {
+                (Some((m, w)), _, Op::Forward(rel)) if seg.start + rel >= m && drainable(w) => {
                     Some(w)
                 }
+                (_, Some((m, w)), _) if seg.start + ahead >= m && drainable(w) => Some(w),
                 _ => ctx
                     .notices
                     .as_ref()
@@ -1856,12 +1884,6 @@ async fn run_segment(
                 None => (warned().map(Change::Leave), None),
             };
             if let Some(change) = change {
-                let ahead = match kind {
-                    ScheduleKind::OneFOneB => (round + warm as u64 + 3) * u64::from(r),
-                    ScheduleKind::Flushing { group } => (round + 2) * group,
-                    // Replicas are at most one group apart and admit at most a group ahead.
-                    ScheduleKind::TwoBW { group } => (round + 3) * group,
-                };
                 let at = seg.start + ahead;
                 if at < cfg.minibatches {
                     let (order, event, also) = match &change {

@@ -931,7 +931,7 @@ impl JobSpec {
                  pipeline apply to `mlp` only",
             ));
         }
-        let pipeline = t.and_then(|t| t.pipeline).unwrap_or_default();
+        let pipeline = t.and_then(|t| t.pipeline.clone()).unwrap_or_default();
         if pipeline.vertical_sync && pipeline.schedule != PipelineSchedule::OneFOneB {
             return Err(bad(
                 "training.pipeline.vertical_sync",
@@ -972,6 +972,14 @@ impl JobSpec {
                     link_latency_ms: t.and_then(|t| t.link_latency_ms),
                     pipeline,
                 };
+                if let AppConfig::Mlp {
+                    layers, pipeline, ..
+                } = &app
+                {
+                    pipeline
+                        .check_profile(layers.len())
+                        .map_err(|e| bad("training.pipeline.profile", e))?;
+                }
                 Ok(app)
             }
             App::Mlr => {
@@ -1232,6 +1240,48 @@ mod tests {
                 .snapshot_every,
             0
         );
+        // A pinned profile reaches the agents; one that does not fit the model is refused.
+        let timing = r#"{"forward_ms":1.5,"backward_ms":3,"update_ms":0.5}"#;
+        let pinned = pipeline_of(&format!(
+            r#"{{"layers":[64,10],"pipeline":{{"profile":[{timing},{timing}]}}}}"#
+        ))
+        .unwrap();
+        let profile = pinned.profile.expect("the pinned profile");
+        assert_eq!(profile.len(), 2);
+        assert_eq!(
+            (
+                profile[1].forward_ms,
+                profile[1].backward_ms,
+                profile[1].update_ms
+            ),
+            (1.5, 3.0, 0.5)
+        );
+        let e = pipeline_of(&format!(
+            r#"{{"layers":[64,32,10],"pipeline":{{"profile":[{timing},{timing}]}}}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(e.field, "training.pipeline.profile");
+        assert!(
+            e.message.contains("2 entries but the model 3 layers"),
+            "{e:?}"
+        );
+        let e = pipeline_of(&format!(
+            r#"{{"layers":[64,10],"pipeline":{{"profile":[{timing},{{"forward_ms":-1,"backward_ms":3,"update_ms":0.5}}]}}}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(e.field, "training.pipeline.profile");
+        assert!(e.message.contains("profile[1].forward_ms"), "{e:?}");
+        let zero = r#"{"forward_ms":0,"backward_ms":0,"update_ms":0}"#;
+        let e = pipeline_of(&format!(
+            r#"{{"layers":[10],"pipeline":{{"profile":[{zero}]}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.message.contains("no time"), "{e:?}");
+        let bad_key = serde_json::from_str::<JobSpec>(
+            r#"{"app":"mlp","policy":"x","limits":{"max_instances":4},"training":{"layers":[10],"pipeline":{"profile":[{"forward_ms":1,"backward_ms":1,"update":1}]}}}"#,
+        )
+        .unwrap_err();
+        assert!(bad_key.to_string().contains("update"), "{bad_key}");
         let e = pipeline_of(r#"{"pipeline":{"schedule":"2bw","vertical_sync":true}}"#).unwrap_err();
         assert_eq!(e.field, "training.pipeline.vertical_sync");
         let e = pipeline_of(r#"{"parallelism":"data","pipeline":{"schedule":"2bw"}}"#).unwrap_err();
