@@ -91,6 +91,14 @@ pub struct BrokerProcess {
 /// Where [`BrokerProcess::start_sim`] starts market time.
 pub const SIM_START: &str = "2015-05-01T00:00:00Z";
 
+/// The market instant `minutes` after [`SIM_START`] (RFC 3339), as `--hold-at` takes it.
+pub fn sim_minutes(minutes: i64) -> String {
+    let start = chrono::DateTime::parse_from_rfc3339(SIM_START)
+        .expect("SIM_START is RFC 3339")
+        .to_utc();
+    (start + chrono::Duration::minutes(minutes)).to_rfc3339()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -409,6 +417,14 @@ impl Api {
     pub async fn post(&self, path: &str, body: serde_json::Value) -> serde_json::Value {
         let (status, v) = self.call(reqwest::Method::POST, path, Some(body)).await;
         assert!((200..300).contains(&status), "POST {path}: {status} {v}");
+        v
+    }
+    /// Lifts the hold on the simulated market's clock (`--hold-at`): it runs on from there.
+    pub async fn lift_hold(&self) -> serde_json::Value {
+        let v = self
+            .post("/v1/sim/clock", serde_json::json!({ "hold_at": null }))
+            .await;
+        assert!(v["held_at"].is_null(), "the hold is lifted: {v}");
         v
     }
     pub async fn delete(&self, path: &str) -> serde_json::Value {

@@ -34,33 +34,80 @@ impl Clock for WallClock {
     }
 }
 
-/// Market time that starts at `origin` when the clock is created and runs `speed` times faster
-/// than wall time.
-#[derive(Debug, Clone)]
-pub struct ScaledClock {
-    origin: Timestamp,
-    started: Instant,
+/// The simulated cloud's market time: from `origin` when the clock is created, `speed` times
+/// faster than wall time, unless held. A hold (`proteus serve --hold-at`, `POST /v1/sim/clock`)
+/// lets the market run up to an instant and stop there until it is lifted; then it runs on
+/// from there. So whoever watches a moment of the trace (a test that needs its agents training
+/// when a price spike comes, a user looking at a decision) says when the market passes it,
+/// not the machine's speed. Market time never runs backwards: a hold before now stops it now.
+#[derive(Debug)]
+pub struct SimClock {
     speed: f64,
+    run: std::sync::Mutex<Run>,
 }
 
-impl ScaledClock {
+/// Where the market stood when it last started running, and where it will stop.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    origin: Timestamp,
+    started: Instant,
+    hold: Option<Timestamp>,
+}
+
+impl Run {
+    fn now(&self, speed: f64) -> Timestamp {
+        let t = self
+            .origin
+            .plus_secs(self.started.elapsed().as_secs_f64() * speed);
+        match self.hold {
+            Some(h) if t > h => h.max(self.origin),
+            _ => t,
+        }
+    }
+}
+
+impl SimClock {
     pub fn new(origin: Timestamp, speed: f64) -> Self {
-        ScaledClock {
-            origin,
-            started: Instant::now(),
+        SimClock {
             speed: if speed.is_finite() && speed > 0.0 {
                 speed
             } else {
                 1.0
             },
+            run: std::sync::Mutex::new(Run {
+                origin,
+                started: Instant::now(),
+                hold: None,
+            }),
         }
+    }
+
+    fn run(&self) -> std::sync::MutexGuard<'_, Run> {
+        self.run.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hold the market at `hold` (it runs there and stops), or lift the hold (`None`: it runs
+    /// on from where it stands). Returns the market time now.
+    pub fn hold_at(&self, hold: Option<Timestamp>) -> Timestamp {
+        let mut run = self.run();
+        let now = run.now(self.speed);
+        *run = Run {
+            origin: now,
+            started: Instant::now(),
+            hold: hold.map(|h| h.max(now)),
+        };
+        now
+    }
+
+    /// The instant the market is held at, if it is.
+    pub fn held_at(&self) -> Option<Timestamp> {
+        self.run().hold
     }
 }
 
-impl Clock for ScaledClock {
+impl Clock for SimClock {
     fn now(&self) -> Timestamp {
-        self.origin
-            .plus_secs(self.started.elapsed().as_secs_f64() * self.speed)
+        self.run().now(self.speed)
     }
     fn speed(&self) -> f64 {
         self.speed
@@ -102,8 +149,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scaled_clock_runs_faster() {
-        let c = ScaledClock::new(Timestamp::from_millis(0), 3600.0);
+    fn sim_clock_runs_faster() {
+        let c = SimClock::new(Timestamp::from_millis(0), 3600.0);
         std::thread::sleep(Duration::from_millis(20));
         let t = c.now();
         assert!(
@@ -111,5 +158,35 @@ mod tests {
             "20 ms wall at 3600x is at least 72 s market, got {t:?}"
         );
         assert_eq!(c.wall_for(3600.0), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_held_sim_clock_stops_at_the_hold_and_runs_on_from_it() {
+        let c = SimClock::new(Timestamp::from_millis(0), 3600.0);
+        // Held a minute in: at 3600x that is 17 ms of wall time, long passed after 30 ms.
+        c.hold_at(Some(Timestamp::from_millis(60_000)));
+        assert_eq!(c.held_at(), Some(Timestamp::from_millis(60_000)));
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(c.now(), Timestamp::from_millis(60_000));
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(c.now(), Timestamp::from_millis(60_000), "it stays there");
+        // Lifted, it runs on from the hold, not from where it would have been.
+        let lifted = std::time::Instant::now();
+        assert_eq!(c.hold_at(None), Timestamp::from_millis(60_000));
+        assert_eq!(c.held_at(), None);
+        std::thread::sleep(Duration::from_millis(10));
+        let t = c.now();
+        let most = (lifted.elapsed().as_secs_f64() * 3600.0 * 1000.0).ceil() as i64;
+        let ran = t.millis() - 60_000;
+        assert!(
+            (36_000..=most).contains(&ran),
+            "ran {ran} ms of market in the {most} ms since the lift (at 3600x)"
+        );
+        // A hold in the past stops the market where it stands: time never runs backwards.
+        let now = c.hold_at(Some(Timestamp::from_millis(0)));
+        assert!(now >= t);
+        assert_eq!(c.held_at(), Some(now));
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(c.now(), now);
     }
 }

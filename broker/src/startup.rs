@@ -10,7 +10,7 @@ use crate::api::tls::{self, ReloadingCert, TlsFiles};
 use crate::api::{AppState, router};
 use crate::billing::BillingModel;
 use crate::checkpoint::{CheckpointStore, ProgramStorage};
-use crate::clock::{ScaledClock, SharedClock, WallClock};
+use crate::clock::{SharedClock, SimClock, WallClock};
 use crate::cloud::Cloud;
 use crate::cloud::faults::FaultyCloud;
 use crate::cloud::sim::SimCloud;
@@ -102,6 +102,11 @@ pub struct ServeArgs {
     /// market model has a week of history to learn from).
     #[arg(long, env = "PROTEUS_SIM_START")]
     pub start: Option<String>,
+    /// sim: hold the market at this instant (RFC 3339): it runs there and stops until the hold
+    /// is lifted or moved (`POST /v1/sim/clock`), so that you, or a test, decide when the
+    /// market passes a moment of the trace.
+    #[arg(long, value_name = "TIME")]
+    pub hold_at: Option<String>,
     /// Billing for jobs that do not choose. Default: hourly-2015 on sim, per-second on ec2.
     #[arg(long, env = "PROTEUS_BILLING")]
     pub billing: Option<BillingModel>,
@@ -251,6 +256,7 @@ impl ServeArgs {
             availability_instance_type: "p3.2xlarge".into(),
             speed: 60.0,
             start: None,
+            hold_at: None,
             billing: None,
             market_model: None,
             tick_ms: 1000,
@@ -422,6 +428,12 @@ pub async fn start_with(
     }
     let region = Region::parse(&args.region).context("--region")?;
     let mut availability = None;
+    // The simulated market's clock, which the API can hold (none on EC2, nor under the demo's
+    // own clock).
+    let mut sim_clock: Option<Arc<SimClock>> = None;
+    if args.hold_at.is_some() && args.cloud != CloudKind::Sim {
+        bail!("--hold-at holds the simulated market's clock: it needs --cloud sim");
+    }
     let (history, clock): (Arc<PriceHistory>, SharedClock) = match args.cloud {
         CloudKind::Sim => {
             let history = if args.availability.is_empty() {
@@ -479,7 +491,16 @@ pub async fn start_with(
             }
             let clock: SharedClock = match options.clock.clone() {
                 Some(c) => c,
-                None => Arc::new(ScaledClock::new(start, args.speed)),
+                None => {
+                    let c = Arc::new(SimClock::new(start, args.speed));
+                    if let Some(h) = &args.hold_at {
+                        let h = Timestamp::parse(h).context("--hold-at")?;
+                        c.hold_at(Some(h));
+                        tracing::info!(%h, "the simulated market is held there until POST /v1/sim/clock lifts it");
+                    }
+                    sim_clock = Some(c.clone());
+                    c
+                }
             };
             (history, clock)
         }
@@ -631,6 +652,7 @@ pub async fn start_with(
         broker: broker.clone(),
         auth,
         downloads,
+        sim_clock,
     })
     .layer(tower_http::trace::TraceLayer::new_for_http());
     Ok(Application {

@@ -4,8 +4,8 @@
 //! durable checkpoint — in LocalStack's S3 through presigned URLs (LocalStack checks their
 //! signatures), or in the broker's directory store — plus exit codes mapped to job states.
 
-use proteus_e2e::write_c3_trace;
 use proteus_e2e::{BrokerProcess, fresh_pg_database, localstack_url};
+use proteus_e2e::{sim_minutes, write_c3_trace};
 use std::path::Path;
 use std::time::Duration;
 
@@ -140,6 +140,21 @@ fn step_in_archive(archive: &[u8]) -> u64 {
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }
 
+/// Waits, with the market held a minute before the spike (`--hold-at`), until the program of
+/// job `id` (150 steps, a checkpoint every 5) is past its first checkpoint, then lifts the
+/// hold: the spike finds it running with something saved, however slowly it started.
+async fn past_its_first_checkpoint(broker: &BrokerProcess, id: i64) {
+    let api = broker.client();
+    api.wait_for(
+        &format!("/v1/jobs/{id}"),
+        Duration::from_secs(180),
+        "the program past its first checkpoint before the spike",
+        |j| j["progress"].as_f64().unwrap_or(0.0) >= 6.0 / 150.0,
+    )
+    .await;
+    api.lift_hold().await;
+}
+
 /// Evicted mid-run by a price spike; the checkpoint goes through LocalStack's S3 (the broker
 /// presigns, the agent `PUT`s and `GET`s, LocalStack verifies the signatures); the replacement
 /// resumes exactly where the warned program saved; the job succeeds on the program's own
@@ -170,6 +185,8 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
             "8",
             "--checkpoint-store",
             &store,
+            "--hold-at",
+            &sim_minutes(super::eviction::SPIKE_AT_MIN - 1),
         ],
         &[
             ("AWS_ENDPOINT_URL_S3", endpoint.as_str()),
@@ -219,6 +236,7 @@ async fn an_evicted_program_resumes_from_its_checkpoint_on_the_replacement() {
         )
         .replace(&program(), "train.py"),
     );
+    past_its_first_checkpoint(&broker, id).await;
     let job = broker
         .wait_succeeded(
             &format!("/v1/jobs/{id}"),
@@ -329,6 +347,8 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
             &od,
             "--min-notice-secs",
             "8",
+            "--hold-at",
+            &sim_minutes(super::eviction::SPIKE_AT_MIN - 1),
         ],
     )
     .await;
@@ -450,6 +470,7 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
         out[0].1
     );
 
+    past_its_first_checkpoint(&broker, stubborn).await;
     broker
         .wait_succeeded(
             &format!("/v1/jobs/{stubborn}"),

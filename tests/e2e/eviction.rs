@@ -4,12 +4,13 @@
 //! ledger bills the hour as provider-ended (free under `hourly-2015`), and the job completes.
 //! Nothing here posts a notice by hand.
 
-use proteus_e2e::{BrokerProcess, fresh_pg_database, write_c3_trace};
+use proteus_e2e::{BrokerProcess, fresh_pg_database, sim_minutes, write_c3_trace};
 use std::time::Duration;
 
 /// Market minutes after the start when both c3.xlarge spot markets spike above any bid, and
-/// how long the spike lasts. At 60× that is 15 wall seconds in: the agents are training then
-/// (they start in a few seconds and train for tens of seconds).
+/// how long the spike lasts. The tests hold the market a minute before it (`--hold-at`) until
+/// what the spike must find is there (agents training, a program past its first checkpoint),
+/// and then lift the hold: the spike comes a market minute later, whatever this machine's speed.
 pub(crate) const SPIKE_AT_MIN: i64 = 15;
 pub(crate) const SPIKE_MIN: i64 = 10;
 
@@ -18,6 +19,7 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_c3_trace(dir.path(), Some((SPIKE_AT_MIN, SPIKE_MIN)));
     let db = fresh_pg_database().await;
+    let hold = sim_minutes(SPIKE_AT_MIN - 1);
     let broker = BrokerProcess::start_sim(
         dir.path(),
         &db,
@@ -29,6 +31,8 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
             &od,
             "--billing",
             "hourly-2015",
+            "--hold-at",
+            &hold,
         ],
     )
     .await;
@@ -41,6 +45,17 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
          [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
          [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\n",
     );
+    // The market waits a minute before the spike until the job is in stage 2 and training:
+    // then the spike finds the active shards on the spot instances.
+    let api = broker.client();
+    api.wait_for(
+        &format!("/v1/jobs/{id}"),
+        Duration::from_secs(180),
+        "the job training in stage 2 before the spike",
+        |j| j["stage"] == 2 && j["progress"].as_f64().unwrap_or(0.0) > 0.0,
+    )
+    .await;
+    api.lift_hold().await;
     let job = broker
         .wait_succeeded(
             &format!("/v1/jobs/{id}"),
@@ -53,7 +68,6 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
         "training went on after the spike: {job}"
     );
 
-    let api = broker.client();
     // The job's end releases its instances; their ends (an eviction for a warned one) are
     // recorded when the cloud reports them, a tick or two later.
     let job = api

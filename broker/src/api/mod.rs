@@ -47,6 +47,8 @@ pub struct AppState {
     pub auth: UserAuth,
     /// What `GET /v1/downloads/…` serves to agents on real VMs (see `docs/aws.md`).
     pub downloads: Downloads,
+    /// The simulated market's clock (`/v1/sim/clock`); none on EC2.
+    pub sim_clock: Option<Arc<crate::clock::SimClock>>,
 }
 
 /// Files agents fetch at boot: their binary and the data sets.
@@ -71,6 +73,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}/cost", get(job_cost))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/instances/{id}/interruption", post(interrupt_instance))
+        .route("/v1/sim/clock", get(sim_clock).post(hold_sim_clock))
         .route("/v1/markets", get(list_markets))
         .route("/v1/prices", get(list_prices))
         .route("/v1/downloads/proteus-agent", get(download_agent))
@@ -305,6 +308,76 @@ async fn interrupt_instance(
 ) -> Result<(StatusCode, Json<crate::service::jobs::InterruptionSent>), ApiError> {
     let sent = s.broker.interrupt_instance(&id).await?;
     Ok((StatusCode::ACCEPTED, Json(sent)))
+}
+
+/// The simulated market's clock: market time now, its speed, and the instant it is held at.
+#[derive(Serialize, ToSchema)]
+struct SimClockView {
+    /// Market time now (RFC 3339).
+    now: String,
+    /// Market seconds per wall second while it runs.
+    speed: f64,
+    /// The market runs up to this instant and stops there (RFC 3339); none: it runs.
+    held_at: Option<String>,
+}
+
+/// A new hold of the simulated market's clock.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct SimClockHold {
+    /// Hold the market at this instant (RFC 3339): it runs there and stops (at once when it is
+    /// past). Absent or null: lift the hold, and the market runs on from where it stands.
+    #[serde(default)]
+    hold_at: Option<String>,
+}
+
+fn sim_clock_of(s: &AppState) -> Result<&crate::clock::SimClock, ApiError> {
+    s.sim_clock.as_deref().ok_or_else(|| {
+        ApiError::conflict(
+            "this broker's clock is not the simulated market's (EC2 runs on wall time, the \
+             demo steps its own): it cannot be read or held here",
+        )
+    })
+}
+
+fn sim_clock_view(c: &crate::clock::SimClock) -> SimClockView {
+    use crate::clock::Clock;
+    SimClockView {
+        now: c.now().to_string(),
+        speed: c.speed(),
+        held_at: c.held_at().map(|t| t.to_string()),
+    }
+}
+
+/// The simulated market's clock.
+#[utoipa::path(get, path = "/v1/sim/clock",
+    responses((status = 200, body = SimClockView), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn sim_clock(_: UserRead, State(s): State<AppState>) -> Result<Json<SimClockView>, ApiError> {
+    Ok(Json(sim_clock_view(sim_clock_of(&s)?)))
+}
+
+/// Holds the simulated market at an instant, or lifts the hold (`proteus serve --hold-at` sets
+/// one at the start): whoever watches a moment of the trace decides when the market passes it,
+/// not the machine's speed. Market time never runs backwards.
+#[utoipa::path(post, path = "/v1/sim/clock", request_body = SimClockHold,
+    responses((status = 200, body = SimClockView), (status = 409, body = error::ErrorBody)),
+    security(("bearer" = [])))]
+async fn hold_sim_clock(
+    _: UserWrite,
+    State(s): State<AppState>,
+    ApiJson(hold): ApiJson<SimClockHold>,
+) -> Result<Json<SimClockView>, ApiError> {
+    let clock = sim_clock_of(&s)?;
+    let at = match &hold.hold_at {
+        Some(t) => {
+            Some(Timestamp::parse(t).map_err(|e| ApiError::invalid("hold_at", e.to_string()))?)
+        }
+        None => None,
+    };
+    clock.hold_at(at);
+    tracing::info!(held_at = ?at.map(|t| t.to_string()), "simulated market clock hold changed");
+    Ok(Json(sim_clock_view(clock)))
 }
 
 #[utoipa::path(get, path = "/v1/jobs/{id}/cost", params(("id" = i64, Path)),

@@ -17,6 +17,8 @@ use utoipa::{Modify, OpenApi};
         super::cancel_job,
         super::cancel_job_by_delete,
         super::interrupt_instance,
+        super::sim_clock,
+        super::hold_sim_clock,
         super::job_cost,
         super::job_events,
         super::dashboard::job_chart,

@@ -1386,3 +1386,114 @@ async fn resources_choose_the_instance_types_and_are_shown_at_submission() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_market_is_held_where_asked_and_runs_on_when_released() {
+    // A broker on the simulated market's own clock (not the tests' manual one) at 3600x, held
+    // a market minute in: about 17 ms of wall time.
+    let db = TestDb::postgres().await;
+    let mut args = ServeArgs::sim_defaults();
+    args.token = Some(TOKEN.into());
+    args.local_agents = Some(false);
+    args.start = Some("2015-05-01T00:00:00Z".into());
+    args.speed = 3600.0;
+    args.hold_at = Some("2015-05-01T00:01:00Z".into());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = start_with(db.store.clone(), args, listener, StartOptions::default())
+        .await
+        .expect("broker starts");
+    let url = format!("http://{}", server.addr);
+    let (_broker, task) = server.serve_api();
+    let http = reqwest::Client::new();
+    let call = |method: reqwest::Method, token: &str, body: Option<Value>| {
+        let mut req = http
+            .request(method, format!("{url}/v1/sim/clock"))
+            .bearer_auth(token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move {
+            let resp = req.send().await.expect("request");
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let at = |v: &Value, key: &str| Timestamp::parse(v[key].as_str().unwrap_or("")).ok();
+    let hold = Timestamp::parse("2015-05-01T00:01:00Z").unwrap();
+    // It runs up to the hold and stays there.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let held = loop {
+        let (status, v) = call(reqwest::Method::GET, TOKEN, None).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(at(&v, "held_at"), Some(hold), "{v}");
+        assert_eq!(v["speed"], 3600.0);
+        let now = at(&v, "now").expect("now");
+        assert!(now <= hold, "ran past the hold: {v}");
+        if now == hold {
+            break v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reached the hold: {v}"
+        );
+        tokio::task::yield_now().await;
+    };
+    let (_, again) = call(reqwest::Method::GET, TOKEN, None).await;
+    assert_eq!(again["now"], held["now"], "it stays at the hold");
+    // Refused, and nothing changed: no token, a time that is none, a field that is none.
+    let (status, _) = call(
+        reqwest::Method::POST,
+        "pt_not-the-token-of-32-characters!",
+        Some(json!({"hold_at": null})),
+    )
+    .await;
+    assert_eq!(status, 401);
+    let (status, e) = call(
+        reqwest::Method::POST,
+        TOKEN,
+        Some(json!({"hold_at": "yesterday"})),
+    )
+    .await;
+    assert_eq!((status, &e["field"]), (422, &json!("hold_at")), "{e}");
+    let (status, e) = call(
+        reqwest::Method::POST,
+        TOKEN,
+        Some(json!({"hold_at": null, "speed": 1})),
+    )
+    .await;
+    assert!((400..500).contains(&status), "{status} {e}");
+    let (_, still) = call(reqwest::Method::GET, TOKEN, None).await;
+    assert_eq!(
+        (at(&still, "now"), at(&still, "held_at")),
+        (Some(hold), Some(hold))
+    );
+    // Released, it runs on from the hold; a hold in the past stops it where it stands.
+    let (status, v) = call(reqwest::Method::POST, TOKEN, Some(json!({"hold_at": null}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["held_at"].is_null(), "{v}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (_, v) = call(reqwest::Method::GET, TOKEN, None).await;
+        if at(&v, "now").expect("now") > hold {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ran on: {v}");
+        tokio::task::yield_now().await;
+    }
+    let (status, v) = call(
+        reqwest::Method::POST,
+        TOKEN,
+        Some(json!({"hold_at": "2015-05-01T00:00:00Z"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let stopped = at(&v, "held_at").expect("held");
+    assert!(stopped > hold, "held where it stood, not in the past: {v}");
+    let (_, v) = call(reqwest::Method::GET, TOKEN, None).await;
+    assert_eq!(at(&v, "now"), Some(stopped), "{v}");
+    task.abort();
+    // A broker on another clock (here the tests' manual one, as the demo's) says it has none.
+    let s = TestServer::start(|_| {}).await;
+    let (status, e) = s.get("/v1/sim/clock").await;
+    assert_eq!(status, 409, "{e}");
+}
