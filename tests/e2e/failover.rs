@@ -184,7 +184,13 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
             }
             assert!(
                 Instant::now() < deadline,
-                "jobs {pending:?} of the killed broker {victim_id} not taken over within 60 s"
+                "jobs {pending:?} of the {} broker {victim_id} not taken over within 60 s\n{}",
+                if pause { "paused" } else { "killed" },
+                brokers
+                    .iter()
+                    .map(|b| b.log_text())
+                    .collect::<Vec<_>>()
+                    .join("\n----\n")
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -1,6 +1,6 @@
 //! Crashes without warning, rebalance recommendations, an unreachable broker.
 
-use crate::support::{Cluster, spawn_agent};
+use crate::support::{Cluster, log_field, spawn_agent};
 use crate::training::{SIX, mnist_config};
 use proteus_wire::Tier;
 use proteus_wire::agent_api::{
@@ -79,8 +79,8 @@ async fn kill9_of_a_shard_owner_loses_little_and_job_completes() {
         .collect();
     eprintln!("restore: {restored:?}");
     assert_eq!(restored.len(), 1);
-    let done =
-        field(&restored[0], "done").expect("restore line says which clock the backup completed");
+    let done = log_field::<i64>(&restored[0], "done")
+        .expect("restore line says which clock the backup completed");
     // Work lost is what the backup had not been sent: nothing it acknowledged is lost, so the
     // restore starts at or after the newest acknowledged copy (and so after `reached`, the clock
     // the job had made when the kill was decided). Counted in clocks, whatever this machine's
@@ -100,16 +100,9 @@ async fn kill9_of_a_shard_owner_loses_little_and_job_completes() {
 fn last_synced(log: &str, shard: u32) -> Option<i64> {
     log.lines()
         .filter(|l| l.contains("backup synced"))
-        .filter(|l| field(l, "shard") == Some(i64::from(shard)))
-        .filter_map(|l| field(l, "done"))
+        .filter(|l| log_field::<i64>(l, "shard") == Some(i64::from(shard)))
+        .filter_map(|l| log_field::<i64>(l, "done"))
         .next_back()
-}
-
-/// A `key=number` field of a log line.
-fn field(line: &str, key: &str) -> Option<i64> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
-        .and_then(|v| v.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

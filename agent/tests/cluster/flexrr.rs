@@ -6,7 +6,7 @@
 //! every item processed and every push a shard applied, in one global order. The last test runs
 //! real agent processes and warns one of them.
 
-use crate::support::{Cluster, DATA_DIR};
+use crate::support::{Cluster, DATA_DIR, log_field, log_text_field};
 use proteus_agent::apps::App;
 use proteus_agent::audit::{Audit, AuditEvent, How};
 use proteus_agent::ps::PsNode;
@@ -452,7 +452,7 @@ async fn a_warned_worker_hands_its_range_to_its_helpers_within_the_notice() {
         .find(|l| l.contains("handed the rest of the clock to the helpers"))
         .unwrap_or_else(|| panic!("no hand-off in the warned agent's log:\n{warned}"));
     eprintln!("{handed}");
-    let clock: u64 = field(handed, "clock").expect("clock in the hand-off line");
+    let clock: u64 = log_field(handed, "clock").expect("clock in the hand-off line");
     assert!(
         !handed.contains("helpers=[]"),
         "no helper took anything: {handed}"
@@ -461,7 +461,7 @@ async fn a_warned_worker_hands_its_range_to_its_helpers_within_the_notice() {
         .lines()
         .find(|l| l.contains("worker released; telling the broker"))
         .expect("released line");
-    let ms: u64 = field(released, "ms").expect("ms");
+    let ms: u64 = log_field(released, "ms").expect("ms");
     assert!(ms < notice_secs * 1000, "hand-off took {ms} ms");
     let finished: Vec<String> = c
         .agents
@@ -478,15 +478,17 @@ async fn a_warned_worker_hands_its_range_to_its_helpers_within_the_notice() {
     assert!(
         finished
             .iter()
-            .any(|l| field::<u64>(l, "clock") == Some(clock) && l.contains("ok=true")),
+            .any(|l| log_field::<u64>(l, "clock") == Some(clock) && l.contains("ok=true")),
         "helpers did not finish clock {clock}: {finished:?}"
     );
     // Exactly once, from every agent's audit lines.
     let mut count: BTreeMap<(u64, u32), usize> = BTreeMap::new();
     for a in &c.agents {
         for l in a.log_text().lines().filter(|l| l.contains(" processed ")) {
-            let (Some(ck), Some(ps)) = (field::<u64>(l, "clock"), text_field(l, "partitions"))
-            else {
+            let (Some(ck), Some(ps)) = (
+                log_field::<u64>(l, "clock"),
+                log_text_field(l, "partitions"),
+            ) else {
                 continue;
             };
             for r in ps.split(',') {
@@ -510,16 +512,6 @@ async fn a_warned_worker_hands_its_range_to_its_helpers_within_the_notice() {
         }
     }
     c.assert_all_exit_cleanly(Duration::from_secs(20)).await;
-}
-
-fn text_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
-    let key = format!(" {name}=");
-    let rest = &line[line.find(&key)? + key.len()..];
-    Some(rest.split_whitespace().next().unwrap_or(""))
-}
-
-fn field<T: std::str::FromStr>(line: &str, name: &str) -> Option<T> {
-    text_field(line, name)?.parse().ok()
 }
 
 /// One job's data plane: every peer of this test shares its secret.

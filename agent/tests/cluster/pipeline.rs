@@ -1,6 +1,7 @@
 //! Pipeline mode end to end: every worker its own runtime and TCP endpoint on loopback, the
 //! real stage runtime, against single-process SGD on the same minibatches.
 
+use crate::support::log_field;
 use proteus_agent::apps::mlp::{self, Dense, LrSchedule, MlpShape};
 use proteus_agent::data;
 use proteus_agent::pipeline::schedule::ScheduleKind;
@@ -440,13 +441,6 @@ async fn an_mlp_job_replans_when_a_stage_agent_is_warned() {
         "the agents trained {} against the replayed run's {want}",
         metric.value
     );
-}
-
-/// A `key=number` field of a log line.
-fn log_field<T: std::str::FromStr>(line: &str, key: &str) -> Option<T> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
-        .and_then(|v| v.parse().ok())
 }
 
 #[test]

@@ -8,6 +8,17 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// A `key=value` field of a log line (tracing's plain format), as text.
+pub fn log_text_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// A `key=value` field of a log line, parsed.
+pub fn log_field<T: std::str::FromStr>(line: &str, key: &str) -> Option<T> {
+    log_text_field(line, key)?.parse().ok()
+}
+
 pub const DATA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/ml");
 
 /// One agent process; killed (SIGKILL) and reaped on drop so no test leaves processes behind.

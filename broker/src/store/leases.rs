@@ -145,10 +145,18 @@ impl Store {
         let claimable = "((lease_owner IS NULL AND $6 = 1) OR (lease_owner <> $1 \
                  AND (lease_expires_ms < $2 OR $5 = 1))) \
              AND (state IN ('pending', 'running') OR lease_owner IS NOT NULL)";
+        // On Postgres a job whose row another transaction holds is skipped, not waited for: a
+        // broker paused inside a transaction (until the server ends it, see
+        // `IDLE_IN_TRANSACTION_TIMEOUT`) must not stop the takeover of every other job. SQLite
+        // has one writer at a time and no row locks.
+        let skip_locked = match self.backend() {
+            super::Backend::Postgres => "FOR UPDATE SKIP LOCKED",
+            super::Backend::Sqlite => "",
+        };
         let sql = format!(
             "UPDATE jobs SET lease_owner = $1, lease_token = lease_token + 1, \
                  lease_expires_ms = $2 + $3 \
-             WHERE id IN (SELECT id FROM jobs WHERE {claimable} ORDER BY id LIMIT $4) \
+             WHERE id IN (SELECT id FROM jobs WHERE {claimable} ORDER BY id LIMIT $4 {skip_locked}) \
                AND {claimable} \
              RETURNING id, lease_token"
         );

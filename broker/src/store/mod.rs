@@ -96,6 +96,16 @@ macro_rules! with_db {
 }
 pub(crate) use with_db;
 
+/// How long Postgres lets one of the store's sessions sit inside an open transaction before it
+/// ends the session (and the transaction, and its row locks). A broker's transactions are a few
+/// statements in a row; one that idles this long belongs to a process that is paused or
+/// starved, and the job rows it holds would otherwise stop other brokers' takeovers (and every
+/// fenced write) until it wakes. Below the default lease (10 s): a broker paused mid-transaction
+/// delays the takeover of the rows it holds to this long after the pause at most, when that is
+/// later than its lease's expiry. The woken broker's statement fails and its
+/// next round retries it.
+pub const IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The store: a connection pool on one of the two backends.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -112,7 +122,12 @@ impl Store {
             source,
         };
         let db = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let options = PgConnectOptions::from_str(url).map_err(connect_err)?;
+            let options = PgConnectOptions::from_str(url)
+                .map_err(connect_err)?
+                .options([(
+                    "idle_in_transaction_session_timeout",
+                    IDLE_IN_TRANSACTION_TIMEOUT.as_millis().to_string(),
+                )]);
             let pool = PgPoolOptions::new()
                 .max_connections(16)
                 .acquire_timeout(Duration::from_secs(10))

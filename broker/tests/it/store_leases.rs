@@ -7,8 +7,11 @@ use crate::on_both_backends;
 use crate::support::TestDb;
 use proteus_broker::market::{Market, Timestamp, Usd, UsdPerHour};
 use proteus_broker::policy::Purchase;
-use proteus_broker::store::{InstanceRow, JobState, LedgerLine, NewJob, Store, StoreError};
+use proteus_broker::store::{
+    IDLE_IN_TRANSACTION_TIMEOUT, InstanceRow, JobState, LedgerLine, NewJob, Store, StoreError,
+};
 use proteus_wire::JobId;
+use std::time::{Duration, Instant};
 
 on_both_backends!(
     a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat,
@@ -321,4 +324,62 @@ async fn live_brokers_are_listed_fewest_jobs_first(db: TestDb) {
     s.leave("b").await.unwrap();
     let live = s.live_brokers(NOW - LEASE).await.unwrap();
     assert_eq!(live.len(), 1);
+}
+
+/// A broker paused inside a transaction (SIGSTOP, a frozen VM, a starved runtime) holds the
+/// rows it touched. Other brokers' claims skip such a row rather than wait on it, so every other
+/// expired job still moves; and Postgres ends the paused session after
+/// `IDLE_IN_TRANSACTION_TIMEOUT`, so the held job moves soon after too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_paused_inside_a_transaction_holds_up_no_takeover_for_long() {
+    let db = TestDb::postgres().await;
+    let a = &db.store;
+    let b = Store::connect(&db.url).await.unwrap();
+    a.register_broker("a", "http://a", 1, NOW).await.unwrap();
+    b.register_broker("b", "http://b", 2, NOW).await.unwrap();
+    let held = job(a, "held").await;
+    let free = job(a, "free").await;
+    for j in [held, free] {
+        a.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    }
+    // Broker a stops between two statements of a transaction on `held`'s row (as a ledger
+    // update does, which takes the row first): its session is left idle in the transaction.
+    a.execute_admin(&format!(
+        "BEGIN; UPDATE jobs SET lease_token = lease_token WHERE id = {}",
+        held.0
+    ))
+    .await
+    .unwrap();
+
+    let after_expiry = NOW + LEASE + 1;
+    let claimed = tokio::time::timeout(
+        IDLE_IN_TRANSACTION_TIMEOUT / 2,
+        b.claim_expired("b", after_expiry, LEASE, 10, false, true),
+    )
+    .await
+    .expect("the claim waited on the row the paused broker holds")
+    .unwrap();
+    assert_eq!(
+        claimed.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![free]
+    );
+
+    let paused = Instant::now();
+    let bound = IDLE_IN_TRANSACTION_TIMEOUT + Duration::from_secs(10);
+    loop {
+        let claimed = b
+            .claim_expired("b", after_expiry, LEASE, 10, false, true)
+            .await
+            .unwrap();
+        if let Some(lease) = claimed.first() {
+            assert_eq!((lease.job(), claimed.len()), (held, 1));
+            break;
+        }
+        assert!(
+            paused.elapsed() < bound,
+            "the paused broker's transaction still holds job {held:?} after {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    b.close().await;
 }
