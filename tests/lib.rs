@@ -91,6 +91,22 @@ pub struct BrokerProcess {
 /// Where [`BrokerProcess::start_sim`] starts market time.
 pub const SIM_START: &str = "2015-05-01T00:00:00Z";
 
+/// The user a root agent runs programs as by default (the agent's `DEFAULT_USER`).
+pub const PROGRAM_USER: &str = "proteus-job";
+
+/// That user's uid (it exists once an agent has run a program).
+pub fn program_uid() -> u32 {
+    let out = std::process::Command::new("id")
+        .args(["-u", PROGRAM_USER])
+        .output()
+        .expect("id runs");
+    assert!(out.status.success(), "no user {PROGRAM_USER}");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("a uid")
+}
+
 /// The market instant `minutes` after [`SIM_START`] (RFC 3339), as `--hold-at` takes it.
 pub fn sim_minutes(minutes: i64) -> String {
     let start = chrono::DateTime::parse_from_rfc3339(SIM_START)
@@ -297,6 +313,37 @@ impl BrokerProcess {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The tokens of the agents this broker's launcher started, from their token files (the
+    /// broker itself keeps only their hashes). Also checks that no agent process carries its
+    /// token in its environment, which `/proc/<pid>/environ` would show.
+    pub fn agent_tokens(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(self.state_dir.join("agents"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = e.path();
+            if path.extension().is_some_and(|x| x == "token")
+                && let Ok(t) = std::fs::read_to_string(&path)
+            {
+                out.push(t.trim().to_string());
+            }
+            if path.extension().is_some_and(|x| x == "pid")
+                && let Ok(pid) = std::fs::read_to_string(&path)
+                && let Ok(env) = std::fs::read(format!("/proc/{}/environ", pid.trim()))
+            {
+                assert!(
+                    !env.split(|b| *b == 0)
+                        .any(|v| v.starts_with(b"PROTEUS_AGENT_TOKEN=")),
+                    "agent {} carries its token in its environment",
+                    path.display()
+                );
+            }
+        }
+        out
     }
 
     /// Every agent log the launcher wrote.
@@ -634,7 +681,10 @@ pub fn write_c3_trace(dir: &Path, spike: Option<(i64, i64)>) -> (String, String)
         row(t, "us-east-1b", 0.0330 + 0.0002 * f64::from((h % 2) as i32));
     }
     for zone in ["us-east-1a", "us-east-1b"] {
-        row(start, zone, 0.0321);
+        // (A spike from the start replaces the start's calm price: one price per instant.)
+        if spike.is_none_or(|(at, _)| at > 0) {
+            row(start, zone, 0.0321);
+        }
         if let Some((at, len)) = spike {
             row(start + chrono::Duration::minutes(at), zone, 2.5);
             row(start + chrono::Duration::minutes(at + len), zone, 0.0322);

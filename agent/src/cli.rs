@@ -30,9 +30,20 @@ pub struct Cli {
     /// PEM CA certificate(s) to verify the broker's HTTPS against, instead of the system roots.
     #[arg(long, env = "PROTEUS_CA_FILE")]
     ca_file: Option<PathBuf>,
-    /// Per-instance bearer token issued by the broker.
-    #[arg(long, env = "PROTEUS_AGENT_TOKEN", hide_env_values = true)]
-    token: String,
+    /// Per-instance bearer token issued by the broker. Prefer `--token-file`: a token in the
+    /// environment stays in `/proc/<pid>/environ` for the process's life.
+    #[arg(
+        long,
+        env = "PROTEUS_AGENT_TOKEN",
+        hide_env_values = true,
+        required_unless_present = "token_file",
+        conflicts_with = "token_file"
+    )]
+    token: Option<String>,
+    /// A file holding the token (readable by the agent's user only, e.g. mode 0600): the
+    /// token then appears in no process's environment or arguments.
+    #[arg(long, env = "PROTEUS_AGENT_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// Instance id; read from instance metadata (`instance-id`) when absent.
     #[arg(long, env = "PROTEUS_AGENT_INSTANCE_ID")]
     instance_id: Option<String>,
@@ -68,9 +79,9 @@ pub struct Cli {
     #[arg(long, env = "PROTEUS_AGENT_SCRATCH_DIR")]
     scratch_dir: Option<PathBuf>,
     /// Command jobs: run the user's program as this (unprivileged) user. Needs the agent to be
-    /// root; the program then cannot read the agent's memory, environment or files. The EC2
-    /// bootstrap creates `proteus-job` for it. Without it a root agent runs the program as root
-    /// (and says so in the program's output).
+    /// root; the program then cannot read the agent's memory, environment or files. Default for
+    /// a root agent: `proteus-job`, created (a system user without a home or a login shell) if
+    /// missing. A program never runs as root.
     #[arg(long, env = "PROTEUS_AGENT_RUN_AS")]
     run_as: Option<String>,
     /// Log filter (tracing `EnvFilter` syntax).
@@ -107,9 +118,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if !(cli.slowdown.is_finite() && cli.slowdown >= 1.0) {
         anyhow::bail!("--slowdown must be a number >= 1 (got {})", cli.slowdown);
     }
+    let token = match (cli.token, &cli.token_file) {
+        (Some(t), _) => t,
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("reading the agent token from {}", file.display()))?
+            .trim()
+            .to_string(),
+        (None, None) => anyhow::bail!("give the agent's token: --token-file FILE (or --token)"),
+    };
+    if token.is_empty() {
+        anyhow::bail!("the agent token is empty");
+    }
     let opts = AgentOptions {
         broker: cli.broker,
-        token: cli.token,
+        token,
         ca_file: cli.ca_file,
         instance_id: cli.instance_id,
         imds_endpoint: (cli.imds_endpoint != "off").then_some(cli.imds_endpoint),

@@ -697,6 +697,7 @@ mod tests {
             launch_error: None,
             metadata_addr: None,
             agent_pid: None,
+            stop_by: None,
         };
         (history, inst)
     }

@@ -73,6 +73,12 @@ pub struct WorkModelSpec {
     /// reliable instances hold only backup parameter-server shards and do no work.
     #[serde(default)]
     pub stages: StageThresholds,
+    /// How long, at most, from Proteus asking an instance to stop until it ends, seconds: a
+    /// command job's `grace_seconds` plus [`STOP_UPLOAD_ALLOWANCE_SECS`]. Policies ask that much
+    /// earlier for a stop that must end by a time (a billing-hour boundary). Default 0: the
+    /// instance ends when asked.
+    #[serde(default)]
+    pub stop_seconds: f64,
 }
 
 /// From launch to useful work, minutes, for jobs that do not say.
@@ -215,7 +221,13 @@ pub struct JobModel {
     /// The job's own eviction-cost model (a policy may run it differently).
     pub eviction_cost: EvictionCost,
     pub stages: StageThresholds,
+    /// See [`WorkModelSpec::stop_seconds`].
+    pub stop_secs: f64,
 }
+
+/// How long after a graceful stop's grace Proteus still waits for the final checkpoint's upload
+/// and the agent's exit before it ends the instance anyway, seconds.
+pub const STOP_UPLOAD_ALLOWANCE_SECS: u64 = 60;
 
 /// A work model that cannot be used, with the field at fault.
 #[derive(Debug, Error)]
@@ -380,6 +392,12 @@ impl WorkModelSpec {
                 format!("{c} must be a positive number of units per hour"),
             ));
         }
+        if !(self.stop_seconds.is_finite() && (0.0..=3600.0).contains(&self.stop_seconds)) {
+            return Err(field(
+                "stop_seconds",
+                format!("{} must be between 0 and 3600", self.stop_seconds),
+            ));
+        }
         if !(self.stages.stage3_ratio.is_finite() && self.stages.stage3_ratio > 0.0) {
             return Err(field(
                 "stages.stage3_ratio",
@@ -397,6 +415,7 @@ impl WorkModelSpec {
             startup_secs: self.startup_minutes * 60.0,
             eviction_cost,
             stages: self.stages,
+            stop_secs: self.stop_seconds,
         })
     }
 }

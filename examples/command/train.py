@@ -11,6 +11,7 @@ Knobs (environment, all optional) used by the end-to-end tests:
   IGNORE_SIGTERM=1   ignore the notice entirely (the agent SIGKILLs it at the margin)
   FAIL_AT_STEP=N     exit 3 at step N, every time (exhausts max_restarts)
   FAIL_ONCE_AT_STEP=N exit 3 at step N the first time only (a marker in the checkpoint dir)
+  SAVE_SECS=S        the save on a notice takes S seconds (a large model's state)
 """
 import json
 import os
@@ -24,6 +25,7 @@ every = int(os.environ.get("CHECKPOINT_EVERY", "5"))
 ignore_sigterm = os.environ.get("IGNORE_SIGTERM") == "1"
 fail_at = int(os.environ.get("FAIL_AT_STEP", "-1"))
 fail_once_at = int(os.environ.get("FAIL_ONCE_AT_STEP", "-1"))
+save_secs = float(os.environ.get("SAVE_SECS", "0"))
 
 ckpt_dir = os.environ["PROTEUS_CHECKPOINT_DIR"]
 notice_file = os.environ["PROTEUS_NOTICE_FILE"]
@@ -81,6 +83,8 @@ while step < steps:
         print(f"failing once at step {step}", flush=True)
         sys.exit(3)
     if not ignore_sigterm and (noticed or os.path.exists(notice_file)):
+        print(f"notice: saving step {step}", flush=True)
+        time.sleep(save_secs)
         save(step)
         print(f"notice: saved step {step}, exiting", flush=True)
         sys.exit(0)

@@ -515,7 +515,7 @@ async fn sigterm_is_enforced_at_the_margin_and_exit_codes_decide_the_job() {
     );
 }
 
-/// What a program can read of the machine it runs on, as `nobody` under a root agent: its
+/// What a program can read of the machine it runs on, under a root agent's defaults: its
 /// environment, its agent's `/proc/<pid>/environ` and `cmdline`, every other process's
 /// `environ`, and every file it can open under the broker's state directory. Written to
 /// `$PROBE_OUT/<instance>.txt`; then it runs `train.py` in its place.
@@ -572,7 +572,8 @@ fn starts(tail: &str) -> Vec<(u64, u64, u64)> {
 }
 
 /// Three instances (one reliable, two spot) run the program as ranks 0–2 under root agents
-/// that run it as `nobody`. A spot one is interrupted mid-run with the 20 s notice the sim cloud gives by default:
+/// with their defaults (as CI starts them): the program runs as the unprivileged
+/// `proteus-job`. A spot one is interrupted mid-run with the 20 s notice the sim cloud gives by default:
 /// its program gets the notice file before SIGTERM, saves and exits well before SIGKILL; its
 /// replacement waits for the rank, takes *that* rank (never a fourth), restores its newest
 /// checkpoint and goes on from the very step the warned program saved. When the job completes
@@ -583,7 +584,7 @@ fn starts(tail: &str) -> Vec<(u64, u64, u64)> {
 async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    // `nobody` must reach its instance's directory under the state dir (not list it).
+    // The program's user reads the probe and writes its findings here.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let probe_out = dir.path().join("probe");
     std::fs::create_dir_all(&probe_out).unwrap();
@@ -598,14 +599,7 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
         dir.path(),
         &db,
         "60",
-        &[
-            "--trace",
-            &trace,
-            "--on-demand",
-            &od,
-            "--agent-run-as",
-            "nobody",
-        ],
+        &["--trace", &trace, "--on-demand", &od],
         &[
             ("AWS_SECRET_ACCESS_KEY", AWS_SECRET),
             ("AWS_ACCESS_KEY_ID", "AKIACANARY"),
@@ -650,23 +644,8 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
         .collect();
     ranks.sort();
     assert_eq!(ranks, [0, 1, 2], "{tails:?}");
-    // The agents' tokens, read as root from their environment at start, for the probe check.
-    let mut agent_tokens = Vec::new();
-    for e in std::fs::read_dir(broker.state_dir.join("agents"))
-        .unwrap()
-        .flatten()
-    {
-        if e.path().extension().is_some_and(|x| x == "pid")
-            && let Ok(pid) = std::fs::read_to_string(e.path())
-            && let Ok(env) = std::fs::read(format!("/proc/{}/environ", pid.trim()))
-        {
-            for var in env.split(|b| *b == 0) {
-                if let Some(t) = var.strip_prefix(b"PROTEUS_AGENT_TOKEN=") {
-                    agent_tokens.push(String::from_utf8_lossy(t).into_owned());
-                }
-            }
-        }
-    }
+    // The agents' tokens, read as root from their token files, for the probe check.
+    let agent_tokens = broker.agent_tokens();
     assert!(!agent_tokens.is_empty(), "no agent token found to look for");
 
     // A spot instance is warned (interruption is a spot instance's fate).
@@ -745,50 +724,26 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     for (i, t) in &tails {
         assert!(!t.contains("sigterm notice_file=no"), "{i}:\n{t}");
     }
-    // At the job's end the programs still running are stopped the same way: notice file, then
-    // SIGTERM. The broker's tails may miss these last lines (the instance ends, and its token
-    // with it, while its agent stops the program), so they are read from each program's own
-    // output log on its (local) machine: a stopped program's last words end it. (The handler
-    // prints its line at once; the step under way may finish after it.)
-    let scratch = broker.state_dir.join("scratch");
-    let stopped_at_end = |log: &str| {
-        let lines: Vec<&str> = log.lines().collect();
-        let last_run = &lines[lines.len().saturating_sub(5)..];
-        lines
-            .last()
-            .is_some_and(|l| l.starts_with("notice: saved step "))
+    // At the job's end the programs still running are stopped the same way (notice file,
+    // SIGTERM, their grace), save, and their last words reach the broker before their
+    // instances end. (The handler prints its line at once; the step under way may finish
+    // after it.)
+    let stopped_at_end = |tail: &str| {
+        let lines: Vec<&str> = tail.lines().collect();
+        let last_run = &lines[lines.len().saturating_sub(8)..];
+        last_run
+            .iter()
+            .any(|l| l.starts_with("notice: saved step "))
             && last_run.contains(&"sigterm notice_file=yes")
     };
-    let others: Vec<String> = job["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|i| i["id"] != victim.as_str())
-        .filter_map(|i| i["cloud_id"].as_str().map(str::to_string))
-        .collect();
-    let read_logs = || {
-        others
-            .iter()
-            .map(|c| {
-                std::fs::read_to_string(scratch.join(c).join("output.log")).unwrap_or_default()
-            })
-            .collect::<Vec<String>>()
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let mut program_logs = read_logs();
-    while !program_logs.iter().any(|l| stopped_at_end(l)) && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        program_logs = read_logs();
-    }
     assert!(
-        program_logs.iter().any(|l| stopped_at_end(l)),
-        "no program was stopped at the job's end:\n{}\n{}",
-        program_logs.join("\n==>\n"),
+        tails
+            .iter()
+            .filter(|(i, _)| *i != victim)
+            .any(|(_, t)| stopped_at_end(t)),
+        "no program was stopped at the job's end:\n{}",
         story()
     );
-    for l in &program_logs {
-        assert!(!l.contains("sigterm notice_file=no"), "{l}");
-    }
     // The warned instance is an eviction in the report.
     let cost = api.get(&format!("/v1/jobs/{id}/cost")).await;
     assert!(
@@ -799,13 +754,16 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     // No program reached a secret: not the user's token, not the database URL, not the
     // broker's AWS credentials, not any agent's token; and the agent's environment was
     // closed to it.
+    let job_uid = proteus_e2e::program_uid();
+    assert_ne!(job_uid, 0);
     let mut dumps = 0;
     for e in std::fs::read_dir(&probe_out).unwrap().flatten() {
         let dump = std::fs::read_to_string(e.path()).unwrap();
         dumps += 1;
         assert!(
-            dump.contains("uid=65534"),
-            "the program did not run as nobody"
+            dump.contains(&format!("uid={job_uid}")),
+            "the program did not run as {}:\n{dump}",
+            proteus_e2e::PROGRAM_USER
         );
         assert!(
             dump.contains("(the agent): unreadable"),
@@ -961,4 +919,213 @@ async fn on_todays_market_a_capacity_drop_is_ridden_out_before_the_deadline() {
         "{report}"
     );
     assert!(job["spend_usd"].as_f64().unwrap() > 0.0, "{job}");
+}
+
+/// The rank (`start rank=R`) and the step the program saved on its notice (`notice: saved
+/// step N`) in one instance's output tail.
+fn rank_and_final_save(tail: &str) -> (Option<u64>, Option<u64>) {
+    (
+        numbers(tail, "start rank=").last().copied(),
+        numbers(tail, "notice: saved step ").last().copied(),
+    )
+}
+
+/// A cancel is a stop Proteus chooses, as a policy's release and the job's end are: every
+/// program gets the notice file and the job's `grace_seconds` (here its save takes 4 s, longer
+/// than the 2 s the machine's shutdown used to leave it), its final checkpoint is uploaded, and
+/// only then is its instance ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_lets_every_program_save_and_upload_before_its_instance_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), None);
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &["--trace", &trace, "--on-demand", &od],
+    )
+    .await;
+    let spec = spec(
+        "graceful",
+        "on-demand",
+        &[
+            ("STEPS", "100000"),
+            ("STEP_SECS", "0.05"),
+            // Never a periodic save: what is in the store at the end is the final one.
+            ("CHECKPOINT_EVERY", "1000000"),
+            ("SAVE_SECS", "4"),
+        ],
+        "grace_seconds = 20\n",
+    )
+    .replace(
+        "max_instances = 1\nmax_reliable_instances = 1",
+        "max_instances = 2\nmax_reliable_instances = 2",
+    );
+    let id = submit(&broker, dir.path(), "graceful", &spec);
+    let api = broker.client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let tails = logs(&broker, id).await;
+        if tails.len() == 2 && tails.iter().all(|(_, t)| t.contains("\nstep 20\n")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "two ranks not training within 180 s: {tails:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    api.delete(&format!("/v1/jobs/{id}")).await;
+    api.wait_for(
+        &format!("/v1/jobs/{id}"),
+        Duration::from_secs(120),
+        "every instance of the cancelled job ended",
+        |j| {
+            j["state"] == "cancelled"
+                && j["instances"]
+                    .as_array()
+                    .is_some_and(|i| i.iter().all(|i| i["state"] == "terminated"))
+        },
+    )
+    .await;
+
+    let tails = logs(&broker, id).await;
+    let mut ranks = Vec::new();
+    for (instance, tail) in &tails {
+        let (rank, saved) = rank_and_final_save(tail);
+        let (Some(rank), Some(saved)) = (rank, saved) else {
+            panic!("{instance} did not save on its notice:\n{tail}");
+        };
+        assert!(
+            tail.contains("sigterm notice_file=yes"),
+            "{instance}: SIGTERM without the notice file:\n{tail}"
+        );
+        assert!(
+            !tail.contains("SIGKILL"),
+            "{instance} was killed within its grace:\n{tail}"
+        );
+        let archive = std::fs::read(
+            broker
+                .state_dir
+                .join("checkpoints")
+                .join(format!("job-{id}"))
+                .join(format!("rank-{rank}.tar.gz")),
+        )
+        .unwrap_or_else(|e| panic!("{instance}: no checkpoint of rank {rank}: {e}\n{tail}"));
+        assert_eq!(
+            step_in_archive(&archive),
+            saved,
+            "{instance}: the store holds another step than its final save:\n{tail}"
+        );
+        ranks.push(rank);
+    }
+    ranks.sort();
+    assert_eq!(ranks, [0, 1]);
+    // Each instance ended only after its agent had left.
+    let history = events(&broker, id).await;
+    for (instance, _) in &tails {
+        let at = |kind: &str| {
+            history
+                .iter()
+                .position(|(i, k, _)| i == instance && k == kind)
+                .unwrap_or_else(|| panic!("no {kind} event for {instance}: {history:?}"))
+        };
+        assert!(
+            at("agent_exit") < at("terminated"),
+            "{instance} ended before its agent left: {history:?}"
+        );
+    }
+}
+
+/// A policy's release is graceful too, and its replacement resumes where the released program
+/// saved. Uniform Progress starts the job on on-demand while a price spike keeps spot away, and
+/// once the job is well ahead of its line it leaves on-demand for spot: it releases the
+/// on-demand instance (Uniform Progress does so even while the spike still refuses the spot
+/// launch, and then waits, as its line allows). The released program gets the notice file and
+/// its grace, saves (in 2 s) and its checkpoint is uploaded before the instance ends; the spot
+/// instance, once it runs, takes rank 0's lineage and resumes at exactly the saved step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_program_saves_and_its_replacement_resumes_at_the_same_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, od) = write_c3_trace(dir.path(), Some((0, 10)));
+    let db = fresh_pg_database().await;
+    let broker = BrokerProcess::start_sim(
+        dir.path(),
+        &db,
+        "60",
+        &["--trace", &trace, "--on-demand", &od],
+    )
+    .await;
+    let spec = spec(
+        "released",
+        "uniform-progress",
+        &[
+            ("STEPS", "600"),
+            ("STEP_SECS", "0.05"),
+            ("CHECKPOINT_EVERY", "1000000"),
+            ("SAVE_SECS", "2"),
+        ],
+        "grace_seconds = 20\n",
+    )
+    .replace(
+        "max_reliable_instances = 1\n",
+        "max_reliable_instances = 1\ndeadline_hours = 10.0\n",
+    );
+    let id = submit(&broker, dir.path(), "released", &spec);
+    let job = broker
+        .wait_succeeded(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(300),
+            "the job that moved from on-demand to spot",
+        )
+        .await;
+    let instances = job["instances"].as_array().unwrap();
+    let of = |tier: &str| -> Vec<String> {
+        instances
+            .iter()
+            .filter(|i| i["tier"] == tier && i["cloud_id"].is_string())
+            .map(|i| i["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    // (Spot launches refused during the spike never ran.)
+    let (on_demand, spot) = (of("reliable"), of("transient"));
+    assert_eq!((on_demand.len(), spot.len()), (1, 1), "{job}");
+    let history = events(&broker, id).await;
+    let at = |instance: &str, kind: &str| {
+        history
+            .iter()
+            .position(|(i, k, _)| i == instance && k == kind)
+            .unwrap_or_else(|| panic!("no {kind} event for {instance}: {history:?}"))
+    };
+    assert!(
+        at(&on_demand[0], "instance_stopping") < at(&on_demand[0], "agent_exit")
+            && at(&on_demand[0], "agent_exit") < at(&on_demand[0], "terminated"),
+        "the released instance ended before its agent left: {history:?}"
+    );
+    let tails = logs(&broker, id).await;
+    let tail = |instance: &str| {
+        tails
+            .iter()
+            .find(|(i, _)| i == instance)
+            .map(|(_, t)| t.clone())
+            .unwrap_or_else(|| panic!("no output of {instance}: {tails:?}"))
+    };
+    let released = tail(&on_demand[0]);
+    let (_, saved) = rank_and_final_save(&released);
+    let saved = saved.unwrap_or_else(|| panic!("the released program did not save:\n{released}"));
+    assert!(
+        released.contains("sigterm notice_file=yes") && !released.contains("SIGKILL"),
+        "{released}"
+    );
+    let replacement = tail(&spot[0]);
+    assert!(
+        replacement.contains("restored the checkpoint of rank 0"),
+        "{replacement}"
+    );
+    assert_eq!(
+        numbers(&replacement, "start rank=0 world=1 resumed_from="),
+        [saved],
+        "the replacement repeated or skipped steps:\n{replacement}"
+    );
 }

@@ -72,29 +72,6 @@ async fn healthy(client: &reqwest::Client, url: &str) -> Result<u16, String> {
     }
 }
 
-/// Agent tokens, from the environment of the agent processes the broker started (the broker
-/// itself keeps only their hashes).
-fn agent_tokens(broker: &BrokerProcess) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(broker.state_dir.join("agents"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if e.path().extension().is_some_and(|x| x == "pid")
-            && let Ok(pid) = std::fs::read_to_string(e.path())
-            && let Ok(env) = std::fs::read(format!("/proc/{}/environ", pid.trim()))
-        {
-            for var in env.split(|b| *b == 0) {
-                if let Some(t) = var.strip_prefix(b"PROTEUS_AGENT_TOKEN=") {
-                    out.push(String::from_utf8_lossy(t).into_owned());
-                }
-            }
-        }
-    }
-    out
-}
-
 /// The job's data-plane secret (hex), from the coordinator state the broker saved.
 async fn job_secret(db: &str, id: i64) -> Option<String> {
     let pool = sqlx::PgPool::connect(db).await.ok()?;
@@ -145,7 +122,7 @@ async fn the_cli_and_agents_use_tls_and_a_trace_level_run_logs_no_secret() {
     let (mut tokens, mut secret) = (Vec::new(), None);
     let deadline = Instant::now() + Duration::from_secs(120);
     while (tokens.is_empty() || secret.is_none()) && Instant::now() < deadline {
-        tokens.extend(agent_tokens(&broker));
+        tokens.extend(broker.agent_tokens());
         tokens.sort();
         tokens.dedup();
         if secret.is_none() {

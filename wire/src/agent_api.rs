@@ -506,6 +506,11 @@ pub struct CommandConfig {
     /// leaving that long to upload its checkpoint.
     #[serde(default = "default_kill_margin_secs")]
     pub kill_margin_secs: u64,
+    /// When Proteus itself stops the program (a policy release, a scale-down, the job's end, a
+    /// cancel): seconds between the notice and SIGKILL. Its final checkpoint is uploaded after
+    /// it, and only then is the instance ended.
+    #[serde(default = "default_grace_seconds")]
+    pub grace_seconds: u64,
     /// `torchrun` only: the most nodes of the elastic rendezvous (`--nnodes=1:MAX`), the job's
     /// `limits.max_instances`.
     #[serde(default = "default_max_nodes")]
@@ -534,6 +539,11 @@ pub fn default_checkpoint_interval_secs() -> u64 {
 pub fn default_kill_margin_secs() -> u64 {
     10
 }
+pub fn default_grace_seconds() -> u64 {
+    30
+}
+/// The bounds of `command.grace_seconds`, seconds.
+pub const GRACE_SECONDS_BOUNDS: std::ops::RangeInclusive<u64> = 1..=600;
 pub fn default_max_nodes() -> u32 {
     1
 }
@@ -1430,6 +1440,11 @@ pub enum AgentEvent {
     },
     /// The agent is about to exit.
     Exit { reason: ExitReason },
+    /// A command job's agent applied layout `epoch`, which gives it no rank, and runs no
+    /// program: the broker may move its rank (see the coordinator's rank rules). Sent whenever
+    /// such a layout arrives while no program runs, so an agent that skipped the layouts in
+    /// between (a slow long poll sees only the newest) still says so.
+    ProgramIdle { epoch: u64 },
     /// A command job's program ended (see `docs/command-jobs.md` for how this maps to the
     /// job's state).
     ProgramExited {

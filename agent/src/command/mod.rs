@@ -143,10 +143,6 @@ struct Run {
     rendezvous: Option<torchrun::Rendezvous>,
 }
 
-/// How long the program gets between its notice and SIGKILL when the agent itself is told to
-/// go (SIGTERM: the machine is shutting down) or finds the broker no longer knows it.
-const ABRUPT_GRACE: Duration = Duration::from_secs(2);
-
 struct RunEnd {
     ended: Ended,
     /// The setup step succeeded (it is not repeated on this instance).
@@ -194,39 +190,46 @@ pub async fn run(
     me: InstanceId,
     imds: Option<Imds>,
 ) -> Result<Outcome> {
-    let root = opts.scratch_dir.join(me.0.replace(['/', '\\'], "_"));
-    let paths = Paths::new(&root, cfg.workdir.as_deref());
+    let root_dir = opts.scratch_dir.join(me.0.replace(['/', '\\'], "_"));
+    let paths = Paths::new(&root_dir, cfg.workdir.as_deref());
     let own_workdir = cfg
         .workdir
         .as_deref()
         .is_none_or(|w| w.starts_with("s3://"));
-    for dir in [&root, &paths.workdir, &paths.checkpoint_dir, &paths.home] {
+    for dir in [
+        &root_dir,
+        &paths.workdir,
+        &paths.checkpoint_dir,
+        &paths.home,
+    ] {
         std::fs::create_dir_all(dir).map_err(|source| AgentError::Io {
             file: dir.clone(),
             source,
         })?;
     }
-    let run_as = match opts.run_as.as_deref() {
-        Some(name) => {
-            // SAFETY: geteuid has no preconditions.
-            if unsafe { libc::geteuid() } != 0 {
-                return Err(AgentError::Config(format!(
-                    "--run-as {name} needs the agent to run as root"
-                )));
-            }
-            let user = RunAs::lookup(name)?;
-            // The program's own files are its user's; the agent's (output log, notice) stay
-            // the agent's, readable.
-            for dir in [&root, &paths.checkpoint_dir, &paths.home] {
-                user.own(dir, false)?;
-            }
-            if own_workdir {
-                user.own(&paths.workdir, false)?;
-            }
-            Some(user)
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let run_as = match (opts.run_as.as_deref(), root) {
+        (Some(name), false) => {
+            return Err(AgentError::Config(format!(
+                "--run-as {name} needs the agent to run as root"
+            )));
         }
-        None => None,
+        (Some(name), true) => Some(RunAs::lookup(name)?),
+        // A program never runs as root: it could read every secret on the machine.
+        (None, true) => Some(RunAs::dedicated().await?),
+        (None, false) => None,
     };
+    if let Some(user) = &run_as {
+        // The program's own files are its user's; the agent's (output log, notice) stay the
+        // agent's, readable.
+        for dir in [&root_dir, &paths.checkpoint_dir, &paths.home] {
+            user.own(dir, false)?;
+        }
+        if own_workdir {
+            user.own(&paths.workdir, false)?;
+        }
+    }
     if cfg
         .workdir
         .as_deref()
@@ -292,13 +295,6 @@ pub async fn run(
         sent_version: 0,
         run_as,
     };
-    // SAFETY: geteuid has no preconditions.
-    if runner.run_as.is_none() && unsafe { libc::geteuid() } == 0 {
-        runner.note(
-            "warning: the program runs as root, so it can read this machine's secrets; \
-             start the agent with --run-as USER",
-        );
-    }
     runner.main_loop(control_rx, notices_rx).await
 }
 
@@ -336,7 +332,8 @@ impl Runner {
                     }
                     Control::JobOver => return self.stop("job over").await,
                     Control::Forgotten => {
-                        self.stop_program("the broker no longer knows this instance", ABRUPT_GRACE).await;
+                        // Its checkpoint upload is refused if the rank has moved on; tried anyway.
+                        self.stop_program("the broker no longer knows this instance").await;
                         return Err(AgentError::Broker(
                             "the broker no longer knows this instance (declared dead?)".into(),
                         ));
@@ -356,8 +353,9 @@ impl Runner {
                 }
                 _ = sigterm.recv() => {
                     // The machine is going away under us (the instance was ended: the launcher
-                    // stops the "VM", or the OS shuts down).
-                    self.stop_program("this instance is shutting down", ABRUPT_GRACE).await;
+                    // stops the "VM", or the OS shuts down). Proteus's own stops come as a
+                    // `Stop` first; this is the backstop, with the same grace.
+                    self.stop_program("this instance is shutting down").await;
                     return Ok(Outcome::Stopped("terminated by signal".into()));
                 }
                 _ = tick.tick() => {
@@ -380,20 +378,32 @@ impl Runner {
             .worker(&self.me)
             .map(|w| (w.rank, view.workers.len() as u32));
         self.rendezvous = torchrun::rendezvous(&view, &self.me);
+        let moved = self
+            .run
+            .as_ref()
+            .zip(self.slot)
+            .is_some_and(|(run, (rank, _))| run.rank != rank);
         match (self.slot, self.run.is_some()) {
             (Some(_), false) if !self.finished && self.leaving.is_none() => {
                 self.restart_at = None;
                 self.start().await;
             }
-            (None, true) if self.leaving.is_none() => {
-                // Taken out of the layout without a notice: stop the program as if warned,
-                // keep its checkpoint, stay available.
-                let margin = Duration::from_secs(self.cfg.kill_margin_secs.max(1));
-                let deadline = now_unix() + 2 * margin.as_secs() as i64;
+            (None, false) => {
+                // Say so: the broker may give this instance's rank to another (or this one
+                // another rank) only once no program of it runs.
+                self.event(AgentEvent::ProgramIdle { epoch: view.epoch })
+                    .await;
+            }
+            (_, true) if (self.slot.is_none() || moved) && self.leaving.is_none() => {
+                // Taken out of the layout (or given another rank) without a notice: stop the
+                // program as if warned, keep its checkpoint, stay available; a new rank's
+                // program starts once this one ended.
+                let grace = self.grace();
+                let deadline = now_unix() + grace.as_secs() as i64;
                 self.deliver_notice(deadline, "this instance was taken out of the job's layout")
                     .await;
                 self.leaving = Some(Leaving {
-                    kill_at: Instant::now() + margin,
+                    kill_at: Instant::now() + grace,
                     exit_after: false,
                 });
             }
@@ -408,10 +418,14 @@ impl Runner {
                         "the rendezvous moved to {:?}: restarting torchrun",
                         self.rendezvous.as_ref().map(|r| &r.endpoint)
                     ));
-                    program::signal_group(self.pgid(), libc::SIGTERM);
-                    self.moving = Some(
-                        Instant::now() + Duration::from_secs(self.cfg.kill_margin_secs.max(1)),
-                    );
+                    // The notice file first, as for every stop: the program saves.
+                    let grace = self.grace();
+                    self.deliver_notice(
+                        now_unix() + grace.as_secs() as i64,
+                        "the torchrun rendezvous moved: restarting against the new one",
+                    )
+                    .await;
+                    self.moving = Some(Instant::now() + grace);
                 }
             }
             _ => {}
@@ -621,12 +635,18 @@ impl Runner {
         self.note(format!("notice delivered (SIGTERM): {notice}"));
     }
 
-    /// Stops the running program, if any: notice file, SIGTERM, SIGKILL after `grace`; then
-    /// uploads its checkpoint when `grace` left time for it. Returns whether a program ran.
-    async fn stop_program(&mut self, reason: &str, grace: Duration) -> bool {
+    /// The job's `grace_seconds`: how long a program Proteus stops has to save.
+    fn grace(&self) -> Duration {
+        Duration::from_secs(self.cfg.grace_seconds.max(1))
+    }
+
+    /// Stops the running program, if any: notice file, SIGTERM, SIGKILL after the job's
+    /// `grace_seconds`; then uploads its checkpoint. Returns whether a program ran.
+    async fn stop_program(&mut self, reason: &str) -> bool {
         if self.run.is_none() {
             return false;
         }
+        let grace = self.grace();
         self.note(format!("stopping the program: {reason}"));
         let deadline = now_unix() + grace.as_secs().max(1) as i64;
         self.deliver_notice(deadline, reason).await;
@@ -638,9 +658,7 @@ impl Runner {
             program::signal_group(run.pgid.load(Ordering::SeqCst), libc::SIGKILL);
             let _ = tokio::time::timeout(Duration::from_secs(5), &mut run.task).await;
         }
-        if grace > ABRUPT_GRACE {
-            self.final_upload(run.rank).await;
-        }
+        self.final_upload(run.rank).await;
         true
     }
 
@@ -815,12 +833,11 @@ impl Runner {
         }
     }
 
-    /// Told to stop (the job ended or was cancelled): notice file, SIGTERM, SIGKILL after the
-    /// kill margin, upload, leave.
+    /// Told to stop (a release, a scale-down, the job's end, a cancel): notice file, SIGTERM,
+    /// SIGKILL after `grace_seconds`, upload, leave. The broker ends the instance once this
+    /// agent has said it exits.
     async fn stop(&mut self, reason: &str) -> Result<Outcome> {
-        // At least three seconds, so that the checkpoint is uploaded (see `stop_program`).
-        let grace = Duration::from_secs(self.cfg.kill_margin_secs.max(3));
-        self.stop_program(reason, grace).await;
+        self.stop_program(reason).await;
         self.leave(ExitReason::Stopped, Outcome::Stopped(reason.to_string()))
             .await
     }

@@ -75,6 +75,9 @@ pub struct Running {
     readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// The user a root agent runs programs as by default ([`RunAs::dedicated`]).
+pub const DEFAULT_USER: &str = "proteus-job";
+
 /// An unprivileged user the program runs as (the agent is root).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunAs {
@@ -114,6 +117,54 @@ impl RunAs {
             name: name.to_string(),
             uid: pwd.pw_uid,
             gid: pwd.pw_gid,
+        })
+    }
+
+    /// The user a root agent runs programs as when not told otherwise ([`DEFAULT_USER`]),
+    /// created if missing: a system user with its own group, no home and no login shell, as
+    /// the EC2 bootstrap creates it. Agents starting side by side may race to create it; the
+    /// loser finds it made.
+    pub async fn dedicated() -> Result<RunAs> {
+        for attempt in 0..5u32 {
+            if let Ok(user) = RunAs::lookup(DEFAULT_USER) {
+                return Ok(user);
+            }
+            let out = tokio::process::Command::new("useradd")
+                .args([
+                    "--system",
+                    "--user-group",
+                    "--no-create-home",
+                    "--home-dir",
+                    "/nonexistent",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    DEFAULT_USER,
+                ])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .await
+                .map_err(|e| {
+                    AgentError::Config(format!(
+                        "cannot run useradd to create the user programs run as ({DEFAULT_USER}):                          {e}; create it, or start the agent with --run-as USER"
+                    ))
+                })?;
+            if out.status.success() {
+                continue;
+            }
+            tracing::debug!(
+                attempt,
+                stderr = %String::from_utf8_lossy(&out.stderr),
+                "useradd failed; another agent may be creating the user"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(
+                200 * u64::from(attempt + 1),
+            ))
+            .await;
+        }
+        RunAs::lookup(DEFAULT_USER).map_err(|_| {
+            AgentError::Config(format!(
+                "cannot create the user programs run as ({DEFAULT_USER}); create it, or start                  the agent with --run-as USER"
+            ))
         })
     }
 

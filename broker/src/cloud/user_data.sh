@@ -27,9 +27,11 @@ else
 fi
 install -d -m 0711 /var/lib/proteus/scratch
 umask 077
+# The token in a root-only file, not in the agent's environment (which /proc shows).
+printf '%s\n' '{{TOKEN}}' > /etc/proteus/agent.token
 cat > /etc/proteus/agent.env <<ENV
 PROTEUS_BROKER_URL=${BROKER_URL}
-PROTEUS_AGENT_TOKEN={{TOKEN}}
+PROTEUS_AGENT_TOKEN_FILE=/etc/proteus/agent.token
 PROTEUS_AGENT_DATA_DIR=/var/lib/proteus/data
 PROTEUS_AGENT_LISTEN=0.0.0.0:7070
 PROTEUS_AGENT_RUN_AS=proteus-job

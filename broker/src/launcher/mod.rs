@@ -69,6 +69,30 @@ pub struct LauncherConfig {
 pub const AGENT_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "TZ", "RUST_BACKTRACE"];
 
 impl LauncherConfig {
+    /// Where local agents keep command jobs' files per instance (working and checkpoint
+    /// directories, output logs). Beside the agents' logs under the state directory, except
+    /// for a root broker: its agents run programs as an unprivileged user, who must reach its
+    /// instance's directory, and a state directory under root's home is closed to it. Then a
+    /// directory of the broker's own under the system's temporary directory (named after the
+    /// state directory, mode 0711: reachable, not listable).
+    pub fn scratch_dir(&self) -> PathBuf {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return self.state_dir.join("scratch");
+        }
+        let path =
+            std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone());
+        // FNV-1a: a stable name, not a secret.
+        let hash = path
+            .as_os_str()
+            .as_encoded_bytes()
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+            });
+        std::env::temp_dir().join(format!("proteus-scratch-{hash:016x}"))
+    }
+
     /// `proteus-agent` next to the running binary if it is there (as cargo and installs lay
     /// them out), else the running `proteus` itself as `proteus agent`.
     pub fn default_agent_command() -> (PathBuf, Vec<String>) {
@@ -127,6 +151,13 @@ impl LocalLauncher {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, LocalAgent>> {
         self.agents.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn token_file(&self, instance_id: &str) -> PathBuf {
+        self.config
+            .state_dir
+            .join("agents")
+            .join(format!("{instance_id}.token"))
     }
 
     fn pid_file(&self, instance_id: &str) -> PathBuf {
@@ -205,6 +236,12 @@ impl LocalLauncher {
             source,
         };
         let log = std::fs::File::create(&log_path).map_err(|e| state_err(&log_path, e))?;
+        let scratch = self.config.scratch_dir();
+        create_reachable(&scratch).map_err(|e| state_err(&scratch, e))?;
+        // The token goes in a file only this user can read, not in the agent's environment or
+        // arguments (which `/proc` shows, and `ps`).
+        let token_path = self.token_file(instance_id);
+        write_private(&token_path, agent_token).map_err(|e| state_err(&token_path, e))?;
         let log2 = log.try_clone().map_err(|e| state_err(&log_path, e))?;
         let mut cmd = std::process::Command::new(&self.config.agent_bin);
         cmd.env_clear();
@@ -240,13 +277,10 @@ impl LocalLauncher {
                     .iter()
                     .flat_map(|f| [std::ffi::OsStr::new("--ca-file"), f.as_os_str()]),
             )
-            // Command jobs' files per instance, beside the agents' logs.
-            .env(
-                "PROTEUS_AGENT_SCRATCH_DIR",
-                self.config.state_dir.join("scratch"),
-            )
-            // The token goes by environment, not argv, so `ps` does not show it.
-            .env("PROTEUS_AGENT_TOKEN", agent_token)
+            // Command jobs' files per instance.
+            .env("PROTEUS_AGENT_SCRATCH_DIR", self.config.scratch_dir())
+            .arg("--token-file")
+            .arg(&token_path)
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2);
@@ -325,6 +359,7 @@ impl LocalLauncher {
             terminate_process(pid, grace).await;
         }
         let _ = std::fs::remove_file(self.pid_file(instance_id));
+        let _ = std::fs::remove_file(self.token_file(instance_id));
     }
 
     /// Stops every agent this launcher knows about.
@@ -353,6 +388,27 @@ fn process_alive(pid: u32) -> bool {
                     .starts_with('Z')
             })
             .unwrap_or(true)
+}
+
+/// Creates `dir` (and its parents) and makes it reachable, not listable, by others (0711).
+fn create_reachable(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+}
+
+/// Writes `text` to a new file readable and writable by this user only (0600 from its
+/// creation: no moment at which others could open it).
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(text.as_bytes())
 }
 
 async fn terminate_process(pid: u32, grace: Duration) {

@@ -393,6 +393,7 @@ fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
         | AgentEvent::Ready { .. }
         | AgentEvent::TrainingComplete { .. }
         | AgentEvent::PipelineResumed { .. }
+        | AgentEvent::ProgramIdle { .. }
         | AgentEvent::ProgramExited { .. } => None,
     };
     problem.map_or(Ok(()), Err)
@@ -467,6 +468,10 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             ),
         ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),
+        AgentEvent::ProgramIdle { epoch } => (
+            "program_idle",
+            format!("no rank in layout {epoch} and no program running"),
+        ),
         AgentEvent::ProgramExited {
             code,
             signal,

@@ -27,6 +27,9 @@ pub struct JobControl {
     coordinator: Mutex<Coordinator>,
     changed: Notify,
     finished: Mutex<Option<std::time::Instant>>,
+    /// How much longer than the sweep's grace it is kept once finished (its agents may still be
+    /// stopping their programs and uploading checkpoints, which the plane authorises).
+    linger: Mutex<Duration>,
     /// Changed since last saved to the store.
     dirty: std::sync::atomic::AtomicBool,
 }
@@ -65,6 +68,13 @@ impl JobControl {
     pub fn read<R>(&self, f: impl FnOnce(&Coordinator) -> R) -> R {
         let c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
         f(&c)
+    }
+
+    /// Keeps the plane `extra` longer once the job is finished (at least; the longest asked
+    /// stands).
+    pub fn linger(&self, extra: Duration) {
+        let mut l = self.linger.lock().unwrap_or_else(|e| e.into_inner());
+        *l = (*l).max(extra);
     }
 
     /// Commands for `instance` after `after`, waiting up to `wait` for one to appear.
@@ -134,6 +144,7 @@ impl ControlPlane {
             coordinator: Mutex::new(coordinator),
             changed: Notify::new(),
             finished: Mutex::new(None),
+            linger: Mutex::new(Duration::ZERO),
             dirty: std::sync::atomic::AtomicBool::new(true),
         });
         jobs.insert(job, control.clone());
@@ -174,11 +185,12 @@ impl ControlPlane {
     pub fn sweep(&self, grace: Duration) {
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         jobs.retain(|_, c| {
+            let linger = *c.linger.lock().unwrap_or_else(|e| e.into_inner());
             let done = c
                 .finished
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .is_some_and(|t| t.elapsed() > grace);
+                .is_some_and(|t| t.elapsed() > grace + linger);
             if done {
                 c.changed.notify_waiters();
             }

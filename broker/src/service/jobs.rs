@@ -169,6 +169,10 @@ pub struct InstanceSummary {
     /// Its worker's rank in the job's current layout (none while it holds no worker).
     #[serde(default)]
     pub worker_rank: Option<u32>,
+    /// Being stopped gracefully (a release, the job's end): its program is saving, and the
+    /// instance ends once its agent has left, or at this time at the latest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_by: Option<String>,
 }
 
 /// `GET /v1/jobs/{id}/cost`.
@@ -941,5 +945,6 @@ fn summary(i: &InstanceRow, worker_rank: Option<u32>) -> InstanceSummary {
         end_reason: i.end_reason.clone(),
         metadata_url: i.metadata_addr.as_ref().map(|a| format!("http://{a}")),
         worker_rank,
+        stop_by: ts(i.stop_by),
     }
 }

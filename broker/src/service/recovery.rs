@@ -141,8 +141,9 @@ impl Broker {
                 (_, Some(ci)) if !ci.state.is_gone() => {
                     self.adopt(row, &ci.cloud_id).await?;
                     report.adopted += 1;
-                    if job_over {
+                    if job_over && row.stop_by.is_none() {
                         // The job ended (e.g. a cancel) before its instances were released.
+                        // (One being stopped gracefully is ended by `finish_stops`.)
                         self.terminate_instance(row, "job over").await?;
                         report.terminations_resumed += 1;
                     }

@@ -76,6 +76,10 @@ impl Broker {
         if !unrecovered.is_empty() {
             self.recover_jobs(&unrecovered).await?;
         }
+        // Instances stopped gracefully whose agents have left are ended now.
+        if let Err(e) = self.finish_stops(now).await {
+            tracing::warn!(error = %e, "cannot finish graceful stops; retrying next tick");
+        }
         for job in leased {
             let Some(lease) = self.membership().lease(job.id) else {
                 continue;
@@ -107,10 +111,9 @@ impl Broker {
         now: Timestamp,
     ) -> Result<(), ServiceError> {
         let rows = self.store.instances_of_job(job.id).await?;
-        if rows
-            .iter()
-            .any(|r| !r.state.is_final() && r.state != InstanceState::Terminating)
-        {
+        if rows.iter().any(|r| {
+            !r.state.is_final() && r.state != InstanceState::Terminating && r.stop_by.is_none()
+        }) {
             self.stop_job(
                 job.id,
                 job.state,
@@ -318,8 +321,15 @@ impl Broker {
                 .remove(cloud_id);
         }
         if let Some(launcher) = self.launcher.clone() {
+            // The "VM" shuts down: like a real one, it gives the agent (and its program, whose
+            // grace it honours on SIGTERM) time to finish before it is killed.
+            let grace = self
+                .control
+                .get(row.job_id)
+                .and_then(|c| c.read(|c| c.stop_grace()))
+                .map_or(Duration::from_secs(3), |g| g + STOP_UPLOAD_ALLOWANCE);
             let (id, pid) = (row.id.clone(), row.agent_pid);
-            tokio::spawn(async move { launcher.stop(&id, Duration::from_secs(3), pid).await });
+            tokio::spawn(async move { launcher.stop(&id, grace, pid).await });
         }
         // Only this instance's bill changed (for good); the job's live instances are billed by
         // its next tick. Re-billing them all here made ending N instances O(N²) writes.
@@ -467,7 +477,7 @@ impl Broker {
                 ready: row.ready,
                 warned: row.warned,
                 terminate_at: row.warned.map(|w| w.plus_secs(NOTICE_SECS)),
-                releasing: row.state == InstanceState::Terminating,
+                releasing: row.state == InstanceState::Terminating || row.stop_by.is_some(),
                 // A replacement in flight when the engine was last saved is not known from
                 // the store: the replaced instance counts again, and the policy decides anew.
                 replaced_by: None,
@@ -591,7 +601,7 @@ impl Broker {
                     }
                     Command::Release { id } => {
                         if let Some(row) = self.store.instance(&id.0).await? {
-                            self.terminate_instance(&row, "released by the policy")
+                            self.stop_instance(&row, "released by the policy", now)
                                 .await?;
                         }
                     }
@@ -902,6 +912,86 @@ impl Broker {
         Ok(())
     }
 
+    /// Ends an instance Proteus chose to end. Where its agent runs a command job's program,
+    /// gracefully: the agent is told to stop (the program gets the notice file and the job's
+    /// `grace_seconds`, and its checkpoint is uploaded), and the instance is ended once the
+    /// agent has left ([`Broker::finish_stops`]), or when the grace and
+    /// [`STOP_UPLOAD_ALLOWANCE`] have passed. Anything else is ended at once.
+    pub async fn stop_instance(
+        &self,
+        row: &InstanceRow,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<(), ServiceError> {
+        if row.state.is_final() || row.state == InstanceState::Terminating || row.stop_by.is_some()
+        {
+            return Ok(());
+        }
+        let told = match (self.control.get(row.job_id), &row.cloud_id) {
+            (Some(control), Some(cloud_id)) => control.update(|c| {
+                let grace = c.stop_grace()?;
+                c.stop_member(&InstanceId(cloud_id.clone()), reason)
+                    .then_some(grace)
+            }),
+            _ => None,
+        };
+        let Some(grace) = told else {
+            return self.terminate_instance(row, reason).await;
+        };
+        let lease = self.fence(row.job_id)?;
+        self.store
+            .mark_stopping(Some(&lease), &row.id, self.stop_by(now, grace), reason)
+            .await?;
+        self.store
+            .add_event(
+                Some(row.job_id),
+                Some(&row.id),
+                now,
+                "instance_stopping",
+                &format!(
+                    "{reason}: its program has {} s to save, then the instance ends",
+                    grace.as_secs()
+                ),
+            )
+            .await?;
+        self.save_control(row.job_id).await?;
+        Ok(())
+    }
+
+    /// The latest time (market) a graceful stop asked at `now` ends its instance.
+    fn stop_by(&self, now: Timestamp, grace: Duration) -> Timestamp {
+        now.plus_secs((grace + STOP_UPLOAD_ALLOWANCE).as_secs_f64() * self.clock.speed())
+    }
+
+    /// Ends the instances being stopped gracefully whose agents have left (or that ran out of
+    /// time), of jobs this broker owns.
+    pub(super) async fn finish_stops(&self, now: Timestamp) -> Result<(), ServiceError> {
+        for row in self
+            .store
+            .stopping_instances(self.membership().id())
+            .await?
+        {
+            let agent_left = match (self.control.get(row.job_id), &row.cloud_id) {
+                (Some(control), Some(cloud_id)) => {
+                    !control.read(|c| c.is_member(&InstanceId(cloud_id.clone())))
+                }
+                _ => true,
+            };
+            let late = row.stop_by.is_some_and(|t| now >= t);
+            if agent_left || late {
+                let reason = row
+                    .end_reason
+                    .clone()
+                    .unwrap_or_else(|| "stopped".to_string());
+                if late && !agent_left {
+                    tracing::warn!(instance = %row.id, "graceful stop ran out of time; ending the instance");
+                }
+                self.terminate_instance(&row, &reason).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// Asks the cloud to end an instance (recording the request first).
     pub async fn terminate_instance(
         &self,
@@ -1032,11 +1122,48 @@ impl Broker {
         reason: &str,
         now: Timestamp,
     ) -> Result<(), ServiceError> {
-        if let Some(control) = self.control.get(job) {
-            control.update(|c| c.cancel(reason));
-        }
+        // Every member is told to stop (the coordinator's end); a command job's programs get
+        // their grace and upload their checkpoints, and their instances end once their agents
+        // have left (`finish_stops`). The rest end now.
+        let reason_of_end = format!("job {state}");
         let rows = self.store.instances_of_job(job).await?;
-        self.terminate_all(&rows, &format!("job {state}")).await?;
+        let mut now_ending = Vec::new();
+        let control = self.control.get(job);
+        let grace = control.as_ref().and_then(|c| {
+            c.update(|c| {
+                c.cancel(reason);
+                c.stop_grace()
+            })
+        });
+        for row in rows {
+            if row.state.is_final() || row.stop_by.is_some() {
+                continue;
+            }
+            let told = grace.is_some()
+                && row.state != InstanceState::Terminating
+                && control
+                    .as_ref()
+                    .zip(row.cloud_id.as_ref())
+                    .is_some_and(|(c, id)| c.read(|c| c.is_member(&InstanceId(id.clone()))));
+            match grace {
+                Some(grace) if told => {
+                    let lease = self.fence(job)?;
+                    self.store
+                        .mark_stopping(
+                            Some(&lease),
+                            &row.id,
+                            self.stop_by(now, grace),
+                            &reason_of_end,
+                        )
+                        .await?;
+                }
+                _ => now_ending.push(row),
+            }
+        }
+        self.terminate_all(&now_ending, &reason_of_end).await?;
+        if let Some(c) = &control {
+            c.linger(grace.map_or(Duration::ZERO, |g| g + STOP_UPLOAD_ALLOWANCE));
+        }
         self.refresh_ledger(job, now).await?;
         self.forget_runtime(job);
         // The control plane stays a little longer, so that agents' long polls deliver the stop.
@@ -1176,6 +1303,9 @@ pub enum Launch {
 /// Most cloud events one tick applies; the rest wait for the next tick (which then comes at
 /// once), so that a job ending many instances together never holds up the other jobs' ticks.
 const CLOUD_EVENTS_PER_TICK: usize = 256;
+
+/// [`crate::job::STOP_UPLOAD_ALLOWANCE_SECS`].
+const STOP_UPLOAD_ALLOWANCE: Duration = Duration::from_secs(crate::job::STOP_UPLOAD_ALLOWANCE_SECS);
 
 /// Most instances one terminate call names (EC2 takes up to 1000 per TerminateInstances).
 const TERMINATE_BATCH: usize = 500;

@@ -117,6 +117,11 @@ pub struct CommandSpec {
     /// SIGKILL this many seconds before a notice's deadline (0–600, default 10).
     #[serde(default)]
     pub kill_margin_secs: Option<u64>,
+    /// When Proteus stops the program itself (a release, a scale-down, the job's end, a
+    /// cancel): seconds from the notice to SIGKILL; the final checkpoint is uploaded after it,
+    /// and only then is the instance ended (1–600, default 30).
+    #[serde(default)]
+    pub grace_seconds: Option<u64>,
 }
 
 impl CommandSpec {
@@ -225,6 +230,20 @@ impl CommandSpec {
         if margin > 600 {
             return Err(bad("command.kill_margin_secs", "must be between 0 and 600"));
         }
+        let bounds = proteus_wire::agent_api::GRACE_SECONDS_BOUNDS;
+        let grace = self
+            .grace_seconds
+            .unwrap_or(proteus_wire::agent_api::default_grace_seconds());
+        if !bounds.contains(&grace) {
+            return Err(bad(
+                "command.grace_seconds",
+                format!(
+                    "must be between {} and {} (got {grace})",
+                    bounds.start(),
+                    bounds.end()
+                ),
+            ));
+        }
         Ok(CommandConfig {
             run: self.run.clone(),
             setup: self.setup.clone().unwrap_or_default(),
@@ -234,6 +253,7 @@ impl CommandSpec {
             max_restarts,
             checkpoint_interval_secs: interval,
             kill_margin_secs: margin,
+            grace_seconds: grace,
             max_nodes: max_instances,
         })
     }
@@ -653,6 +673,12 @@ impl ValidJob {
             startup_minutes: work.startup_minutes.unwrap_or(default_startup_minutes),
             eviction_cost: Default::default(),
             stages: self.training.stages,
+            stop_seconds: match &self.training.app {
+                AppConfig::Command(c) => {
+                    (c.grace_seconds + crate::job::STOP_UPLOAD_ALLOWANCE_SECS) as f64
+                }
+                _ => 0.0,
+            },
         })
     }
 }

@@ -156,6 +156,9 @@ pub struct InstanceRow {
     pub metadata_addr: Option<String>,
     /// The process id of a locally launched agent.
     pub agent_pid: Option<u32>,
+    /// A graceful stop: its agent was told to stop, and the instance is ended once the agent
+    /// has left, or at this time at the latest.
+    pub stop_by: Option<Timestamp>,
 }
 
 impl InstanceRow {
@@ -188,6 +191,7 @@ impl InstanceRow {
             launch_error: None,
             metadata_addr: None,
             agent_pid: None,
+            stop_by: None,
         }
     }
 }
@@ -320,6 +324,7 @@ struct JobStatusRecord {
     i_launch_error: Option<String>,
     i_metadata_addr: Option<String>,
     i_agent_pid: Option<i64>,
+    i_stop_by_ms: Option<i64>,
 }
 
 impl JobStatusRecord {
@@ -354,6 +359,7 @@ impl JobStatusRecord {
                 launch_error: self.i_launch_error.take(),
                 metadata_addr: self.i_metadata_addr.take(),
                 agent_pid: self.i_agent_pid,
+                stop_by_ms: self.i_stop_by_ms,
                 id: id.clone(),
             })
         })();
@@ -422,11 +428,12 @@ struct InstanceRecord {
     launch_error: Option<String>,
     metadata_addr: Option<String>,
     agent_pid: Option<i64>,
+    stop_by_ms: Option<i64>,
 }
 
 const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
      state, token_hash, requested_ms, launched_ms, ready_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
-     metadata_addr, agent_pid";
+     metadata_addr, agent_pid, stop_by_ms";
 
 fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
     let bad = |e: crate::market::InvalidValue| {
@@ -455,6 +462,7 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         launch_error: r.launch_error,
         metadata_addr: r.metadata_addr,
         agent_pid: r.agent_pid.and_then(|p| u32::try_from(p).ok()),
+        stop_by: r.stop_by_ms.map(Timestamp::from_millis),
     })
 }
 
@@ -921,6 +929,59 @@ impl Store {
             n > 0
         });
         Ok(changed)
+    }
+
+    /// Records a graceful stop: the instance's agent was told to stop, and the instance is to
+    /// be ended once the agent has left, or at `stop_by` at the latest. False when it was over,
+    /// being ended, or already stopping (the first stop's time stands).
+    pub async fn mark_stopping(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        stop_by: Timestamp,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET stop_by_ms = $2, end_reason = COALESCE(end_reason, $3) \
+             WHERE id = $1 AND stop_by_ms IS NULL AND state IN ('requested', 'running', 'warned') \
+             AND {}",
+            instances_fence(4)
+        );
+        let n = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(stop_by.millis())
+                .bind(reason)
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording a graceful stop")?
+                .rows_affected()
+        });
+        self.fenced(lease, n).await?;
+        Ok(n > 0)
+    }
+
+    /// Instances being stopped gracefully and not yet being ended, of jobs `owner` leases.
+    pub async fn stopping_instances(&self, owner: &str) -> Result<Vec<InstanceRow>, StoreError> {
+        let columns = INSTANCE_COLUMNS
+            .split(',')
+            .map(|c| format!("i.{}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT {columns} FROM instances i JOIN jobs j ON j.id = i.job_id \
+             WHERE i.stop_by_ms IS NOT NULL AND i.state IN ('requested', 'running', 'warned') \
+             AND j.lease_owner = $1 ORDER BY i.stop_by_ms, i.id"
+        );
+        let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(owner)
+                .fetch_all(pool)
+                .await
+                .context("listing instances being stopped")?
+        });
+        rows.into_iter().map(instance_from).collect()
     }
 
     /// Records that the broker asked the cloud to end an instance (the call may not have

@@ -249,6 +249,7 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             launch_error: None,
             metadata_addr: None,
             agent_pid: None,
+            stop_by: None,
         };
         s.broker.store().insert_instance(None, &row).await.unwrap();
         let cloud_id = format!("i-test{}", id.0);

@@ -14,6 +14,7 @@ mod dos;
 #[cfg(feature = "ec2")]
 mod ec2_prices;
 mod engine_restart;
+mod graceful_stop;
 mod job_spec_doc;
 mod sim_cli;
 mod sim_policies;

@@ -682,3 +682,59 @@ fn max_capacity_holds_every_policy_to_the_same_speed() {
         );
     }
 }
+
+/// A graceful stop takes up to the job's `stop_seconds` (a command job's grace and upload): a
+/// BidBrain release aimed at a billing-hour boundary is asked that much earlier, so that the
+/// instance still ends inside the hour it paid for. With 10 minutes of stop, more than the
+/// 3-minute release window, every release lands at least 10 minutes before its boundary.
+#[test]
+fn bidbrain_asks_its_releases_early_enough_to_end_before_the_billing_boundary() {
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let start = Timestamp::parse("2015-05-10T06:00:00Z").unwrap();
+    for stop_secs in [0.0, 600.0] {
+        let job = job(
+            &format!(
+                "total_work = 400.0\nreference_type = \"c3.xlarge\"\n\
+                 instance_types = [\"c3.xlarge\", \"r3.large\", \"m3.medium\"]\n\
+                 max_instances = 32\nstop_seconds = {stop_secs}\n"
+            ),
+            &history,
+        );
+        let sc = price_world(&history, job);
+        let mut policy = shipped("bidbrain");
+        let options = RunOptions {
+            seed: 1,
+            record_decisions: true,
+            ..RunOptions::default()
+        };
+        let r = run(&sc, policy.as_mut(), start, &options).unwrap();
+        // Released by the policy before the run's end (in the simulator a release ends the
+        // instance when asked): how far before its billing boundary.
+        let before_boundary: Vec<f64> = r
+            .instances
+            .iter()
+            .filter(|i| i.ended_by == EndedBy::User && i.end < r.end)
+            .map(|i| {
+                let into_hour = (i.end.millis() - i.launch.millis()).rem_euclid(H);
+                (H - into_hour) as f64 / 1000.0
+            })
+            .collect();
+        assert!(
+            before_boundary.len() >= 5,
+            "stop {stop_secs} s: too few releases to judge: {before_boundary:?}"
+        );
+        let earliest_end = before_boundary
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            earliest_end >= stop_secs,
+            "stop {stop_secs} s: a release asked {earliest_end} s before its boundary"
+        );
+        if stop_secs == 0.0 {
+            // The window without a stop: releases inside the last 3 minutes of the hour.
+            assert!(earliest_end < 600.0, "{before_boundary:?}");
+        }
+    }
+}

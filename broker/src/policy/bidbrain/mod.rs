@@ -1046,6 +1046,7 @@ impl Policy for BidBrain {
         // Releases. First every member's economics for one more horizon and whether it may go
         // now; then, dearest first, each judged against the footprint shrunk by the ones before.
         let window_ms = (self.config.release_before_boundary_minutes * 60_000.0) as i64;
+        let stop_ms = (job.stop_secs * 1000.0) as i64;
         let mut next_wake = tick;
         let mut memo = Vec::with_capacity(8);
         let finish_all = costs.finish_secs;
@@ -1056,10 +1057,15 @@ impl Policy for BidBrain {
             let releasable_now = !backup
                 && match ctx.billing {
                     BillingModel::Hourly2015 => {
+                        // A release asked after `close` would end after the boundary (a
+                        // graceful stop takes up to the job's `stop_secs`): the window closes
+                        // that much earlier.
                         let end = ctx.billing.period_end(inst.launched_at, now);
-                        let mut wake = Timestamp::from_millis(end.millis() - window_ms);
-                        let inside = wake <= now;
-                        if inside {
+                        let close = end.millis() - stop_ms;
+                        let open = Timestamp::from_millis(close - window_ms);
+                        let inside = open <= now && now.millis() < close;
+                        let mut wake = open;
+                        if wake <= now {
                             wake = Timestamp::from_millis(wake.millis() + crate::billing::HOUR_MS);
                         }
                         next_wake = next_wake.min(wake);
