@@ -148,7 +148,8 @@ pub struct ServeArgs {
     pub checkpoint_store: Option<String>,
     /// Local agents (`--local-agents`): the unprivileged user they run command jobs' programs
     /// as when the broker runs as root (the agents' `--run-as`), so a program cannot read the
-    /// agent's token or memory. Without it a root broker's programs run as root.
+    /// agent's token or memory. Default: the agents' own, `proteus-job` (created if missing);
+    /// a program never runs as root.
     #[arg(long, env = "PROTEUS_AGENT_RUN_AS")]
     pub agent_run_as: Option<String>,
     /// Buckets (comma-separated) whose objects command jobs may name as `s3://` working

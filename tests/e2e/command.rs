@@ -663,11 +663,25 @@ async fn a_replacement_takes_the_departed_rank_and_programs_reach_no_secret() {
     let victim_rank = starts(victim_tail)[0].0;
     let (code, _, err) = proteus_e2e::proteus(None, &["interrupt", &victim], &broker.user_env());
     assert_eq!(code, 0, "proteus interrupt failed: {err}");
-    let job = broker
+    broker
         .wait_succeeded(
             &format!("/v1/jobs/{id}"),
             Duration::from_secs(300),
             "the job",
+        )
+        .await;
+    // The job's outcome is decided when rank 0 is done; the others are then stopped
+    // gracefully, and their last words are read once every instance has ended.
+    let job = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(120),
+            "every instance of the finished job ended",
+            |j| {
+                j["instances"]
+                    .as_array()
+                    .is_some_and(|i| i.iter().all(|i| i["state"] == "terminated"))
+            },
         )
         .await;
     let tails = logs(&broker, id).await;

@@ -215,8 +215,14 @@ async fn torchrun_survivors_reform_after_a_warned_node_leaves_and_the_job_comple
     );
     let last_warned = *steps_in_world(&warned, 3).last().unwrap();
 
-    // Nothing ran on the warned node after its notice.
-    let after_notice = &warned[warned.find("notice delivered").unwrap()..];
+    // Nothing ran on the warned node after its interruption notice (an earlier notice may be a
+    // rendezvous move's: the move writes the notice file too, and torchrun starts again).
+    let interruption = warned
+        .lines()
+        .filter(|l| l.contains("notice delivered") && l.contains("spot instance"))
+        .next_back()
+        .unwrap_or_else(|| panic!("no interruption notice:\n{warned}"));
+    let after_notice = &warned[warned.rfind(interruption).unwrap()..];
     assert!(!after_notice.contains("\nstart "), "{warned}");
 
     // The survivors re-formed without it (in a world of 2, or of 3 when the replacement was

@@ -1112,6 +1112,12 @@ impl Coordinator {
     ///   the next newcomer);
     /// - only holders of the ranks below the first rank without a working holder work (behind
     ///   a leaving holder's rank, the higher ranks wait until it departs and is replaced).
+    ///
+    /// The last two rules are for `plain` programs, which index by rank. Under
+    /// `launcher = "torchrun"` the program's rank is torchrun's own (`RANK`, dense in every
+    /// rendezvous round) and `PROTEUS_RANK` only names a checkpoint lineage: every holder works,
+    /// gaps stay, and the survivors of a departure train on without a restart (torchrun's
+    /// elastic re-form), which stopping them would defeat.
     fn assign_ranks(&mut self, eligible: &[InstanceId]) -> Vec<(InstanceId, u32)> {
         let is_leaving = |m: &Member| m.state == MemberState::Leaving;
         let members = &self.members;
@@ -1148,9 +1154,14 @@ impl Coordinator {
             self.ranks_opened = self.ranks_opened.max(rank + 1);
         }
 
+        let dense = !matches!(
+            &self.training.app,
+            crate::agent_api::AppConfig::Command(c)
+                if c.launcher == crate::agent_api::CommandLauncher::Torchrun
+        );
         // Gaps: a free rank below a working holder's is filled from the top, by a holder whose
         // program is down.
-        loop {
+        while dense {
             let top = eligible
                 .iter()
                 .filter_map(|id| self.ranks.get(id).map(|r| (*r, id)))
@@ -1168,6 +1179,7 @@ impl Coordinator {
         }
 
         let first_unworked = (0..max)
+            .filter(|_| dense)
             .find(|r| !eligible.iter().any(|id| self.ranks.get(id) == Some(r)))
             .unwrap_or(max);
         let mut working: Vec<(InstanceId, u32)> = eligible
@@ -1592,10 +1604,17 @@ mod tests {
     /// changes its rank, and reports the end): joins, restarts, warnings from agent and
     /// provider, exits, removals, program failures and broker restarts (state saved, loaded,
     /// resumed), for max_instances 1–8.
-    fn check_rank_invariants(max: u32, ops: &[(u8, u8)]) -> Result<(), TestCaseError> {
+    fn check_rank_invariants(
+        max: u32,
+        torchrun: bool,
+        ops: &[(u8, u8)],
+    ) -> Result<(), TestCaseError> {
         let mut cfg = command_config(max);
         if let AppConfig::Command(cmd) = &mut cfg.app {
             cmd.max_restarts = u32::MAX;
+            if torchrun {
+                cmd.launcher = crate::agent_api::CommandLauncher::Torchrun;
+            }
         }
         let mut c = Coordinator::new(JobId(1), cfg).unwrap();
         let names: Vec<String> = (0..10).map(|i| format!("i{i}")).collect();
@@ -1607,6 +1626,7 @@ mod tests {
             agents: &mut BTreeMap<String, ModelAgent>,
             name: &str,
             now: u64,
+            dense: bool,
         ) -> Result<(), TestCaseError> {
             let Some(view) = c.view().cloned() else {
                 return Ok(());
@@ -1619,7 +1639,12 @@ mod tests {
                 .map(|w| (w.rank, view.workers.len() as u32));
             match (agent.running, slot) {
                 (None, Some((rank, world))) => {
-                    prop_assert!(rank < world, "{name} starts as rank {rank} of {world}");
+                    // (Under torchrun PROTEUS_RANK names a lineage; torchrun's own rank is
+                    // dense.)
+                    prop_assert!(
+                        !dense || rank < world,
+                        "{name} starts as rank {rank} of {world}"
+                    );
                     prop_assert!(c.holds_rank(&id(name), rank));
                     agent.running = Some((rank, world));
                 }
@@ -1674,7 +1699,7 @@ mod tests {
                     c = serde_json::from_str(&text).unwrap();
                     c.resume(now);
                 }
-                _ => act(&mut c, &mut agents, &name, now)?,
+                _ => act(&mut c, &mut agents, &name, now, !torchrun)?,
             }
             let mut seen = std::collections::BTreeSet::new();
             for (holder, rank) in &c.ranks {
@@ -1702,7 +1727,9 @@ mod tests {
                     );
                 }
             }
-            if let Some(v) = c.view() {
+            if let Some(v) = c.view()
+                && !torchrun
+            {
                 let ranks: Vec<u32> = v.workers.iter().map(|w| w.rank).collect();
                 prop_assert_eq!(ranks, (0..v.workers.len() as u32).collect::<Vec<_>>());
             }
@@ -1726,7 +1753,7 @@ mod tests {
             let names: Vec<String> = agents.keys().cloned().collect();
             for name in names {
                 now += 1;
-                act(&mut c, &mut agents, &name, now)?;
+                act(&mut c, &mut agents, &name, now, !torchrun)?;
             }
         }
         let active = c
@@ -1753,9 +1780,10 @@ mod tests {
         #[test]
         fn command_ranks_hold_their_invariants_under_any_churn(
             max in 1u32..=8,
+            torchrun in any::<bool>(),
             ops in proptest::collection::vec((0u8..9, 0u8..10), 1..400),
         ) {
-            check_rank_invariants(max, &ops)?;
+            check_rank_invariants(max, torchrun, &ops)?;
         }
     }
 

@@ -77,8 +77,10 @@ EnvironmentFile=/etc/proteus/agent.env
 ExecStart=/usr/local/bin/proteus-agent
 Restart=on-failure
 RestartSec=2
-# Interruption notices give two minutes; the agent hands over and exits well within them.
-TimeoutStopSec=100
+# Interruption notices give two minutes; the agent hands over and exits well within them. When
+# the machine shuts down under a running program (the backstop of a graceful stop), the agent
+# gives it the job's grace (at most 600 s) and uploads its checkpoint: systemd waits that long.
+TimeoutStopSec=660
 
 [Install]
 WantedBy=multi-user.target

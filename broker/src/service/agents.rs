@@ -259,6 +259,13 @@ impl Broker {
     ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
         check_event_text(&event)?;
+        // `program_idle` is bookkeeping between agent and coordinator (an idle agent says so at
+        // every layout), not history: it is neither kept nor counted against the job's events.
+        if let AgentEvent::ProgramIdle { .. } = event {
+            let control = self.control_of(identity.job_id)?;
+            control.update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))?;
+            return self.save_control(identity.job_id).await;
+        }
         self.check_event_room(identity.job_id).await?;
         let now = self.clock.now();
         let (kind, mut detail) = describe(&in_market_time(&event, now, self.clock.speed()));
