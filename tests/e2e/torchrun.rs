@@ -219,8 +219,7 @@ async fn torchrun_survivors_reform_after_a_warned_node_leaves_and_the_job_comple
     // rendezvous move's: the move writes the notice file too, and torchrun starts again).
     let interruption = warned
         .lines()
-        .filter(|l| l.contains("notice delivered") && l.contains("spot instance"))
-        .next_back()
+        .rfind(|l| l.contains("notice delivered") && l.contains("spot instance"))
         .unwrap_or_else(|| panic!("no interruption notice:\n{warned}"));
     let after_notice = &warned[warned.rfind(interruption).unwrap()..];
     assert!(!after_notice.contains("\nstart "), "{warned}");

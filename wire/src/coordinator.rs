@@ -1161,12 +1161,15 @@ impl Coordinator {
         );
         // Gaps: a free rank below a working holder's is filled from the top, by a holder whose
         // program is down.
-        while dense {
-            let top = eligible
-                .iter()
-                .filter_map(|id| self.ranks.get(id).map(|r| (*r, id)))
-                .max();
-            let Some((top_rank, top_id)) = top else { break };
+        while let Some((top_rank, top_id)) = dense
+            .then(|| {
+                eligible
+                    .iter()
+                    .filter_map(|id| self.ranks.get(id).map(|r| (*r, id)))
+                    .max()
+            })
+            .flatten()
+        {
             let Some(gap) = (0..top_rank).find(|r| !held(&self.ranks, *r)) else {
                 break;
             };
