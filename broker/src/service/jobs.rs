@@ -387,6 +387,9 @@ impl Broker {
                 budget_usd: valid.budget_usd,
                 deadline: valid.deadline,
                 created: now,
+                // Another broker's claim leaves it to this one's grant below, unless this
+                // one dies first.
+                grant_by_ms: super::membership::wall_now_ms() + self.membership.lease_ms(),
             })
             .await?;
         let mut detail = match (valid.budget_usd, default_budget) {

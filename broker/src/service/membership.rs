@@ -69,14 +69,14 @@ impl Membership {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lease_ms(&self) -> i64 {
+    pub(super) fn lease_ms(&self) -> i64 {
         i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX / 4)
     }
 }
 
 /// Wall time in epoch milliseconds, as the store's lease columns hold it: leases are between
 /// processes, not in market time.
-fn wall_now_ms() -> i64 {
+pub(super) fn wall_now_ms() -> i64 {
     i64::try_from(super::control::wall_ms()).unwrap_or(i64::MAX)
 }
 

@@ -126,6 +126,10 @@ pub struct NewJob {
     pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub created: Timestamp,
+    /// Until this wall time (ms since the epoch) the job is its submitter's to give its first
+    /// owner: no other broker's claim takes it before (0: claimable at once). A submitter that
+    /// dies between storing the job and granting it leaves it to the others after that.
+    pub grant_by_ms: i64,
 }
 
 /// An instance as stored.
@@ -470,8 +474,9 @@ impl Store {
     pub async fn create_job(&self, job: &NewJob) -> Result<JobId, StoreError> {
         let id: i64 = with_db!(self, |pool| {
             sqlx::query_scalar(
-                "INSERT INTO jobs (name, spec, policy, billing, state, budget_usd, deadline_ms, created_ms) \
-                 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7) RETURNING id",
+                "INSERT INTO jobs (name, spec, policy, billing, state, budget_usd, deadline_ms, \
+                     created_ms, lease_expires_ms) \
+                 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8) RETURNING id",
             )
             .bind(&job.name)
             .bind(&job.spec)
@@ -480,6 +485,7 @@ impl Store {
             .bind(job.budget_usd.map(Usd::get))
             .bind(job.deadline.map(|t| t.millis()))
             .bind(job.created.millis())
+            .bind(job.grant_by_ms)
             .fetch_one(pool)
             .await
             .context("creating a job")?

@@ -142,7 +142,10 @@ impl Store {
         // The condition is repeated outside the sub-select: Postgres re-checks it on the row as
         // another broker's concurrent claim left it, so two claims never both win.
         // Its own leases a broker renews (its heartbeat), it does not claim them.
-        let claimable = "((lease_owner IS NULL AND $6 = 1) OR (lease_owner <> $1 \
+        // A job without an owner waits out its submitter's grant (`NewJob::grant_by_ms`, kept
+        // in `lease_expires_ms`; a released lease has 0 there), unless the claimant is alone.
+        let claimable = "((lease_owner IS NULL AND $6 = 1 AND (lease_expires_ms < $2 OR $5 = 1)) \
+                 OR (lease_owner <> $1 \
                  AND (lease_expires_ms < $2 OR $5 = 1))) \
              AND (state IN ('pending', 'running') OR lease_owner IS NOT NULL)";
         // On Postgres a job whose row another transaction holds is skipped, not waited for: a

@@ -57,6 +57,7 @@ fn new_job(name: &str, created: Timestamp) -> NewJob {
         budget_usd: Some(Usd::new(12.5).unwrap()),
         deadline: Some(Timestamp::from_millis(created.millis() + 86_400_000)),
         created,
+        grant_by_ms: 0,
     }
 }
 

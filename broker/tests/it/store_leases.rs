@@ -18,6 +18,7 @@ on_both_backends!(
     an_expired_lease_moves_and_fences_the_old_owner_out,
     claims_take_only_expired_leases_up_to_the_asked_number,
     a_claim_without_unowned_leaves_new_jobs_to_their_grant,
+    a_new_job_is_its_submitters_to_grant_until_its_grant_window_ends,
     a_released_lease_is_claimable_at_once_and_an_over_job_is_not,
     live_brokers_are_listed_fewest_jobs_first,
 );
@@ -35,6 +36,7 @@ async fn job(store: &Store, name: &str) -> JobId {
             budget_usd: None,
             deadline: None,
             created: Timestamp::from_millis(1),
+            grant_by_ms: 0,
         })
         .await
         .unwrap()
@@ -213,6 +215,47 @@ async fn a_claim_without_unowned_leaves_new_jobs_to_their_grant(db: TestDb) {
         .await
         .unwrap();
     assert!(granted.is_some(), "the new job was left for its grant");
+}
+
+/// Between storing a new job and granting it, its submitter may be slow (a busy machine):
+/// another broker under its fair share does not take the job in that window, so the job goes
+/// where its submitter gives it; once the window is over (the submitter died before its grant)
+/// the job is anyone's.
+async fn a_new_job_is_its_submitters_to_grant_until_its_grant_window_ends(db: TestDb) {
+    let s = &db.store;
+    let new = |name: &'static str| NewJob {
+        name: name.into(),
+        spec: "{}".into(),
+        policy: "bidbrain".into(),
+        billing: "per-second".into(),
+        budget_usd: None,
+        deadline: None,
+        created: Timestamp::from_millis(1),
+        grant_by_ms: NOW + LEASE,
+    };
+    let slow = s.create_job(&new("slow-submitter")).await.unwrap();
+    let orphan = s.create_job(&new("dead-submitter")).await.unwrap();
+    assert!(
+        s.claim_expired("b", NOW + LEASE - 1, LEASE, 10, false, true)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a claim took a job inside its submitter's grant window"
+    );
+    let granted = s.grant_lease(slow, "a", NOW + 500, LEASE).await.unwrap();
+    assert!(
+        granted.is_some(),
+        "the submitter's grant found its job free"
+    );
+    let claimed = s
+        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
+        .await
+        .unwrap();
+    assert_eq!(
+        claimed.iter().map(|l| l.job()).collect::<Vec<_>>(),
+        vec![orphan],
+        "after the window only the job nobody granted is claimed"
+    );
 }
 
 async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
