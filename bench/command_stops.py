@@ -237,6 +237,12 @@ STEPS = "{steps}"
             if m and run is not None:
                 run["exit"], run["exit_t"] = int(m.group(1)), float(m.group(3))
                 run["cause"] = None if m.group(2) == "done" else cause_of(m.group(4) or "")
+            # The broker may learn of an interruption before the agent reads its own notice:
+            # the program is then told first that its instance left the layout. The run's
+            # cause is the interruption.
+            if (run is not None and run["cause"] == "layout" and "notice delivered" in line
+                    and "spot instance" in line):
+                run["cause"] = "interruption"
         if run is not None and run["exit"] is None:
             killed += 1
     store = os.path.join(d, "state", "checkpoints", f"job-{job}")
