@@ -311,6 +311,36 @@ impl BrokerProcess {
         }
     }
 
+    /// The value of one counter or gauge of the broker's `GET /metrics` (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let (status, body) = self
+            .client()
+            .call(reqwest::Method::GET, "/metrics", None)
+            .await;
+        assert_eq!(status, 200, "GET /metrics: {body}");
+        let text = body.as_str().unwrap_or_default().to_string();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// The process id of the running broker.
+    pub fn pid(&self) -> i32 {
+        let child = self.child.as_ref().expect("the broker runs");
+        i32::try_from(child.id()).expect("a pid")
+    }
+
+    /// Whether the process is stopped (SIGSTOP; `T` in /proc/PID/stat).
+    pub fn is_stopped(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
+            .ok()
+            .and_then(|s| {
+                let after = s.rsplit_once(')')?.1.trim_start().chars().next()?;
+                Some(after == 'T')
+            })
+            .unwrap_or(false)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -739,8 +769,20 @@ pub async fn start_ec2_broker_on(
     deployment: &str,
     extra: &[&str],
 ) -> BrokerProcess {
+    start_ec2_broker_with(dir, db, deployment, extra, &[]).await
+}
+
+/// [`start_ec2_broker_on`] with more environment (kept on every restart).
+pub async fn start_ec2_broker_with(
+    dir: &std::path::Path,
+    db: &str,
+    deployment: &str,
+    extra: &[&str],
+    envs: &[(&str, &str)],
+) -> BrokerProcess {
     let env = aws_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    env.extend_from_slice(envs);
     let mut args = vec![
         "--cloud",
         "ec2",
@@ -753,6 +795,12 @@ pub async fn start_ec2_broker_on(
         "--local-agents",
         "true",
     ];
+    // Brokers on a shared database keep checkpoints where all of them reach them: one
+    // LocalStack S3 bucket per deployment.
+    let store = format!("s3://{}/checkpoints", bucket_of(deployment));
+    if !extra.contains(&"--checkpoint-store") {
+        args.extend_from_slice(&["--checkpoint-store", &store]);
+    }
     args.extend_from_slice(extra);
     BrokerProcess::start(dir, db, &args, &env).await
 }
@@ -770,6 +818,33 @@ pub fn mlr_job(name: &str, epochs: u32) -> serde_json::Value {
         "work": {"total_work": 2.0, "startup_minutes": 0.0},
         "training": {"seed": 5, "backup_sync_interval_ms": 300}
     })
+}
+
+/// The S3 bucket (LocalStack's) of a test deployment's checkpoints.
+pub fn bucket_of(deployment: &str) -> String {
+    let name: String = format!("ck-{deployment}")
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(63)
+        .collect();
+    name.trim_end_matches('-').to_string()
+}
+
+/// The environment that runs a process with its wall clock `offset` off (`+60s`, `-60s`)
+/// through Debian's libfaketime (`faketime` package; scripts/test installs it), its monotonic
+/// clock left alone: a machine whose clock is set wrong.
+pub fn skewed_clock(offset: &str) -> Vec<(&'static str, String)> {
+    let lib = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+    assert!(
+        std::path::Path::new(lib).exists(),
+        "{lib} is missing: install Debian's faketime (scripts/test does)"
+    );
+    vec![
+        ("LD_PRELOAD", lib.to_string()),
+        ("FAKETIME", offset.to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
 }
 
 /// Whether a job's view says it is over.

@@ -698,6 +698,7 @@ mod tests {
             metadata_addr: None,
             agent_pid: None,
             stop_by: None,
+            launch_token: None,
         };
         (history, inst)
     }

@@ -560,107 +560,28 @@ pub fn size(bytes: u64) -> String {
     format!("{bytes} bytes")
 }
 
-/// Everything command jobs keep on the broker's side: checkpoints and output tails.
+/// Everything command jobs keep on the broker's side besides the database: their checkpoints.
+/// (Output tails are in the database: see `Store::put_output`.)
 #[derive(Debug)]
 pub struct ProgramStorage {
     pub checkpoints: CheckpointStore,
-    /// `<dir>/job-<id>/<instance>.log`: the newest tail each instance sent.
-    outputs: PathBuf,
 }
 
 /// Most bytes of one instance's output tail the broker keeps.
 pub const MAX_TAIL_BYTES: usize = 256 * 1024;
 
+/// The last [`MAX_TAIL_BYTES`] of `text`, cut at a character boundary.
+pub fn tail(text: &str) -> &str {
+    let mut start = text.len().saturating_sub(MAX_TAIL_BYTES);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
 impl ProgramStorage {
-    pub fn new(checkpoints: CheckpointStore, outputs: PathBuf) -> Result<Self, CheckpointError> {
-        private_dir(&outputs)?;
-        Ok(ProgramStorage {
-            checkpoints,
-            outputs,
-        })
-    }
-
-    fn output_path(&self, job: JobId, instance: &str) -> PathBuf {
-        // Instance ids are the broker's own (`i-…`, `sim-…`); keep them to one path element.
-        let name: String = instance
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        self.outputs
-            .join(format!("job-{}", job.0))
-            .join(format!("{name}.log"))
-    }
-
-    /// Replaces `instance`'s output tail (keeping its last [`MAX_TAIL_BYTES`]).
-    pub async fn write_output(
-        &self,
-        job: JobId,
-        instance: &str,
-        text: &str,
-    ) -> Result<(), CheckpointError> {
-        let path = self.output_path(job, instance);
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| CheckpointError::Io { path, source }
-        };
-        if let Some(dir) = path.parent() {
-            tokio::fs::create_dir_all(dir).await.map_err(io(dir))?;
-        }
-        let mut start = text.len().saturating_sub(MAX_TAIL_BYTES);
-        while !text.is_char_boundary(start) {
-            start += 1;
-        }
-        // A temporary name of its own per write (as the checkpoint writer has): concurrent
-        // sends of one instance's output must not write into, or rename away, each other's file.
-        let tmp = path.with_extension(format!("tmp-{:016x}", rand::random::<u64>()));
-        let result = async {
-            tokio::fs::write(&tmp, &text[start..])
-                .await
-                .map_err(io(&tmp))?;
-            tokio::fs::rename(&tmp, &path).await.map_err(io(&path))
-        }
-        .await;
-        if result.is_err() {
-            let _ = tokio::fs::remove_file(&tmp).await;
-        }
-        result
-    }
-
-    /// Every instance's tail for `job`, by instance id.
-    pub async fn outputs(&self, job: JobId) -> Result<Vec<(String, String)>, CheckpointError> {
-        let dir = self.outputs.join(format!("job-{}", job.0));
-        let mut out = Vec::new();
-        let mut entries = match tokio::fs::read_dir(&dir).await {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-            Err(source) => return Err(CheckpointError::Io { path: dir, source }),
-        };
-        while let Ok(Some(entry)) = entries.next_entry().await {
-            let path = entry.path();
-            let Some(instance) = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_suffix(".log"))
-            else {
-                continue;
-            };
-            let text =
-                tokio::fs::read_to_string(&path)
-                    .await
-                    .map_err(|source| CheckpointError::Io {
-                        path: path.clone(),
-                        source,
-                    })?;
-            out.push((instance.to_string(), text));
-        }
-        out.sort();
-        Ok(out)
+    pub fn new(checkpoints: CheckpointStore) -> ProgramStorage {
+        ProgramStorage { checkpoints }
     }
 }
 
@@ -969,57 +890,6 @@ pub mod s3 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Issue 23 item 8: 30 concurrent sends of one agent's output all succeed, and what is kept
-    /// is one of them, whole, with no temporary file left behind.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn concurrent_output_writes_of_one_instance_all_succeed_and_one_is_kept_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let storage = std::sync::Arc::new(
-            ProgramStorage::new(
-                CheckpointStore::Dir(DirStore::new(dir.path().join("ck")).unwrap()),
-                dir.path().join("out"),
-            )
-            .unwrap(),
-        );
-        for round in 0..3 {
-            let texts: Vec<String> = (0..30)
-                .map(|i| format!("round {round} writer {i:02}\n").repeat(4000 + i))
-                .collect();
-            let writes: Vec<_> = texts
-                .iter()
-                .cloned()
-                .map(|text| {
-                    let storage = storage.clone();
-                    tokio::spawn(async move { storage.write_output(JobId(1), "i-0", &text).await })
-                })
-                .collect();
-            for (i, w) in writes.into_iter().enumerate() {
-                if let Err(e) = w.await.unwrap() {
-                    panic!("round {round}: write {i} failed: {e}");
-                }
-            }
-            let outputs = storage.outputs(JobId(1)).await.unwrap();
-            assert_eq!(
-                outputs.len(),
-                1,
-                "{:?}",
-                outputs.iter().map(|o| &o.0).collect::<Vec<_>>()
-            );
-            let kept = &outputs[0].1;
-            let tail = |t: &String| t[t.len().saturating_sub(MAX_TAIL_BYTES)..].to_string();
-            assert!(
-                texts.iter().any(|t| tail(t) == *kept),
-                "round {round}: the kept output ({} bytes) is none of the writes whole",
-                kept.len()
-            );
-        }
-        let left: Vec<_> = std::fs::read_dir(dir.path().join("out").join("job-1"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(left, vec![std::ffi::OsString::from("i-0.log")], "{left:?}");
-    }
 
     #[test]
     fn sizes_read_with_or_without_a_unit() {

@@ -2,9 +2,15 @@
 //! `PROTEUS_FAILPOINTS=NAME[,NAME…]` in its environment, the process dies on the spot — no
 //! destructors, no flushing, like `kill -9` — the first time it reaches a named point. The
 //! tests then restart it and check that nothing was launched twice and nothing leaked.
+//! `NAME=stop` instead stops the process there (SIGSTOP to itself, as a frozen VM or a long
+//! pause would), for a test to wake with SIGCONT once other brokers have moved on.
 //! Unset, a point costs one branch on a cached value.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A stop point stops the process once (the first point reached).
+static STOPPED: AtomicBool = AtomicBool::new(false);
 
 /// The points the broker defines, in the order a job's life reaches them.
 pub const POINTS: [&str; 6] = [
@@ -30,11 +36,19 @@ fn armed() -> &'static [String] {
     })
 }
 
-/// Dies here if `name` is armed.
+/// Dies (or stops) here if `name` is armed.
 pub fn hit(name: &str) {
-    if armed().iter().any(|a| a == name) {
-        eprintln!("failpoint `{name}` reached: exiting at once");
-        // SAFETY: _exit ends the process immediately; that is the point.
-        unsafe { libc::_exit(137) };
+    for a in armed() {
+        if a == name {
+            eprintln!("failpoint `{name}` reached: exiting at once");
+            // SAFETY: _exit ends the process immediately; that is the point.
+            unsafe { libc::_exit(137) };
+        }
+        if a.strip_suffix("=stop") == Some(name) && !STOPPED.swap(true, Ordering::SeqCst) {
+            eprintln!("failpoint `{name}` reached: stopping until SIGCONT");
+            // SAFETY: raising a signal on this process; SIGSTOP cannot be caught.
+            unsafe { libc::raise(libc::SIGSTOP) };
+            eprintln!("failpoint `{name}`: continued");
+        }
     }
 }

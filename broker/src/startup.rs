@@ -618,6 +618,20 @@ pub async fn start_with(
     let broker = Broker::new(store, clock, cloud, launcher, history, settings, membership);
     let checkpoints = match &args.checkpoint_store {
         Some(spec) => spec.clone(),
+        // Brokers that share a database take each other's jobs over: a replacement must find
+        // its rank's checkpoint whichever broker took it, so this broker's own disk will not do.
+        // (The simulated cloud cannot be shared: such a broker is alone on its database.)
+        None if broker.store().backend() == crate::store::Backend::Postgres
+            && broker.cloud().kind() != "sim" =>
+        {
+            bail!(
+                "brokers on a shared database need a checkpoint store every broker reaches: set \
+                 --checkpoint-store s3://BUCKET/PREFIX (or a directory every broker mounts, such \
+                 as EFS); the default, {}, is this broker's own disk, and a job taken over by \
+                 another broker would find none of its checkpoints",
+                state_dir.join("checkpoints").display()
+            )
+        }
         None => state_dir.join("checkpoints").display().to_string(),
     };
     let dir_limits = crate::checkpoint::DirLimits {
@@ -628,10 +642,7 @@ pub async fn start_with(
         .await
         .with_context(|| format!("--checkpoint-store {checkpoints}"))?;
     tracing::info!(store = %checkpoints.describe(), "command-job checkpoints");
-    broker.set_program_storage(
-        ProgramStorage::new(checkpoints, state_dir.join("outputs"))
-            .context("command-job output directory")?,
-    );
+    broker.set_program_storage(ProgramStorage::new(checkpoints));
     broker
         .recover()
         .await

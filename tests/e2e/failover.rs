@@ -10,7 +10,7 @@
 use crate::localstack::{ec2_database, start_ec2_broker_on};
 use proteus_e2e::{
     BrokerProcess, broker_id, job_over as over, job_views, localstack_ec2, localstack_instances,
-    mlr_job, unique,
+    mlr_job, skewed_clock, start_ec2_broker_with, unique,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -471,4 +471,412 @@ async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_
             "{failpoint}: not released after the cancel: {still:?}"
         );
     }
+}
+
+/// Waits (polling, up to `within`) until `done` holds; the failure names `what`.
+async fn until(within: Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done().await {
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A broker stops (SIGSTOP, as a frozen VM or a long pause) between recording a launch's
+/// intent and calling the cloud. The other broker takes the job over and launches that intent
+/// itself. Woken afterwards, the first broker must not launch: its lease went unrenewed past its
+/// local deadline, so it asks the cloud for nothing, and then learns that the job moved.
+/// LocalStack ignores EC2's ClientToken, so a launch from the woken broker would show as a twin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_paused_mid_launch_and_woken_after_the_takeover_launches_no_twin() {
+    let root = tempfile::tempdir().unwrap();
+    let deployment = unique("fo-pause");
+    let db = ec2_database(root.path()).await;
+    let lease = LEASE_SECS.to_string();
+    let (dir_a, dir_b) = (root.path().join("a"), root.path().join("b"));
+    std::fs::create_dir_all(&dir_a).unwrap();
+    std::fs::create_dir_all(&dir_b).unwrap();
+    let mut a = start_ec2_broker_on(&dir_a, &db, &deployment, &["--lease-secs", &lease]).await;
+    a.kill9();
+    a.spawn(&[("PROTEUS_FAILPOINTS", "launch-after-intent=stop")])
+        .await;
+    let mut b = start_ec2_broker_on(&dir_b, &db, &deployment, &["--lease-secs", &lease]).await;
+    // Both have no job: the one submitted to takes it, and stops launching for it (maybe before
+    // it answers the submit: the answer is awaited once it is woken).
+    let client = a.client();
+    let submit = tokio::spawn(async move {
+        client
+            .call(
+                reqwest::Method::POST,
+                "/v1/jobs",
+                Some(mlr_job("paused-launch", EPOCHS)),
+            )
+            .await
+    });
+    until(
+        Duration::from_secs(30),
+        "the broker to stop at the failpoint",
+        async || a.is_stopped(),
+    )
+    .await;
+    let api = b.client();
+    let id = loop {
+        if let Some(id) = api.get("/v1/jobs").await[0]["id"].as_i64() {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let path = format!("/v1/jobs/{id}");
+    let a_id = broker_id(&a);
+    let running = |v: &Value| {
+        v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["state"] == "running")
+            .count()
+    };
+    api.wait_for(
+        &path,
+        Duration::from_secs(60),
+        "the other broker to run the job on 2 instances",
+        |v| {
+            v["broker"].is_string()
+                && v["broker"] != a_id.as_str()
+                && running(v) == 2
+                && v["progress"].as_f64() > Some(0.0)
+        },
+    )
+    .await;
+
+    // Woken, it finds its lease lapsed (or, had its keeper run first, lost) and drops the job.
+    // SAFETY: signalling a process this test started.
+    unsafe { libc::kill(a.pid(), libc::SIGCONT) };
+    until(
+        Duration::from_secs(30),
+        "the woken broker to let the job go",
+        async || {
+            let log = a.log_text();
+            log.contains("lost the lease on a job to another broker")
+                || log.contains("another broker took the job over")
+        },
+    )
+    .await;
+    let (status, answer) = submit.await.unwrap();
+    assert!(
+        status == 201 || status == 0,
+        "POST /v1/jobs: {status} {answer}"
+    );
+    assert_eq!(
+        a.metric("proteus_launches_total").await,
+        0.0,
+        "the woken broker launched:\n{}",
+        a.log_text()
+    );
+    let ec2 = localstack_ec2().await;
+    let seen = localstack_instances(&ec2, &deployment).await;
+    let alive: Vec<_> = seen.iter().filter(|s| s.state != "terminated").collect();
+    let view = api.get(&path).await;
+    assert_eq!(
+        alive.len(),
+        2,
+        "one cloud instance per intent: {seen:?}\n{view}"
+    );
+    for s in &alive {
+        assert!(
+            view["instances"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|i| i["cloud_id"] == s.cloud_id.as_str() && i["id"] == s.proteus_id.as_str()),
+            "{} runs without a record: {view}",
+            s.cloud_id
+        );
+    }
+    let cancelled = api.delete(&path).await;
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    api.wait_for(
+        &path,
+        Duration::from_secs(60),
+        "the cancelled job's release",
+        |v| v["broker"].is_null(),
+    )
+    .await;
+    a.kill9();
+    b.kill9();
+}
+
+/// Three brokers whose wall clocks disagree by two minutes (one a minute fast, one a minute
+/// slow, through libfaketime) share jobs. Lease expiry is the database's to judge, so the fast
+/// one takes no live job, and when brokers die the slow one takes their jobs over as quickly as
+/// a broker with the right time would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and_in_time() {
+    let root = tempfile::tempdir().unwrap();
+    let deployment = unique("fo-skew");
+    let db = ec2_database(root.path()).await;
+    let lease = LEASE_SECS.to_string();
+    let mut brokers = Vec::new();
+    for (i, skew) in ["+0s", "+60s", "-60s"].into_iter().enumerate() {
+        let dir = root.path().join(format!("broker-{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let env = skewed_clock(skew);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        brokers.push(
+            start_ec2_broker_with(&dir, &db, &deployment, &["--lease-secs", &lease], &env).await,
+        );
+    }
+    let (right, fast, slow) = (0, 1, 2);
+    let mut alive = vec![true; 3];
+    let api = brokers[right].client();
+    let mut ids = Vec::new();
+    for n in 0..3 {
+        let v = api
+            .post("/v1/jobs", mlr_job(&format!("skew-{n}"), 4 * EPOCHS))
+            .await;
+        ids.push(v["id"].as_i64().unwrap());
+    }
+    // Spread one each, and training.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let owners: HashMap<i64, String> = loop {
+        let v = views(&brokers, &alive).await;
+        let owners: HashMap<i64, String> = ids
+            .iter()
+            .filter_map(|id| Some((*id, v[id]["broker"].as_str()?.to_string())))
+            .collect();
+        let distinct: std::collections::HashSet<&String> = owners.values().collect();
+        if distinct.len() == 3 && ids.iter().all(|id| v[id]["progress"].as_f64() > Some(0.0)) {
+            break owners;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "jobs not spread and training: {v:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    // Every broker claims at each tick: over ten ticks of each (a few lease periods), no job
+    // moves while its owner lives. (A claim judged on the fast broker's clock would take every
+    // lease within its first tick: each looks a minute expired to it.)
+    let mut start = Vec::new();
+    for b in &brokers {
+        start.push(b.metric("proteus_scheduler_ticks_total").await);
+    }
+    for (i, b) in brokers.iter().enumerate() {
+        until(
+            Duration::from_secs(60),
+            "ten ticks of each broker",
+            async || b.metric("proteus_scheduler_ticks_total").await >= start[i] + 10.0,
+        )
+        .await;
+    }
+    let v = views(&brokers, &alive).await;
+    for id in &ids {
+        assert!(
+            over(&v[id]) || v[id]["broker"] == owners[id].as_str(),
+            "job {id} moved from its live owner {}: {}\n{}",
+            owners[id],
+            v[id],
+            brokers[fast].log_text()
+        );
+    }
+    // The right and the fast broker die: the slow one takes their jobs within the same bound
+    // as the failover test's (lease + 10 s), not a minute later.
+    let slow_id = broker_id(&brokers[slow]);
+    for victim in [fast, right] {
+        let victim_id = broker_id(&brokers[victim]);
+        brokers[victim].kill9();
+        alive[victim] = false;
+        let killed = Instant::now();
+        let bound = Duration::from_secs_f64(LEASE_SECS + 10.0);
+        loop {
+            let v = views(&brokers, &alive).await;
+            let pending: Vec<&i64> = ids
+                .iter()
+                .filter(|id| !over(&v[id]) && v[id]["broker"] == victim_id.as_str())
+                .collect();
+            if pending.is_empty() {
+                break;
+            }
+            assert!(
+                killed.elapsed() < bound,
+                "jobs {pending:?} not taken over within {bound:?} by the broker whose clock is \
+                 a minute slow\n{}",
+                brokers[slow].log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let v = views(&brokers, &alive).await;
+    for id in &ids {
+        assert!(
+            over(&v[id]) || v[id]["broker"] == slow_id.as_str(),
+            "job {id}: {}",
+            v[id]
+        );
+    }
+    // Released, so that no instance outlives the test.
+    for id in &ids {
+        let path = format!("/v1/jobs/{id}");
+        let _ = brokers[slow]
+            .client()
+            .call(reqwest::Method::DELETE, &path, None)
+            .await;
+        brokers[slow]
+            .client()
+            .wait_for(&path, Duration::from_secs(60), "the job's release", |v| {
+                v["broker"].is_null()
+            })
+            .await;
+    }
+}
+
+/// Every instance's output tail of job `id`, through `broker`, by instance id.
+async fn tails(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
+    let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["instance_id"].as_str().unwrap().to_string(),
+                t["output"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The step a run of `examples/command/train.py` resumed from (its `start … resumed_from=N`).
+fn resumed_from(tail: &str) -> Option<u64> {
+    tail.lines()
+        .filter_map(|l| l.split("resumed_from=").nth(1))
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .next_back()
+}
+
+/// Two brokers on one database with LocalStack's EC2 and S3. The broker that runs a command job
+/// dies (`kill -9`); the other takes the job over; the job's instance then ends, and the
+/// replacement the new owner launches restores the program's checkpoint from the store both
+/// brokers share (nothing of it was on the dead broker's disk). The output of both instances —
+/// the first one's sent to the dead broker — is readable through either broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_any_broker_shows_every_output()
+ {
+    let root = tempfile::tempdir().unwrap();
+    let deployment = unique("fo-cmd");
+    let db = ec2_database(root.path()).await;
+    let lease = LEASE_SECS.to_string();
+    let mut brokers = Vec::new();
+    for name in ["a", "b"] {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        brokers.push(start_ec2_broker_on(&dir, &db, &deployment, &["--lease-secs", &lease]).await);
+    }
+    let spec = serde_json::json!({
+        "name": "command-takeover",
+        "app": "command",
+        "policy": "bidbrain",
+        "limits": {"max_instances": 1, "max_reliable_instances": 1},
+        "work": {"total_work": 1.0, "instance_types": ["c5.large"], "startup_minutes": 0.0},
+        "command": {
+            "run": ["python3", proteus_e2e::example_program("train.py")],
+            "checkpoint_interval_secs": 1,
+            "env": {"STEPS": "400", "STEP_SECS": "0.2", "CHECKPOINT_EVERY": "5"}
+        }
+    });
+    let id = brokers[0].client().post("/v1/jobs", spec).await["id"]
+        .as_i64()
+        .unwrap();
+    let path = format!("/v1/jobs/{id}");
+    // Past a few checkpoints, on its first instance.
+    let view = brokers[0]
+        .client()
+        .wait_for(
+            &path,
+            Duration::from_secs(180),
+            "the program past its checkpoints",
+            |v| v["progress"].as_f64().unwrap_or(0.0) >= 20.0 / 400.0,
+        )
+        .await;
+    let owner = view["broker"].as_str().unwrap().to_string();
+    let (dead, alive) = if broker_id(&brokers[0]) == owner {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    let first = view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["state"] == "running")
+        .expect("a running instance")
+        .clone();
+    brokers[dead].kill9();
+    let survivor = brokers[alive].client();
+    let survivor_id = broker_id(&brokers[alive]);
+    survivor
+        .wait_for(
+            &path,
+            Duration::from_secs(60),
+            "the other broker to take the job over",
+            |v| v["broker"] == survivor_id.as_str(),
+        )
+        .await;
+    // The job's instance ends; the new owner replaces it.
+    let ec2 = localstack_ec2().await;
+    ec2.terminate_instances()
+        .instance_ids(first["cloud_id"].as_str().unwrap())
+        .send()
+        .await
+        .expect("TerminateInstances on LocalStack");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (replacement, from) = loop {
+        let t = tails(&brokers[alive], id).await;
+        if let Some((i, tail)) = t
+            .iter()
+            .find(|(i, tail)| *i != first["id"].as_str().unwrap() && tail.contains("resumed_from="))
+        {
+            break (i.clone(), resumed_from(tail).unwrap_or(0));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replacement ran the program within 240 s: {t:?}\n{}",
+            brokers[alive].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let first_tail = tails(&brokers[alive], id)
+        .await
+        .into_iter()
+        .find(|(i, _)| i == first["id"].as_str().unwrap())
+        .map(|(_, t)| t)
+        .unwrap_or_else(|| panic!("the first instance's output is not shown by the survivor"));
+    assert!(
+        from >= 5,
+        "the replacement {replacement} started from step {from}, not from the first instance's \
+         checkpoint:\n{first_tail}"
+    );
+    // The dead broker comes back: it shows the same output of the first instance.
+    brokers[dead].spawn(&[]).await;
+    let again = tails(&brokers[dead], id).await;
+    assert!(
+        again
+            .iter()
+            .any(|(i, t)| i == first["id"].as_str().unwrap() && *t == first_tail),
+        "the restarted broker shows other output: {again:?}"
+    );
+    assert!(again.iter().any(|(i, _)| *i == replacement), "{again:?}");
+    let _ = survivor.call(reqwest::Method::DELETE, &path, None).await;
+    survivor
+        .wait_for(&path, Duration::from_secs(60), "the job's release", |v| {
+            v["broker"].is_null()
+        })
+        .await;
 }

@@ -249,3 +249,57 @@ fn dry_run_checks_every_ec2_action_against_the_account() {
     assert_eq!(code, 1);
     assert!(err.contains("--cloud ec2"), "{err}");
 }
+
+/// A broker on a database other brokers can share (Postgres), on a cloud they share (EC2),
+/// with no checkpoint store named: its default, a directory on its own disk, would leave a job
+/// taken over by another broker without its checkpoints, so it refuses to start and says what to
+/// set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_would_keep_checkpoints_on_its_own_disk_beside_other_brokers_refuses_to_start()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let db = ec2_database(dir.path()).await;
+    let mut cmd = std::process::Command::new(proteus_e2e::bin("proteus"));
+    cmd.args([
+        "serve",
+        "--cloud",
+        "ec2",
+        "--region",
+        "us-east-1",
+        "--deployment",
+    ])
+    .arg(unique("no-store"))
+    .args([
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &db,
+        "--state-dir",
+    ])
+    .arg(dir.path().join("state"))
+    .env("PROTEUS_TOKEN", proteus_e2e::TOKEN)
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped());
+    for (k, v) in aws_env() {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("proteus serve");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("proteus serve started (or hung) without a shared checkpoint store");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("--checkpoint-store s3://BUCKET/PREFIX") && err.contains("own disk"),
+        "the refusal does not say what to set: {err}"
+    );
+}

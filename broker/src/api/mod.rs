@@ -141,6 +141,12 @@ impl From<ServiceError> for ApiError {
                     ),
                 )
             }
+            // Retried by agents (a 5xx), on this broker: it answers again once renewed.
+            e @ ServiceError::LeaseLapsed { .. } => ApiError::with_status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "lease_lapsed",
+                e.to_string(),
+            ),
             other => ApiError::internal(other),
         }
     }

@@ -434,6 +434,7 @@ fn launch_error<E: ProvideErrorMetadata + std::error::Error + 'static>(
         | Some("InstanceLimitExceeded")
         | Some("VcpuLimitExceeded") => CloudError::SpotQuotaExceeded { message },
         Some("SpotMaxPriceTooLow") => CloudError::PriceTooLow { market, message },
+        Some("IdempotentParameterMismatch") => CloudError::IdempotentParameterMismatch { message },
         _ => call_error("RunInstances", e),
     }
 }

@@ -95,6 +95,10 @@ pub enum CloudError {
     SpotQuotaExceeded { message: String },
     #[error("bid too low in {market}: {message}")]
     PriceTooLow { market: String, message: String },
+    /// A launch's ClientToken was used before with other parameters (EC2's
+    /// `IdempotentParameterMismatch`): a relaunch that is not the same launch.
+    #[error("IdempotentParameterMismatch: {message}")]
+    IdempotentParameterMismatch { message: String },
     #[error("{operation} failed: {message}")]
     Call {
         operation: &'static str,
@@ -109,13 +113,17 @@ impl CloudError {
             CloudError::InsufficientCapacity { .. } => "insufficient-capacity",
             CloudError::SpotQuotaExceeded { .. } => "spot-quota-exceeded",
             CloudError::PriceTooLow { .. } => "price-too-low",
+            CloudError::IdempotentParameterMismatch { .. } => "idempotent-parameter-mismatch",
             CloudError::Call { .. } => "cloud-error",
         }
     }
 
     /// Whether the market should be avoided for a while rather than retried.
     pub fn cools_down_market(&self) -> bool {
-        !matches!(self, CloudError::Call { .. })
+        !matches!(
+            self,
+            CloudError::Call { .. } | CloudError::IdempotentParameterMismatch { .. }
+        )
     }
 }
 

@@ -23,9 +23,35 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// A launch's parameters as EC2 compares them for a reused ClientToken (the user data included:
+/// it carries the agent token).
+#[derive(Debug, Clone, PartialEq)]
+struct LaunchParameters {
+    job_id: JobId,
+    market: Market,
+    tier: Tier,
+    bid: Option<UsdPerHour>,
+    user_data: String,
+}
+
+impl LaunchParameters {
+    fn of(spec: &LaunchSpec) -> LaunchParameters {
+        LaunchParameters {
+            job_id: spec.job_id,
+            market: spec.market.clone(),
+            tier: spec.tier,
+            bid: spec.bid,
+            user_data: spec.agent_token.clone(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct SimInstance {
     instance_id: String,
+    /// What the launch asked for besides its ClientToken (the instance id): a later launch with
+    /// the same token must ask for the same, as on EC2.
+    asked: LaunchParameters,
     job_id: JobId,
     market: Market,
     launched: Timestamp,
@@ -155,18 +181,28 @@ impl Cloud for SimCloud {
                 });
             }
         }
-        // Idempotent like EC2's ClientToken: the same broker id returns the same instance.
+        // Idempotent like EC2's ClientToken: the same broker id with the same parameters
+        // returns the same instance; with other parameters it is refused.
         if let Some((cloud_id, i)) = state
             .instances
             .iter()
             .find(|(_, i)| i.instance_id == spec.instance_id)
         {
+            if i.asked != LaunchParameters::of(spec) {
+                return Err(CloudError::IdempotentParameterMismatch {
+                    message: format!(
+                        "client token {} was used for a launch with other parameters ({cloud_id})",
+                        spec.instance_id
+                    ),
+                });
+            }
             return Ok(describe_one(cloud_id, i));
         }
         state.next += 1;
         let cloud_id = format!("sim-{:08x}", state.next);
         let instance = SimInstance {
             instance_id: spec.instance_id.clone(),
+            asked: LaunchParameters::of(spec),
             job_id: spec.job_id,
             market: spec.market.clone(),
             launched: now,

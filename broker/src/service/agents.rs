@@ -103,11 +103,7 @@ impl Broker {
         {
             // Only the job's owner controls its agents; another broker sends them on (421),
             // and they try the next broker URL they were given.
-            if self.membership().lease(identity.job_id).is_none() {
-                return Err(ServiceError::NotOwner {
-                    job: identity.job_id,
-                });
-            }
+            self.fence(identity.job_id)?;
             return Ok(identity);
         }
         // Wrong token for this instance: is it somebody else's?
@@ -205,6 +201,7 @@ impl Broker {
             Ok(()) => {
                 self.store
                     .add_event(
+                        Some(&self.fence(job.id)?),
                         Some(job.id),
                         Some(&identity.instance_id),
                         now,
@@ -294,8 +291,10 @@ impl Broker {
         if let Some(control) = self.control.get(identity.job_id) {
             control.update(|c| c.event(&InstanceId(cloud_id.to_string()), event, wall_ms()))?;
         }
+        let lease = self.fence(identity.job_id)?;
         self.store
             .add_event(
+                Some(&lease),
                 Some(identity.job_id),
                 Some(&identity.instance_id),
                 now,
@@ -306,7 +305,7 @@ impl Broker {
         if warning
             && self
                 .store
-                .mark_warned(&identity.instance_id, now, None)
+                .mark_warned(Some(&lease), &identity.instance_id, now, None)
                 .await?
         {
             self.status_cache.invalidate();

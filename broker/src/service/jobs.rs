@@ -389,7 +389,7 @@ impl Broker {
                 created: now,
                 // Another broker's claim leaves it to this one's grant below, unless this
                 // one dies first.
-                grant_by_ms: super::membership::wall_now_ms() + self.membership.lease_ms(),
+                grant_window_ms: self.membership.lease_ms(),
             })
             .await?;
         let mut detail = match (valid.budget_usd, default_budget) {
@@ -411,7 +411,7 @@ impl Broker {
             ));
         }
         self.store
-            .add_event(Some(id), None, now, "job_submitted", &detail)
+            .add_event(None, Some(id), None, now, "job_submitted", &detail)
             .await?;
         drop(runtime);
         // The job goes to the broker with the fewest; this one builds its runtime only if

@@ -9,6 +9,14 @@
 //! - A new job goes to the live broker with the fewest jobs ([`Broker::grant_new_job`]).
 //! - A stopping broker releases its leases ([`Broker::leave`]), so its jobs move at once.
 //!
+//! Expiry is the database's to judge (see [`crate::store::Lease`]). Locally, each lease held
+//! carries a monotonic deadline: [`LOCAL_SHARE`] of the lease period after the grant, claim or
+//! renewal that gave it was *asked for*. The database set the expiry no earlier than that, so
+//! until the local deadline no other broker can have claimed the job. Past it, without a
+//! renewal (the database is slow, the process was paused), this broker does not act on the job
+//! at all — no launch, no release, no write, no answer to its agents
+//! ([`ServiceError::LeaseLapsed`]) — until a renewal says the job is still its own.
+//!
 //! On the embedded database a broker is alone (it holds the file's lock), so it claims every
 //! job at start without waiting for leases of an earlier process to expire.
 
@@ -18,10 +26,23 @@ use proteus_wire::JobId;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Default lease period: a dead broker's jobs move within about this long (plus a tick).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+/// The part of a lease period a broker acts on a lease for after asking for it (3/4): the rest
+/// is its margin for the time the database took to answer and for the two clocks' rates. The
+/// keeper renews every quarter period, so a healthy broker's deadline stays half a period
+/// ahead.
+pub const LOCAL_SHARE: (u32, u32) = (3, 4);
+
+/// A lease this broker holds, and until when (on its monotonic clock) it may act on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    lease: Lease,
+    until: Instant,
+}
 
 /// Who this broker is, and the leases it holds.
 #[derive(Debug)]
@@ -31,7 +52,7 @@ pub struct Membership {
     lease: Duration,
     /// Alone on its database (the embedded default): claims without waiting for expiry.
     exclusive: bool,
-    held: Mutex<HashMap<JobId, Lease>>,
+    held: Mutex<HashMap<JobId, Held>>,
 }
 
 impl Membership {
@@ -55,29 +76,52 @@ impl Membership {
         self.lease
     }
 
-    /// The lease held on `job`, if this broker owns it.
+    /// The lease held on `job`, if this broker owns it and its local deadline has not passed.
     pub fn lease(&self, job: JobId) -> Option<Lease> {
-        self.lock().get(&job).copied()
+        self.lease_at(job, Instant::now()).ok()
     }
 
-    /// The jobs this broker owns.
+    /// The lease held on `job` at `now` on the monotonic clock: refused when this broker does
+    /// not hold it, or holds it past its local deadline.
+    pub fn lease_at(&self, job: JobId, now: Instant) -> Result<Lease, ServiceError> {
+        match self.lock().get(&job) {
+            None => Err(ServiceError::NotOwner { job }),
+            Some(h) if now >= h.until => Err(ServiceError::LeaseLapsed {
+                job,
+                by: now.duration_since(h.until),
+            }),
+            Some(h) => Ok(h.lease),
+        }
+    }
+
+    /// The jobs this broker holds leases on (lapsed or not).
     pub fn jobs(&self) -> HashSet<JobId> {
         self.lock().keys().copied().collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Lease>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Held>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The local deadline of a lease the store granted, claimed or renewed for a request made
+    /// at `asked`.
+    fn deadline(&self, asked: Instant) -> Instant {
+        let (num, den) = LOCAL_SHARE;
+        asked + self.lease * num / den
+    }
+
+    /// Records leases the store gave for a request made at `asked`.
+    fn hold(&self, leases: &[Lease], asked: Instant) {
+        let until = self.deadline(asked);
+        let mut held = self.lock();
+        for l in leases {
+            held.insert(l.job(), Held { lease: *l, until });
+        }
     }
 
     pub(super) fn lease_ms(&self) -> i64 {
         i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX / 4)
     }
-}
-
-/// Wall time in epoch milliseconds, as the store's lease columns hold it: leases are between
-/// processes, not in market time.
-pub(super) fn wall_now_ms() -> i64 {
-    i64::try_from(super::control::wall_ms()).unwrap_or(i64::MAX)
 }
 
 /// A fresh broker id.
@@ -101,12 +145,12 @@ pub fn broker_id_of(state_dir: &Path) -> std::io::Result<String> {
 }
 
 impl Broker {
-    /// The lease this broker holds on `job`: what its writes for the job carry. Refused when the
-    /// job is another broker's.
+    /// The lease this broker holds on `job`: what its writes for the job carry, and what is
+    /// asked for right before every cloud call made for the job. Refused when the job is
+    /// another broker's ([`ServiceError::NotOwner`]) or its lease went unrenewed past the local
+    /// deadline ([`ServiceError::LeaseLapsed`]).
     pub fn fence(&self, job: JobId) -> Result<Lease, ServiceError> {
-        self.membership
-            .lease(job)
-            .ok_or(ServiceError::NotOwner { job })
+        self.membership.lease_at(job, Instant::now())
     }
 
     /// Records this broker's row (at start).
@@ -116,7 +160,6 @@ impl Broker {
                 self.membership.id(),
                 self.membership.url(),
                 std::process::id(),
-                wall_now_ms(),
             )
             .await?;
         Ok(())
@@ -128,29 +171,31 @@ impl Broker {
     pub async fn renew_leases(&self) -> Result<(), ServiceError> {
         // Leases gained while the heartbeat is in flight (a claim, a grant) are not in its
         // answer, and are not lost: only those held before it can be.
-        let before = self.membership.lock().clone();
+        let before: HashMap<JobId, Lease> = self
+            .membership
+            .lock()
+            .iter()
+            .map(|(j, h)| (*j, h.lease))
+            .collect();
+        let asked = Instant::now();
         let renewed = self
             .store
-            .heartbeat(
-                self.membership.id(),
-                wall_now_ms(),
-                self.membership.lease_ms(),
-            )
+            .heartbeat(self.membership.id(), self.membership.lease_ms())
             .await?;
         let now: HashMap<JobId, Lease> = renewed.iter().map(|l| (l.job(), *l)).collect();
         let lost: Vec<JobId> = {
             let mut held = self.membership.lock();
             let lost: Vec<JobId> = held
                 .iter()
-                .filter(|(j, l)| !now.contains_key(j) && before.get(j) == Some(l))
+                .filter(|(j, h)| !now.contains_key(j) && before.get(j) == Some(&h.lease))
                 .map(|(j, _)| *j)
                 .collect();
             for job in &lost {
                 held.remove(job);
             }
-            held.extend(now);
             lost
         };
+        self.membership.hold(&renewed, asked);
         for job in lost {
             tracing::warn!(%job, "lost the lease on a job to another broker; dropping it");
             self.drop_job(job);
@@ -197,12 +242,11 @@ impl Broker {
     /// Claims jobs whose lease expired, up to this broker's fair share, and returns the
     /// leases gained.
     pub(crate) async fn claim_share(&self) -> Result<Vec<Lease>, ServiceError> {
-        let now = wall_now_ms();
         let lease_ms = self.membership.lease_ms();
         let (max, unowned) = if self.membership.exclusive {
             (i64::MAX / 4, true)
         } else {
-            let live = self.store.live_brokers(now - lease_ms).await?;
+            let live = self.store.live_brokers(lease_ms).await?;
             let brokers = i64::try_from(live.len().max(1)).unwrap_or(1);
             let active = self.store.active_job_count().await?;
             let share = (active + brokers - 1) / brokers;
@@ -212,11 +256,11 @@ impl Broker {
             // its submitter is giving it to the broker with the fewest.
             ((share - held).max(1), share > held)
         };
+        let asked = Instant::now();
         let claimed = self
             .store
             .claim_expired(
                 self.membership.id(),
-                now,
                 lease_ms,
                 max,
                 self.membership.exclusive,
@@ -230,16 +274,12 @@ impl Broker {
             self.membership.lock().remove(&l.job());
             self.forget_job_state(l.job());
         }
-        if !claimed.is_empty() {
-            let mut held = self.membership.lock();
-            for l in &claimed {
-                held.insert(l.job(), *l);
-            }
-        }
+        self.membership.hold(&claimed, asked);
         for l in &claimed {
             tracing::info!(job = %l.job(), token = l.token(), "took over a job's lease");
             self.store
                 .add_event(
+                    Some(l),
                     Some(l.job()),
                     None,
                     self.clock.now(),
@@ -259,9 +299,8 @@ impl Broker {
     /// Gives a new job its first owner: the live broker with the fewest jobs (this one on a
     /// tie, or when it is alone).
     pub(crate) async fn grant_new_job(&self, job: JobId) -> Result<Option<Lease>, ServiceError> {
-        let now = wall_now_ms();
         let lease_ms = self.membership.lease_ms();
-        let live = self.store.live_brokers(now - lease_ms).await?;
+        let live = self.store.live_brokers(lease_ms).await?;
         let mine = live
             .iter()
             .find(|b| b.id == self.membership.id())
@@ -270,9 +309,10 @@ impl Broker {
             (Some(first), Some(mine)) if first.jobs < mine => first.id.clone(),
             _ => self.membership.id().to_string(),
         };
-        match self.store.grant_lease(job, &owner, now, lease_ms).await? {
+        let asked = Instant::now();
+        match self.store.grant_lease(job, &owner, lease_ms).await? {
             Some(lease) if owner == self.membership.id() => {
-                self.membership.lock().insert(job, lease);
+                self.membership.hold(&[lease], asked);
                 Ok(Some(lease))
             }
             Some(_) => {
@@ -288,8 +328,7 @@ impl Broker {
     /// an agent whose broker died finds the one that takes its job over.
     pub async fn agent_broker_urls(&self) -> Vec<String> {
         let mut urls = vec![self.membership.url().to_string()];
-        let since = wall_now_ms() - self.membership.lease_ms();
-        if let Ok(live) = self.store.live_brokers(since).await {
+        if let Ok(live) = self.store.live_brokers(self.membership.lease_ms()).await {
             for b in live {
                 if !urls.contains(&b.url) {
                     urls.push(b.url);
@@ -309,5 +348,54 @@ impl Broker {
 
     pub fn membership(&self) -> &Membership {
         &self.membership
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(lease: Duration) -> Membership {
+        Membership::new("brk-test".into(), "http://b".into(), lease, false)
+    }
+
+    /// A lease is acted on for three quarters of its period after it was asked for; past that,
+    /// without a renewal, the holder refuses to act (and keeps the lease, for a renewal to
+    /// revive); a renewal moves the deadline; a job never held is another broker's.
+    #[test]
+    fn a_lease_is_acted_on_until_its_local_deadline_and_again_after_a_renewal() {
+        let period = Duration::from_secs(8);
+        let m = member(period);
+        let job = JobId(7);
+        let lease = Lease::for_test(job, 3);
+        let asked = Instant::now();
+        m.hold(&[lease], asked);
+        let deadline = asked + Duration::from_secs(6);
+        assert_eq!(m.lease_at(job, asked).unwrap(), lease);
+        assert_eq!(
+            m.lease_at(job, deadline - Duration::from_millis(1))
+                .unwrap(),
+            lease
+        );
+        match m.lease_at(job, deadline + Duration::from_secs(2)) {
+            Err(ServiceError::LeaseLapsed { job: j, by }) => {
+                assert_eq!((j, by), (job, Duration::from_secs(2)))
+            }
+            other => panic!("a lease past its local deadline was acted on: {other:?}"),
+        }
+        assert!(
+            m.jobs().contains(&job),
+            "a lapsed lease is kept for its renewal"
+        );
+        // Renewed (asked 5 s after the first): good until 6 s after that.
+        m.hold(&[lease], asked + Duration::from_secs(5));
+        assert_eq!(
+            m.lease_at(job, deadline + Duration::from_secs(2)).unwrap(),
+            lease
+        );
+        assert!(matches!(
+            m.lease_at(JobId(8), asked),
+            Err(ServiceError::NotOwner { job: JobId(8) })
+        ));
     }
 }

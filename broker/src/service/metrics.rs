@@ -24,6 +24,8 @@ pub struct Metrics {
     pub evictions: Counter,
     pub warnings: Counter,
     pub terminations: Counter,
+    pub ticks: Counter,
+    pub lease_lapses: Counter,
     decisions: Histogram,
     registry: Registry,
 }
@@ -36,6 +38,8 @@ impl Default for Metrics {
             evictions: Counter::default(),
             warnings: Counter::default(),
             terminations: Counter::default(),
+            ticks: Counter::default(),
+            lease_lapses: Counter::default(),
             decisions: Histogram::new(BUCKETS),
             registry: Registry::default(),
         };
@@ -61,6 +65,17 @@ impl Default for Metrics {
                 "proteus_terminations",
                 "Instances the broker terminated",
                 &m.terminations,
+            ),
+            (
+                "proteus_scheduler_ticks",
+                "Passes of the control loop",
+                &m.ticks,
+            ),
+            (
+                "proteus_lease_lapses",
+                "Job ticks skipped: the broker's lease on the job went unrenewed past its local \
+                 deadline (the database is slow or the broker was paused)",
+                &m.lease_lapses,
             ),
         ] {
             // Metrics share their state with their clones: the registry's copy is the field.

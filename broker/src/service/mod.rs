@@ -259,6 +259,13 @@ pub enum ServiceError {
     /// The job is another broker's (or nobody's, for a moment, while its lease moves).
     #[error("job {job} is run by another broker")]
     NotOwner { job: JobId },
+    /// This broker holds the job's lease but has not renewed it in time (its local deadline
+    /// passed `by` ago): it does not act on the job until a renewal says it still owns it.
+    #[error(
+        "this broker's lease on job {job} went unrenewed {by:?} past its local deadline; it acts \
+         on the job again once the lease is renewed"
+    )]
+    LeaseLapsed { job: JobId, by: std::time::Duration },
 }
 
 impl ServiceError {
@@ -366,9 +373,7 @@ impl Broker {
         if let Some(r) = self.runtime(job.id) {
             return Ok(r);
         }
-        if self.membership.lease(job.id).is_none() {
-            return Err(ServiceError::NotOwner { job: job.id });
-        }
+        self.fence(job.id)?;
         let spec: JobSpec = serde_json::from_str(&job.spec)
             .map_err(|e| ServiceError::Internal(format!("stored spec of job {}: {e}", job.id)))?;
         let valid = spec
@@ -388,9 +393,7 @@ impl Broker {
         if let Some(r) = runtimes.get(&job.id) {
             return Ok(r.clone());
         }
-        if self.membership.lease(job.id).is_none() {
-            return Err(ServiceError::NotOwner { job: job.id });
-        }
+        self.fence(job.id)?;
         self.control
             .ensure(
                 job.id,

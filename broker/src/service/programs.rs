@@ -281,10 +281,16 @@ impl Broker {
         text: &str,
     ) -> Result<(), ServiceError> {
         let identity = self.authenticate_agent(token, cloud_id).await?;
-        self.programs()?
-            .write_output(identity.job_id, &identity.instance_id, text)
-            .await
-            .map_err(storage_error)
+        let lease = self.fence(identity.job_id)?;
+        self.store
+            .put_output(
+                Some(&lease),
+                identity.job_id,
+                &identity.instance_id,
+                crate::checkpoint::tail(text),
+            )
+            .await?;
+        Ok(())
     }
 
     /// Every instance's output tail of a job (empty for jobs that are not command jobs).
@@ -292,13 +298,7 @@ impl Broker {
         if self.store.job(id).await?.is_none() {
             return Err(ServiceError::NoSuchJob(id));
         }
-        let Some(storage) = self.programs.get() else {
-            return Ok(Vec::new());
-        };
-        let outputs = storage
-            .outputs(id)
-            .await
-            .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let outputs = self.store.outputs_of_job(id).await?;
         Ok(outputs
             .into_iter()
             .map(|(instance_id, output)| OutputView {

@@ -108,22 +108,35 @@ impl Broker {
                     report.ended += 1;
                 }
                 (InstanceState::Requested, _) => {
-                    let token = crate::api::auth::new_token("pa_");
-                    self.store
-                        .set_token_hash(
-                            Some(&lease),
-                            &row.id,
-                            &crate::api::auth::hash_token(&token),
-                        )
-                        .await?;
-                    let mut row = row.clone();
-                    row.token_hash = crate::api::auth::hash_token(&token);
-                    self.launch_recorded(&row, &token, now).await?;
+                    // The same ClientToken (the id) with the same parameters and user data (the
+                    // token stored with the intent): if the first call did reach the cloud and
+                    // its instance is not listed yet, EC2 answers with that instance.
+                    let row = match &row.launch_token {
+                        Some(token) => {
+                            self.launch_recorded(row, token, now).await?;
+                            row.clone()
+                        }
+                        // An intent stored before launch tokens were kept: a new token (EC2
+                        // refuses it with IdempotentParameterMismatch if the first call landed;
+                        // the instance is then ended as a leak).
+                        None => {
+                            let token = crate::api::auth::new_token("pa_");
+                            let mut row = row.clone();
+                            row.token_hash = crate::api::auth::hash_token(&token);
+                            self.store
+                                .set_token_hash(Some(&lease), &row.id, &row.token_hash)
+                                .await?;
+                            self.launch_recorded(&row, &token, now).await?;
+                            row
+                        }
+                    };
+                    tracing::info!(instance = %row.id, "relaunched an intent the cloud does not list");
                     report.relaunched += 1;
                 }
                 (InstanceState::Terminating, ci) => {
                     match ci {
                         Some(ci) if !ci.state.is_gone() => {
+                            self.fence(row.job_id)?;
                             if let Err(e) = self
                                 .cloud
                                 .terminate(std::slice::from_ref(&ci.cloud_id))
@@ -174,6 +187,11 @@ impl Broker {
                     None => true,
                 };
             if leaked {
+                // One of these jobs' is ended under its lease; nobody's, as the deployment's.
+                let lease = match ci.job_id {
+                    Some(job) if jobs.contains(&job) => Some(self.fence(job)?),
+                    _ => None,
+                };
                 tracing::warn!(cloud_id = %ci.cloud_id, tag = ?ci.instance_id, "terminating an instance no live record claims");
                 if let Err(e) = self
                     .cloud
@@ -184,6 +202,7 @@ impl Broker {
                 }
                 self.store
                     .add_event(
+                        lease.as_ref(),
                         ci.job_id,
                         ci.instance_id.as_deref(),
                         now,

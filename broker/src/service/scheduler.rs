@@ -45,6 +45,7 @@ impl Broker {
     /// One pass of the control loop.
     pub async fn tick(&self) -> Result<(), ServiceError> {
         let outcome = self.tick_jobs().await;
+        super::metrics::Metrics::inc(&self.metrics.ticks);
         // Job statuses show what the tick wrote from now on.
         self.status_cache
             .refresh(&self.store, self.clock.now())
@@ -81,8 +82,14 @@ impl Broker {
             tracing::warn!(error = %e, "cannot finish graceful stops; retrying next tick");
         }
         for job in leased {
-            let Some(lease) = self.membership().lease(job.id) else {
-                continue;
+            let lease = match self.fence(job.id) {
+                Ok(lease) => lease,
+                Err(e @ ServiceError::LeaseLapsed { .. }) => {
+                    super::metrics::Metrics::inc(&self.metrics.lease_lapses);
+                    tracing::warn!(job = %job.id, error = %e, "not acting on the job");
+                    continue;
+                }
+                Err(_) => continue,
             };
             let outcome = if job.state.is_over() {
                 self.wind_down(&job, &lease, now).await
@@ -93,6 +100,11 @@ impl Broker {
                 Err(ServiceError::NotOwner { job })
                 | Err(ServiceError::Store(crate::store::StoreError::Fenced { job })) => {
                     self.lost_lease(job)
+                }
+                // Acted on again once renewed (the keeper), with nothing forgotten.
+                Err(e @ ServiceError::LeaseLapsed { .. }) => {
+                    super::metrics::Metrics::inc(&self.metrics.lease_lapses);
+                    tracing::warn!(job = %job.id, error = %e, "job tick stopped")
                 }
                 Err(e) => tracing::warn!(job = %job.id, error = %e, "job tick failed"),
                 Ok(()) => {}
@@ -180,6 +192,17 @@ impl Broker {
         Ok(())
     }
 
+    /// Whether a cloud event about `job`'s instance is this broker's to record: not when the job
+    /// is another broker's (its owner sees the same event); held back (an error, so the event
+    /// waits in the queue) while this broker's lease on it is lapsed.
+    fn owns(&self, job: JobId) -> Result<bool, ServiceError> {
+        match self.fence(job) {
+            Ok(_) => Ok(true),
+            Err(ServiceError::NotOwner { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn apply_cloud_event(
         &self,
         event: &CloudEvent,
@@ -196,8 +219,7 @@ impl Broker {
                 at,
                 by_provider,
             } => match self.store.instance_by_cloud_id(cloud_id).await? {
-                // Another broker's job: its owner sees the same event.
-                Some(row) if self.membership().lease(row.job_id).is_some() => {
+                Some(row) if self.owns(row.job_id)? => {
                     self.on_ended(&row, *at, *by_provider, now).await
                 }
                 _ => Ok(()),
@@ -217,17 +239,21 @@ impl Broker {
         let Some(row) = self.store.instance_by_cloud_id(cloud_id).await? else {
             return Ok(());
         };
-        if self.membership().lease(row.job_id).is_none() {
-            // Another broker's job: its owner sees the same event.
+        if !self.owns(row.job_id)? {
             return Ok(());
         }
+        let lease = self.fence(row.job_id)?;
         let detail = format!("{} reclaims it at {action_time}", row.market);
         let event = EventRecord {
             job: Some(row.job_id),
             kind: "interruption_warning",
             detail: &detail,
         };
-        if !self.store.mark_warned(&row.id, at, Some(event)).await? {
+        if !self
+            .store
+            .mark_warned(Some(&lease), &row.id, at, Some(event))
+            .await?
+        {
             return Ok(());
         }
         if let Some(runtime) = self.runtime(row.job_id) {
@@ -362,6 +388,7 @@ impl Broker {
             if let Some(row) = self.store.instance_by_cloud_id(&dead.0).await? {
                 self.store
                     .add_event(
+                        Some(&self.fence(job.id)?),
                         Some(job.id),
                         Some(&row.id),
                         now,
@@ -528,7 +555,11 @@ impl Broker {
                     .min(now),
                 None => now,
             };
-            if self.store.mark_ready(&row.id, at).await? {
+            if self
+                .store
+                .mark_ready(Some(&self.fence(row.job_id)?), &row.id, at)
+                .await?
+            {
                 ready.push(Input::Ready {
                     id: InstanceId(row.id.clone()),
                     at,
@@ -606,12 +637,14 @@ impl Broker {
                         }
                     }
                     Command::MarkReady { id, at } => {
-                        self.store.mark_ready(&id.0, at).await?;
+                        self.store
+                            .mark_ready(Some(&self.fence(job)?), &id.0, at)
+                            .await?;
                     }
                     Command::Observe(o) => self.market_data().observe(o.as_observation()),
                     Command::Record { kind, detail } => {
                         self.store
-                            .add_event(Some(job), None, now, kind, &detail)
+                            .add_event(Some(&self.fence(job)?), Some(job), None, now, kind, &detail)
                             .await?;
                     }
                     Command::End(e) => {
@@ -756,7 +789,8 @@ impl Broker {
             purchase,
             crate::api::auth::hash_token(&token),
             now,
-        );
+        )
+        .carrying(token.clone());
         self.store
             .insert_instance(Some(&self.fence(job)?), &row)
             .await?;
@@ -781,6 +815,9 @@ impl Broker {
         };
         // Until the launch is recorded (or refused), a job's end leaves this instance to it.
         let _in_flight = InFlight::enter(&self.launches_in_flight, &row.id);
+        // The lease is asked for at the cloud call, not only at the intent's write before it:
+        // a broker that stalled in between (past its local deadline) does not launch.
+        self.fence(row.job_id)?;
         match self.cloud.launch(&spec).await {
             Ok(ci) => {
                 crate::failpoint::hit("launch-after-cloud");
@@ -799,7 +836,14 @@ impl Broker {
                     None => format!("{} on-demand ({})", row.market, ci.cloud_id),
                 };
                 self.store
-                    .add_event(Some(row.job_id), Some(&row.id), now, "launched", &what)
+                    .add_event(
+                        Some(&self.fence(row.job_id)?),
+                        Some(row.job_id),
+                        Some(&row.id),
+                        now,
+                        "launched",
+                        &what,
+                    )
                     .await?;
                 let job_over = self
                     .store
@@ -823,7 +867,12 @@ impl Broker {
             }
             Err(e) => {
                 self.store
-                    .mark_launch_failed(&row.id, &e.to_string(), now)
+                    .mark_launch_failed(
+                        Some(&self.fence(row.job_id)?),
+                        &row.id,
+                        &e.to_string(),
+                        now,
+                    )
                     .await?;
                 super::metrics::Metrics::inc(&self.metrics.launch_failures);
                 let mut detail = format!("{}: {}: {e}", row.market, e.reason());
@@ -852,6 +901,7 @@ impl Broker {
                 tracing::warn!(instance = %row.id, %detail, "launch failed");
                 self.store
                     .add_event(
+                        Some(&self.fence(row.job_id)?),
                         Some(row.job_id),
                         Some(&row.id),
                         now,
@@ -893,13 +943,19 @@ impl Broker {
         match launcher.start(&row.id, facts, token, recorded, &urls).await {
             Ok((addr, pid)) => {
                 self.store
-                    .set_local_agent(&row.id, &addr.to_string(), Some(pid))
+                    .set_local_agent(
+                        Some(&self.fence(row.job_id)?),
+                        &row.id,
+                        &addr.to_string(),
+                        Some(pid),
+                    )
                     .await?
             }
             Err(e) => {
                 tracing::warn!(instance = %row.id, error = %e, "cannot start the local agent");
                 self.store
                     .add_event(
+                        Some(&self.fence(row.job_id)?),
                         Some(row.job_id),
                         Some(&row.id),
                         self.clock.now(),
@@ -944,6 +1000,7 @@ impl Broker {
             .await?;
         self.store
             .add_event(
+                Some(&lease),
                 Some(row.job_id),
                 Some(&row.id),
                 now,
@@ -1008,6 +1065,8 @@ impl Broker {
                     .mark_terminating(Some(&self.fence(row.job_id)?), &row.id, reason)
                     .await?;
                 crate::failpoint::hit("terminate-after-intent");
+                // Asked again at the cloud call (see `launch_recorded`).
+                self.fence(row.job_id)?;
                 super::metrics::Metrics::inc(&self.metrics.terminations);
                 if let Err(e) = self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
                     tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry");
@@ -1057,6 +1116,9 @@ impl Broker {
             .mark_terminating_many(lease.as_ref(), &ids, reason)
             .await?;
         crate::failpoint::hit("terminate-after-intent");
+        if let Some(r) = live.first() {
+            self.fence(r.job_id)?;
+        }
         let cloud_ids: Vec<String> = launched.iter().map(|(_, c)| (*c).clone()).collect();
         for batch in cloud_ids.chunks(TERMINATE_BATCH) {
             self.metrics.terminations.inc_by(batch.len() as u64);
@@ -1109,7 +1171,7 @@ impl Broker {
         }
         tracing::info!(%job, state = %state, reason, "job finished");
         self.store
-            .add_event(Some(job), None, now, &format!("job_{state}"), reason)
+            .add_event(lease, Some(job), None, now, &format!("job_{state}"), reason)
             .await?;
         Ok(true)
     }

@@ -300,7 +300,7 @@ mod tests {
             budget_usd: None,
             deadline: None,
             created: Timestamp::from_millis(0),
-            grant_by_ms: 0,
+            grant_window_ms: 0,
         };
         let asked = store.create_job(&new_job("asked")).await.unwrap();
         let unasked = store.create_job(&new_job("unasked")).await.unwrap();

@@ -126,10 +126,11 @@ pub struct NewJob {
     pub budget_usd: Option<Usd>,
     pub deadline: Option<Timestamp>,
     pub created: Timestamp,
-    /// Until this wall time (ms since the epoch) the job is its submitter's to give its first
-    /// owner: no other broker's claim takes it before (0: claimable at once). A submitter that
-    /// dies between storing the job and granting it leaves it to the others after that.
-    pub grant_by_ms: i64,
+    /// For this long from its insert (on the database's clock) the job is its submitter's to
+    /// give its first owner: no other broker's claim takes it before (0: claimable at once). A
+    /// submitter that dies between storing the job and granting it leaves it to the others
+    /// after that.
+    pub grant_window_ms: i64,
 }
 
 /// An instance as stored.
@@ -163,6 +164,11 @@ pub struct InstanceRow {
     /// A graceful stop: its agent was told to stop, and the instance is ended once the agent
     /// has left, or at this time at the latest.
     pub stop_by: Option<Timestamp>,
+    /// The agent token the launch's user data carries, kept while the launch is unanswered
+    /// (cleared once it is recorded): every retry, and a relaunch by the broker that took the
+    /// job over, sends the same ClientToken with the same parameters.
+    #[serde(skip)]
+    pub launch_token: Option<String>,
 }
 
 impl InstanceRow {
@@ -196,7 +202,15 @@ impl InstanceRow {
             metadata_addr: None,
             agent_pid: None,
             stop_by: None,
+            launch_token: None,
         }
+    }
+
+    /// The intent, carrying the agent token its launch's user data will carry (see
+    /// [`InstanceRow::launch_token`]).
+    pub fn carrying(mut self, launch_token: String) -> InstanceRow {
+        self.launch_token = Some(launch_token);
+        self
     }
 }
 
@@ -364,6 +378,8 @@ impl JobStatusRecord {
                 metadata_addr: self.i_metadata_addr.take(),
                 agent_pid: self.i_agent_pid,
                 stop_by_ms: self.i_stop_by_ms,
+                // What a status shows never needs it.
+                launch_token: None,
                 id: id.clone(),
             })
         })();
@@ -433,11 +449,12 @@ struct InstanceRecord {
     metadata_addr: Option<String>,
     agent_pid: Option<i64>,
     stop_by_ms: Option<i64>,
+    launch_token: Option<String>,
 }
 
 const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
      state, token_hash, requested_ms, launched_ms, ready_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
-     metadata_addr, agent_pid, stop_by_ms";
+     metadata_addr, agent_pid, stop_by_ms, launch_token";
 
 fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
     let bad = |e: crate::market::InvalidValue| {
@@ -467,28 +484,31 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         metadata_addr: r.metadata_addr,
         agent_pid: r.agent_pid.and_then(|p| u32::try_from(p).ok()),
         stop_by: r.stop_by_ms.map(Timestamp::from_millis),
+        launch_token: r.launch_token,
     })
 }
 
 impl Store {
     pub async fn create_job(&self, job: &NewJob) -> Result<JobId, StoreError> {
+        let sql = format!(
+            "INSERT INTO jobs (name, spec, policy, billing, state, budget_usd, deadline_ms, \
+                 created_ms, lease_expires_ms) \
+             VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, {} + $8) RETURNING id",
+            self.db_now_sql()
+        );
         let id: i64 = with_db!(self, |pool| {
-            sqlx::query_scalar(
-                "INSERT INTO jobs (name, spec, policy, billing, state, budget_usd, deadline_ms, \
-                     created_ms, lease_expires_ms) \
-                 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8) RETURNING id",
-            )
-            .bind(&job.name)
-            .bind(&job.spec)
-            .bind(&job.policy)
-            .bind(&job.billing)
-            .bind(job.budget_usd.map(Usd::get))
-            .bind(job.deadline.map(|t| t.millis()))
-            .bind(job.created.millis())
-            .bind(job.grant_by_ms)
-            .fetch_one(pool)
-            .await
-            .context("creating a job")?
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(&job.name)
+                .bind(&job.spec)
+                .bind(&job.policy)
+                .bind(&job.billing)
+                .bind(job.budget_usd.map(Usd::get))
+                .bind(job.deadline.map(|t| t.millis()))
+                .bind(job.created.millis())
+                .bind(job.grant_window_ms)
+                .fetch_one(pool)
+                .await
+                .context("creating a job")?
         });
         Ok(JobId(id))
     }
@@ -676,8 +696,8 @@ impl Store {
         let done = with_db!(self, |pool| {
             sqlx::query(
                 "INSERT INTO instances (id, job_id, cloud_id, availability_zone, instance_type, product, tier, \
-                     bid_usd, state, token_hash, requested_ms, launched_ms) \
-                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 \
+                     bid_usd, state, token_hash, requested_ms, launched_ms, launch_token) \
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $14 \
                  WHERE ($13 IS NULL OR EXISTS (SELECT 1 FROM jobs WHERE id = $2 AND lease_token = $13))",
             )
             .bind(&i.id)
@@ -693,6 +713,7 @@ impl Store {
             .bind(i.requested.millis())
             .bind(i.launched.map(|t| t.millis()))
             .bind(token_of(lease))
+            .bind(&i.launch_token)
             .execute(pool)
             .await
             .context("recording an instance")?
@@ -799,6 +820,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let sql = format!(
             "UPDATE instances SET cloud_id = $2, launched_ms = COALESCE(launched_ms, $3), \
+                 launch_token = NULL, \
                  state = CASE WHEN state = 'requested' THEN 'running' ELSE state END \
              WHERE id = $1 AND {}",
             instances_fence(4)
@@ -821,20 +843,28 @@ impl Store {
     /// Records when an instance started working for its job: the first time only, while it is
     /// running or warned (an instance warned while starting still becomes ready, as in the
     /// simulator), never after it ended.
-    pub async fn mark_ready(&self, id: &str, at: Timestamp) -> Result<bool, StoreError> {
+    pub async fn mark_ready(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        at: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET ready_ms = $2 \
+             WHERE id = $1 AND ready_ms IS NULL AND state IN ('running', 'warned') AND {}",
+            instances_fence(3)
+        );
         let n = with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE instances SET ready_ms = $2 \
-                 WHERE id = $1 AND ready_ms IS NULL AND state IN ('running', 'warned')",
-            )
-            .bind(id)
-            .bind(at.millis())
-            .execute(pool)
-            .await
-            .context("recording that an instance is ready")?
-            .rows_affected()
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(at.millis())
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording that an instance is ready")?
+                .rows_affected()
         });
-        Ok(n > 0)
+        Ok(self.fenced(lease, n).await? > 0)
     }
 
     pub async fn set_token_hash(
@@ -865,42 +895,56 @@ impl Store {
     /// broker that later owns the job needs to serve the one and stop the other.
     pub async fn set_local_agent(
         &self,
+        lease: Option<&Lease>,
         id: &str,
         addr: &str,
         pid: Option<u32>,
     ) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE instances SET metadata_addr = $2, agent_pid = COALESCE($3, agent_pid) WHERE id = $1",
-            )
+        let sql = format!(
+            "UPDATE instances SET metadata_addr = $2, agent_pid = COALESCE($3, agent_pid) \
+             WHERE id = $1 AND {}",
+            instances_fence(4)
+        );
+        let n = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id)
                 .bind(addr)
                 .bind(pid.map(i64::from))
+                .bind(token_of(lease))
                 .execute(pool)
                 .await
-                .context("recording a metadata endpoint")?;
+                .context("recording a metadata endpoint")?
+                .rows_affected()
         });
+        self.fenced(lease, n).await?;
         Ok(())
     }
 
     pub async fn mark_launch_failed(
         &self,
+        lease: Option<&Lease>,
         id: &str,
         error: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            sqlx::query(
-                "UPDATE instances SET state = 'failed', launch_error = $2, ended_ms = $3, end_reason = 'launch failed' \
-                 WHERE id = $1 AND state = 'requested'",
-            )
-            .bind(id)
-            .bind(error)
-            .bind(at.millis())
-            .execute(pool)
-            .await
-            .context("recording a failed launch")?;
+        let sql = format!(
+            "UPDATE instances SET state = 'failed', launch_error = $2, ended_ms = $3, \
+                 end_reason = 'launch failed', launch_token = NULL \
+             WHERE id = $1 AND state = 'requested' AND {}",
+            instances_fence(4)
+        );
+        let n = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(error)
+                .bind(at.millis())
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording a failed launch")?
+                .rows_affected()
         });
+        self.fenced(lease, n).await?;
         Ok(())
     }
 
@@ -910,31 +954,35 @@ impl Store {
     /// already warned and say nothing). False when it was already warned or over.
     pub async fn mark_warned(
         &self,
+        lease: Option<&Lease>,
         id: &str,
         at: Timestamp,
         event: Option<EventRecord<'_>>,
     ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET state = 'warned', warned_ms = COALESCE(warned_ms, $2) \
+             WHERE id = $1 AND state IN ('requested', 'running') AND {}",
+            instances_fence(3)
+        );
         let changed = with_db!(self, |pool| {
             let mut tx = pool.begin().await.context("recording a warning")?;
-            let n = sqlx::query(
-                "UPDATE instances SET state = 'warned', warned_ms = COALESCE(warned_ms, $2) \
-                 WHERE id = $1 AND state IN ('requested', 'running')",
-            )
-            .bind(id)
-            .bind(at.millis())
-            .execute(&mut *tx)
-            .await
-            .context("recording a warning")?
-            .rows_affected();
+            let n = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(at.millis())
+                .bind(token_of(lease))
+                .execute(&mut *tx)
+                .await
+                .context("recording a warning")?
+                .rows_affected();
             if n > 0
                 && let Some(e) = &event
             {
                 insert_event!(&mut *tx, e.job, Some(id), at, e.kind, e.detail)?;
             }
             tx.commit().await.context("recording a warning")?;
-            n > 0
+            n
         });
-        Ok(changed)
+        Ok(self.fenced(lease, changed).await? > 0)
     }
 
     /// Records a graceful stop: the instance's agent was told to stop, and the instance is to
@@ -1082,7 +1130,7 @@ impl Store {
         event: Option<EventRecord<'_>>,
     ) -> Result<bool, StoreError> {
         let sql = format!(
-            "UPDATE instances SET state = 'terminated', ended_ms = $2, \
+            "UPDATE instances SET state = 'terminated', ended_ms = $2, launch_token = NULL, \
                  end_reason = CASE WHEN $4 = 1 THEN $3 ELSE COALESCE(end_reason, $3) END, \
                  ended_by_provider = $4 WHERE id = $1 AND state NOT IN ('terminated', 'failed') AND {}",
             instances_fence(5)
@@ -1160,17 +1208,48 @@ impl Store {
         Ok(())
     }
 
+    /// Records an event. `lease`: an event the job's owner records carries its lease and is
+    /// refused once the lease is another's ([`StoreError::Fenced`]), as its other writes are;
+    /// `None` for what is not the owner's to say (a user's submit or cancel, a broker's own
+    /// events).
     pub async fn add_event(
         &self,
+        lease: Option<&Lease>,
         job: Option<JobId>,
         instance_id: Option<&str>,
         at: Timestamp,
         kind: &str,
         detail: &str,
     ) -> Result<(), StoreError> {
-        with_db!(self, |pool| {
-            insert_event!(pool, job, instance_id, at, kind, detail)?;
+        let Some(l) = lease else {
+            with_db!(self, |pool| {
+                insert_event!(pool, job, instance_id, at, kind, detail)?;
+            });
+            return Ok(());
+        };
+        debug_assert_eq!(
+            job,
+            Some(l.job()),
+            "an event under a lease is of the lease's job"
+        );
+        let n = with_db!(self, |pool| {
+            sqlx::query(
+                "INSERT INTO events (job_id, instance_id, ts_ms, kind, detail) \
+                 SELECT $1, $2, $3, $4, $5 WHERE EXISTS \
+                     (SELECT 1 FROM jobs WHERE id = $1 AND lease_token = $6)",
+            )
+            .bind(l.job().0)
+            .bind(instance_id)
+            .bind(at.millis())
+            .bind(kind)
+            .bind(detail)
+            .bind(l.token())
+            .execute(pool)
+            .await
+            .context("recording an event")?
+            .rows_affected()
         });
+        self.fenced(lease, n).await?;
         Ok(())
     }
 

@@ -8,7 +8,11 @@
 //! token it holds ([`Lease`]); the store refuses it ([`StoreError::Fenced`]) once a newer token
 //! exists, so a broker that wakes from a pause after losing a job cannot write for it.
 //!
-//! Times here are wall epoch milliseconds, passed in by the caller.
+//! Times here are epoch milliseconds **on the database's clock**: every statement that sets or
+//! judges an expiry reads the time inside the database ([`Store::db_now_sql`]), so brokers
+//! whose own clocks disagree (one runs a minute fast) still agree on when a lease ends. A
+//! broker's wall clock never enters a lease decision; what it keeps locally is a monotonic
+//! deadline shorter than the lease (see `service::membership`).
 
 use super::{Context, Store, StoreError, with_db};
 use proteus_wire::JobId;
@@ -22,6 +26,11 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// A lease as the store would give it, for unit tests of its holders.
+    #[cfg(test)]
+    pub(crate) fn for_test(job: JobId, token: i64) -> Lease {
+        Lease { job, token }
+    }
     pub fn job(&self) -> JobId {
         self.job
     }
@@ -61,56 +70,71 @@ pub(crate) fn token_of(lease: Option<&Lease>) -> Option<i64> {
 }
 
 impl Store {
+    /// The SQL expression for "now" on the database's clock, in epoch milliseconds.
+    pub(crate) fn db_now_sql(&self) -> &'static str {
+        match self.backend() {
+            super::Backend::Postgres => {
+                "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::BIGINT"
+            }
+            super::Backend::Sqlite => {
+                "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+            }
+        }
+    }
+
+    /// The database's clock now, in epoch milliseconds: what lease expiries are judged by.
+    pub async fn db_now_ms(&self) -> Result<i64, StoreError> {
+        let sql = format!("SELECT {}", self.db_now_sql());
+        let now: i64 = with_db!(self, |pool| {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(pool)
+                .await
+                .context("reading the database's clock")?
+        });
+        Ok(now)
+    }
+
     /// Records (or refreshes) a broker's row.
-    pub async fn register_broker(
-        &self,
-        id: &str,
-        url: &str,
-        pid: u32,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
+    pub async fn register_broker(&self, id: &str, url: &str, pid: u32) -> Result<(), StoreError> {
+        let now = self.db_now_sql();
+        let sql = format!(
+            "INSERT INTO brokers (id, url, pid, started_ms, heartbeat_ms) VALUES ($1, $2, $3, {now}, {now}) \
+             ON CONFLICT (id) DO UPDATE SET url = $2, pid = $3, started_ms = {now}, heartbeat_ms = {now}"
+        );
         with_db!(self, |pool| {
-            sqlx::query(
-                "INSERT INTO brokers (id, url, pid, started_ms, heartbeat_ms) VALUES ($1, $2, $3, $4, $4) \
-                 ON CONFLICT (id) DO UPDATE SET url = $2, pid = $3, started_ms = $4, heartbeat_ms = $4",
-            )
-            .bind(id)
-            .bind(url)
-            .bind(i64::from(pid))
-            .bind(now_ms)
-            .execute(pool)
-            .await
-            .context("registering this broker")?;
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(url)
+                .bind(i64::from(pid))
+                .execute(pool)
+                .await
+                .context("registering this broker")?;
         });
         Ok(())
     }
 
     /// The heartbeat: refreshes the broker's row and renews every lease it still holds until
-    /// `now_ms + lease_ms`. A lease another broker claimed (after it expired) is not renewed:
-    /// the answer is the leases still held, with their tokens.
-    pub async fn heartbeat(
-        &self,
-        id: &str,
-        now_ms: i64,
-        lease_ms: i64,
-    ) -> Result<Vec<Lease>, StoreError> {
+    /// `lease_ms` from now (the database's now). A lease another broker claimed (after it
+    /// expired) is not renewed: the answer is the leases still held, with their tokens.
+    pub async fn heartbeat(&self, id: &str, lease_ms: i64) -> Result<Vec<Lease>, StoreError> {
+        let now = self.db_now_sql();
+        let beat = format!("UPDATE brokers SET heartbeat_ms = {now} WHERE id = $1");
+        let renew = format!(
+            "UPDATE jobs SET lease_expires_ms = {now} + $2 WHERE lease_owner = $1 \
+             RETURNING id, lease_token"
+        );
         let rows: Vec<(i64, i64)> = with_db!(self, |pool| {
-            sqlx::query("UPDATE brokers SET heartbeat_ms = $2 WHERE id = $1")
+            sqlx::query(sqlx::AssertSqlSafe(beat))
                 .bind(id)
-                .bind(now_ms)
                 .execute(pool)
                 .await
                 .context("recording this broker's heartbeat")?;
-            sqlx::query_as(
-                "UPDATE jobs SET lease_expires_ms = $2 + $3 WHERE lease_owner = $1 \
-                 RETURNING id, lease_token",
-            )
-            .bind(id)
-            .bind(now_ms)
-            .bind(lease_ms)
-            .fetch_all(pool)
-            .await
-            .context("renewing this broker's leases")?
+            sqlx::query_as(sqlx::AssertSqlSafe(renew))
+                .bind(id)
+                .bind(lease_ms)
+                .fetch_all(pool)
+                .await
+                .context("renewing this broker's leases")?
         });
         Ok(rows
             .into_iter()
@@ -130,7 +154,6 @@ impl Store {
     pub async fn claim_expired(
         &self,
         id: &str,
-        now_ms: i64,
         lease_ms: i64,
         max: i64,
         force: bool,
@@ -142,12 +165,16 @@ impl Store {
         // The condition is repeated outside the sub-select: Postgres re-checks it on the row as
         // another broker's concurrent claim left it, so two claims never both win.
         // Its own leases a broker renews (its heartbeat), it does not claim them.
-        // A job without an owner waits out its submitter's grant (`NewJob::grant_by_ms`, kept
-        // in `lease_expires_ms`; a released lease has 0 there), unless the claimant is alone.
-        let claimable = "((lease_owner IS NULL AND $6 = 1 AND (lease_expires_ms < $2 OR $5 = 1)) \
+        // A job without an owner waits out its submitter's grant (`NewJob::grant_window_ms`,
+        // kept in `lease_expires_ms`; a released lease has 0 there), unless the claimant is
+        // alone. Expiry is judged on the database's clock, never the claimant's.
+        let now = self.db_now_sql();
+        let claimable = format!(
+            "((lease_owner IS NULL AND $5 = 1 AND (lease_expires_ms <= {now} OR $4 = 1)) \
                  OR (lease_owner <> $1 \
-                 AND (lease_expires_ms < $2 OR $5 = 1))) \
-             AND (state IN ('pending', 'running') OR lease_owner IS NOT NULL)";
+                 AND (lease_expires_ms <= {now} OR $4 = 1))) \
+             AND (state IN ('pending', 'running') OR lease_owner IS NOT NULL)"
+        );
         // On Postgres a job whose row another transaction holds is skipped, not waited for: a
         // broker paused inside a transaction (until the server ends it, see
         // `IDLE_IN_TRANSACTION_TIMEOUT`) must not stop the takeover of every other job. SQLite
@@ -158,15 +185,14 @@ impl Store {
         };
         let sql = format!(
             "UPDATE jobs SET lease_owner = $1, lease_token = lease_token + 1, \
-                 lease_expires_ms = $2 + $3 \
-             WHERE id IN (SELECT id FROM jobs WHERE {claimable} ORDER BY id LIMIT $4 {skip_locked}) \
+                 lease_expires_ms = {now} + $2 \
+             WHERE id IN (SELECT id FROM jobs WHERE {claimable} ORDER BY id LIMIT $3 {skip_locked}) \
                AND {claimable} \
              RETURNING id, lease_token"
         );
         let rows: Vec<(i64, i64)> = with_db!(self, |pool| {
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(id)
-                .bind(now_ms)
                 .bind(lease_ms)
                 .bind(max)
                 .bind(i64::from(force))
@@ -221,21 +247,23 @@ impl Store {
         Ok(())
     }
 
-    /// Brokers whose heartbeat is newer than `since_ms`, with how many unfinished jobs each
-    /// owns, fewest first (ties by id).
-    pub async fn live_brokers(&self, since_ms: i64) -> Result<Vec<BrokerRow>, StoreError> {
+    /// Brokers whose heartbeat is at most `within_ms` old (on the database's clock), with how
+    /// many unfinished jobs each owns, fewest first (ties by id).
+    pub async fn live_brokers(&self, within_ms: i64) -> Result<Vec<BrokerRow>, StoreError> {
         type Row = (String, String, i64, i64, i64, i64);
+        let sql = format!(
+            "SELECT b.id, b.url, b.pid, b.started_ms, b.heartbeat_ms, \
+                 (SELECT COUNT(*) FROM jobs j WHERE j.lease_owner = b.id \
+                  AND j.state IN ('pending', 'running')) AS jobs \
+             FROM brokers b WHERE b.heartbeat_ms >= {} - $1 ORDER BY jobs, b.id",
+            self.db_now_sql()
+        );
         let rows: Vec<Row> = with_db!(self, |pool| {
-            sqlx::query_as(
-                "SELECT b.id, b.url, b.pid, b.started_ms, b.heartbeat_ms, \
-                     (SELECT COUNT(*) FROM jobs j WHERE j.lease_owner = b.id \
-                      AND j.state IN ('pending', 'running')) AS jobs \
-                 FROM brokers b WHERE b.heartbeat_ms >= $1 ORDER BY jobs, b.id",
-            )
-            .bind(since_ms)
-            .fetch_all(pool)
-            .await
-            .context("listing live brokers")?
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(within_ms)
+                .fetch_all(pool)
+                .await
+                .context("listing live brokers")?
         });
         Ok(rows
             .into_iter()
@@ -256,22 +284,22 @@ impl Store {
         &self,
         job: JobId,
         owner: &str,
-        now_ms: i64,
         lease_ms: i64,
     ) -> Result<Option<Lease>, StoreError> {
+        let sql = format!(
+            "UPDATE jobs SET lease_owner = $2, lease_token = lease_token + 1, \
+                 lease_expires_ms = {} + $3 \
+             WHERE id = $1 AND lease_owner IS NULL RETURNING lease_token",
+            self.db_now_sql()
+        );
         let token: Option<i64> = with_db!(self, |pool| {
-            sqlx::query_scalar(
-                "UPDATE jobs SET lease_owner = $2, lease_token = lease_token + 1, \
-                     lease_expires_ms = $3 + $4 \
-                 WHERE id = $1 AND lease_owner IS NULL RETURNING lease_token",
-            )
-            .bind(job.0)
-            .bind(owner)
-            .bind(now_ms)
-            .bind(lease_ms)
-            .fetch_optional(pool)
-            .await
-            .context("granting a new job's lease")?
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(job.0)
+                .bind(owner)
+                .bind(lease_ms)
+                .fetch_optional(pool)
+                .await
+                .context("granting a new job's lease")?
         });
         Ok(token.map(|token| Lease { job, token }))
     }

@@ -8,6 +8,7 @@
 mod exclusive;
 mod jobs;
 mod leases;
+mod outputs;
 mod prices;
 
 pub use exclusive::{PgExclusive, Refused};

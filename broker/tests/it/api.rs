@@ -250,6 +250,7 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             metadata_addr: None,
             agent_pid: None,
             stop_by: None,
+            launch_token: None,
         };
         s.broker.store().insert_instance(None, &row).await.unwrap();
         let cloud_id = format!("i-test{}", id.0);

@@ -33,6 +33,7 @@ async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
         metadata_addr: None,
         agent_pid: None,
         stop_by: None,
+        launch_token: None,
     };
     s.broker.store().insert_instance(None, &row).await.unwrap();
     let cloud_id = format!("i-graceful{n}");

@@ -57,7 +57,7 @@ fn new_job(name: &str, created: Timestamp) -> NewJob {
         budget_usd: Some(Usd::new(12.5).unwrap()),
         deadline: Some(Timestamp::from_millis(created.millis() + 86_400_000)),
         created,
-        grant_by_ms: 0,
+        grant_window_ms: 0,
     }
 }
 
@@ -445,14 +445,14 @@ async fn instances_of_job_and_live_instances_filter_and_order(db: TestDb) {
     s.mark_ended(None, "i-2a", t(40), "done", false, None)
         .await
         .unwrap();
-    s.mark_launch_failed("i-failed", "no capacity", t(6))
+    s.mark_launch_failed(None, "i-failed", "no capacity", t(6))
         .await
         .unwrap();
     s.mark_terminating(None, "i-3", "scale down").await.unwrap();
     s.mark_launched(None, "i-b", "cloud-b", t(16))
         .await
         .unwrap();
-    s.mark_warned("i-b", t(50), None).await.unwrap();
+    s.mark_warned(None, "i-b", t(50), None).await.unwrap();
     // Ended ones leave the live set; terminating and warned ones stay until they end.
     assert_eq!(
         ids(s.live_instances().await.unwrap()),
@@ -505,23 +505,26 @@ async fn mark_ready_only_once_and_only_while_it_runs(db: TestDb) {
     let job = job_of(s, "ready").await;
     intent(s, "i-req", job, 0).await;
     assert!(
-        !s.mark_ready("i-req", t(1)).await.unwrap(),
+        !s.mark_ready(None, "i-req", t(1)).await.unwrap(),
         "not launched yet"
     );
     assert_eq!(get_instance(s, "i-req").await.ready, None);
 
     running(s, "i-run", job, 0).await;
-    assert!(s.mark_ready("i-run", t(5)).await.unwrap());
-    assert!(!s.mark_ready("i-run", t(9)).await.unwrap(), "second time");
+    assert!(s.mark_ready(None, "i-run", t(5)).await.unwrap());
+    assert!(
+        !s.mark_ready(None, "i-run", t(9)).await.unwrap(),
+        "second time"
+    );
     assert_eq!(get_instance(s, "i-run").await.ready, Some(t(5)));
 
     // Warned while still starting: it still becomes ready (the simulator's rule, so the policy
     // hears of it in both drivers), once.
     running(s, "i-warned", job, 0).await;
-    s.mark_warned("i-warned", t(2), None).await.unwrap();
-    assert!(s.mark_ready("i-warned", t(3)).await.unwrap());
+    s.mark_warned(None, "i-warned", t(2), None).await.unwrap();
+    assert!(s.mark_ready(None, "i-warned", t(3)).await.unwrap());
     assert!(
-        !s.mark_ready("i-warned", t(4)).await.unwrap(),
+        !s.mark_ready(None, "i-warned", t(4)).await.unwrap(),
         "second time"
     );
     assert_eq!(get_instance(s, "i-warned").await.ready, Some(t(3)));
@@ -530,9 +533,9 @@ async fn mark_ready_only_once_and_only_while_it_runs(db: TestDb) {
     s.mark_ended(None, "i-ended", t(2), "terminated", false, None)
         .await
         .unwrap();
-    assert!(!s.mark_ready("i-ended", t(3)).await.unwrap());
+    assert!(!s.mark_ready(None, "i-ended", t(3)).await.unwrap());
     assert_eq!(get_instance(s, "i-ended").await.ready, None);
-    assert!(!s.mark_ready("i-none", t(3)).await.unwrap());
+    assert!(!s.mark_ready(None, "i-none", t(3)).await.unwrap());
 }
 
 async fn tokens_metadata_and_cloud_ids_find_the_right_instance(db: TestDb) {
@@ -555,7 +558,7 @@ async fn tokens_metadata_and_cloud_ids_find_the_right_instance(db: TestDb) {
     assert_eq!(by_hash("hash-i-b").await.as_deref(), Some("i-b"));
     assert_eq!(get_instance(s, "i-a").await.token_hash, "hash-rotated");
 
-    s.set_local_agent("i-b", "127.0.0.1:40123", Some(4242))
+    s.set_local_agent(None, "i-b", "127.0.0.1:40123", Some(4242))
         .await
         .unwrap();
     assert_eq!(
@@ -580,7 +583,7 @@ async fn mark_launch_failed_only_from_requested(db: TestDb) {
     let job = job_of(s, "fail").await;
     intent(s, "i-req", job, 0).await;
     running(s, "i-run", job, 0).await;
-    s.mark_launch_failed("i-req", "InsufficientInstanceCapacity", t(2))
+    s.mark_launch_failed(None, "i-req", "InsufficientInstanceCapacity", t(2))
         .await
         .unwrap();
     let f = get_instance(s, "i-req").await;
@@ -593,7 +596,9 @@ async fn mark_launch_failed_only_from_requested(db: TestDb) {
     assert_eq!(f.end_reason.as_deref(), Some("launch failed"));
 
     // A running instance did launch: a late failure report must not rewrite it.
-    s.mark_launch_failed("i-run", "late", t(3)).await.unwrap();
+    s.mark_launch_failed(None, "i-run", "late", t(3))
+        .await
+        .unwrap();
     let r = get_instance(s, "i-run").await;
     assert_eq!(
         (r.state, r.launch_error, r.ended),
@@ -611,13 +616,21 @@ async fn mark_warned_records_its_event_once_and_atomically(db: TestDb) {
         kind: "interruption_warning",
         detail: "two minutes",
     };
-    assert!(s.mark_warned("i-a", t(60), Some(warning)).await.unwrap());
+    assert!(
+        s.mark_warned(None, "i-a", t(60), Some(warning))
+            .await
+            .unwrap()
+    );
     let a = get_instance(s, "i-a").await;
     assert_eq!((a.state, a.warned), (InstanceState::Warned, Some(t(60))));
     assert_eq!(get_instance(s, "i-b").await.state, InstanceState::Running);
 
     // Warned again (the cloud repeats itself): no change and no second event.
-    assert!(!s.mark_warned("i-a", t(70), Some(warning)).await.unwrap());
+    assert!(
+        !s.mark_warned(None, "i-a", t(70), Some(warning))
+            .await
+            .unwrap()
+    );
     assert_eq!(get_instance(s, "i-a").await.warned, Some(t(60)));
     let events = s.events_of_job(job).await.unwrap();
     assert_eq!(events.len(), 1, "{events:?}");
@@ -633,7 +646,11 @@ async fn mark_warned_records_its_event_once_and_atomically(db: TestDb) {
     s.mark_ended(None, "i-b", t(80), "done", false, None)
         .await
         .unwrap();
-    assert!(!s.mark_warned("i-b", t(90), Some(warning)).await.unwrap());
+    assert!(
+        !s.mark_warned(None, "i-b", t(90), Some(warning))
+            .await
+            .unwrap()
+    );
     assert_eq!(
         get_instance(s, "i-b").await.state,
         InstanceState::Terminated
@@ -647,10 +664,18 @@ async fn mark_warned_records_its_event_once_and_atomically(db: TestDb) {
         job: Some(JobId(job.0 + 1000)),
         ..warning
     };
-    assert!(s.mark_warned("i-c", t(100), Some(broken)).await.is_err());
+    assert!(
+        s.mark_warned(None, "i-c", t(100), Some(broken))
+            .await
+            .is_err()
+    );
     let c = get_instance(s, "i-c").await;
     assert_eq!((c.state, c.warned), (InstanceState::Running, None));
-    assert!(s.mark_warned("i-c", t(101), Some(warning)).await.unwrap());
+    assert!(
+        s.mark_warned(None, "i-c", t(101), Some(warning))
+            .await
+            .unwrap()
+    );
     assert_eq!(s.events_of_job(job).await.unwrap().len(), 2);
 }
 
@@ -661,7 +686,7 @@ async fn mark_terminating_only_from_live_states(db: TestDb) {
     running(s, "i-run", job, 0).await;
     running(s, "i-warn", job, 0).await;
     running(s, "i-end", job, 0).await;
-    s.mark_warned("i-warn", t(5), None).await.unwrap();
+    s.mark_warned(None, "i-warn", t(5), None).await.unwrap();
     s.mark_ended(None, "i-end", t(6), "evicted", true, None)
         .await
         .unwrap();
@@ -754,7 +779,7 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
     // A warned instance the job's end caught during its notice: the provider's end is the
     // reason on record, as in every report.
     running(s, "i-w", job, 0).await;
-    s.mark_warned("i-w", t(140), None).await.unwrap();
+    s.mark_warned(None, "i-w", t(140), None).await.unwrap();
     s.mark_terminating(None, "i-w", "job succeeded")
         .await
         .unwrap();
@@ -771,7 +796,9 @@ async fn mark_ended_first_end_wins_and_its_event_is_atomic(db: TestDb) {
 
     // A failed launch is already final.
     intent(s, "i-f", job, 0).await;
-    s.mark_launch_failed("i-f", "quota", t(1)).await.unwrap();
+    s.mark_launch_failed(None, "i-f", "quota", t(1))
+        .await
+        .unwrap();
     assert!(
         !s.mark_ended(None, "i-f", t(2), "x", true, None)
             .await
@@ -906,19 +933,19 @@ async fn events_of_job_are_the_jobs_in_insertion_order(db: TestDb) {
     let b = job_of(s, "b").await;
     running(s, "i-a", a, 0).await;
     // Times out of order: the history is in the order things were recorded.
-    s.add_event(Some(a), Some("i-a"), t(30), "launched", "first")
+    s.add_event(None, Some(a), Some("i-a"), t(30), "launched", "first")
         .await
         .unwrap();
-    s.add_event(Some(b), None, t(1), "submitted", "b's")
+    s.add_event(None, Some(b), None, t(1), "submitted", "b's")
         .await
         .unwrap();
-    s.add_event(Some(a), None, t(10), "progress", "second")
+    s.add_event(None, Some(a), None, t(10), "progress", "second")
         .await
         .unwrap();
-    s.add_event(None, None, t(5), "broker_started", "no job")
+    s.add_event(None, None, None, t(5), "broker_started", "no job")
         .await
         .unwrap();
-    s.add_event(Some(a), Some("i-a"), t(20), "evicted", "third")
+    s.add_event(None, Some(a), Some("i-a"), t(20), "evicted", "third")
         .await
         .unwrap();
 
@@ -955,10 +982,10 @@ async fn latest_recorded_time_is_the_latest_submission_or_event(db: TestDb) {
     let a = s.create_job(&new_job("a", t(40))).await.unwrap();
     assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(40)));
     // Events recorded out of time order: the latest time counts, not the latest row.
-    s.add_event(Some(a), None, t(90), "progress", "")
+    s.add_event(None, Some(a), None, t(90), "progress", "")
         .await
         .unwrap();
-    s.add_event(None, None, t(60), "broker_started", "")
+    s.add_event(None, None, None, t(60), "broker_started", "")
         .await
         .unwrap();
     assert_eq!(s.latest_recorded_time().await.unwrap(), Some(t(90)));
@@ -1222,7 +1249,7 @@ async fn job_status_reads_what_job_instances_and_spend_read_in_one_query(db: Tes
     s.mark_ended(None, "i-a1", t(100), "evicted", true, None)
         .await
         .unwrap();
-    s.set_local_agent("i-a2", "127.0.0.1:1234", Some(77))
+    s.set_local_agent(None, "i-a2", "127.0.0.1:1234", Some(77))
         .await
         .unwrap();
     s.replace_ledger_lines(None, a, "i-a2", &[line("i-a2", 0, 3600, 0.25, false)])

@@ -24,7 +24,18 @@ on_both_backends!(
 );
 
 const LEASE: i64 = 10_000;
-const NOW: i64 = 1_800_000_000_000;
+
+/// The job's lease runs out, as when its owner stalls past it: its expiry (on the database's
+/// clock, as every lease time is) is moved two lease periods back, before the database's now.
+async fn lapse(s: &Store, job: JobId) {
+    s.execute_admin(&format!(
+        "UPDATE jobs SET lease_expires_ms = lease_expires_ms - {} WHERE id = {}",
+        2 * LEASE,
+        job.0
+    ))
+    .await
+    .unwrap();
+}
 
 async fn job(store: &Store, name: &str) -> JobId {
     store
@@ -36,7 +47,7 @@ async fn job(store: &Store, name: &str) -> JobId {
             budget_usd: None,
             deadline: None,
             created: Timestamp::from_millis(1),
-            grant_by_ms: 0,
+            grant_window_ms: 0,
         })
         .await
         .unwrap()
@@ -64,23 +75,22 @@ fn fenced<T: std::fmt::Debug>(r: Result<T, StoreError>, job: JobId) {
 
 async fn a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat(db: TestDb) {
     let s = &db.store;
-    s.register_broker("a", "http://a", 1, NOW).await.unwrap();
+    s.register_broker("a", "http://a", 1).await.unwrap();
     let j = job(s, "j").await;
-    let lease = s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    let lease = s.grant_lease(j, "a", LEASE).await.unwrap().unwrap();
     assert_eq!((lease.job(), lease.token()), (j, 1));
     // A second grant (another broker's submit racing a claim) does not replace the owner.
-    assert!(s.grant_lease(j, "b", NOW, LEASE).await.unwrap().is_none());
+    assert!(s.grant_lease(j, "b", LEASE).await.unwrap().is_none());
     assert_eq!(
         s.job(j).await.unwrap().unwrap().lease_owner.as_deref(),
         Some("a")
     );
-    // Renewed by a's heartbeat, so no claim at a time past the first expiry takes it.
-    let renewed = s.heartbeat("a", NOW + 8_000, LEASE).await.unwrap();
+    // Past its expiry with nobody claiming it yet, a's heartbeat renews it, and no claim
+    // takes it then.
+    lapse(s, j).await;
+    let renewed = s.heartbeat("a", LEASE).await.unwrap();
     assert_eq!(renewed, vec![lease]);
-    let claimed = s
-        .claim_expired("b", NOW + 12_000, LEASE, 10, false, true)
-        .await
-        .unwrap();
+    let claimed = s.claim_expired("b", LEASE, 10, false, true).await.unwrap();
     assert!(claimed.is_empty(), "{claimed:?}");
     // The owner writes with its lease.
     s.insert_instance(Some(&lease), &intent("i-1", j))
@@ -91,35 +101,76 @@ async fn a_new_job_is_granted_once_and_renewed_by_its_owners_heartbeat(db: TestD
 async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
     let s = &db.store;
     let j = job(s, "j").await;
-    let old = s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+    let old = s.grant_lease(j, "a", LEASE).await.unwrap().unwrap();
     s.insert_instance(Some(&old), &intent("i-1", j))
         .await
         .unwrap();
     s.mark_launched(Some(&old), "i-1", "cloud-1", Timestamp::from_millis(20))
         .await
         .unwrap();
-    // a stalls past its lease; b claims the job, with a newer token.
-    let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
+    s.insert_instance(Some(&old), &intent("i-3", j))
         .await
         .unwrap();
+    // While a holds it, b's claim takes nothing; a stalls past its lease, and b claims the job,
+    // with a newer token.
+    assert!(
+        s.claim_expired("b", LEASE, 10, false, true)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    lapse(s, j).await;
+    let claimed = s.claim_expired("b", LEASE, 10, false, true).await.unwrap();
     assert_eq!(claimed.len(), 1);
     let new = claimed[0];
     assert_eq!((new.job(), new.token()), (j, old.token() + 1));
     // a wakes up: its heartbeat no longer lists the job, and every write it tries is refused
     // and changes nothing.
-    assert!(
-        s.heartbeat("a", NOW + LEASE + 2, LEASE)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(s.heartbeat("a", LEASE).await.unwrap().is_empty());
     fenced(s.insert_instance(Some(&old), &intent("i-2", j)).await, j);
     assert!(
         s.instance("i-2").await.unwrap().is_none(),
         "a fenced launch intent was stored"
     );
     fenced(s.mark_terminating(Some(&old), "i-1", "stale").await, j);
+    fenced(
+        s.mark_ready(Some(&old), "i-1", Timestamp::from_millis(25))
+            .await,
+        j,
+    );
+    fenced(
+        s.mark_warned(Some(&old), "i-1", Timestamp::from_millis(26), None)
+            .await,
+        j,
+    );
+    fenced(
+        s.set_local_agent(Some(&old), "i-1", "127.0.0.1:9", Some(9))
+            .await,
+        j,
+    );
+    fenced(
+        s.mark_launch_failed(Some(&old), "i-3", "stale", Timestamp::from_millis(27))
+            .await,
+        j,
+    );
+    let events = s.events_of_job(j).await.unwrap().len();
+    fenced(
+        s.add_event(
+            Some(&old),
+            Some(j),
+            Some("i-1"),
+            Timestamp::from_millis(28),
+            "launched",
+            "stale",
+        )
+        .await,
+        j,
+    );
+    assert_eq!(
+        s.events_of_job(j).await.unwrap().len(),
+        events,
+        "a fenced event was recorded"
+    );
     fenced(
         s.mark_ended(
             Some(&old),
@@ -167,6 +218,13 @@ async fn an_expired_lease_moves_and_fences_the_old_owner_out(db: TestDb) {
         "running",
         "the old owner's writes changed the instance"
     );
+    assert_eq!(
+        (row.ready, row.warned, row.metadata_addr, row.agent_pid),
+        (None, None, None, None),
+        "the old owner's writes changed the instance"
+    );
+    let row = s.instance("i-3").await.unwrap().unwrap();
+    assert_eq!(row.state.as_str(), "requested", "{row:?}");
     let job_row = s.job(j).await.unwrap().unwrap();
     assert_eq!(job_row.state, JobState::Pending);
     assert_eq!(job_row.lease_owner.as_deref(), Some("b"));
@@ -195,25 +253,20 @@ async fn a_claim_without_unowned_leaves_new_jobs_to_their_grant(db: TestDb) {
     let s = &db.store;
     let orphan = job(s, "of-a-dead-broker").await;
     assert!(
-        s.grant_lease(orphan, "dead", NOW, LEASE)
+        s.grant_lease(orphan, "dead", LEASE)
             .await
             .unwrap()
             .is_some()
     );
+    lapse(s, orphan).await;
     let new = job(s, "just-submitted").await;
-    let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, false)
-        .await
-        .unwrap();
+    let claimed = s.claim_expired("b", LEASE, 10, false, false).await.unwrap();
     assert_eq!(
         claimed.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![orphan],
         "the expired lease only"
     );
-    let granted = s
-        .grant_lease(new, "c", NOW + LEASE + 2, LEASE)
-        .await
-        .unwrap();
+    let granted = s.grant_lease(new, "c", LEASE).await.unwrap();
     assert!(granted.is_some(), "the new job was left for its grant");
 }
 
@@ -231,26 +284,24 @@ async fn a_new_job_is_its_submitters_to_grant_until_its_grant_window_ends(db: Te
         budget_usd: None,
         deadline: None,
         created: Timestamp::from_millis(1),
-        grant_by_ms: NOW + LEASE,
+        grant_window_ms: LEASE,
     };
     let slow = s.create_job(&new("slow-submitter")).await.unwrap();
     let orphan = s.create_job(&new("dead-submitter")).await.unwrap();
     assert!(
-        s.claim_expired("b", NOW + LEASE - 1, LEASE, 10, false, true)
+        s.claim_expired("b", LEASE, 10, false, true)
             .await
             .unwrap()
             .is_empty(),
         "a claim took a job inside its submitter's grant window"
     );
-    let granted = s.grant_lease(slow, "a", NOW + 500, LEASE).await.unwrap();
+    let granted = s.grant_lease(slow, "a", LEASE).await.unwrap();
     assert!(
         granted.is_some(),
         "the submitter's grant found its job free"
     );
-    let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
-        .await
-        .unwrap();
+    lapse(s, orphan).await;
+    let claimed = s.claim_expired("b", LEASE, 10, false, true).await.unwrap();
     assert_eq!(
         claimed.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![orphan],
@@ -262,42 +313,34 @@ async fn claims_take_only_expired_leases_up_to_the_asked_number(db: TestDb) {
     let s = &db.store;
     let jobs = [job(s, "1").await, job(s, "2").await, job(s, "3").await];
     // Never granted (a submit that died before the grant): claimable at once.
-    let first = s
-        .claim_expired("b", NOW, LEASE, 2, false, true)
-        .await
-        .unwrap();
+    let first = s.claim_expired("b", LEASE, 2, false, true).await.unwrap();
     assert_eq!(
         first.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![jobs[0], jobs[1]],
         "oldest first, at most the asked number"
     );
-    let rest = s
-        .claim_expired("c", NOW, LEASE, 10, false, true)
-        .await
-        .unwrap();
+    let rest = s.claim_expired("c", LEASE, 10, false, true).await.unwrap();
     assert_eq!(
         rest.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![jobs[2]]
     );
     // Live leases are not taken, and a broker does not claim its own.
     assert!(
-        s.claim_expired("c", NOW + 1, LEASE, 10, false, true)
+        s.claim_expired("c", LEASE, 10, false, true)
             .await
             .unwrap()
             .is_empty()
     );
+    lapse(s, jobs[2]).await;
     assert!(
-        s.claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
+        s.claim_expired("b", LEASE, 10, false, true)
             .await
             .unwrap()
             .len()
             == 1
     );
     // A broker alone on its database (forced) takes live leases of a previous process.
-    let forced = s
-        .claim_expired("d", NOW + 2, LEASE, 10, true, true)
-        .await
-        .unwrap();
+    let forced = s.claim_expired("d", LEASE, 10, true, true).await.unwrap();
     assert_eq!(forced.len(), 3);
     assert!(forced.iter().all(|l| l.token() == 2 || l.token() == 3));
 }
@@ -306,12 +349,8 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
     let s = &db.store;
     let running = job(s, "running").await;
     let over = job(s, "over").await;
-    let l1 = s
-        .grant_lease(running, "a", NOW, LEASE)
-        .await
-        .unwrap()
-        .unwrap();
-    let l2 = s.grant_lease(over, "a", NOW, LEASE).await.unwrap().unwrap();
+    let l1 = s.grant_lease(running, "a", LEASE).await.unwrap().unwrap();
+    let l2 = s.grant_lease(over, "a", LEASE).await.unwrap().unwrap();
     s.set_job_state(
         Some(&l2),
         over,
@@ -322,10 +361,9 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
     .await
     .unwrap();
     // a dies while winding the over job down: its lease is claimable (instances to release).
-    let claimed = s
-        .claim_expired("b", NOW + LEASE + 1, LEASE, 10, false, true)
-        .await
-        .unwrap();
+    lapse(s, running).await;
+    lapse(s, over).await;
+    let claimed = s.claim_expired("b", LEASE, 10, false, true).await.unwrap();
     assert_eq!(claimed.len(), 2);
     let l2b = claimed.iter().find(|l| l.job() == over).copied().unwrap();
     // b releases both (graceful stop of b); only the unfinished one is claimable then.
@@ -335,10 +373,7 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
         "a stale lease released a job"
     );
     s.leave("b").await.unwrap();
-    let again = s
-        .claim_expired("c", NOW + LEASE + 2, LEASE, 10, false, true)
-        .await
-        .unwrap();
+    let again = s.claim_expired("c", LEASE, 10, false, true).await.unwrap();
     assert_eq!(
         again.iter().map(|l| l.job()).collect::<Vec<_>>(),
         vec![running]
@@ -347,25 +382,27 @@ async fn a_released_lease_is_claimable_at_once_and_an_over_job_is_not(db: TestDb
 
 async fn live_brokers_are_listed_fewest_jobs_first(db: TestDb) {
     let s = &db.store;
-    s.register_broker("a", "http://a", 11, NOW).await.unwrap();
-    s.register_broker("b", "http://b", 12, NOW).await.unwrap();
-    s.register_broker("dead", "http://dead", 13, NOW - 60_000)
+    s.register_broker("a", "http://a", 11).await.unwrap();
+    s.register_broker("b", "http://b", 12).await.unwrap();
+    s.register_broker("dead", "http://dead", 13).await.unwrap();
+    // Its last heartbeat was a minute ago (on the database's clock).
+    s.execute_admin("UPDATE brokers SET heartbeat_ms = heartbeat_ms - 60000 WHERE id = 'dead'")
         .await
         .unwrap();
     for name in ["1", "2"] {
         let j = job(s, name).await;
-        s.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+        s.grant_lease(j, "a", LEASE).await.unwrap().unwrap();
     }
     let j = job(s, "3").await;
-    s.grant_lease(j, "b", NOW, LEASE).await.unwrap().unwrap();
-    let live = s.live_brokers(NOW - LEASE).await.unwrap();
+    s.grant_lease(j, "b", LEASE).await.unwrap().unwrap();
+    let live = s.live_brokers(LEASE).await.unwrap();
     let got: Vec<(&str, i64)> = live.iter().map(|b| (b.id.as_str(), b.jobs)).collect();
     assert_eq!(got, vec![("b", 1), ("a", 2)]);
     assert_eq!(live[1].url, "http://a");
     assert_eq!(live[1].pid, 11);
     // Leaving removes the row.
     s.leave("b").await.unwrap();
-    let live = s.live_brokers(NOW - LEASE).await.unwrap();
+    let live = s.live_brokers(LEASE).await.unwrap();
     assert_eq!(live.len(), 1);
 }
 
@@ -378,12 +415,13 @@ async fn a_broker_paused_inside_a_transaction_holds_up_no_takeover_for_long() {
     let db = TestDb::postgres().await;
     let a = &db.store;
     let b = Store::connect(&db.url).await.unwrap();
-    a.register_broker("a", "http://a", 1, NOW).await.unwrap();
-    b.register_broker("b", "http://b", 2, NOW).await.unwrap();
+    a.register_broker("a", "http://a", 1).await.unwrap();
+    b.register_broker("b", "http://b", 2).await.unwrap();
     let held = job(a, "held").await;
     let free = job(a, "free").await;
     for j in [held, free] {
-        a.grant_lease(j, "a", NOW, LEASE).await.unwrap().unwrap();
+        a.grant_lease(j, "a", LEASE).await.unwrap().unwrap();
+        lapse(a, j).await;
     }
     // Broker a stops between two statements of a transaction on `held`'s row (as a ledger
     // update does, which takes the row first): its session is left idle in the transaction.
@@ -394,10 +432,9 @@ async fn a_broker_paused_inside_a_transaction_holds_up_no_takeover_for_long() {
     .await
     .unwrap();
 
-    let after_expiry = NOW + LEASE + 1;
     let claimed = tokio::time::timeout(
         IDLE_IN_TRANSACTION_TIMEOUT / 2,
-        b.claim_expired("b", after_expiry, LEASE, 10, false, true),
+        b.claim_expired("b", LEASE, 10, false, true),
     )
     .await
     .expect("the claim waited on the row the paused broker holds")
@@ -410,10 +447,7 @@ async fn a_broker_paused_inside_a_transaction_holds_up_no_takeover_for_long() {
     let paused = Instant::now();
     let bound = IDLE_IN_TRANSACTION_TIMEOUT + Duration::from_secs(10);
     loop {
-        let claimed = b
-            .claim_expired("b", after_expiry, LEASE, 10, false, true)
-            .await
-            .unwrap();
+        let claimed = b.claim_expired("b", LEASE, 10, false, true).await.unwrap();
         if let Some(lease) = claimed.first() {
             assert_eq!((lease.job(), claimed.len()), (held, 1));
             break;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 const START: &str = "2015-05-01T00:00:00Z";
 
-async fn broker(
+pub(crate) async fn broker(
     db: &TestDb,
     dir: &std::path::Path,
     clock: &ManualClock,
@@ -53,7 +53,7 @@ async fn broker(
 }
 
 /// The job's lease runs out now, as when its owner stalls past it.
-async fn expire(pool: &sqlx::PgPool, job: JobId) {
+pub(crate) async fn expire(pool: &sqlx::PgPool, job: JobId) {
     sqlx::query("UPDATE jobs SET lease_expires_ms = 0 WHERE id = $1")
         .bind(job.0)
         .execute(pool)
