@@ -19,7 +19,13 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_c3_trace(dir.path(), Some((SPIKE_AT_MIN, SPIKE_MIN)));
     let db = fresh_pg_database().await;
-    let hold = sim_minutes(SPIKE_AT_MIN - 1);
+    // Held one market second before the spike (a sixtieth of a wall second at this speed):
+    // once the hold is lifted, the spike comes before any training of this job could end, on
+    // however fast a machine (in release mode a market minute was enough for it to finish).
+    let hold = (chrono::DateTime::parse_from_rfc3339(&sim_minutes(SPIKE_AT_MIN))
+        .expect("RFC 3339")
+        - chrono::Duration::seconds(1))
+    .to_rfc3339();
     let broker = BrokerProcess::start_sim(
         dir.path(),
         &db,
@@ -45,16 +51,22 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
          [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
          [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\n",
     );
-    // The market waits a minute before the spike until the job is in stage 2 and training:
-    // then the spike finds the active shards on the spot instances.
+    // The market waits a second before the spike until the job is in stage 2 and training:
+    // then the spike finds the active shards on the spot instances. (Seen past half its
+    // training, the job could end before the spike: that fails here, not later.)
     let api = broker.client();
-    api.wait_for(
-        &format!("/v1/jobs/{id}"),
-        Duration::from_secs(180),
-        "the job training in stage 2 before the spike",
-        |j| j["stage"] == 2 && j["progress"].as_f64().unwrap_or(0.0) > 0.0,
-    )
-    .await;
+    let seen = api
+        .wait_for(
+            &format!("/v1/jobs/{id}"),
+            Duration::from_secs(180),
+            "the job training in stage 2 before the spike",
+            |j| j["stage"] == 2 && j["progress"].as_f64().unwrap_or(0.0) > 0.0,
+        )
+        .await;
+    assert!(
+        seen["progress"].as_f64().unwrap_or(1.0) < 0.5,
+        "the job was past half its training when it reached stage 2: {seen}"
+    );
     api.lift_hold().await;
     let job = broker
         .wait_succeeded(
