@@ -772,6 +772,11 @@ pub mod s3 {
 
         /// Creates the bucket if it does not exist (a presigned `PUT /bucket`; "already
         /// yours" is success), so that a fresh LocalStack or account works at once.
+        /// How long the bucket check's own signed requests stay valid: S3's tolerance for a
+        /// signer's clock (15 minutes), so that a broker whose clock is a minute off still
+        /// starts (a 60-second validity expired at once from a broker a minute slow).
+        const BUCKET_CHECK_SECS: u64 = 900;
+
         async fn ensure_bucket(&self) -> Result<(), CheckpointError> {
             let (base, host) = match &self.endpoint {
                 Some(e) => (
@@ -792,7 +797,13 @@ pub mod s3 {
             }
             let http = reqwest::Client::new();
             let head = self
-                .presign_url("HEAD", &base, &host, 60, SystemTime::now())
+                .presign_url(
+                    "HEAD",
+                    &base,
+                    &host,
+                    Self::BUCKET_CHECK_SECS,
+                    SystemTime::now(),
+                )
                 .await?;
             let status = http
                 .head(&head)
@@ -804,7 +815,13 @@ pub mod s3 {
                 return Ok(());
             }
             let put = self
-                .presign_url("PUT", &base, &host, 60, SystemTime::now())
+                .presign_url(
+                    "PUT",
+                    &base,
+                    &host,
+                    Self::BUCKET_CHECK_SECS,
+                    SystemTime::now(),
+                )
                 .await?;
             let resp = http
                 .put(&put)
