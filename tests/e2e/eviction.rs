@@ -19,9 +19,10 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let dir = tempfile::tempdir().unwrap();
     let (trace, od) = write_c3_trace(dir.path(), Some((SPIKE_AT_MIN, SPIKE_MIN)));
     let db = fresh_pg_database().await;
-    // Held one market second before the spike (a sixtieth of a wall second at this speed):
-    // once the hold is lifted, the spike comes before any training of this job could end, on
-    // however fast a machine (in release mode a market minute was enough for it to finish).
+    // Held one market second before the spike (a sixtieth of a wall second at this speed), so
+    // that the market itself adds no wall time between the hold's lift and the spike. (In
+    // release mode the job still finishes before its agents hand over: the notice's way to
+    // them — the scheduler's tick, the agent's metadata poll — outlasts its training there.)
     let hold = (chrono::DateTime::parse_from_rfc3339(&sim_minutes(SPIKE_AT_MIN))
         .expect("RFC 3339")
         - chrono::Duration::seconds(1))
