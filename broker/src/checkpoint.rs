@@ -770,13 +770,13 @@ pub mod s3 {
             Ok(out)
         }
 
-        /// Creates the bucket if it does not exist (a presigned `PUT /bucket`; "already
-        /// yours" is success), so that a fresh LocalStack or account works at once.
         /// How long the bucket check's own signed requests stay valid: S3's tolerance for a
         /// signer's clock (15 minutes), so that a broker whose clock is a minute off still
         /// starts (a 60-second validity expired at once from a broker a minute slow).
         const BUCKET_CHECK_SECS: u64 = 900;
 
+        /// Creates the bucket if it does not exist (a presigned `PUT /bucket`; "already
+        /// yours" is success), so that a fresh LocalStack or account works at once.
         async fn ensure_bucket(&self) -> Result<(), CheckpointError> {
             let (base, host) = match &self.endpoint {
                 Some(e) => (

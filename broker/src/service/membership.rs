@@ -94,6 +94,11 @@ impl Membership {
         }
     }
 
+    /// The lease held on `job`, past its local deadline or not.
+    fn held(&self, job: JobId) -> Option<Lease> {
+        self.lock().get(&job).map(|h| h.lease)
+    }
+
     /// The jobs this broker holds leases on (lapsed or not).
     pub fn jobs(&self) -> HashSet<JobId> {
         self.lock().keys().copied().collect()
@@ -151,6 +156,17 @@ impl Broker {
     /// deadline ([`ServiceError::LeaseLapsed`]).
     pub fn fence(&self, job: JobId) -> Result<Lease, ServiceError> {
         self.membership.lease_at(job, Instant::now())
+    }
+
+    /// The lease to record the outcome of a cloud call already made for `job` (a launch, its
+    /// refusal, the local agent it started) with: the one held, even past the local deadline.
+    /// The deadline keeps a stalled broker from acting; what it already did is recorded all the
+    /// same (an instance left unrecorded would run with nobody tracking it), and the store
+    /// refuses the write if another broker has the job by then.
+    pub(crate) fn record_fence(&self, job: JobId) -> Result<Lease, ServiceError> {
+        self.membership
+            .held(job)
+            .ok_or(ServiceError::NotOwner { job })
     }
 
     /// Records this broker's row (at start).
@@ -397,5 +413,22 @@ mod tests {
             m.lease_at(JobId(8), asked),
             Err(ServiceError::NotOwner { job: JobId(8) })
         ));
+    }
+
+    /// Past the local deadline nothing new is done for the job, but the outcome of a cloud
+    /// call already made is still recorded under the held lease (`Broker::record_fence`).
+    #[test]
+    fn a_lapsed_lease_still_records_the_outcome_of_what_was_done() {
+        let m = member(Duration::from_secs(4));
+        let lease = Lease::for_test(JobId(7), 2);
+        let asked = Instant::now();
+        m.hold(&[lease], asked);
+        let later = asked + Duration::from_secs(10);
+        assert!(matches!(
+            m.lease_at(JobId(7), later),
+            Err(ServiceError::LeaseLapsed { .. })
+        ));
+        assert_eq!(m.held(JobId(7)), Some(lease));
+        assert_eq!(m.held(JobId(8)), None);
     }
 }

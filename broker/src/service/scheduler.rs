@@ -821,9 +821,10 @@ impl Broker {
         match self.cloud.launch(&spec).await {
             Ok(ci) => {
                 crate::failpoint::hit("launch-after-cloud");
+                let lease = self.record_fence(row.job_id)?;
                 self.store
                     .mark_launched(
-                        Some(&self.fence(row.job_id)?),
+                        Some(&lease),
                         &row.id,
                         &ci.cloud_id,
                         ci.launched.unwrap_or(now),
@@ -837,7 +838,7 @@ impl Broker {
                 };
                 self.store
                     .add_event(
-                        Some(&self.fence(row.job_id)?),
+                        Some(&lease),
                         Some(row.job_id),
                         Some(&row.id),
                         now,
@@ -866,13 +867,9 @@ impl Broker {
                 })
             }
             Err(e) => {
+                let lease = self.record_fence(row.job_id)?;
                 self.store
-                    .mark_launch_failed(
-                        Some(&self.fence(row.job_id)?),
-                        &row.id,
-                        &e.to_string(),
-                        now,
-                    )
+                    .mark_launch_failed(Some(&lease), &row.id, &e.to_string(), now)
                     .await?;
                 super::metrics::Metrics::inc(&self.metrics.launch_failures);
                 let mut detail = format!("{}: {}: {e}", row.market, e.reason());
@@ -901,7 +898,7 @@ impl Broker {
                 tracing::warn!(instance = %row.id, %detail, "launch failed");
                 self.store
                     .add_event(
-                        Some(&self.fence(row.job_id)?),
+                        Some(&lease),
                         Some(row.job_id),
                         Some(&row.id),
                         now,
@@ -944,7 +941,7 @@ impl Broker {
             Ok((addr, pid)) => {
                 self.store
                     .set_local_agent(
-                        Some(&self.fence(row.job_id)?),
+                        Some(&self.record_fence(row.job_id)?),
                         &row.id,
                         &addr.to_string(),
                         Some(pid),
@@ -955,7 +952,7 @@ impl Broker {
                 tracing::warn!(instance = %row.id, error = %e, "cannot start the local agent");
                 self.store
                     .add_event(
-                        Some(&self.fence(row.job_id)?),
+                        Some(&self.record_fence(row.job_id)?),
                         Some(row.job_id),
                         Some(&row.id),
                         self.clock.now(),
