@@ -20,9 +20,7 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     let (trace, od) = write_c3_trace(dir.path(), Some((SPIKE_AT_MIN, SPIKE_MIN)));
     let db = fresh_pg_database().await;
     // Held one market second before the spike (a sixtieth of a wall second at this speed), so
-    // that the market itself adds no wall time between the hold's lift and the spike. (In
-    // release mode the job still finishes before its agents hand over: the notice's way to
-    // them — the scheduler's tick, the agent's metadata poll — outlasts its training there.)
+    // that the market itself adds no wall time between the hold's lift and the spike.
     let hold = (chrono::DateTime::parse_from_rfc3339(&sim_minutes(SPIKE_AT_MIN))
         .expect("RFC 3339")
         - chrono::Duration::seconds(1))
@@ -45,12 +43,16 @@ async fn a_price_spike_warns_agents_that_hand_over_and_the_job_completes() {
     .await;
     // BidBrain with one reliable instance for the backups and two spot ones; stage 2 at a
     // 2:1 ratio puts the active shards on the spot instances, so a warning must move them.
+    // Each worker trains at most 20,000 samples a second: the 60 epochs of 60,000 samples take
+    // at least a minute of wall time on three workers however fast this machine is, so the
+    // spike's notice (a scheduler tick and a metadata poll, about a second) finds them still
+    // training. Unpaced, a release build finished before the notice arrived.
     let id = broker.submit_file(
         dir.path(),
         "name = \"spike\"\napp = \"mlr\"\ndataset = \"mnist\"\npolicy = \"bidbrain\"\n\
          [stop]\nepochs = 60\n[limits]\nmax_instances = 3\nmax_reliable_instances = 1\n\
          [work]\ntotal_work = 2.0\ninstance_types = [\"c3.xlarge\"]\nstartup_minutes = 1.0\n\
-         [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\n",
+         [training]\nnum_shards = 2\nstage2_ratio = 1.0\nstage3_ratio = 10.0\nseed = 11\npace_samples_per_sec = 20000.0\n",
     );
     // The market waits a second before the spike until the job is in stage 2 and training:
     // then the spike finds the active shards on the spot instances. (Seen past half its

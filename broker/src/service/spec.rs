@@ -497,6 +497,11 @@ pub struct TrainingSpec {
     /// `flexrr`: size of each worker's helper group (1–16, default 3).
     #[serde(default)]
     pub helpers: Option<u32>,
+    /// `mlr` and `mf`: train each worker at no more than this many samples per second (a
+    /// ceiling, not a target; default none: as fast as the CPU allows). For demonstrations and
+    /// tests that need training to last, whatever the machine's speed.
+    #[serde(default)]
+    pub pace_samples_per_sec: Option<f64>,
 }
 
 impl TrainingSpec {
@@ -1123,6 +1128,21 @@ impl JobSpec {
                     return Err(bad("training.min_workers", "must be between 1 and 1000"));
                 }
                 cfg.min_workers = n;
+            }
+            if let Some(rate) = t.pace_samples_per_sec {
+                if matches!(cfg.app, AppConfig::Mlp { .. } | AppConfig::Command(_)) {
+                    return Err(bad(
+                        "training.pace_samples_per_sec",
+                        "applies to `mlr` and `mf` only",
+                    ));
+                }
+                if !(rate.is_finite() && rate > 0.0) {
+                    return Err(bad(
+                        "training.pace_samples_per_sec",
+                        "must be a positive number",
+                    ));
+                }
+                cfg.stragglers.pace_samples_per_sec = Some(rate);
             }
         }
         cfg.validate().map_err(|e| bad("training", e))?;
