@@ -729,3 +729,154 @@ async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and
             .await;
     }
 }
+
+/// Every instance's output tail of job `id`, through `broker`, by instance id.
+async fn tails(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
+    let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["instance_id"].as_str().unwrap().to_string(),
+                t["output"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The step a run of `examples/command/train.py` resumed from (its `start … resumed_from=N`).
+fn resumed_from(tail: &str) -> Option<u64> {
+    tail.lines()
+        .filter_map(|l| l.split("resumed_from=").nth(1))
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .next_back()
+}
+
+/// Two brokers on one database with LocalStack's EC2 and S3. The broker that runs a command job
+/// dies (`kill -9`); the other takes the job over; the job's instance then ends, and the
+/// replacement the new owner launches restores the program's checkpoint from the store both
+/// brokers share (nothing of it was on the dead broker's disk). The output of both instances —
+/// the first one's sent to the dead broker — is readable through either broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_any_broker_shows_every_output()
+ {
+    let root = tempfile::tempdir().unwrap();
+    let deployment = unique("fo-cmd");
+    let db = ec2_database(root.path()).await;
+    let lease = LEASE_SECS.to_string();
+    let mut brokers = Vec::new();
+    for name in ["a", "b"] {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        brokers.push(start_ec2_broker_on(&dir, &db, &deployment, &["--lease-secs", &lease]).await);
+    }
+    let spec = serde_json::json!({
+        "name": "command-takeover",
+        "app": "command",
+        "policy": "bidbrain",
+        "limits": {"max_instances": 1, "max_reliable_instances": 1},
+        "work": {"total_work": 1.0, "instance_types": ["c5.large"], "startup_minutes": 0.0},
+        "command": {
+            "run": ["python3", proteus_e2e::example_program("train.py")],
+            "checkpoint_interval_secs": 1,
+            "env": {"STEPS": "400", "STEP_SECS": "0.2", "CHECKPOINT_EVERY": "5"}
+        }
+    });
+    let id = brokers[0].client().post("/v1/jobs", spec).await["id"]
+        .as_i64()
+        .unwrap();
+    let path = format!("/v1/jobs/{id}");
+    // Past a few checkpoints, on its first instance.
+    let view = brokers[0]
+        .client()
+        .wait_for(
+            &path,
+            Duration::from_secs(180),
+            "the program past its checkpoints",
+            |v| v["progress"].as_f64().unwrap_or(0.0) >= 20.0 / 400.0,
+        )
+        .await;
+    let owner = view["broker"].as_str().unwrap().to_string();
+    let (dead, alive) = if broker_id(&brokers[0]) == owner {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    let first = view["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["state"] == "running")
+        .expect("a running instance")
+        .clone();
+    brokers[dead].kill9();
+    let survivor = brokers[alive].client();
+    let survivor_id = broker_id(&brokers[alive]);
+    survivor
+        .wait_for(
+            &path,
+            Duration::from_secs(60),
+            "the other broker to take the job over",
+            |v| v["broker"] == survivor_id.as_str(),
+        )
+        .await;
+    // The job's instance ends; the new owner replaces it.
+    let ec2 = localstack_ec2().await;
+    ec2.terminate_instances()
+        .instance_ids(first["cloud_id"].as_str().unwrap())
+        .send()
+        .await
+        .expect("TerminateInstances on LocalStack");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (replacement, from) = loop {
+        let t = tails(&brokers[alive], id).await;
+        if let Some((i, tail)) = t
+            .iter()
+            .find(|(i, tail)| *i != first["id"].as_str().unwrap() && tail.contains("resumed_from="))
+        {
+            break (i.clone(), resumed_from(tail).unwrap_or(0));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replacement ran the program within 240 s: {t:?}\n{}",
+            brokers[alive].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let first_tail = tails(&brokers[alive], id)
+        .await
+        .into_iter()
+        .find(|(i, _)| i == first["id"].as_str().unwrap())
+        .map(|(_, t)| t)
+        .unwrap_or_else(|| panic!("the first instance's output is not shown by the survivor"));
+    assert!(
+        from >= 5,
+        "the replacement {replacement} started from step {from}, not from the first instance's \
+         checkpoint:\n{first_tail}"
+    );
+    // The dead broker comes back: it shows the same output of the first instance.
+    brokers[dead].spawn(&[]).await;
+    let again = tails(&brokers[dead], id).await;
+    assert!(
+        again
+            .iter()
+            .any(|(i, t)| i == first["id"].as_str().unwrap() && *t == first_tail),
+        "the restarted broker shows other output: {again:?}"
+    );
+    assert!(again.iter().any(|(i, _)| *i == replacement), "{again:?}");
+    let _ = survivor.call(reqwest::Method::DELETE, &path, None).await;
+    survivor
+        .wait_for(&path, Duration::from_secs(60), "the job's release", |v| {
+            v["broker"].is_null()
+        })
+        .await;
+}

@@ -249,8 +249,10 @@ pub(super) struct MarketsChartQuery {
     )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD; default: `hours` before `to`.
+    #[param(schema_with = super::openapi::time_schema)]
     from: Option<String>,
-    /// Default: now (market time).
+    /// RFC 3339 or YYYY-MM-DD; default: now (market time).
+    #[param(schema_with = super::openapi::time_schema)]
     to: Option<String>,
     /// The window's length when `from` is not given; default 168 (a week).
     #[param(exclusive_minimum = 0.0, maximum = 87840.0)]

@@ -334,6 +334,7 @@ struct SimClockHold {
     /// Hold the market at this instant (RFC 3339): it runs there and stops (at once when it is
     /// past). Absent or null: lift the hold, and the market runs on from where it stands.
     #[serde(default)]
+    #[schema(schema_with = openapi::nullable_time_schema)]
     hold_at: Option<String>,
 }
 
@@ -538,7 +539,10 @@ struct PricesQuery {
     )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD.
+    #[param(schema_with = openapi::time_schema)]
     from: Option<String>,
+    /// RFC 3339 or YYYY-MM-DD.
+    #[param(schema_with = openapi::time_schema)]
     to: Option<String>,
 }
 

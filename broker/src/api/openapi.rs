@@ -1,6 +1,7 @@
 //! The OpenAPI document, generated from the handlers' annotations and the types' schemas.
 
 use axum::Json;
+use serde_json::{Value, json};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -168,11 +169,137 @@ impl Modify for Policies {
     }
 }
 
-pub async fn document() -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
+pub async fn document() -> Json<Value> {
+    Json(value())
 }
 
 /// The document as JSON text (for `proteus openapi`, and tests).
 pub fn json() -> String {
-    ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+    serde_json::to_string_pretty(&value()).unwrap_or_default()
+}
+
+/// The document: the derived one with the rules between a job spec's fields added.
+fn value() -> Value {
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
+    spec_rules(&mut doc);
+    doc
+}
+
+/// Rules between a job spec's fields, which the derived schemas cannot say: each is a check
+/// `JobSpec::validate` makes (refusing, with the field named, what breaks it), written here so
+/// that every request the document allows is one the broker takes. (JSON Schema has no
+/// implication: "if `app` is X then …" is written "`app` is not X, or …".)
+fn spec_rules(doc: &mut Value) {
+    // Not empty, no `/` or backslash, no leading `.`, no control character.
+    const RATINGS_FILE: &str =
+        "^[^./\\\\\u{0}-\u{1f}\u{7f}-\u{9f}][^/\\\\\u{0}-\u{1f}\u{7f}-\u{9f}]*$";
+    let schemas = &mut doc["components"]["schemas"];
+    if !schemas.is_object() {
+        return;
+    }
+    let absent = json!({"type": "null"});
+    let app_in = |apps: &[&str]| json!({"properties": {"app": {"enum": apps}}});
+    // Fields of `training` that only some apps take (absent or null for the others).
+    let training_without = |fields: &[&str]| {
+        let fields_absent: serde_json::Map<String, Value> = fields
+            .iter()
+            .map(|f| (f.to_string(), absent.clone()))
+            .collect();
+        json!({"properties": {"training": {"anyOf": [absent, {"properties": fields_absent}]}}})
+    };
+    let either = |a: Value, b: Value| json!({"anyOf": [a, b]});
+    schemas["JobSpec"]["allOf"] = json!([
+        // A command job has a `command` table and none of the built-in apps' fields.
+        either(
+            app_in(&["mlr", "mf", "mlp"]),
+            json!({
+                "required": ["command"],
+                "properties": {
+                    "command": {"$ref": "#/components/schemas/CommandSpec"},
+                    "dataset": absent, "stop": absent, "training": absent
+                }
+            })
+        ),
+        // `command` is a command job's only.
+        either(
+            app_in(&["command"]),
+            json!({"properties": {"command": absent}})
+        ),
+        // The multilayer perceptron's fields.
+        either(
+            app_in(&["mlp"]),
+            training_without(&[
+                "parallelism",
+                "layers",
+                "batch",
+                "momentum",
+                "link_mbit_per_sec",
+                "link_latency_ms",
+                "pipeline"
+            ])
+        ),
+        // Matrix factorisation's rank.
+        either(app_in(&["mf"]), training_without(&["rank"])),
+        // Pacing: for the parameter-server apps.
+        either(
+            app_in(&["mlr", "mf"]),
+            training_without(&["pace_samples_per_sec"])
+        ),
+        // The image data sets of `mlr` and `mlp`.
+        either(
+            app_in(&["mf", "command"]),
+            json!({"properties": {"dataset": {"enum": [null, "mnist", "digits"]}}})
+        ),
+        // `mf`'s ratings file: a bare name in the agents' data directory.
+        either(
+            app_in(&["mlr", "mlp", "command"]),
+            json!({"properties": {"dataset": {"anyOf": [
+                absent,
+                {"type": "string", "pattern": RATINGS_FILE}
+            ]}}})
+        ),
+    ]);
+    // A pipeline's options are for a pipeline.
+    schemas["TrainingSpec"]["allOf"] = json!([either(
+        json!({"properties": {"pipeline": absent}}),
+        json!({"properties": {"parallelism": {"enum": [null, "pipeline"]}}})
+    )]);
+    // Vertical sync is 1F1B's.
+    schemas["PipelineOptions"]["allOf"] = json!([either(
+        json!({"properties": {"vertical_sync": {"enum": [null, false]}}}),
+        json!({"properties": {"schedule": {"enum": [null, "1f1b"]}}})
+    )]);
+}
+
+/// The schema of a time the API takes: RFC 3339 (`2015-03-11T10:34:42Z`) or a bare date
+/// (`2015-03-11`, midnight UTC), as [`crate::market::Timestamp::parse`] reads it.
+pub(super) fn time_schema() -> utoipa::openapi::schema::Schema {
+    time_schema_of(false)
+}
+
+/// [`time_schema`], or `null`.
+pub(super) fn nullable_time_schema() -> utoipa::openapi::schema::Schema {
+    time_schema_of(true)
+}
+
+fn time_schema_of(nullable: bool) -> utoipa::openapi::schema::Schema {
+    use utoipa::openapi::schema::{
+        KnownFormat, ObjectBuilder, OneOfBuilder, SchemaFormat, SchemaType, Type,
+    };
+    let string = |format| {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(format)))
+    };
+    let mut one = OneOfBuilder::new()
+        .item(string(KnownFormat::DateTime))
+        .item(string(KnownFormat::Date));
+    if nullable {
+        one = one.item(ObjectBuilder::new().schema_type(SchemaType::Type(Type::Null)));
+    }
+    one.description(Some(
+        "RFC 3339 (`2015-03-11T10:34:42Z`) or a date (`2015-03-11`, midnight UTC)",
+    ))
+    .build()
+    .into()
 }

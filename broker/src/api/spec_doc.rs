@@ -127,11 +127,15 @@ fn section(
     }
 }
 
-/// A schema with its `$ref`, or the non-null branch of an optional one, followed.
+/// A schema with its `$ref`, or the non-null branch of an optional one, followed. A table's
+/// own schema is itself (its `allOf` holds the rules between its fields).
 fn resolve<'a>(schemas: &'a Value, schema: &'a Value) -> &'a Value {
     if let Some(r) = schema["$ref"].as_str() {
         let name = r.rsplit('/').next().unwrap_or_default();
         return resolve(schemas, &schemas[name]);
+    }
+    if schema["properties"].is_object() {
+        return schema;
     }
     for key in ["oneOf", "anyOf", "allOf"] {
         if let Some(branches) = schema[key].as_array()

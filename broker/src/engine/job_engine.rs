@@ -371,6 +371,7 @@ struct Arrivals {
 struct InstantEvents {
     warned: Vec<InstanceId>,
     evicted: Vec<InstanceId>,
+    lost: Vec<InstanceId>,
     ready: Vec<InstanceId>,
 }
 
@@ -841,8 +842,10 @@ impl<'p> JobEngine<'p> {
         let work_done = self.config.pacing == Pacing::Modelled
             && self.state.work.is_complete(self.state.total_work);
         // 3. What arrived: ends, warnings, readiness.
+        let (evicted, lost) = self.apply_ends(ctx, out);
         let mut events = InstantEvents {
-            evicted: self.apply_ends(ctx, out),
+            evicted,
+            lost,
             ..InstantEvents::default()
         };
         self.apply_warnings(now, &mut events, out, work_done);
@@ -874,6 +877,7 @@ impl<'p> JobEngine<'p> {
         let InstantEvents {
             warned,
             evicted,
+            lost,
             ready,
         } = events;
         for (ids, event) in [
@@ -882,6 +886,7 @@ impl<'p> JobEngine<'p> {
                 PolicyEvent::Warned as fn(Vec<InstanceId>) -> PolicyEvent,
             ),
             (evicted, PolicyEvent::Evicted),
+            (lost, PolicyEvent::Lost),
             (ready, PolicyEvent::Ready),
         ] {
             if !ids.is_empty() {
@@ -920,9 +925,16 @@ impl<'p> JobEngine<'p> {
     }
 
     /// Ends that arrived: billed, observed, gone from the footprint. Returns the ids the
-    /// provider took.
-    fn apply_ends(&mut self, ctx: &Ctx<'_>, out: &mut Vec<Command>) -> Vec<InstanceId> {
+    /// provider took, and those that ended unasked otherwise (terminated by someone else,
+    /// failed, gone from the cloud's list): the policy hears of both at once, so that the
+    /// footprint they leave short is made up now, not at the next scheduled decision.
+    fn apply_ends(
+        &mut self,
+        ctx: &Ctx<'_>,
+        out: &mut Vec<Command>,
+    ) -> (Vec<InstanceId>, Vec<InstanceId>) {
         let mut evicted = Vec::new();
+        let mut lost = Vec::new();
         for (id, at, by_provider) in std::mem::take(&mut self.state.arrived.ended) {
             let Some(i) = self.state.members.iter().position(|m| m.id == id) else {
                 continue;
@@ -937,8 +949,10 @@ impl<'p> JobEngine<'p> {
             } else {
                 EndedBy::User
             };
-            if by == EndedBy::Provider && !m.releasing {
-                evicted.push(m.id.clone());
+            match by {
+                _ if m.releasing => {}
+                EndedBy::Provider => evicted.push(m.id.clone()),
+                EndedBy::User => lost.push(m.id.clone()),
             }
             let hours = end.secs_since(m.launched_at) / 3600.0;
             if by == EndedBy::Provider && m.warned.is_none() {
@@ -968,7 +982,7 @@ impl<'p> JobEngine<'p> {
                 cost,
             });
         }
-        evicted
+        (evicted, lost)
     }
 
     fn apply_warnings(
@@ -2479,6 +2493,44 @@ mod tests {
             releasing: m.releasing,
             replaced_by: None,
         }
+    }
+
+    #[test]
+    fn an_instance_ended_unasked_is_replaced_at_once_not_at_the_next_decision() {
+        let w = World::new();
+        let job = job(&w, 5.0, 4, 5.0, "");
+        let policy = Scripted::default();
+        // The policy would next look on its own three hours in.
+        policy.keep(A, spot(0.10), 1, Some(at(3.0 * 3600.0)));
+        let mut e = engine(job, &policy, terms(Some(5.0), None));
+        let out = w.feed(&mut e, t0(), Input::Tick, &mut accept());
+        assert_eq!(launches(&out).len(), 1);
+        // Terminated by someone else (an operator, a failure): not the policy's release, not
+        // the provider's reclaim.
+        let gone = at(600.0);
+        w.step(
+            &mut e,
+            gone,
+            Input::Ended {
+                id: id(1),
+                at: gone,
+                by_provider: false,
+            },
+        )
+        .unwrap();
+        let out = w.feed(&mut e, gone, Input::Tick, &mut accept_from(2));
+        assert_eq!(launches(&out), vec![market(A)], "replaced at once: {out:?}");
+        let asked = policy.asked();
+        assert_eq!(
+            asked.last().map(|a| a.event.clone()),
+            Some(Some(PolicyEvent::Lost(vec![id(1)])))
+        );
+        assert_eq!(e.counts().evictions, 0, "not counted as an eviction");
+        assert_eq!(
+            e.ended()[0].by,
+            EndedBy::User,
+            "billed as ended by the user"
+        );
     }
 
     #[test]

@@ -248,6 +248,9 @@ pub enum PolicyEvent {
     Warned(Vec<InstanceId>),
     /// These instances are gone (after their warning, or without one).
     Evicted(Vec<InstanceId>),
+    /// These instances ended though neither the policy released them nor the provider
+    /// reclaimed them: terminated by someone else, failed, or gone from the cloud's list.
+    Lost(Vec<InstanceId>),
     /// A launch the policy asked for did not happen (e.g. the bid is below the current price,
     /// or the cloud has no capacity).
     LaunchFailed { market: Market, reason: String },

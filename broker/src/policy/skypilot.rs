@@ -168,6 +168,8 @@ impl Policy for SkypilotDefault {
                     self.preempted_in = Some(i.market.clone());
                 }
             }
+            // Not a preemption: no reason to leave its market.
+            PolicyEvent::Lost(_) => {}
             PolicyEvent::Ready(_) => {
                 // A launch went through: the round of failovers is over.
                 self.refused.clear();

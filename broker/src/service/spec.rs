@@ -39,6 +39,55 @@ const SECRET_VARS: [&str; 8] = [
     "DATABASE_URL",
 ];
 
+/// Serde would take a struct from a sequence of its fields in order (`"work": [1.0, …]`): a
+/// spec's tables are tables only, as its schema says.
+mod table {
+    use serde::de::value::MapAccessDeserializer;
+    use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+    use std::fmt;
+    use std::marker::PhantomData;
+
+    struct Table<T>(PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Table<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a table (an object)")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+            T::deserialize(MapAccessDeserializer::new(map))
+        }
+    }
+
+    struct Optional<T>(PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Optional<T> {
+        type Value = Option<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a table (an object) or null")
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+            required(d).map(Some)
+        }
+    }
+
+    pub fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+        d.deserialize_map(Table(PhantomData))
+    }
+
+    pub fn optional<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
+        d.deserialize_option(Optional(PhantomData))
+    }
+}
+
 /// A training job as submitted.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -55,28 +104,29 @@ pub struct JobSpec {
     #[serde(default)]
     pub dataset: Option<String>,
     /// When training ends. Default: 5 epochs.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub stop: Option<StopSpec>,
     /// A policy in the broker's policies directory: `bidbrain`, `on-demand`, `standard-bidding`.
     #[schema(min_length = 1, max_length = 64, pattern = "^[a-z0-9_-]+$")]
     pub policy: String,
+    #[serde(deserialize_with = "table::required")]
     pub limits: Limits,
     /// `hourly-2015` or `per-second`. Default: the broker's (`--billing`).
     #[serde(default)]
     pub billing: Option<String>,
     /// The work estimate the policy plans with; see [`WorkSpec`].
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub work: Option<WorkSpec>,
     /// What each instance must have, as SkyPilot users write it: the job runs on the types the
     /// broker has prices for that have all of it (among `work.instance_types` when given too).
     /// The types chosen are stored with the job and shown at submission.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub resources: Option<ResourcesSpec>,
     /// Training hyperparameters and AgileML settings.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub training: Option<TrainingSpec>,
     /// `app = "command"` only: the program to run.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub command: Option<CommandSpec>,
 }
 
@@ -467,7 +517,7 @@ pub struct TrainingSpec {
     /// (minibatches between the snapshots a pipeline restarts from when a worker is lost
     /// without warning; default 100, 0 for none), e.g. `pipeline = { schedule = "2bw" }`. See
     /// docs/pipeline.md.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "table::optional")]
     pub pipeline: Option<PipelineOptions>,
     /// Training starts once this many workers are placed (an `mlp` pipeline is planned for
     /// them). Default 1.
@@ -501,6 +551,7 @@ pub struct TrainingSpec {
     /// ceiling, not a target; default none: as fast as the CPU allows). For demonstrations and
     /// tests that need training to last, whatever the machine's speed.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0)]
     pub pace_samples_per_sec: Option<f64>,
 }
 
