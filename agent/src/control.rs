@@ -63,6 +63,19 @@ pub fn is_transient(e: &AgentError) -> bool {
     }
 }
 
+/// Whether another broker may answer what this one could not: it was unreachable (the request
+/// never reached a handler) or said the job is another broker's.
+fn elsewhere(e: &AgentError) -> bool {
+    matches!(
+        e,
+        AgentError::Broker(_)
+            | AgentError::BrokerStatus {
+                status: NOT_OWNER,
+                ..
+            }
+    )
+}
+
 /// Whether `ev` is the one that ends the job when the broker records it.
 fn ends_the_job(ev: &AgentEvent) -> bool {
     matches!(
@@ -174,6 +187,26 @@ impl Broker {
         })
     }
 
+    /// [`Self::send`], tried at each broker of the deployment in turn while the one asked cannot
+    /// be reached or says another broker runs the job: a checkpoint or an output tail is not
+    /// lost because the job was moving between brokers when it was sent.
+    async fn send_to_owner<T: DeserializeOwned>(
+        &self,
+        build: impl Fn(&str) -> reqwest::RequestBuilder,
+        timeout: Duration,
+    ) -> Result<Option<T>> {
+        let mut left = self.bases.len();
+        loop {
+            left -= 1;
+            match self.send(&build, timeout).await {
+                Err(e) if left > 0 && elsewhere(&e) => {
+                    tracing::debug!(error = %e, "asking the next broker");
+                }
+                answer => return answer,
+            }
+        }
+    }
+
     async fn post<B: Serialize, T: DeserializeOwned>(
         &self,
         path: &str,
@@ -277,7 +310,7 @@ impl Broker {
         op: CheckpointOp,
     ) -> Result<CheckpointTransfer> {
         let http = &self.http;
-        self.send::<CheckpointTransfer>(
+        self.send_to_owner::<CheckpointTransfer>(
             |base| {
                 http.get(format!("{base}{}", paths::checkpoint(id)))
                     .query(&CheckpointQuery { rank, op })
@@ -291,7 +324,7 @@ impl Broker {
     /// Where to fetch the job's `s3://` working directory (a presigned `GET`).
     pub async fn workdir_transfer(&self, id: &InstanceId) -> Result<CheckpointTransfer> {
         let http = &self.http;
-        self.send::<CheckpointTransfer>(
+        self.send_to_owner::<CheckpointTransfer>(
             |base| http.get(format!("{base}{}", paths::workdir(id))),
             Duration::from_secs(15),
         )
@@ -371,11 +404,11 @@ impl Broker {
     /// Send the newest tail of a command job's output.
     pub async fn output(&self, id: &InstanceId, tail: String) -> Result<()> {
         let http = &self.http;
-        self.send::<serde_json::Value>(
+        self.send_to_owner::<serde_json::Value>(
             |base| {
                 http.post(format!("{base}{}", paths::output(id)))
                     .header("content-type", "text/plain; charset=utf-8")
-                    .body(tail)
+                    .body(tail.clone())
             },
             Duration::from_secs(15),
         )
@@ -395,4 +428,71 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A broker that answers every request with `status` and `body`; returns its URL and how
+    /// many requests it answered.
+    async fn broker_answering(
+        status: &'static str,
+        body: &'static str,
+    ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                seen.fetch_add(1, Ordering::SeqCst);
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(reply.as_bytes()).await;
+            }
+        });
+        (url, count)
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_asked_of_a_broker_that_no_longer_runs_the_job_is_asked_of_the_next() {
+        let (old, old_asked) = broker_answering(
+            "421 Misdirected Request",
+            r#"{"code":"not_owner","message":"job 1 is run by another broker"}"#,
+        )
+        .await;
+        let (new, new_asked) = broker_answering("200 OK", r#"{"url":"/v1/x","bearer":true}"#).await;
+        let broker = Broker::new(&format!("{old},{new}"), "t", None).unwrap();
+        let id = InstanceId("pi-1-a".into());
+        let t = broker
+            .checkpoint_transfer(&id, 0, CheckpointOp::Upload)
+            .await
+            .expect("the next broker answers within the same call");
+        assert_eq!(t.url, "/v1/x");
+        assert_eq!(old_asked.load(Ordering::SeqCst), 1);
+        assert_eq!(new_asked.load(Ordering::SeqCst), 1);
+        // With one broker only, the refusal is the answer (no loop).
+        let alone = Broker::new(&old, "t", None).unwrap();
+        let e = alone
+            .checkpoint_transfer(&id, 0, CheckpointOp::Upload)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, AgentError::BrokerStatus { status: 421, .. }),
+            "{e}"
+        );
+    }
 }

@@ -85,6 +85,39 @@ impl Timestamp {
     }
 }
 
+/// The schema of a time the API takes: RFC 3339 (`2015-03-11T10:34:42Z`) or a bare date
+/// (`2015-03-11`, midnight UTC), as [`Timestamp::parse`] reads it.
+pub fn time_schema() -> utoipa::openapi::schema::Schema {
+    time_schema_of(false)
+}
+
+/// [`time_schema`], or `null`.
+pub fn nullable_time_schema() -> utoipa::openapi::schema::Schema {
+    time_schema_of(true)
+}
+
+fn time_schema_of(nullable: bool) -> utoipa::openapi::schema::Schema {
+    use utoipa::openapi::schema::{
+        KnownFormat, ObjectBuilder, OneOfBuilder, SchemaFormat, SchemaType, Type,
+    };
+    let string = |format| {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(format)))
+    };
+    let mut one = OneOfBuilder::new()
+        .item(string(KnownFormat::DateTime))
+        .item(string(KnownFormat::Date));
+    if nullable {
+        one = one.item(ObjectBuilder::new().schema_type(SchemaType::Type(Type::Null)));
+    }
+    one.description(Some(
+        "RFC 3339 (`2015-03-11T10:34:42Z`) or a date (`2015-03-11`, midnight UTC)",
+    ))
+    .build()
+    .into()
+}
+
 /// `t + d`: `d` later (saturating at [`Timestamp::MAX`]).
 impl std::ops::Add<Duration> for Timestamp {
     type Output = Timestamp;

@@ -175,6 +175,11 @@ pub(super) struct ChartQuery {
     format: Option<String>,
 }
 
+/// Shortest and longest window `hours` may ask for: 3.6 s (a shorter one rounds to nothing at
+/// the store's millisecond), ten years.
+const MIN_CHART_HOURS: f64 = 0.001;
+const MAX_CHART_HOURS: f64 = 87_840.0;
+
 /// What a chart can be drawn as (the schema of the `format` query parameter).
 #[derive(serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -245,17 +250,17 @@ pub(super) struct MarketsChartQuery {
     /// Markets as `zone/type`, comma-separated, e.g. `us-east-1a/c3.xlarge,us-east-1b/c3.xlarge`.
     #[param(
         min_length = 1,
-        pattern = r"^\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*(,\s*[^\s/,]+[a-z]/[^\s/.,]+\.[^\s/,]+\s*){0,7}$"
+        pattern = r"^[ \t\n\r\f\v]*[^\s/,\x00-\x1f\x7f-\x9f]+[a-z]/[^\s/.,\x00-\x1f\x7f-\x9f]+\.[^\s/,\x00-\x1f\x7f-\x9f]+[ \t\n\r\f\v]*(,[ \t\n\r\f\v]*[^\s/,\x00-\x1f\x7f-\x9f]+[a-z]/[^\s/.,\x00-\x1f\x7f-\x9f]+\.[^\s/,\x00-\x1f\x7f-\x9f]+[ \t\n\r\f\v]*){0,7}$"
     )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD; default: `hours` before `to`.
-    #[param(schema_with = super::openapi::time_schema)]
+    #[param(schema_with = crate::market::time_schema)]
     from: Option<String>,
     /// RFC 3339 or YYYY-MM-DD; default: now (market time).
-    #[param(schema_with = super::openapi::time_schema)]
+    #[param(schema_with = crate::market::time_schema)]
     to: Option<String>,
     /// The window's length when `from` is not given; default 168 (a week).
-    #[param(exclusive_minimum = 0.0, maximum = 87840.0)]
+    #[param(minimum = 0.001, maximum = 87840.0)]
     hours: Option<f64>,
     /// `svg` (default) or `png`.
     #[param(inline, value_type = Option<ChartFormat>)]
@@ -266,6 +271,7 @@ pub(super) struct MarketsChartQuery {
 /// of up to eight markets over a window.
 #[utoipa::path(get, path = "/v1/markets/chart", params(MarketsChartQuery),
     responses((status = 200, description = "the chart (image/svg+xml or image/png)"), (status = 401, body = super::error::ErrorBody),
+        (status = 404, body = super::error::ErrorBody, description = "no prices for a market in the window"),
         (status = 422, body = super::error::ErrorBody)), security(("bearer" = [])))]
 pub(super) async fn markets_chart(
     _: UserRead,
@@ -295,15 +301,17 @@ pub(super) async fn markets_chart(
             .map_err(|e| ApiError::invalid(field, e.to_string()))
     };
     let to = time("to", &q.to)?.unwrap_or_else(|| s.broker.clock().now());
-    let from = match (time("from", &q.from)?, q.hours) {
-        (Some(from), _) => from,
-        (None, Some(h)) if !(h > 0.0 && h <= 24.0 * 3660.0) => {
-            return Err(ApiError::invalid(
-                "hours",
-                "must be between 0 and ten years of hours",
-            ));
-        }
-        (None, h) => to.plus_secs(-h.unwrap_or(168.0) * 3600.0),
+    if let Some(h) = q.hours
+        && !(MIN_CHART_HOURS..=MAX_CHART_HOURS).contains(&h)
+    {
+        return Err(ApiError::invalid(
+            "hours",
+            format!("must be between {MIN_CHART_HOURS} (3.6 s) and {MAX_CHART_HOURS} (ten years)"),
+        ));
+    }
+    let from = match time("from", &q.from)? {
+        Some(from) => from,
+        None => to.plus_secs(-q.hours.unwrap_or(168.0) * 3600.0),
     };
     if from >= to {
         return Err(ApiError::invalid(

@@ -62,6 +62,13 @@ impl ApiError {
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", message)
     }
+    /// A valid request this broker cannot take as things stand, naming the field (`409`,
+    /// `unmet`): another broker, or this one later, might.
+    pub fn unmet(field: &str, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::CONFLICT, "unmet", message);
+        e.body.field = Some(field.to_string());
+        e
+    }
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, "conflict", message)
     }
@@ -99,29 +106,54 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(rejection) => Err(json_rejection(rejection)),
+        let axum::Json(mut value) = axum::Json::<serde_json::Value>::from_request(req, state)
+            .await
+            .map_err(json_rejection)?;
+        integral_numbers_as_integers(&mut value);
+        serde_path_to_error::deserialize(value)
+            .map(ApiJson)
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let problem = e.inner().to_string();
+                let field = match path.as_str() {
+                    "." => unknown_field_name(&problem),
+                    _ => Some(path),
+                };
+                let mut err =
+                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", problem);
+                err.body.field = field;
+                err
+            })
+    }
+}
+
+/// JSON Schema counts a number with no fraction an integer (`389.0` is a valid `integer`);
+/// serde does not. Such numbers become integers before a body is read into its type (a field
+/// of floating-point type takes an integer just as well). Only those a double holds exactly.
+fn integral_numbers_as_integers(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64()
+                && f.fract() == 0.0
+                && f.abs() <= EXACT
+            {
+                *n = if f < 0.0 {
+                    (f as i64).into()
+                } else {
+                    (f as u64).into()
+                };
+            }
         }
+        Value::Array(items) => items.iter_mut().for_each(integral_numbers_as_integers),
+        Value::Object(fields) => fields.values_mut().for_each(integral_numbers_as_integers),
+        _ => {}
     }
 }
 
 fn json_rejection(rejection: JsonRejection) -> ApiError {
     match rejection {
-        JsonRejection::JsonDataError(e) => {
-            // axum reports `path: problem` from serde_path_to_error.
-            let text =
-                std::error::Error::source(&e).map_or_else(|| e.body_text(), |s| s.to_string());
-            let (field, problem) = match text.split_once(": ") {
-                Some((path, problem)) if !path.contains(' ') && path != "." => {
-                    (Some(path.to_string()), problem.to_string())
-                }
-                _ => (None, text.clone()),
-            };
-            let mut err = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", problem);
-            err.body.field = field.or_else(|| unknown_field_name(&text));
-            err
-        }
         JsonRejection::JsonSyntaxError(e) => {
             let text =
                 std::error::Error::source(&e).map_or_else(|| e.body_text(), |s| s.to_string());

@@ -102,6 +102,7 @@ impl From<ServiceError> for ApiError {
     fn from(e: ServiceError) -> Self {
         match e {
             ServiceError::Invalid { field, message } => ApiError::invalid(&field, message),
+            ServiceError::Unmet { field, message } => ApiError::unmet(&field, message),
             ServiceError::NoSuchJob(id) => ApiError::not_found(format!("job {id} does not exist")),
             ServiceError::JobOver(id) => ApiError::conflict(format!("job {id} is already over")),
             ServiceError::NoSuchInstance(id) => {
@@ -223,6 +224,7 @@ async fn metrics(_: UserRead, State(s): State<AppState>) -> Result<Response, Api
 
 #[utoipa::path(post, path = "/v1/jobs", request_body = JobSpec,
     responses((status = 201, body = JobView), (status = 400, body = error::ErrorBody), (status = 401, body = error::ErrorBody),
+        (status = 409, body = error::ErrorBody, description = "`unmet`: valid, but this broker cannot take it as things stand (an instance type it has no market for, a deadline past or out of reach, its instance cap)"),
         (status = 422, body = error::ErrorBody)), security(("bearer" = [])))]
 async fn submit_job(
     _: UserWrite,
@@ -237,7 +239,9 @@ async fn submit_job(
 /// counts, bids, prices) with the expected cost per unit of work and finish at today's prices.
 /// Checks the spec as a submission does; stores and launches nothing.
 #[utoipa::path(post, path = "/v1/jobs/dry-run", request_body = JobSpec,
-    responses((status = 200, body = crate::service::dry_run::DryRun), (status = 422, body = error::ErrorBody)),
+    responses((status = 200, body = crate::service::dry_run::DryRun),
+        (status = 409, body = error::ErrorBody, description = "`unmet`: valid, but this broker cannot take it as things stand"),
+        (status = 422, body = error::ErrorBody)),
     security(("bearer" = [])))]
 async fn dry_run_job(
     _: UserRead,
@@ -334,7 +338,7 @@ struct SimClockHold {
     /// Hold the market at this instant (RFC 3339): it runs there and stops (at once when it is
     /// past). Absent or null: lift the hold, and the market runs on from where it stands.
     #[serde(default)]
-    #[schema(schema_with = openapi::nullable_time_schema)]
+    #[schema(schema_with = crate::market::nullable_time_schema)]
     hold_at: Option<String>,
 }
 
@@ -535,14 +539,14 @@ struct PricesQuery {
     /// `zone/type`, e.g. `us-east-1a/c3.xlarge` (or `zone/type/product`).
     #[param(
         min_length = 1,
-        pattern = r"^[^\s/]+[a-z]/[^\s/.]+\.[^\s/]+(/.*\S.*)?$"
+        pattern = r"^[^\s/\x00-\x1f\x7f-\x9f]+[a-z]/[^\s/.\x00-\x1f\x7f-\x9f]+\.[^\s/\x00-\x1f\x7f-\x9f]+(/[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*)?$"
     )]
     market: String,
     /// RFC 3339 or YYYY-MM-DD.
-    #[param(schema_with = openapi::time_schema)]
+    #[param(schema_with = crate::market::time_schema)]
     from: Option<String>,
     /// RFC 3339 or YYYY-MM-DD.
-    #[param(schema_with = openapi::time_schema)]
+    #[param(schema_with = crate::market::time_schema)]
     to: Option<String>,
 }
 

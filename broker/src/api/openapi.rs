@@ -191,8 +191,11 @@ fn value() -> Value {
 /// implication: "if `app` is X then …" is written "`app` is not X, or …".)
 fn spec_rules(doc: &mut Value) {
     // Not empty, no `/` or backslash, no leading `.`, no control character.
-    const RATINGS_FILE: &str =
-        "^[^./\\\\\u{0}-\u{1f}\u{7f}-\u{9f}][^/\\\\\u{0}-\u{1f}\u{7f}-\u{9f}]*$";
+    const RATINGS_FILE: &str = r"^[^./\\\x00-\x1f\x7f-\x9f][^/\\\x00-\x1f\x7f-\x9f]*$";
+    const NAME: &str = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$";
+    // An argument vector: a program that is not blank, then any arguments; no NUL anywhere.
+    const PROGRAM: &str = r"^[^\x00]*[^\s\x00][^\x00]*$";
+    const NO_NUL: &str = r"^[^\x00]*$";
     let schemas = &mut doc["components"]["schemas"];
     if !schemas.is_object() {
         return;
@@ -259,11 +262,67 @@ fn spec_rules(doc: &mut Value) {
             ]}}})
         ),
     ]);
-    // A pipeline's options are for a pipeline.
-    schemas["TrainingSpec"]["allOf"] = json!([either(
-        json!({"properties": {"pipeline": absent}}),
-        json!({"properties": {"parallelism": {"enum": [null, "pipeline"]}}})
+    // A pipeline's options are for a pipeline; slack for the stale synchronous models,
+    // helpers for FlexRR.
+    schemas["TrainingSpec"]["allOf"] = json!([
+        either(
+            json!({"properties": {"pipeline": absent}}),
+            json!({"properties": {"parallelism": {"enum": [null, "pipeline"]}}})
+        ),
+        either(
+            json!({"properties": {"slack": absent}}),
+            json!({"required": ["sync"], "properties": {"sync": {"enum": ["ssp", "flexrr"]}}})
+        ),
+        either(
+            json!({"properties": {"helpers": absent}}),
+            json!({"required": ["sync"], "properties": {"sync": {"enum": ["flexrr"]}}})
+        ),
+    ]);
+    merge(
+        &mut schemas["TrainingSpec"]["properties"]["sync"],
+        json!({"enum": [null, "bsp", "ssp", "flexrr"]}),
+    );
+    // Exactly one way to stop.
+    schemas["StopSpec"]["allOf"] = json!([either(
+        json!({"required": ["epochs"], "properties": {"epochs": {"type": "integer"}, "clocks": absent}}),
+        json!({"required": ["clocks"], "properties": {"clocks": {"type": "integer"}, "epochs": absent}})
     )]);
+    // A deadline as a time or in hours, not both.
+    schemas["Limits"]["allOf"] = json!([either(
+        json!({"properties": {"deadline": absent}}),
+        json!({"properties": {"deadline_hours": absent}})
+    )]);
+    merge(
+        &mut schemas["JobSpec"]["properties"]["billing"],
+        json!({"enum": [null, "hourly-2015", "per-second"]}),
+    );
+    // A command job's program and set-up: argument vectors; its environment: variable names,
+    // none of the contract's or a credential's.
+    for argv in ["run", "setup"] {
+        merge(
+            &mut schemas["CommandSpec"]["properties"][argv],
+            json!({
+                "prefixItems": [{"type": "string", "pattern": PROGRAM}],
+                "items": {"type": "string", "pattern": NO_NUL}
+            }),
+        );
+    }
+    merge(
+        &mut schemas["CommandSpec"]["properties"]["env"],
+        json!({
+            "propertyNames": {"allOf": [
+                {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                {"not": {"pattern": "^PROTEUS_"}},
+                {"not": {"enum": crate::service::spec::SECRET_VARS}}
+            ]},
+            "additionalProperties": {"type": "string", "pattern": NO_NUL}
+        }),
+    );
+    // A name: 1–200 characters, not all blank, no control character.
+    merge(
+        &mut schemas["JobSpec"]["properties"]["name"],
+        json!({"maxLength": 200, "pattern": NAME}),
+    );
     // Vertical sync is 1F1B's.
     schemas["PipelineOptions"]["allOf"] = json!([either(
         json!({"properties": {"vertical_sync": {"enum": [null, false]}}}),
@@ -271,35 +330,9 @@ fn spec_rules(doc: &mut Value) {
     )]);
 }
 
-/// The schema of a time the API takes: RFC 3339 (`2015-03-11T10:34:42Z`) or a bare date
-/// (`2015-03-11`, midnight UTC), as [`crate::market::Timestamp::parse`] reads it.
-pub(super) fn time_schema() -> utoipa::openapi::schema::Schema {
-    time_schema_of(false)
-}
-
-/// [`time_schema`], or `null`.
-pub(super) fn nullable_time_schema() -> utoipa::openapi::schema::Schema {
-    time_schema_of(true)
-}
-
-fn time_schema_of(nullable: bool) -> utoipa::openapi::schema::Schema {
-    use utoipa::openapi::schema::{
-        KnownFormat, ObjectBuilder, OneOfBuilder, SchemaFormat, SchemaType, Type,
-    };
-    let string = |format| {
-        ObjectBuilder::new()
-            .schema_type(Type::String)
-            .format(Some(SchemaFormat::KnownFormat(format)))
-    };
-    let mut one = OneOfBuilder::new()
-        .item(string(KnownFormat::DateTime))
-        .item(string(KnownFormat::Date));
-    if nullable {
-        one = one.item(ObjectBuilder::new().schema_type(SchemaType::Type(Type::Null)));
+/// Adds `extra`'s keys to the object schema `schema`.
+fn merge(schema: &mut Value, extra: Value) {
+    if let (Some(to), Value::Object(from)) = (schema.as_object_mut(), extra) {
+        to.extend(from);
     }
-    one.description(Some(
-        "RFC 3339 (`2015-03-11T10:34:42Z`) or a date (`2015-03-11`, midnight UTC)",
-    ))
-    .build()
-    .into()
 }

@@ -324,7 +324,7 @@ pub(crate) fn deadline_is_reachable(
     } else {
         "limits.deadline"
     };
-    Err(ServiceError::Invalid {
+    Err(ServiceError::Unmet {
         field: field.into(),
         message: format!(
             "cannot be met even on on-demand: {work} units of work at {speed} take {:.2} h, \
@@ -441,13 +441,10 @@ impl Broker {
         }
         let valid = spec
             .validate(self.settings.default_billing, now)
-            .map_err(|e| ServiceError::Invalid {
-                field: e.field,
-                message: e.message,
-            })?;
+            .map_err(ServiceError::from)?;
         let cap = self.settings.instance_cap;
         if valid.max_instances > cap {
-            return Err(ServiceError::invalid(
+            return Err(ServiceError::unmet(
                 "limits.max_instances",
                 format!(
                     "{} is above this broker's cap of {cap} instances across all jobs \

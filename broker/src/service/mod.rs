@@ -217,6 +217,10 @@ impl std::fmt::Debug for Broker {
 pub enum ServiceError {
     #[error("{field}: {message}")]
     Invalid { field: String, message: String },
+    /// A valid request this broker cannot take as things stand (its markets, its clock, its
+    /// settings), naming the field (409).
+    #[error("{field}: {message}")]
+    Unmet { field: String, message: String },
     #[error("job {0} does not exist")]
     NoSuchJob(JobId),
     #[error("job {0} is already over")]
@@ -273,6 +277,28 @@ impl ServiceError {
         ServiceError::Invalid {
             field: field.to_string(),
             message: message.into(),
+        }
+    }
+
+    pub(crate) fn unmet(field: &str, message: impl Into<String>) -> Self {
+        ServiceError::Unmet {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<spec::FieldError> for ServiceError {
+    fn from(e: spec::FieldError) -> Self {
+        match e.unmet {
+            true => ServiceError::Unmet {
+                field: e.field,
+                message: e.message,
+            },
+            false => ServiceError::Invalid {
+                field: e.field,
+                message: e.message,
+            },
         }
     }
 }
@@ -481,7 +507,7 @@ impl Broker {
                 &data.markets.usable_types(),
                 self.settings.default_startup_minutes,
             )
-            .map_err(|e| ServiceError::invalid(&e.field, e.message))?;
+            .map_err(ServiceError::from)?;
         spec.resolve(
             "job spec `work`",
             data.history.on_demand(),

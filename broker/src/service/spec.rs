@@ -28,7 +28,7 @@ use utoipa::ToSchema;
 
 /// Names of credentials a job's `env` may not set: a job spec is stored and shown to every API
 /// user, and the broker's own secrets must never reach a program by name either.
-const SECRET_VARS: [&str; 8] = [
+pub(crate) const SECRET_VARS: [&str; 8] = [
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
@@ -144,6 +144,7 @@ pub enum App {
 #[serde(deny_unknown_fields)]
 pub struct CommandSpec {
     /// The program and its arguments, no shell: `["python3", "train.py", "--lr", "0.1"]`.
+    #[schema(min_items = 1)]
     pub run: Vec<String>,
     /// Run once per instance before `run` (e.g. `["pip", "install", "-r", "req.txt"]`).
     #[serde(default)]
@@ -160,17 +161,21 @@ pub struct CommandSpec {
     pub launcher: Option<CommandLauncher>,
     /// Failed runs the job survives (0–100, default 3).
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 100)]
     pub max_restarts: Option<u32>,
     /// Seconds between checkpoint uploads while the program runs (1–86400, default 60).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub checkpoint_interval_secs: Option<u64>,
     /// SIGKILL this many seconds before a notice's deadline (0–600, default 10).
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 600)]
     pub kill_margin_secs: Option<u64>,
     /// When Proteus stops the program itself (a release, a scale-down, the job's end, a
     /// cancel): seconds from the notice to SIGKILL; the final checkpoint is uploaded after it,
     /// and only then is the instance ended (1–600, default 30).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 600)]
     pub grace_seconds: Option<u64>,
 }
 
@@ -315,9 +320,11 @@ impl CommandSpec {
 pub struct StopSpec {
     /// Passes over the training data.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 10000)]
     pub epochs: Option<u32>,
     /// Training iterations (BSP clocks).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 100000000)]
     pub clocks: Option<u64>,
 }
 
@@ -339,15 +346,18 @@ pub struct Limits {
     pub max_capacity: Option<f64>,
     /// Stop the job (and its spending) once the ledger reaches this many dollars.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0)]
     pub budget_usd: Option<f64>,
     /// Stop the job at this market time (RFC 3339) ...
     #[serde(default)]
+    #[schema(schema_with = crate::market::nullable_time_schema)]
     pub deadline: Option<String>,
     /// ... or this many market hours after submission. Policies pace the job against it. A
     /// deadline that `work.total_work` cannot meet even on on-demand at full width (every
     /// instance of the fastest type, after one start-up) is refused at submission, with the
     /// arithmetic.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 8760.0)]
     pub deadline_hours: Option<f64>,
 }
 
@@ -471,16 +481,19 @@ impl Resources {
 pub struct WorkSpec {
     /// Units of work for the whole job. Default: 1 per epoch (or per 100 clocks).
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 1e9)]
     pub total_work: Option<f64>,
     /// Default: the first of `instance_types` with 4 vCPUs, else the first.
     #[serde(default)]
     pub reference_type: Option<String>,
     /// Types the job may run on. Default: every type the broker has prices for.
     #[serde(default)]
+    #[schema(min_items = 1)]
     pub instance_types: Option<Vec<String>>,
     /// Minutes from launch to useful work. Default 5 (on a real cloud) — the broker's
     /// `--startup-minutes` overrides the default for simulated clouds.
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 600.0)]
     pub startup_minutes: Option<f64>,
 }
 
@@ -488,29 +501,37 @@ pub struct WorkSpec {
 #[serde(deny_unknown_fields)]
 pub struct TrainingSpec {
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 100.0)]
     pub learning_rate: Option<f32>,
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 100.0)]
     pub l2: Option<f32>,
     /// `mf` only.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1000)]
     pub rank: Option<u32>,
     /// `mlp` only: `pipeline` (default) or `data`.
     #[serde(default)]
     pub parallelism: Option<Parallelism>,
     /// `mlp` only: widths of the hidden layers and the output. Default `[512, 512, 512, 10]`.
     #[serde(default)]
+    #[schema(min_items = 1)]
     pub layers: Option<Vec<u32>>,
     /// `mlp` only: minibatch per worker. Default 64.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub batch: Option<u32>,
     /// `mlp` only. Default 0.9.
     #[serde(default)]
+    #[schema(minimum = 0.0, exclusive_maximum = 1.0)]
     pub momentum: Option<f32>,
     /// `mlp` only: emulate links of this many Mbit/s between agents.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0)]
     pub link_mbit_per_sec: Option<f64>,
     /// `mlp` only: emulate this one-way latency (ms, 0–10000) on every message between agents.
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 10000.0)]
     pub link_latency_ms: Option<f64>,
     /// `mlp` pipelines only: `schedule` = `1f1b` (PipeDream, default) or `2bw` (PipeDream-2BW:
     /// two weight versions per stage), `vertical_sync` (1F1B only), and `snapshot_every`
@@ -522,16 +543,22 @@ pub struct TrainingSpec {
     /// Training starts once this many workers are placed (an `mlp` pipeline is planned for
     /// them). Default 1.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1000)]
     pub min_workers: Option<u32>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 64)]
     pub num_shards: Option<u32>,
     #[serde(default)]
+    #[schema(minimum = 10, maximum = 3600000)]
     pub backup_sync_interval_ms: Option<u64>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 10000)]
     pub clocks_per_epoch: Option<u32>,
     #[serde(default)]
+    #[schema(minimum = 0.0)]
     pub stage2_ratio: Option<f64>,
     #[serde(default)]
+    #[schema(minimum = 0.0)]
     pub stage3_ratio: Option<f64>,
     #[serde(default)]
     pub seed: Option<u64>,
@@ -543,9 +570,11 @@ pub struct TrainingSpec {
     /// `ssp` and `flexrr`: how many clocks a worker may run ahead of the slowest (0–64;
     /// default 1 for `ssp`, 0 for `flexrr`).
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 64)]
     pub slack: Option<u32>,
     /// `flexrr`: size of each worker's helper group (1–16, default 3).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 16)]
     pub helpers: Option<u32>,
     /// `mlr` and `mf`: train each worker at no more than this many samples per second (a
     /// ceiling, not a target; default none: as fast as the CPU allows). For demonstrations and
@@ -660,7 +689,7 @@ impl ValidJob {
                         Some(format!("{t} has {}:{}", a.name, a.count))
                     })
                     .collect();
-                return Err(bad(
+                return Err(unmet(
                     "resources",
                     format!(
                         "no instance type {} has {} (GPU types here: {})",
@@ -680,14 +709,14 @@ impl ValidJob {
             }
         }
         if types.is_empty() {
-            return Err(bad(
+            return Err(unmet(
                 "work.instance_types",
                 "the broker has no market with an on-demand price: ingest prices first",
             ));
         }
         for (i, t) in types.iter().enumerate() {
             if !usable.iter().any(|u| u.as_str() == t) {
-                return Err(bad(
+                return Err(unmet(
                     &format!("work.instance_types[{i}]"),
                     format!(
                         "`{t}` has no spot market with an on-demand price here (available: {})",
@@ -744,12 +773,24 @@ impl ValidJob {
 pub struct FieldError {
     pub field: String,
     pub message: String,
+    /// The value is valid, but this broker cannot take it as things stand (its markets, its
+    /// clock, its settings): another broker, or this one later, might.
+    pub unmet: bool,
 }
 
 fn bad(field: &str, message: impl Into<String>) -> FieldError {
     FieldError {
         field: field.to_string(),
         message: message.into(),
+        unmet: false,
+    }
+}
+
+/// A valid value this broker cannot take as things stand (see [`FieldError::unmet`]).
+fn unmet(field: &str, message: impl Into<String>) -> FieldError {
+    FieldError {
+        unmet: true,
+        ..bad(field, message)
     }
 }
 
@@ -846,7 +887,7 @@ impl JobSpec {
                         if t > now {
                             Ok(t)
                         } else {
-                            Err(bad(
+                            Err(unmet(
                                 "limits.deadline",
                                 format!("{t} is not after now ({now})"),
                             ))
@@ -898,7 +939,11 @@ impl JobSpec {
             }
         }
         let name = match &self.name {
-            Some(n) if n.trim().is_empty() || n.len() > 200 || n.chars().any(char::is_control) => {
+            Some(n)
+                if n.trim().is_empty()
+                    || n.chars().count() > 200
+                    || n.chars().any(char::is_control) =>
+            {
                 return Err(bad(
                     "name",
                     "must be 1–200 characters, none of them a control character",

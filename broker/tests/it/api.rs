@@ -156,7 +156,7 @@ async fn bad_requests_are_4xx_naming_the_field() {
         ),
         (
             json!({"app": "mlr", "policy": "bidbrain", "limits": {"max_instances": 2}, "work": {"instance_types": ["p9.huge"]}}),
-            422,
+            409,
             Some("work.instance_types[0]"),
         ),
     ];
@@ -562,7 +562,8 @@ async fn a_deadline_out_of_reach_is_refused_and_a_missed_one_ends_the_job() {
     // 8 units on 4 instances of 1 unit/h each: 2 h, plus 6 min of start-up.
     for (hours, at) in [(1.0, "1.00 h away"), (2.09, "2.09 h away")] {
         let (status, err) = s.post("/v1/jobs", body(hours)).await;
-        assert_eq!(status, 422, "{err}");
+        assert_eq!(status, 409, "{err}");
+        assert_eq!(err["code"], "unmet", "{err}");
         let text = err.to_string();
         for part in [
             "limits.deadline_hours",
@@ -582,7 +583,7 @@ async fn a_deadline_out_of_reach_is_refused_and_a_missed_one_ends_the_job() {
     assert_eq!(jobs.as_array().unwrap().len(), 0, "nothing stored: {jobs}");
     // The dry run says the same.
     let (status, err) = s.post("/v1/jobs/dry-run", body(1.0)).await;
-    assert_eq!(status, 422, "{err}");
+    assert_eq!(status, 409, "{err}");
 
     // Exactly what the error asked for is accepted.
     let (status, view) = s.post("/v1/jobs/dry-run", body(2.1)).await;
@@ -1377,11 +1378,13 @@ async fn resources_choose_the_instance_types_and_are_shown_at_submission() {
     // The dry run shows the same types.
     let (_, plan) = s.post("/v1/jobs/dry-run", body).await;
     assert_eq!(plan["instance_types"], json!(["g2.2xlarge"]), "{plan}");
-    // No V100 in the 2015 market: refused, saying what there is.
+    // No V100 in the 2015 market: refused as valid but not on this market, saying what there
+    // is.
     let mut body = job("bidbrain");
     body["resources"] = json!({"accelerators": "V100:1"});
     let (status, err) = s.post("/v1/jobs", body).await;
-    assert_eq!(status, 422, "{err}");
+    assert_eq!(status, 409, "{err}");
+    assert_eq!(err["code"], "unmet", "{err}");
     let text = err.to_string();
     assert!(
         text.contains("resources") && text.contains("g2.2xlarge has K520:1"),

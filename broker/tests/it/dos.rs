@@ -316,7 +316,7 @@ async fn ending_a_large_job_costs_writes_in_proportion_and_other_jobs_are_still_
 async fn the_broker_wide_cap_refuses_jobs_over_it_and_holds_across_jobs() {
     let s = TestServer::start(|a| a.instance_cap = 6).await;
     let (status, body) = s.submit(on_demand_job(7, 100.0)).await;
-    assert_eq!(status, 422, "{body}");
+    assert_eq!(status, 409, "{body}");
     assert_eq!(body["field"], "limits.max_instances", "{body}");
     let message = body["message"].as_str().unwrap();
     assert!(
