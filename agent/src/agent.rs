@@ -42,6 +42,7 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
             data_addr: data_addr.clone(),
             vcpus: opts.vcpus,
             agent_version: env!("CARGO_PKG_VERSION").into(),
+            protocol_version: proteus_wire::agent_api::PROTOCOL_VERSION,
         })
         .await?;
     tracing::info!(job = %reg.job_id, tier = %reg.tier, app = reg.training.app.name(), "registered");

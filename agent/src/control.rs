@@ -4,7 +4,7 @@ use crate::error::{AgentError, Result};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
     AgentEvent, ApiError, CheckpointOp, CheckpointQuery, CheckpointTransfer, CommandEnvelope,
-    CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
+    CommandsQuery, Heartbeat, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, paths,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -226,6 +226,12 @@ impl Broker {
         let mut delay = Duration::from_millis(250);
         loop {
             match self.post::<_, RegisterResponse>(paths::REGISTER, req).await {
+                Ok(Some(r)) if r.protocol_version != PROTOCOL_VERSION => {
+                    return Err(AgentError::ProtocolMismatch {
+                        agent: PROTOCOL_VERSION,
+                        broker: r.protocol_version,
+                    });
+                }
                 Ok(Some(r)) => return Ok(r),
                 Ok(None) => return Err(AgentError::Broker("empty registration answer".into())),
                 Err(e) if is_transient(&e) => {
@@ -439,8 +445,9 @@ mod tests {
     /// many requests it answered.
     async fn broker_answering(
         status: &'static str,
-        body: &'static str,
+        body: impl Into<String>,
     ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let body: String = body.into();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -494,5 +501,70 @@ mod tests {
             matches!(e, AgentError::BrokerStatus { status: 421, .. }),
             "{e}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_broker_of_another_protocol_version_is_refused_at_the_hello_naming_both() {
+        use proteus_wire::agent_api::{AppConfig, TrainingConfig};
+        use proteus_wire::{JobId, Tier};
+        let answer = |version: u32| {
+            serde_json::to_string(&RegisterResponse {
+                job_id: JobId(1),
+                instance_id: InstanceId("i-1".into()),
+                tier: Tier::Reliable,
+                training: TrainingConfig::new(AppConfig::Synthetic { model_len: 1 }),
+                heartbeat_interval_ms: 1000,
+                command_wait_ms: 1000,
+                data_secret: None,
+                protocol_version: version,
+            })
+            .unwrap()
+        };
+        let req = RegisterRequest {
+            instance_id: InstanceId("i-1".into()),
+            data_addr: "127.0.0.1:1".into(),
+            vcpus: 1,
+            agent_version: String::new(),
+            protocol_version: PROTOCOL_VERSION,
+        };
+        for other in [0, PROTOCOL_VERSION + 1] {
+            let (url, asked) = broker_answering("200 OK", answer(other)).await;
+            let e = Broker::new(&url, "t", None)
+                .unwrap()
+                .register(&req)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(e, AgentError::ProtocolMismatch { agent, broker }
+                    if agent == PROTOCOL_VERSION && broker == other),
+                "{e}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("agent protocol {PROTOCOL_VERSION}"))
+                    && text.contains(&format!("the broker {other}")),
+                "{text}"
+            );
+            assert_eq!(asked.load(Ordering::SeqCst), 1, "refused, not retried");
+        }
+        // A broker that refuses this agent's version: its answer is final, not retried.
+        let (url, asked) = broker_answering(
+            "409 Conflict",
+            r#"{"code":"protocol_mismatch","message":"this agent speaks agent protocol 9 and this broker 1"}"#,
+        )
+        .await;
+        let e = Broker::new(&url, "t", None)
+            .unwrap()
+            .register(&req)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, AgentError::BrokerStatus { status: 409, .. }),
+            "{e}"
+        );
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        let (url, _) = broker_answering("200 OK", answer(PROTOCOL_VERSION)).await;
+        let r = Broker::new(&url, "t", None).unwrap().register(&req).await;
+        assert!(r.is_ok(), "{r:?}");
     }
 }

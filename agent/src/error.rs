@@ -24,6 +24,12 @@ pub enum AgentError {
     Broker(String),
     #[error("broker refused ({status}): {message}")]
     BrokerStatus { status: u16, message: String },
+    #[error(
+        "this agent speaks agent protocol {agent} and the broker {broker} (0: from before the \
+         protocol had a version): run the agent the broker serves \
+         (GET /v1/downloads/proteus-agent)"
+    )]
+    ProtocolMismatch { agent: u32, broker: u32 },
     #[error("peer {peer}: {message}")]
     Peer { peer: String, message: String },
     #[error("data-plane hello refused: {0}")]

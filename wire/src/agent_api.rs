@@ -145,7 +145,17 @@ pub struct RegisterRequest {
     /// `proteus-agent` version, for the broker's logs.
     #[serde(default)]
     pub agent_version: String,
+    /// The agent protocol the agent speaks ([`PROTOCOL_VERSION`]); 0: an agent from before
+    /// the protocol had a version.
+    #[serde(default)]
+    pub protocol_version: u32,
 }
+
+/// The version of the protocol between a broker and its agents: what the agent API's messages
+/// and the data plane mean. A broker and an agent of different versions refuse each other at
+/// the hello (the registration), each naming both versions, rather than misreading each
+/// other later. Raised with any change an older peer would misread.
+pub const PROTOCOL_VERSION: u32 = 1;
 
 fn default_vcpus() -> u32 {
     1
@@ -173,6 +183,10 @@ pub struct RegisterResponse {
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub data_secret: Option<DataSecret>,
+    /// The agent protocol the broker speaks ([`PROTOCOL_VERSION`]); 0: a broker from before
+    /// the protocol had a version.
+    #[serde(default)]
+    pub protocol_version: u32,
 }
 
 /// A job's data-plane secret: 32 random bytes, hex on the wire.

@@ -29,6 +29,12 @@ pub enum CoordinatorError {
     ModelMismatch { expected: u64, got: u64 },
     #[error("invalid training configuration: {0}")]
     InvalidConfig(String),
+    #[error(
+        "this agent speaks agent protocol {agent} and this broker {broker} (0: from before the \
+         protocol had a version): run the agent of the broker's release \
+         (GET /v1/downloads/proteus-agent)"
+    )]
+    ProtocolMismatch { agent: u32, broker: u32 },
 }
 
 impl CoordinatorError {
@@ -36,7 +42,7 @@ impl CoordinatorError {
     pub fn http_status(&self) -> u16 {
         match self {
             CoordinatorError::UnknownInstance(_) => 404,
-            CoordinatorError::JobOver(_) => 409,
+            CoordinatorError::JobOver(_) | CoordinatorError::ProtocolMismatch { .. } => 409,
             CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => 400,
         }
     }
@@ -45,6 +51,7 @@ impl CoordinatorError {
         match self {
             CoordinatorError::UnknownInstance(_) => "not_found",
             CoordinatorError::JobOver(_) => "job_over",
+            CoordinatorError::ProtocolMismatch { .. } => "protocol_mismatch",
             CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => {
                 "bad_request"
             }
@@ -485,6 +492,12 @@ impl Coordinator {
         now_ms: u64,
     ) -> Result<RegisterResponse, CoordinatorError> {
         self.ensure_not_over()?;
+        if req.protocol_version != crate::agent_api::PROTOCOL_VERSION {
+            return Err(CoordinatorError::ProtocolMismatch {
+                agent: req.protocol_version,
+                broker: crate::agent_api::PROTOCOL_VERSION,
+            });
+        }
         if self.members.contains_key(&req.instance_id) {
             self.depart(&req.instance_id, DepartureReason::Restarted, now_ms);
         }
@@ -514,6 +527,7 @@ impl Coordinator {
             heartbeat_interval_ms: self.heartbeat_interval_ms,
             command_wait_ms: self.command_wait_ms,
             data_secret: self.data_secret.clone(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         })
     }
 
@@ -1282,6 +1296,7 @@ mod tests {
             data_addr: format!("{name}:1"),
             vcpus: 1,
             agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         };
         c.register(req, tier, now).unwrap();
         c.event(&id(name), AgentEvent::Ready { model_len: 1000 }, now)
@@ -1293,6 +1308,49 @@ mod tests {
     }
 
     #[test]
+    fn an_agent_of_another_protocol_version_is_refused_at_the_hello_naming_both() {
+        let mut c = Coordinator::new(JobId(1), config()).unwrap();
+        for other in [0, crate::agent_api::PROTOCOL_VERSION + 1] {
+            let req = RegisterRequest {
+                instance_id: id("a"),
+                data_addr: "a:1".into(),
+                vcpus: 1,
+                agent_version: String::new(),
+                protocol_version: other,
+            };
+            let e = c.register(req, Tier::Reliable, 100).unwrap_err();
+            assert_eq!(
+                e,
+                CoordinatorError::ProtocolMismatch {
+                    agent: other,
+                    broker: crate::agent_api::PROTOCOL_VERSION
+                }
+            );
+            assert_eq!((e.http_status(), e.code()), (409, "protocol_mismatch"));
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("agent protocol {other}"))
+                    && text.contains(&format!(
+                        "this broker {}",
+                        crate::agent_api::PROTOCOL_VERSION
+                    )),
+                "{text}"
+            );
+            assert!(c.status().members.is_empty(), "nothing joined");
+        }
+        // The same agent of this version joins, and is told the broker's version.
+        let req = RegisterRequest {
+            instance_id: id("a"),
+            data_addr: "a:1".into(),
+            vcpus: 1,
+            agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
+        };
+        let r = c.register(req, Tier::Reliable, 100).unwrap();
+        assert_eq!(r.protocol_version, crate::agent_api::PROTOCOL_VERSION);
+    }
+
+    #[test]
     fn a_member_is_ready_from_its_ready_event_not_its_registration() {
         let mut c = Coordinator::new(JobId(1), config()).unwrap();
         let req = RegisterRequest {
@@ -1300,6 +1358,7 @@ mod tests {
             data_addr: "a:1".into(),
             vcpus: 1,
             agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         };
         c.register(req, Tier::Reliable, 100).unwrap();
         let member = |c: &Coordinator| c.status().members[0].clone();
@@ -1407,6 +1466,7 @@ mod tests {
             data_addr: format!("{name}:1"),
             vcpus: 1,
             agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         };
         c.register(req, Tier::Transient, now).unwrap();
         c.event(&id(name), AgentEvent::Ready { model_len: 1 }, now)
@@ -2147,6 +2207,7 @@ mod tests {
             data_addr: "x".into(),
             vcpus: 1,
             agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         };
         assert_eq!(
             c.register(req, Tier::Reliable, 7)
@@ -2165,6 +2226,7 @@ mod tests {
             data_addr: "x".into(),
             vcpus: 1,
             agent_version: String::new(),
+            protocol_version: crate::agent_api::PROTOCOL_VERSION,
         };
         c.register(req, Tier::Reliable, 0).unwrap();
         assert!(
@@ -2315,6 +2377,7 @@ mod tests {
                     data_addr: "127.0.0.1:1".into(),
                     vcpus: 1,
                     agent_version: String::new(),
+                    protocol_version: crate::agent_api::PROTOCOL_VERSION,
                 },
                 Tier::Reliable,
                 0,

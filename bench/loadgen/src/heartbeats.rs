@@ -237,6 +237,7 @@ async fn drive(args: &Args, base: &str, agents: Arc<Vec<Agent>>) -> Result<(Samp
                     data_addr: format!("127.0.0.1:{}", 20_000 + i),
                     vcpus: 4,
                     agent_version: "loadgen".into(),
+                    protocol_version: proteus_wire::agent_api::PROTOCOL_VERSION,
                 };
                 post(
                     http,

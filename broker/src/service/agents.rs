@@ -190,7 +190,15 @@ impl Broker {
             .ok_or(CoordinatorError::JobOver(job.id))?;
         let data_addr = req.data_addr.clone();
         let vcpus = req.vcpus;
-        let response = control.update(|c| c.register(req.clone(), identity.tier, wall_ms()))?;
+        let response = control
+            .update(|c| c.register(req.clone(), identity.tier, wall_ms()))
+            .inspect_err(|e| {
+                if let CoordinatorError::ProtocolMismatch { agent, broker } = e {
+                    tracing::warn!(instance = %req.instance_id, agent, broker,
+                        agent_version = %req.agent_version,
+                        "refused an agent of another protocol version");
+                }
+            })?;
         self.save_control(job.id).await?;
         let now = self.clock.now();
         self.store

@@ -264,12 +264,39 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
     let (a_id, a_token) = &tokens[0];
     let (b_id, b_token) = &tokens[1];
     async fn register(s: &TestServer, id: &str, t: Option<&str>) -> u16 {
-        let body = json!({"instance_id": id, "data_addr": "127.0.0.1:9", "vcpus": 2});
+        let body = json!({"instance_id": id, "data_addr": "127.0.0.1:9", "vcpus": 2, "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION});
         s.call(reqwest::Method::POST, "/v1/agents/register", t, Some(body))
             .await
             .0
     }
     assert_eq!(register(&s, a_id, Some(a_token)).await, 200, "own token");
+    // An agent of another protocol version (or one from before versions, which sends none) is
+    // refused at the hello, both versions named, and does not join.
+    for other in [None, Some(proteus_wire::agent_api::PROTOCOL_VERSION + 1)] {
+        let mut body = json!({"instance_id": b_id, "data_addr": "127.0.0.1:9", "vcpus": 2});
+        if let Some(v) = other {
+            body["protocol_version"] = json!(v);
+        }
+        let (status, answer) = s
+            .call(
+                reqwest::Method::POST,
+                "/v1/agents/register",
+                Some(b_token),
+                Some(body),
+            )
+            .await;
+        assert_eq!(status, 409, "{answer}");
+        assert_eq!(answer["code"], "protocol_mismatch", "{answer}");
+        let message = answer["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("agent protocol {}", other.unwrap_or(0)))
+                && message.contains(&format!(
+                    "this broker {}",
+                    proteus_wire::agent_api::PROTOCOL_VERSION
+                )),
+            "{message}"
+        );
+    }
     assert_eq!(
         register(&s, b_id, Some(a_token)).await,
         403,
@@ -742,7 +769,7 @@ async fn the_openapi_document_describes_every_route() {
 /// Every agent endpoint, called for instance `cloud_id` with `token`: (endpoint, status).
 async fn agent_endpoints(s: &TestServer, cloud_id: &str, token: &str) -> Vec<(&'static str, u16)> {
     let t = Some(token);
-    let register = json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2});
+    let register = json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2, "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION});
     let mut out = vec![(
         "register",
         s.call(
@@ -867,7 +894,10 @@ async fn agent_tokens_are_scoped_to_one_live_instance_even_within_a_job() {
     assert_eq!(status, 403, "{body}");
 
     // A registration must say where the agent's peers reach it: a `host:port`, nothing else.
-    let register = |addr: String| json!({"instance_id": b_cloud, "data_addr": addr, "vcpus": 2});
+    let register = |addr: String| {
+        json!({"instance_id": b_cloud, "data_addr": addr, "vcpus": 2,
+               "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION})
+    };
     for bad in [
         String::new(),
         "127.0.0.1 :9".to_string(),

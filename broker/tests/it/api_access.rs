@@ -70,7 +70,7 @@ async fn raw(
 }
 
 async fn register(s: &TestServer, cloud: &str, token: &str) {
-    let body = json!({"instance_id": cloud, "data_addr": "127.0.0.1:9", "vcpus": 2});
+    let body = json!({"instance_id": cloud, "data_addr": "127.0.0.1:9", "vcpus": 2, "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION});
     let (status, answer) = s
         .call(Method::POST, "/v1/agents/register", Some(token), Some(body))
         .await;

@@ -157,7 +157,7 @@ impl TestServer {
         };
         let r = post(
             "/v1/agents/register".into(),
-            json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2}),
+            json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2, "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION}),
         )
         .await
         .unwrap();

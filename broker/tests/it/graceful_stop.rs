@@ -47,7 +47,7 @@ async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
             reqwest::Method::POST,
             "/v1/agents/register",
             Some(&token),
-            Some(json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2})),
+            Some(json!({"instance_id": cloud_id, "data_addr": "127.0.0.1:9", "vcpus": 2, "protocol_version": proteus_wire::agent_api::PROTOCOL_VERSION})),
         )
         .await;
     assert_eq!(status, 200);
