@@ -36,8 +36,8 @@ fn submit(broker: &BrokerProcess, dir: &Path, name: &str, spec: &str) -> i64 {
     broker.submit_file(&sub, spec)
 }
 
-/// Every instance's output tail, by instance id.
-async fn logs(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
+/// Every instance's output tail of job `id`, through `broker`, by instance id.
+pub(crate) async fn logs(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
     let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
     let mut out: Vec<(String, String)> = v
         .as_array()

@@ -730,24 +730,6 @@ async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and
     }
 }
 
-/// Every instance's output tail of job `id`, through `broker`, by instance id.
-async fn tails(broker: &BrokerProcess, id: i64) -> Vec<(String, String)> {
-    let v = broker.client().get(&format!("/v1/jobs/{id}/logs")).await;
-    let mut out: Vec<(String, String)> = v
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            (
-                t["instance_id"].as_str().unwrap().to_string(),
-                t["output"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    out.sort();
-    out
-}
-
 /// The step a run of `examples/command/train.py` resumed from (its `start … resumed_from=N`).
 fn resumed_from(tail: &str) -> Option<u64> {
     tail.lines()
@@ -838,7 +820,7 @@ async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_an
         .expect("TerminateInstances on LocalStack");
     let deadline = Instant::now() + Duration::from_secs(240);
     let (replacement, from) = loop {
-        let t = tails(&brokers[alive], id).await;
+        let t = crate::command::logs(&brokers[alive], id).await;
         if let Some((i, tail)) = t
             .iter()
             .find(|(i, tail)| *i != first["id"].as_str().unwrap() && tail.contains("resumed_from="))
@@ -852,7 +834,7 @@ async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_an
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    let first_tail = tails(&brokers[alive], id)
+    let first_tail = crate::command::logs(&brokers[alive], id)
         .await
         .into_iter()
         .find(|(i, _)| i == first["id"].as_str().unwrap())
@@ -865,7 +847,7 @@ async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_an
     );
     // The dead broker comes back: it shows the same output of the first instance.
     brokers[dead].spawn(&[]).await;
-    let again = tails(&brokers[dead], id).await;
+    let again = crate::command::logs(&brokers[dead], id).await;
     assert!(
         again
             .iter()
