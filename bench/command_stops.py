@@ -192,7 +192,7 @@ STEPS = "{steps}"
             if state not in ("running", "pending"):
                 break
         if state in ("running", "pending"):
-            api(f"/v1/jobs/{job}", method="DELETE")
+            api(f"/v1/jobs/{job}/cancel", method="POST")
         # Every instance ended: the last words and checkpoints are in.
         end = time.time() + 180
         while True:

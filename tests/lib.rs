@@ -504,9 +504,11 @@ impl Api {
         assert!(v["held_at"].is_null(), "the hold is lifted: {v}");
         v
     }
-    pub async fn delete(&self, path: &str) -> serde_json::Value {
-        let (status, v) = self.call(reqwest::Method::DELETE, path, None).await;
-        assert_eq!(status, 200, "DELETE {path}: {v}");
+    /// `POST /v1/jobs/{id}/cancel`; the cancelled job.
+    pub async fn cancel(&self, id: impl std::fmt::Display) -> serde_json::Value {
+        let path = format!("/v1/jobs/{id}/cancel");
+        let (status, v) = self.call(reqwest::Method::POST, &path, None).await;
+        assert_eq!(status, 200, "POST {path}: {v}");
         v
     }
 
@@ -792,9 +794,12 @@ pub async fn start_ec2_broker_with(
         deployment,
         "--tick-ms",
         "300",
-        "--local-agents",
-        "true",
     ];
+    // Agents started on this machine, unless `extra` says otherwise (then only the user data
+    // starts them, as on EC2).
+    if !extra.contains(&"--local-agents") {
+        args.extend_from_slice(&["--local-agents", "true"]);
+    }
     // Brokers on a shared database keep checkpoints where all of them reach them: one
     // LocalStack S3 bucket per deployment.
     let store = format!("s3://{}/checkpoints", bucket_of(deployment));
@@ -884,4 +889,127 @@ pub fn broker_id(b: &BrokerProcess) -> String {
         .unwrap_or_default()
         .trim()
         .to_string()
+}
+
+/// A PostgreSQL server of a test's own (initdb in `dir`, on a free loopback port), which the
+/// test can stop and start under a running broker; stopped when dropped.
+pub struct PrivatePostgres {
+    bin: String,
+    data: std::path::PathBuf,
+    port: u16,
+    running: bool,
+    as_postgres: bool,
+}
+
+impl PrivatePostgres {
+    pub fn init(dir: &std::path::Path) -> PrivatePostgres {
+        let bin = std::env::var("PROTEUS_TEST_PG_BIN")
+            .expect("PROTEUS_TEST_PG_BIN is not set: run the suite through scripts/test");
+        let as_postgres = unsafe { libc::geteuid() } == 0;
+        let data = dir.join("pgdata");
+        if as_postgres {
+            let status = Command::new("chown")
+                .arg("-R")
+                .arg("postgres")
+                .arg(dir)
+                .status()
+                .unwrap();
+            assert!(status.success());
+        }
+        let mut pg = PrivatePostgres {
+            bin,
+            data,
+            port: free_port(),
+            running: false,
+            as_postgres,
+        };
+        let out = pg
+            .command("initdb")
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "-D",
+            ])
+            .arg(&pg.data)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        pg.start();
+        pg
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let path = format!("{}/{tool}", self.bin);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", &path]);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    pub fn start(&mut self) {
+        let options = format!(
+            "-h 127.0.0.1 -p {} -k {} -c fsync=off",
+            self.port,
+            self.data.parent().unwrap().display()
+        );
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-o", &options, "-l"])
+            .arg(self.data.parent().unwrap().join("postgres.log"))
+            .args(["-w", "start"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.running = true;
+    }
+
+    pub fn stop(&mut self) {
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-m", "fast", "-w", "stop"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_ctl stop: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.running = false;
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        if self.running {
+            let _ = self
+                .command("pg_ctl")
+                .arg("-D")
+                .arg(&self.data)
+                .args(["-m", "immediate", "-w", "stop"])
+                .output();
+        }
+    }
 }

@@ -14,8 +14,8 @@ use crate::transport::{DataPlane, Peers};
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, ExitReason, Metric, MetricKind, RegisterRequest,
-    RegisterResponse,
+    AgentEvent, BOOTSTRAP_TOKEN_PREFIX, BootstrapRequest, ClusterView, Command, ExitReason, Metric,
+    MetricKind, RegisterRequest, RegisterResponse,
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +34,8 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
     let instance_id = resolve_instance_id(&opts, imds.as_mut()).await?;
     let listener = TcpListener::bind(opts.listen).await?;
     let data_addr = advertised_addr(&opts, listener.local_addr()?, imds.as_mut()).await;
-    let broker = Broker::new(&opts.broker, &opts.token, opts.ca_file.as_deref())?;
+    let token = agent_token(&opts, &instance_id).await?;
+    let broker = Broker::new(&opts.broker, &token, opts.ca_file.as_deref())?;
     tracing::info!(instance = %instance_id, broker = %broker.url(), data_addr = %data_addr, "registering");
     let reg = broker
         .register(&RegisterRequest {
@@ -74,6 +75,50 @@ pub async fn run(opts: AgentOptions) -> Result<Outcome> {
         tokio::spawn(imds::watch(imds, opts.imds_poll, agent.notices_tx.clone()));
     }
     agent.main_loop(opts.exit_margin).await
+}
+
+/// The agent token: the one given, or, when that is the instance's bootstrap token, the one the
+/// broker trades it for (written over the token file, atomically, before it is used).
+async fn agent_token(opts: &AgentOptions, instance_id: &InstanceId) -> Result<String> {
+    if !opts.token.starts_with(BOOTSTRAP_TOKEN_PREFIX) {
+        return Ok(opts.token.clone());
+    }
+    let broker = Broker::new(&opts.broker, &opts.token, opts.ca_file.as_deref())?;
+    tracing::info!(instance = %instance_id, broker = %broker.url(), "trading the bootstrap token");
+    let token = broker
+        .bootstrap(&BootstrapRequest {
+            instance_id: instance_id.clone(),
+        })
+        .await?;
+    if let Some(file) = &opts.token_file {
+        replace_private(file, &token)?;
+    }
+    Ok(token)
+}
+
+/// Writes `text` over `file` (readable by this user only) by renaming a new file over it:
+/// a crash leaves the old or the new content, never a half.
+fn replace_private(file: &std::path::Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |e: std::io::Error| {
+        AgentError::Config(format!(
+            "writing the agent token to {}: {e}",
+            file.display()
+        ))
+    };
+    let tmp = file.with_extension("new");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io)?;
+    f.write_all(format!("{text}\n").as_bytes()).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, file).map_err(io)?;
+    Ok(())
 }
 
 /// What peers dial: `--advertise`, else the bound address; a wildcard bind is replaced by the

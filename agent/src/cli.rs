@@ -118,7 +118,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if !(cli.slowdown.is_finite() && cli.slowdown >= 1.0) {
         anyhow::bail!("--slowdown must be a number >= 1 (got {})", cli.slowdown);
     }
-    let token = match (cli.token, &cli.token_file) {
+    let token = match (cli.token.clone(), &cli.token_file) {
         (Some(t), _) => t,
         (None, Some(file)) => std::fs::read_to_string(file)
             .with_context(|| format!("reading the agent token from {}", file.display()))?
@@ -132,6 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let opts = AgentOptions {
         broker: cli.broker,
         token,
+        token_file: cli.token_file,
         ca_file: cli.ca_file,
         instance_id: cli.instance_id,
         imds_endpoint: (cli.imds_endpoint != "off").then_some(cli.imds_endpoint),

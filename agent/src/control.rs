@@ -3,8 +3,9 @@
 use crate::error::{AgentError, Result};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ApiError, CheckpointOp, CheckpointQuery, CheckpointTransfer, CommandEnvelope,
-    CommandsQuery, Heartbeat, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, paths,
+    AgentEvent, ApiError, BootstrapRequest, BootstrapResponse, CheckpointOp, CheckpointQuery,
+    CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat, PROTOCOL_VERSION,
+    RegisterRequest, RegisterResponse, paths,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -223,20 +224,44 @@ impl Broker {
     /// Register, retrying with capped exponential backoff while the broker is unreachable or
     /// failing; refusals (4xx) are returned at once.
     pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse> {
+        let r: RegisterResponse = self
+            .post_retrying(paths::REGISTER, req, "registration")
+            .await?;
+        if r.protocol_version != PROTOCOL_VERSION {
+            return Err(AgentError::ProtocolMismatch {
+                agent: PROTOCOL_VERSION,
+                broker: r.protocol_version,
+            });
+        }
+        Ok(r)
+    }
+
+    /// The first contact of an agent whose token is its instance's bootstrap token (this
+    /// client's): trades it for the agent token, retried as registration is. The bootstrap
+    /// token is good for one exchange only.
+    pub async fn bootstrap(&self, req: &BootstrapRequest) -> Result<String> {
+        let r: BootstrapResponse = self
+            .post_retrying(paths::BOOTSTRAP, req, "the bootstrap token exchange")
+            .await?;
+        Ok(r.token)
+    }
+
+    /// `POST`, retrying with capped exponential backoff while the broker is unreachable,
+    /// failing or not the job's owner; refusals (4xx) are returned at once.
+    async fn post_retrying<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+        what: &str,
+    ) -> Result<T> {
         let mut delay = Duration::from_millis(250);
         loop {
-            match self.post::<_, RegisterResponse>(paths::REGISTER, req).await {
-                Ok(Some(r)) if r.protocol_version != PROTOCOL_VERSION => {
-                    return Err(AgentError::ProtocolMismatch {
-                        agent: PROTOCOL_VERSION,
-                        broker: r.protocol_version,
-                    });
-                }
+            match self.post::<_, T>(path, body).await {
                 Ok(Some(r)) => return Ok(r),
-                Ok(None) => return Err(AgentError::Broker("empty registration answer".into())),
+                Ok(None) => return Err(AgentError::Broker(format!("empty answer to {what}"))),
                 Err(e) if is_transient(&e) => {
                     tracing::warn!(broker = %self.url(), error = %e, retry_in_ms = delay.as_millis() as u64,
-                        "broker unreachable; retrying registration");
+                        "broker unreachable; retrying {what}");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(10));
                 }

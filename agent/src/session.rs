@@ -19,7 +19,12 @@ use tokio::sync::mpsc;
 #[derive(Debug, Clone)]
 pub struct AgentOptions {
     pub broker: String,
+    /// The agent token, or the instance's one-time bootstrap token (`pb_…`, from its user data
+    /// or its launcher), which the agent trades for its agent token at its first contact.
     pub token: String,
+    /// Where the token was read from: a traded bootstrap token is replaced there by the agent
+    /// token, so that the agent, restarted, uses the token that still works.
+    pub token_file: Option<PathBuf>,
     /// PEM CA certificates to verify the broker's HTTPS against (`None`: the system roots).
     pub ca_file: Option<PathBuf>,
     /// From the command line; otherwise IMDS `instance-id`.

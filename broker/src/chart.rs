@@ -699,6 +699,8 @@ mod tests {
             agent_pid: None,
             stop_by: None,
             launch_token: None,
+            bootstrap_hash: None,
+            bootstrap_used: None,
         };
         (history, inst)
     }

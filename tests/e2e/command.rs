@@ -990,7 +990,7 @@ async fn a_cancel_lets_every_program_save_and_upload_before_its_instance_ends() 
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    api.delete(&format!("/v1/jobs/{id}")).await;
+    api.cancel(id).await;
     api.wait_for(
         &format!("/v1/jobs/{id}"),
         Duration::from_secs(120),

@@ -81,7 +81,7 @@ async fn crash_during_launch(failpoint: &str) {
         |v| v["progress"].as_f64().unwrap_or(0.0) > 0.0,
     )
     .await;
-    api.delete(&path).await;
+    api.cancel(id).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,7 +114,9 @@ async fn crash_during_cancel(failpoint: &str) {
     broker.kill9();
     broker.spawn(&[("PROTEUS_FAILPOINTS", failpoint)]).await;
     let api = broker.client();
-    let (status, body) = api.call(reqwest::Method::DELETE, &path, None).await;
+    let (status, body) = api
+        .call(reqwest::Method::POST, &format!("{path}/cancel"), None)
+        .await;
     // Both points are on the cancel's own path (recording it, then releasing the instances):
     // the broker dies before it answers, so the connection closes without a status.
     assert_eq!(status, 0, "the broker died while answering: {body}");

@@ -580,7 +580,7 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     // A change through the cookie needs the CSRF header; a wrong one is refused too.
     for header in [None, Some("pc_guess")] {
         let mut req = http
-            .delete(url(&format!("/v1/jobs/{id}")))
+            .post(url(&format!("/v1/jobs/{id}/cancel")))
             .header("cookie", &cookie);
         if let Some(h) = header {
             req = req.header("x-csrf-token", h);
@@ -591,7 +591,7 @@ async fn dashboard_sessions_are_http_only_strict_and_guard_changes() {
     let job = broker.client().get(&format!("/v1/jobs/{id}")).await;
     assert_ne!(job["state"], "cancelled", "refused changes change nothing");
     let r = http
-        .delete(url(&format!("/v1/jobs/{id}")))
+        .post(url(&format!("/v1/jobs/{id}/cancel")))
         .header("cookie", &cookie)
         .header("x-csrf-token", &csrf)
         .send()

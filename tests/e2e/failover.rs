@@ -452,7 +452,7 @@ async fn a_broker_dying_mid_launch_leaves_no_orphan_after_another_takes_its_job_
         // The dead broker comes back (it owns nothing now) and is asked to cancel the job: it
         // records the cancel, and the owner releases the instances.
         a.spawn(&[]).await;
-        let cancelled = a.client().delete(&path).await;
+        let cancelled = a.client().cancel(id).await;
         assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
         api.wait_for(
             &path,
@@ -593,7 +593,7 @@ async fn a_broker_paused_mid_launch_and_woken_after_the_takeover_launches_no_twi
             s.cloud_id
         );
     }
-    let cancelled = api.delete(&path).await;
+    let cancelled = api.cancel(id).await;
     assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
     api.wait_for(
         &path,
@@ -719,7 +719,7 @@ async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and
         let path = format!("/v1/jobs/{id}");
         let _ = brokers[slow]
             .client()
-            .call(reqwest::Method::DELETE, &path, None)
+            .call(reqwest::Method::POST, &format!("{path}/cancel"), None)
             .await;
         brokers[slow]
             .client()
@@ -855,7 +855,9 @@ async fn after_a_takeover_a_command_jobs_replacement_finds_its_checkpoint_and_an
         "the restarted broker shows other output: {again:?}"
     );
     assert!(again.iter().any(|(i, _)| *i == replacement), "{again:?}");
-    let _ = survivor.call(reqwest::Method::DELETE, &path, None).await;
+    let _ = survivor
+        .call(reqwest::Method::POST, &format!("{path}/cancel"), None)
+        .await;
     survivor
         .wait_for(&path, Duration::from_secs(60), "the job's release", |v| {
             v["broker"].is_null()

@@ -207,7 +207,7 @@ async fn localstack_job_survives_an_interruption_and_cancel_releases_everything(
         |v| live(v).len() >= 2,
     )
     .await;
-    let cancelled = api.delete(&format!("/v1/jobs/{b_id}")).await;
+    let cancelled = api.cancel(b_id).await;
     assert_eq!(cancelled["state"], "cancelled");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {

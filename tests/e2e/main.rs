@@ -1,6 +1,8 @@
 //! End-to-end tests: real `proteus serve` and `proteus-agent` processes, real Postgres, real
 //! LocalStack. Run through `scripts/test`, which starts the services and exports their URLs.
 
+mod api_contract;
+mod bootstrap;
 mod command;
 mod crash;
 mod dashboard;

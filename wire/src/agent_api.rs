@@ -34,6 +34,9 @@ pub mod paths {
 
     /// `POST`: an agent announces itself.
     pub const REGISTER: &str = "/v1/agents/register";
+    /// `POST` [`super::BootstrapRequest`], authenticated by the instance's one-time bootstrap
+    /// token: the agent's first contact, which trades that token for its agent token.
+    pub const BOOTSTRAP: &str = "/v1/agents/bootstrap";
     /// The axum route pattern for [`heartbeat`].
     pub const HEARTBEAT_ROUTE: &str = "/v1/agents/{instance_id}/heartbeat";
     /// The axum route pattern for [`commands`].
@@ -151,11 +154,42 @@ pub struct RegisterRequest {
     pub protocol_version: u32,
 }
 
+/// How a bootstrap token begins: the one-time token an instance's user data carries, good for
+/// its downloads and for one [`paths::BOOTSTRAP`] exchange, never for the agent API.
+pub const BOOTSTRAP_TOKEN_PREFIX: &str = "pb_";
+
+/// The agent's first contact when its token is a bootstrap token ([`BOOTSTRAP_TOKEN_PREFIX`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct BootstrapRequest {
+    /// The instance the agent runs on, as its metadata says: the bootstrap token is good only
+    /// for that instance.
+    pub instance_id: InstanceId,
+}
+
+/// The agent token, in exchange for the bootstrap token (which is then dead). Its `Debug`
+/// does not print the token.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BootstrapResponse {
+    /// The agent token for every later call of the agent API.
+    pub token: String,
+}
+
+impl std::fmt::Debug for BootstrapResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BootstrapResponse { token: .. }")
+    }
+}
+
 /// The version of the protocol between a broker and its agents: what the agent API's messages
 /// and the data plane mean. A broker and an agent of different versions refuse each other at
 /// the hello (the registration), each naming both versions, rather than misreading each
 /// other later. Raised with any change an older peer would misread.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2: an instance's user data carries a bootstrap token, exchanged at the agent's first
+/// contact ([`paths::BOOTSTRAP`]).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 fn default_vcpus() -> u32 {
     1

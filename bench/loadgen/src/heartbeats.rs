@@ -187,7 +187,7 @@ async fn setup(
                 market: market.clone(),
                 tier: Tier::Reliable,
                 bid: None,
-                agent_token: token.clone(),
+                bootstrap_token: token.clone(),
             })
             .await
             .map_err(|e| anyhow!("launching in the simulated cloud: {e}"))?;

@@ -253,7 +253,8 @@ pub(super) struct MarketsChartQuery {
         pattern = r"^[ \t\n\r\f\v]*[^\s/,\x00-\x1f\x7f-\x9f]+[a-z]/[^\s/.,\x00-\x1f\x7f-\x9f]+\.[^\s/,\x00-\x1f\x7f-\x9f]+[ \t\n\r\f\v]*(,[ \t\n\r\f\v]*[^\s/,\x00-\x1f\x7f-\x9f]+[a-z]/[^\s/.,\x00-\x1f\x7f-\x9f]+\.[^\s/,\x00-\x1f\x7f-\x9f]+[ \t\n\r\f\v]*){0,7}$"
     )]
     market: String,
-    /// RFC 3339 or YYYY-MM-DD; default: `hours` before `to`.
+    /// RFC 3339 or YYYY-MM-DD, before `to` (the window is [`from`, `to`)); default: `hours`
+    /// before `to`.
     #[param(schema_with = crate::market::time_schema)]
     from: Option<String>,
     /// RFC 3339 or YYYY-MM-DD; default: now (market time).

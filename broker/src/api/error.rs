@@ -109,6 +109,14 @@ where
         let axum::Json(mut value) = axum::Json::<serde_json::Value>::from_request(req, state)
             .await
             .map_err(json_rejection)?;
+        // Every body of this API is an object; serde would take a struct from an array too.
+        if !value.is_object() {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_body",
+                "the body must be a JSON object",
+            ));
+        }
         integral_numbers_as_integers(&mut value);
         serde_path_to_error::deserialize(value)
             .map(ApiJson)

@@ -65,6 +65,36 @@ impl FromRequestParts<AppState> for AgentAuth {
     }
 }
 
+/// What a booting instance presents for its downloads: its agent token, or its bootstrap token
+/// until that is traded.
+pub struct DownloadAuth;
+
+impl FromRequestParts<AppState> for DownloadAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ApiError> {
+        s.broker
+            .authenticate_download(bearer(&parts.headers))
+            .await?;
+        Ok(DownloadAuth)
+    }
+}
+
+/// A bootstrap token some instance was issued (used or not: the exchange itself tells a second
+/// use apart and records it), checked before the exchange's body is read.
+pub struct BootstrapAuth;
+
+impl FromRequestParts<AppState> for BootstrapAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ApiError> {
+        s.broker
+            .authenticate_bootstrap(bearer(&parts.headers))
+            .await?;
+        Ok(BootstrapAuth)
+    }
+}
+
 /// The client's address, when the server recorded it (`ConnectInfo`): what the dashboard's
 /// login counts failures by. Behind a reverse proxy it is the proxy's.
 pub struct Peer(pub Option<std::net::IpAddr>);

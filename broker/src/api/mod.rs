@@ -28,8 +28,8 @@ use error::{ApiError, ApiJson, ApiQuery};
 use guard::{AgentAuth, UserRead, UserWrite};
 use proteus_wire::JobId;
 use proteus_wire::agent_api::{
-    AgentEvent, CheckpointQuery, CheckpointTransfer, CommandEnvelope, CommandsQuery, Heartbeat,
-    RegisterRequest, RegisterResponse, paths,
+    AgentEvent, BootstrapRequest, BootstrapResponse, CheckpointQuery, CheckpointTransfer,
+    CommandEnvelope, CommandsQuery, Heartbeat, RegisterRequest, RegisterResponse, paths,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -68,7 +68,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/openapi.json", get(openapi::document))
         .route("/v1/jobs", post(submit_job).get(list_jobs))
         .route("/v1/jobs/dry-run", post(dry_run_job))
-        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job_by_delete))
+        .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/cost", get(job_cost))
         .route("/v1/jobs/{id}/events", get(job_events))
@@ -78,6 +78,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/prices", get(list_prices))
         .route("/v1/downloads/proteus-agent", get(download_agent))
         .route("/v1/downloads/data/{name}", get(download_data))
+        .route(paths::BOOTSTRAP, post(agent_bootstrap))
         .route(paths::REGISTER, post(agent_register))
         .route(paths::HEARTBEAT_ROUTE, post(agent_heartbeat))
         .route(paths::COMMANDS_ROUTE, get(agent_commands))
@@ -279,29 +280,6 @@ async fn cancel_job(
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
     Ok(Json(s.broker.cancel(job_id(&id)?).await?))
-}
-
-/// Deprecated: the same as `POST /v1/jobs/{id}/cancel`, kept for older clients. It cancels; it
-/// does not delete: the job stays readable (which is why it is not a `DELETE` in the REST
-/// sense, where the resource would be gone).
-#[utoipa::path(delete, path = "/v1/jobs/{id}", params(("id" = i64, Path)),
-    responses((status = 200, body = JobView, description = "the cancelled job, which stays readable"),
-        (status = 404, body = error::ErrorBody), (status = 409, body = error::ErrorBody)),
-    security(("bearer" = [])))]
-async fn cancel_job_by_delete(
-    auth: UserWrite,
-    state: State<AppState>,
-    id: Path<String>,
-) -> Result<Response, ApiError> {
-    let Path(raw) = &id;
-    let successor = format!("</v1/jobs/{raw}/cancel>; rel=\"successor-version\"");
-    let mut resp = cancel_job(auth, state, id).await?.into_response();
-    resp.headers_mut()
-        .insert("deprecation", axum::http::HeaderValue::from_static("true"));
-    if let Ok(v) = axum::http::HeaderValue::from_str(&successor) {
-        resp.headers_mut().insert(axum::http::header::LINK, v);
-    }
-    Ok(resp)
 }
 
 /// Interrupts a spot instance now, as a price spike would (the simulated cloud; on AWS, Fault
@@ -601,6 +579,25 @@ fn agent_token(headers: &HeaderMap) -> Option<&str> {
     bearer(headers)
 }
 
+/// An agent's first contact: the one-time bootstrap token from its instance's user data (the
+/// bearer) for its agent token. Only for the instance it was issued to, and only once: a second
+/// exchange is refused and recorded in the job's events (`bootstrap_refused`).
+#[utoipa::path(post, path = "/v1/agents/bootstrap", request_body = BootstrapRequest,
+    responses((status = 200, body = BootstrapResponse), (status = 401, body = error::ErrorBody),
+        (status = 403, body = error::ErrorBody, description = "already exchanged, another instance's, or the instance has ended"),
+        (status = 421, body = error::ErrorBody, description = "another broker owns the job: try the next broker URL")),
+    security(("bootstrap" = [])))]
+async fn agent_bootstrap(
+    _: guard::BootstrapAuth,
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<BootstrapRequest>,
+) -> Result<Json<BootstrapResponse>, ApiError> {
+    Ok(Json(
+        s.broker.agent_bootstrap(agent_token(&headers), req).await?,
+    ))
+}
+
 #[utoipa::path(post, path = "/v1/agents/register", request_body = RegisterRequest,
     responses((status = 200, body = RegisterResponse), (status = 401, body = error::ErrorBody), (status = 403, body = error::ErrorBody),
         (status = 409, body = error::ErrorBody, description = "the job is over (`job_over`)")),
@@ -852,9 +849,13 @@ async fn send_named_file(
 
 #[utoipa::path(get, path = "/v1/downloads/proteus-agent",
     responses((status = 200, description = "the agent binary"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
-    security(("agent" = [])))]
-/// Downloads need a live instance's token: only the broker's own VMs may fetch.
-async fn download_agent(_: AgentAuth, State(s): State<AppState>) -> Result<Response, ApiError> {
+    security(("agent" = []), ("bootstrap" = [])))]
+/// Downloads need a live instance's token (or its bootstrap token until traded): only the
+/// broker's own VMs may fetch.
+async fn download_agent(
+    _: guard::DownloadAuth,
+    State(s): State<AppState>,
+) -> Result<Response, ApiError> {
     let path = s.downloads.agent_binary.clone().ok_or_else(|| {
         ApiError::not_found("this broker serves no agent binary (see --agent-download)")
     })?;
@@ -863,9 +864,9 @@ async fn download_agent(_: AgentAuth, State(s): State<AppState>) -> Result<Respo
 
 #[utoipa::path(get, path = "/v1/downloads/data/{name}", params(("name" = String, Path)),
     responses((status = 200, description = "a data set file"), (status = 401, body = error::ErrorBody), (status = 404, body = error::ErrorBody)),
-    security(("agent" = [])))]
+    security(("agent" = []), ("bootstrap" = [])))]
 async fn download_data(
-    _: AgentAuth,
+    _: guard::DownloadAuth,
     State(s): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {

@@ -16,7 +16,6 @@ use utoipa::{Modify, OpenApi};
         super::list_jobs,
         super::get_job,
         super::cancel_job,
-        super::cancel_job_by_delete,
         super::interrupt_instance,
         super::sim_clock,
         super::hold_sim_clock,
@@ -26,6 +25,7 @@ use utoipa::{Modify, OpenApi};
         super::dashboard::markets_chart,
         super::list_markets,
         super::list_prices,
+        super::agent_bootstrap,
         super::agent_register,
         super::agent_heartbeat,
         super::agent_commands,
@@ -40,7 +40,7 @@ use utoipa::{Modify, OpenApi};
         super::download_data,
     ),
     components(schemas(super::error::ErrorBody, crate::service::spec::JobSpec)),
-    modifiers(&Security, &FrameworkAnswers, &Deprecated, &Policies)
+    modifiers(&Security, &FrameworkAnswers, &Policies)
 )]
 pub struct ApiDoc;
 
@@ -53,6 +53,8 @@ impl Modify for Security {
             || SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build());
         components.add_security_scheme("bearer", bearer());
         components.add_security_scheme("agent", bearer());
+        // The one-time token in an instance's user data (`pb_…`).
+        components.add_security_scheme("bootstrap", bearer());
     }
 }
 
@@ -121,21 +123,6 @@ impl Modify for FrameworkAnswers {
 /// `DELETE /v1/jobs/{id}` cancels (the job stays readable), which is not what a `DELETE`
 /// promises: it is kept for older clients, marked deprecated in favour of
 /// `POST /v1/jobs/{id}/cancel`.
-struct Deprecated;
-
-impl Modify for Deprecated {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        if let Some(op) = openapi
-            .paths
-            .paths
-            .get_mut("/v1/jobs/{id}")
-            .and_then(|item| item.delete.as_mut())
-        {
-            op.deprecated = Some(utoipa::openapi::Deprecated::True);
-        }
-    }
-}
-
 /// A job's `policy` is one of the files in the broker's policies directory: the document lists
 /// them, so that it says which names the broker takes (the bare schema says: a file stem).
 struct Policies;
@@ -189,6 +176,27 @@ fn value() -> Value {
 /// `JobSpec::validate` makes (refusing, with the field named, what breaks it), written here so
 /// that every request the document allows is one the broker takes. (JSON Schema has no
 /// implication: "if `app` is X then …" is written "`app` is not X, or …".)
+/// `MODEL` or `MODEL:COUNT` as `ResourcesSpec::accelerators` reads it: a GPU model of the
+/// catalog's in any letter case, a count from 1 to 16 without sign or leading zero.
+fn accelerators_pattern() -> String {
+    let any_case = |name: &str| -> String {
+        name.chars()
+            .map(|c| {
+                if c.is_ascii_alphabetic() {
+                    format!("[{}{}]", c.to_ascii_uppercase(), c.to_ascii_lowercase())
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect()
+    };
+    let models: Vec<String> = crate::prices::catalog::accelerator_names()
+        .iter()
+        .map(|n| any_case(n))
+        .collect();
+    format!("^({})(:([1-9]|1[0-6]))?$", models.join("|"))
+}
+
 fn spec_rules(doc: &mut Value) {
     // Not empty, no `/` or backslash, no leading `.`, no control character.
     const RATINGS_FILE: &str = r"^[^./\\\x00-\x1f\x7f-\x9f][^/\\\x00-\x1f\x7f-\x9f]*$";
@@ -318,10 +326,41 @@ fn spec_rules(doc: &mut Value) {
             "additionalProperties": {"type": "string", "pattern": NO_NUL}
         }),
     );
+    // A working directory: an absolute path, or one gzipped tar object in S3 under a plain key
+    // (no empty, `.` or `..` segment, no control character).
+    const SEGMENT: &str = r"(?:[^/.\x00-\x1f\x7f-\x9f][^/\x00-\x1f\x7f-\x9f]*|\.[^/.\x00-\x1f\x7f-\x9f][^/\x00-\x1f\x7f-\x9f]*|\.\.[^/\x00-\x1f\x7f-\x9f]+)";
+    let workdir = format!(
+        r"^(?:/[^\x00]*|s3://[a-z0-9.-]{{3,63}}/(?:{SEGMENT}/)*[^/\x00-\x1f\x7f-\x9f]*\.(?:tar\.gz|tgz))$"
+    );
+    merge(
+        &mut schemas["CommandSpec"]["properties"]["workdir"],
+        json!({"pattern": workdir}),
+    );
+    // An instance type as `InstanceType::parse` reads it: `family.size`, no whitespace or
+    // control character inside, whitespace around it trimmed.
+    const WS: &str = r"\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000";
+    const NOT_WS_OR_CONTROL: &str =
+        r" \xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\x00-\x1f\x7f-\x9f";
+    let instance_type = json!({"type": "string", "pattern": format!(
+        "^[{WS}]*[^.{NOT_WS_OR_CONTROL}]+\\.[^{NOT_WS_OR_CONTROL}]+[{WS}]*$"
+    )});
+    merge(
+        &mut schemas["WorkSpec"]["properties"]["instance_types"],
+        json!({"items": instance_type}),
+    );
+    merge(
+        &mut schemas["WorkSpec"]["properties"]["reference_type"],
+        json!({"pattern": instance_type["pattern"]}),
+    );
     // A name: 1–200 characters, not all blank, no control character.
     merge(
         &mut schemas["JobSpec"]["properties"]["name"],
         json!({"maxLength": 200, "pattern": NAME}),
+    );
+    // GPUs: a model of the catalog's, in any case, and a count from 1 to 16.
+    merge(
+        &mut schemas["ResourcesSpec"]["properties"]["accelerators"],
+        json!({"pattern": accelerators_pattern()}),
     );
     // Vertical sync is 1F1B's.
     schemas["PipelineOptions"]["allOf"] = json!([either(

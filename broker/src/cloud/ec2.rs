@@ -118,7 +118,7 @@ impl Ec2Cloud {
                     .build(),
             )
             .tag_specifications(self.tag_spec(ResourceType::Instance, spec))
-            .user_data(self.user_data(&spec.agent_token))
+            .user_data(self.user_data(&spec.bootstrap_token))
             .set_subnet_id(self.config.subnet.clone())
             .set_key_name(self.config.key_name.clone());
         for sg in &self.config.security_groups {
@@ -178,7 +178,7 @@ impl Ec2Cloud {
                     .availability_zone(spec.market.zone.as_str())
                     .build(),
             )
-            .user_data(self.user_data(&spec.agent_token))
+            .user_data(self.user_data(&spec.bootstrap_token))
             .set_subnet_id(self.config.subnet.clone())
             .set_key_name(self.config.key_name.clone());
         for sg in &self.config.security_groups {

@@ -38,7 +38,7 @@ pub struct LaunchSpec {
     /// Spot max price; `None` for on-demand.
     pub bid: Option<UsdPerHour>,
     /// The per-instance agent token, delivered in the launch data.
-    pub agent_token: String,
+    pub bootstrap_token: String,
 }
 
 /// The cloud's view of an instance.

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A launch's parameters as EC2 compares them for a reused ClientToken (the user data included:
-/// it carries the agent token).
+/// it carries the bootstrap token).
 #[derive(Debug, Clone, PartialEq)]
 struct LaunchParameters {
     job_id: JobId,
@@ -41,7 +41,7 @@ impl LaunchParameters {
             market: spec.market.clone(),
             tier: spec.tier,
             bid: spec.bid,
-            user_data: spec.agent_token.clone(),
+            user_data: spec.bootstrap_token.clone(),
         }
     }
 }
@@ -400,7 +400,7 @@ mod tests {
             market: Market::parse("us-east-1a/c3.xlarge").unwrap(),
             tier,
             bid: bid.map(|b| UsdPerHour::new(b).unwrap()),
-            agent_token: "t".into(),
+            bootstrap_token: "t".into(),
         }
     }
 

@@ -1,7 +1,12 @@
 #!/bin/bash
 # Proteus agent bootstrap (EC2 user data). Filled in by the broker at launch:
 #   {{BROKER_URL}}  the broker's URL as agents reach it
-#   {{TOKEN}}       this instance's agent token (valid only for this instance and its job)
+#   {{TOKEN}}       this instance's one-time bootstrap token (`pb_…`): good for the downloads
+#                   below and for one exchange, at the agent's first contact, for the agent
+#                   token (valid only for this instance and its job), which the agent then
+#                   writes over /etc/proteus/agent.token. User data stays readable for the
+#                   instance's life (ec2:DescribeInstanceAttribute); the token in it is dead
+#                   once the agent has started, and a second exchange is refused and recorded.
 #   {{CA_PEM}}      the CA to trust for the broker's HTTPS (`serve --tls-ca`), or nothing for
 #                   the system roots
 set -euo pipefail
@@ -10,7 +15,7 @@ install -d -m 0700 /etc/proteus
 install -d -m 0755 /var/lib/proteus/data
 # Command jobs' programs run as this unprivileged user, not as the root agent: they cannot read
 # the agent's memory, environment or /etc/proteus. Instance metadata is closed to it, so it
-# cannot read this user data (and the token in it) either.
+# cannot read this user data (and the bootstrap token in it) either.
 id -u proteus-job >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
     --home-dir /nonexistent --shell /usr/sbin/nologin proteus-job
 JOB_UID=$(id -u proteus-job)
@@ -27,7 +32,8 @@ else
 fi
 install -d -m 0711 /var/lib/proteus/scratch
 umask 077
-# The token in a root-only file, not in the agent's environment (which /proc shows).
+# The token in a root-only file, not in the agent's environment (which /proc shows); the agent
+# replaces it with its agent token.
 printf '%s\n' '{{TOKEN}}' > /etc/proteus/agent.token
 cat > /etc/proteus/agent.env <<ENV
 PROTEUS_BROKER_URL=${BROKER_URL}
@@ -48,7 +54,7 @@ if [ -n "${CA_PEM}" ]; then
     echo "PROTEUS_CA_FILE=/etc/proteus/broker-ca.pem" >> /etc/proteus/agent.env
     CURL_TLS=(--cacert /etc/proteus/broker-ca.pem)
 fi
-fetch() { # fetch PATH DEST: from the broker, authenticated by this instance's token, with retries
+fetch() { # fetch PATH DEST: from the broker, authenticated by the bootstrap token, with retries
     for attempt in $(seq 1 30); do
         if curl -fsS "${CURL_TLS[@]}" -H "Authorization: Bearer {{TOKEN}}" "${BROKER_URL}$1" -o "$2.part"; then
             mv "$2.part" "$2"

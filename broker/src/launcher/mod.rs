@@ -177,12 +177,14 @@ impl LocalLauncher {
     /// Starts the agent of an instance (or re-adopts it if its recorded process is still alive)
     /// and returns its metadata address and process id. `recorded` reuses a recorded metadata
     /// address and process (another broker's, when this one took the job over); `broker_urls`
-    /// is what the agent is told (comma-separated, tried in turn).
+    /// is what the agent is told (comma-separated, tried in turn). `token` goes into the agent's
+    /// token file: a new instance's bootstrap token (the agent trades it for its agent token at
+    /// its first contact and writes that over the file), or an adopted instance's agent token.
     pub async fn start(
         &self,
         instance_id: &str,
         facts: InstanceFacts,
-        agent_token: &str,
+        token: &str,
         recorded: Recorded,
         broker_urls: &str,
     ) -> Result<(SocketAddr, u32), LaunchError> {
@@ -216,7 +218,7 @@ impl LocalLauncher {
                 tracing::info!(instance = instance_id, pid, "re-adopted a running agent");
                 pid
             }
-            None => self.spawn(instance_id, agent_token, &metadata.url(), broker_urls)?,
+            None => self.spawn(instance_id, token, &metadata.url(), broker_urls)?,
         };
         self.lock()
             .insert(instance_id.to_string(), LocalAgent { pid, metadata });
@@ -226,7 +228,7 @@ impl LocalLauncher {
     fn spawn(
         &self,
         instance_id: &str,
-        agent_token: &str,
+        token: &str,
         imds: &str,
         broker_urls: &str,
     ) -> Result<u32, LaunchError> {
@@ -241,7 +243,7 @@ impl LocalLauncher {
         // The token goes in a file only this user can read, not in the agent's environment or
         // arguments (which `/proc` shows, and `ps`).
         let token_path = self.token_file(instance_id);
-        write_private(&token_path, agent_token).map_err(|e| state_err(&token_path, e))?;
+        write_private(&token_path, token).map_err(|e| state_err(&token_path, e))?;
         let log2 = log.try_clone().map_err(|e| state_err(&log_path, e))?;
         let mut cmd = std::process::Command::new(&self.config.agent_bin);
         cmd.env_clear();

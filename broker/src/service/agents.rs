@@ -11,8 +11,8 @@ use crate::api::auth::{hash_token, hashes_match};
 use crate::market::Timestamp;
 use crate::store::InstanceRow;
 use proteus_wire::agent_api::{
-    AgentEvent, CommandEnvelope, ExitReason, Heartbeat, MAX_FAILURE_MESSAGE, RegisterRequest,
-    RegisterResponse,
+    AgentEvent, BOOTSTRAP_TOKEN_PREFIX, BootstrapRequest, BootstrapResponse, CommandEnvelope,
+    ExitReason, Heartbeat, MAX_FAILURE_MESSAGE, RegisterRequest, RegisterResponse,
 };
 use proteus_wire::coordinator::CoordinatorError;
 use proteus_wire::{InstanceId, JobId, Tier};
@@ -57,46 +57,14 @@ impl Broker {
             .get(cloud_id)
             .cloned();
         let identity = match cached {
-            Some(i) => Some(i),
-            // Not a name any cloud gives an instance (and Postgres could not even look up one
-            // with a NUL in it): no such instance.
-            None if !plausible_cloud_id(cloud_id) => None,
-            None => match self.store.instance_by_cloud_id(cloud_id).await? {
-                // An ended instance's token dies with it: its row is never cached, whoever
-                // asks with whatever token (live instances are cached, and leave the cache
-                // when they end).
-                Some(r) if r.state.is_final() => {
-                    if hashes_match(&hash, &r.token_hash) {
-                        return Err(ended(cloud_id));
-                    }
-                    None
-                }
-                Some(r) => {
-                    let identity = AgentIdentity::from(&r);
-                    self.agent_cache
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(cloud_id.to_string(), identity.clone());
-                    // The instance may have ended between the read and the insert, after its
-                    // end took it out of the cache: look again, so that no ended instance
-                    // stays cached.
-                    if self
-                        .store
-                        .instance_by_cloud_id(cloud_id)
-                        .await?
-                        .is_none_or(|now| now.state.is_final())
-                    {
-                        self.forget_agent(cloud_id);
-                        if hashes_match(&hash, &identity.token_hash) {
-                            return Err(ended(cloud_id));
-                        }
-                        None
-                    } else {
-                        Some(identity)
-                    }
-                }
-                None => None,
-            },
+            Some(i) if hashes_match(&hash, &i.token_hash) => Some(i),
+            // A cached identity whose token has changed since (the bootstrap token traded on
+            // another broker, a token rotated at adoption): read the instance again.
+            Some(_) => {
+                self.forget_agent(cloud_id);
+                self.load_identity(cloud_id, &hash).await?
+            }
+            None => self.load_identity(cloud_id, &hash).await?,
         };
         if let Some(identity) = identity
             && hashes_match(&hash, &identity.token_hash)
@@ -115,6 +83,56 @@ impl Broker {
                 "invalid instance token".into(),
             )),
         }
+    }
+
+    /// The identity of the live instance the cloud calls `cloud_id`, from the store (and then
+    /// cached); None when there is none. Err(ended) when it has ended and `hash` is its token.
+    async fn load_identity(
+        &self,
+        cloud_id: &str,
+        hash: &str,
+    ) -> Result<Option<AgentIdentity>, ServiceError> {
+        // Not a name any cloud gives an instance (and Postgres could not even look up one with
+        // a NUL in it): no such instance.
+        if !plausible_cloud_id(cloud_id) {
+            return Ok(None);
+        }
+        Ok(match self.store.instance_by_cloud_id(cloud_id).await? {
+            // An ended instance's token dies with it: its row is never cached, whoever
+            // asks with whatever token (live instances are cached, and leave the cache
+            // when they end).
+            Some(r) if r.state.is_final() => {
+                if hashes_match(hash, &r.token_hash) {
+                    return Err(ended(cloud_id));
+                }
+                None
+            }
+            Some(r) => {
+                let identity = AgentIdentity::from(&r);
+                self.agent_cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(cloud_id.to_string(), identity.clone());
+                // The instance may have ended between the read and the insert, after its
+                // end took it out of the cache: look again, so that no ended instance
+                // stays cached.
+                if self
+                    .store
+                    .instance_by_cloud_id(cloud_id)
+                    .await?
+                    .is_none_or(|now| now.state.is_final())
+                {
+                    self.forget_agent(cloud_id);
+                    if hashes_match(hash, &identity.token_hash) {
+                        return Err(ended(cloud_id));
+                    }
+                    None
+                } else {
+                    Some(identity)
+                }
+            }
+            None => None,
+        })
     }
 
     /// Checks that `token` is the token of some live instance, before the request says which
@@ -136,6 +154,152 @@ impl Broker {
                 "invalid instance token".into(),
             )),
         }
+    }
+
+    /// What a booting instance may fetch (the agent binary, data sets): with its agent token,
+    /// or with its bootstrap token until that is traded.
+    pub async fn authenticate_download(&self, token: Option<&str>) -> Result<(), ServiceError> {
+        if let Some(t) = token
+            && t.starts_with(BOOTSTRAP_TOKEN_PREFIX)
+        {
+            return match self
+                .store
+                .instance_by_bootstrap_hash(&hash_token(t))
+                .await?
+            {
+                Some(row) if row.state.is_final() || row.bootstrap_used.is_some() => {
+                    Err(ServiceError::Forbidden(
+                        "this bootstrap token has been exchanged (or its instance has ended); \
+                         use the agent token"
+                            .into(),
+                    ))
+                }
+                Some(_) => Ok(()),
+                None => Err(ServiceError::Unauthenticated(
+                    "invalid bootstrap token".into(),
+                )),
+            };
+        }
+        self.authenticate_agent_token(token).await
+    }
+
+    /// Checks that `token` is a bootstrap token some instance was issued, before the exchange's
+    /// body is read.
+    pub async fn authenticate_bootstrap(&self, token: Option<&str>) -> Result<(), ServiceError> {
+        match token.filter(|t| t.starts_with(BOOTSTRAP_TOKEN_PREFIX)) {
+            Some(t)
+                if self
+                    .store
+                    .instance_by_bootstrap_hash(&hash_token(t))
+                    .await?
+                    .is_some() =>
+            {
+                Ok(())
+            }
+            _ => Err(ServiceError::Unauthenticated(
+                "missing or invalid `Authorization: Bearer <bootstrap token>` (the pb_… token in \
+                 the instance's user data)"
+                    .into(),
+            )),
+        }
+    }
+
+    /// An agent's first contact: its instance's one-time bootstrap token (from the user data,
+    /// which stays readable for the instance's life) for a new agent token. Only for the
+    /// instance the token was issued to, and only once: a second exchange is refused (403)
+    /// and recorded in the job's events, since it means the user data was read by someone
+    /// else (or the agent lost the answer and must be replaced).
+    pub async fn agent_bootstrap(
+        &self,
+        token: Option<&str>,
+        req: BootstrapRequest,
+    ) -> Result<BootstrapResponse, ServiceError> {
+        self.authenticate_bootstrap(token).await?;
+        let hash = hash_token(token.unwrap_or_default());
+        let row = self
+            .store
+            .instance_by_bootstrap_hash(&hash)
+            .await?
+            .ok_or_else(|| ServiceError::Unauthenticated("invalid bootstrap token".into()))?;
+        let cloud_id = req.instance_id.0.as_str();
+        // Only the job's owner changes its instances; another broker sends the agent on (421).
+        let lease = self.fence(row.job_id)?;
+        let refuse = |why: String| ServiceError::Forbidden(why);
+        if row.state.is_final() {
+            return Err(refuse(format!(
+                "instance {} has ended; its bootstrap token is dead",
+                row.id
+            )));
+        }
+        if row.cloud_id.as_deref() != Some(cloud_id) {
+            let why = format!(
+                "a bootstrap token of instance {} ({}) was presented for instance {cloud_id}: refused",
+                row.id,
+                row.cloud_id.as_deref().unwrap_or("not yet launched")
+            );
+            self.record_refused_bootstrap(&lease, &row, &why).await?;
+            return Err(refuse(why));
+        }
+        let agent_token = crate::api::auth::new_token("pa_");
+        let now = self.clock.now();
+        let exchanged = self
+            .store
+            .exchange_bootstrap(
+                Some(&lease),
+                &row.id,
+                cloud_id,
+                &hash_token(&agent_token),
+                now,
+            )
+            .await?;
+        if !exchanged {
+            let first = self
+                .store
+                .instance(&row.id)
+                .await?
+                .and_then(|r| r.bootstrap_used)
+                .map_or_else(|| "before".to_string(), |t| format!("at {t}"));
+            let why = format!(
+                "a second exchange of instance {cloud_id}'s bootstrap token (first exchanged \
+                 {first}) was refused: its user data may have been read by someone else"
+            );
+            self.record_refused_bootstrap(&lease, &row, &why).await?;
+            return Err(refuse(why));
+        }
+        // The identity cached for this instance (if any) carries the old, unheld token hash.
+        self.forget_agent(cloud_id);
+        self.store
+            .add_event(
+                Some(&lease),
+                Some(row.job_id),
+                Some(&row.id),
+                now,
+                "agent_bootstrapped",
+                &format!("instance {cloud_id} traded its bootstrap token for its agent token"),
+            )
+            .await?;
+        Ok(BootstrapResponse { token: agent_token })
+    }
+
+    async fn record_refused_bootstrap(
+        &self,
+        lease: &crate::store::Lease,
+        row: &InstanceRow,
+        why: &str,
+    ) -> Result<(), ServiceError> {
+        tracing::warn!(instance = %row.id, job = %row.job_id, "{why}");
+        super::metrics::Metrics::inc(&self.metrics.bootstrap_refused);
+        self.store
+            .add_event(
+                Some(lease),
+                Some(row.job_id),
+                Some(&row.id),
+                self.clock.now(),
+                "bootstrap_refused",
+                why,
+            )
+            .await?;
+        Ok(())
     }
 
     fn forget_agent(&self, cloud_id: &str) {

@@ -26,6 +26,7 @@ pub struct Metrics {
     pub terminations: Counter,
     pub ticks: Counter,
     pub lease_lapses: Counter,
+    pub bootstrap_refused: Counter,
     decisions: Histogram,
     registry: Registry,
 }
@@ -40,6 +41,7 @@ impl Default for Metrics {
             terminations: Counter::default(),
             ticks: Counter::default(),
             lease_lapses: Counter::default(),
+            bootstrap_refused: Counter::default(),
             decisions: Histogram::new(BUCKETS),
             registry: Registry::default(),
         };
@@ -76,6 +78,12 @@ impl Default for Metrics {
                 "Job ticks skipped: the broker's lease on the job went unrenewed past its local \
                  deadline (the database is slow or the broker was paused)",
                 &m.lease_lapses,
+            ),
+            (
+                "proteus_bootstrap_refused",
+                "Bootstrap tokens presented a second time or for another instance, and refused \
+                 (someone read an instance's user data)",
+                &m.bootstrap_refused,
             ),
         ] {
             // Metrics share their state with their clones: the registry's copy is the field.

@@ -116,16 +116,18 @@ impl Broker {
                             self.launch_recorded(row, token, now).await?;
                             row.clone()
                         }
-                        // An intent stored before launch tokens were kept: a new token (EC2
-                        // refuses it with IdempotentParameterMismatch if the first call landed;
-                        // the instance is then ended as a leak).
+                        // An intent stored before launch tokens were kept: a new bootstrap
+                        // token (EC2 refuses it with IdempotentParameterMismatch if the first
+                        // call landed; the instance is then ended as a leak).
                         None => {
-                            let token = crate::api::auth::new_token("pa_");
-                            let mut row = row.clone();
-                            row.token_hash = crate::api::auth::hash_token(&token);
+                            let token = crate::api::auth::new_token(
+                                proteus_wire::agent_api::BOOTSTRAP_TOKEN_PREFIX,
+                            );
+                            let hash = crate::api::auth::hash_token(&token);
                             self.store
-                                .set_token_hash(Some(&lease), &row.id, &row.token_hash)
+                                .set_bootstrap(Some(&lease), &row.id, &token, &hash)
                                 .await?;
+                            let row = row.clone().carrying(token.clone(), hash);
                             self.launch_recorded(&row, &token, now).await?;
                             row
                         }

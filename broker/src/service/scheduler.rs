@@ -781,16 +781,13 @@ impl Broker {
         now: Timestamp,
     ) -> Result<Launch, ServiceError> {
         let id = format!("pi-{}-{:08x}", job.0, rand::random::<u32>());
-        let token = crate::api::auth::new_token("pa_");
-        let row = InstanceRow::intent(
-            id,
-            job,
-            market.clone(),
-            purchase,
-            crate::api::auth::hash_token(&token),
-            now,
-        )
-        .carrying(token.clone());
+        // The launch carries a one-time bootstrap token; the agent token is made when the agent
+        // trades it (`agent_bootstrap`). Until then the instance's agent token is one nobody
+        // holds.
+        let token = crate::api::auth::new_token(proteus_wire::agent_api::BOOTSTRAP_TOKEN_PREFIX);
+        let unheld = crate::api::auth::hash_token(&crate::api::auth::new_token("pa_"));
+        let row = InstanceRow::intent(id, job, market.clone(), purchase, unheld, now)
+            .carrying(token.clone(), crate::api::auth::hash_token(&token));
         self.store
             .insert_instance(Some(&self.fence(job)?), &row)
             .await?;
@@ -811,7 +808,7 @@ impl Broker {
             market: row.market.clone(),
             tier: row.tier,
             bid: row.bid,
-            agent_token: token.to_string(),
+            bootstrap_token: token.to_string(),
         };
         // Until the launch is recorded (or refused), a job's end leaves this instance to it.
         let _in_flight = InFlight::enter(&self.launches_in_flight, &row.id);

@@ -148,12 +148,14 @@ pub struct CommandSpec {
     pub run: Vec<String>,
     /// Run once per instance before `run` (e.g. `["pip", "install", "-r", "req.txt"]`).
     #[serde(default)]
+    #[schema(min_items = 1)]
     pub setup: Option<Vec<String>>,
     /// Extra environment variables (names `PROTEUS_*` are the contract's and refused).
     #[serde(default)]
     pub env: Option<BTreeMap<String, String>>,
-    /// The working directory: an absolute local path (local agents). Default: a fresh
-    /// directory per instance.
+    /// The working directory: an absolute local path (local agents), or one gzipped tar object
+    /// `s3://bucket/path/name.tar.gz` (or `.tgz`) under a plain key. Default: a fresh directory
+    /// per instance.
     #[serde(default)]
     pub workdir: Option<String>,
     /// `plain` (default): `run` once per working instance.
@@ -334,8 +336,8 @@ pub struct Limits {
     /// Most instances at once, reliable ones included (1–1000).
     #[schema(minimum = 1, maximum = 1000)]
     pub max_instances: u32,
-    /// Most on-demand (reliable) instances; at least 1, for the backup parameter servers.
-    /// Default: an eighth of `max_instances`, at least 1.
+    /// Most on-demand (reliable) instances; at least 1, for the backup parameter servers, and
+    /// at most `max_instances`. Default: an eighth of `max_instances`, at least 1.
     #[serde(default)]
     #[schema(minimum = 1, maximum = 1000)]
     pub max_reliable_instances: Option<u32>,
@@ -366,7 +368,8 @@ pub struct Limits {
 #[serde(deny_unknown_fields)]
 pub struct ResourcesSpec {
     /// GPUs per instance, `MODEL:COUNT` or `MODEL` (one), e.g. `V100:1`, `K520:4`, `T4`: the
-    /// types with exactly that many of that model (K520, K80, V100, T4, A10G).
+    /// types with exactly that many of that model (K520, K80, V100, T4, A10G; any case). The
+    /// count is 1 to 16.
     #[serde(default)]
     #[schema(example = "V100:1")]
     pub accelerators: Option<String>,
@@ -394,13 +397,11 @@ impl Resources {
         let accelerator = match &spec.accelerators {
             None => None,
             Some(text) => {
-                let (name, count) = match text.split_once(':') {
-                    Some((n, c)) => (n.trim(), c.trim()),
-                    None => (text.trim(), "1"),
-                };
-                let count: u32 = count
-                    .parse()
-                    .ok()
+                let (name, count) = text.split_once(':').unwrap_or((text, "1"));
+                // Decimal digits, no sign, no leading zero: what the document's pattern says.
+                let count: u32 = Some(count)
+                    .filter(|c| c.bytes().all(|b| b.is_ascii_digit()) && !c.starts_with('0'))
+                    .and_then(|c| c.parse().ok())
                     .filter(|c| (1..=16).contains(c))
                     .ok_or_else(|| {
                         bad(
@@ -1300,6 +1301,10 @@ mod tests {
             (r#"{"accelerators":"H900:1"}"#, "resources.accelerators"),
             (r#"{"accelerators":"V100:0"}"#, "resources.accelerators"),
             (r#"{"accelerators":"V100:x"}"#, "resources.accelerators"),
+            (r#"{"accelerators":"V100:01"}"#, "resources.accelerators"),
+            (r#"{"accelerators":"V100:+1"}"#, "resources.accelerators"),
+            (r#"{"accelerators":"V100:17"}"#, "resources.accelerators"),
+            (r#"{"accelerators":" V100"}"#, "resources.accelerators"),
             (r#"{"vcpus":0}"#, "resources.vcpus"),
             (r#"{"memory_gib":-1}"#, "resources.memory_gib"),
         ] {

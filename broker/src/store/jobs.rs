@@ -164,11 +164,20 @@ pub struct InstanceRow {
     /// A graceful stop: its agent was told to stop, and the instance is ended once the agent
     /// has left, or at this time at the latest.
     pub stop_by: Option<Timestamp>,
-    /// The agent token the launch's user data carries, kept while the launch is unanswered
+    /// The bootstrap token the launch's user data carries, kept while the launch is unanswered
     /// (cleared once it is recorded): every retry, and a relaunch by the broker that took the
     /// job over, sends the same ClientToken with the same parameters.
     #[serde(skip)]
     pub launch_token: Option<String>,
+    /// The hash of that bootstrap token: good for the instance's downloads and for one
+    /// exchange for its agent token (`Broker::agent_bootstrap`). None for an instance launched
+    /// before bootstrap tokens (its user data carried the agent token itself).
+    #[serde(skip)]
+    pub bootstrap_hash: Option<String>,
+    /// When the bootstrap token was exchanged; from then on it is dead (the job's events say
+    /// so too: `agent_bootstrapped`).
+    #[serde(skip)]
+    pub bootstrap_used: Option<Timestamp>,
 }
 
 impl InstanceRow {
@@ -203,13 +212,16 @@ impl InstanceRow {
             agent_pid: None,
             stop_by: None,
             launch_token: None,
+            bootstrap_hash: None,
+            bootstrap_used: None,
         }
     }
 
-    /// The intent, carrying the agent token its launch's user data will carry (see
-    /// [`InstanceRow::launch_token`]).
-    pub fn carrying(mut self, launch_token: String) -> InstanceRow {
-        self.launch_token = Some(launch_token);
+    /// The intent, carrying the bootstrap token its launch's user data will carry (see
+    /// [`InstanceRow::launch_token`]) and that token's hash.
+    pub fn carrying(mut self, bootstrap_token: String, bootstrap_hash: String) -> InstanceRow {
+        self.launch_token = Some(bootstrap_token);
+        self.bootstrap_hash = Some(bootstrap_hash);
         self
     }
 }
@@ -378,8 +390,10 @@ impl JobStatusRecord {
                 metadata_addr: self.i_metadata_addr.take(),
                 agent_pid: self.i_agent_pid,
                 stop_by_ms: self.i_stop_by_ms,
-                // What a status shows never needs it.
+                // What a status shows never needs them.
                 launch_token: None,
+                bootstrap_hash: None,
+                bootstrap_used_ms: None,
                 id: id.clone(),
             })
         })();
@@ -450,11 +464,13 @@ struct InstanceRecord {
     agent_pid: Option<i64>,
     stop_by_ms: Option<i64>,
     launch_token: Option<String>,
+    bootstrap_hash: Option<String>,
+    bootstrap_used_ms: Option<i64>,
 }
 
 const INSTANCE_COLUMNS: &str = "id, job_id, cloud_id, availability_zone, instance_type, product, tier, bid_usd, \
      state, token_hash, requested_ms, launched_ms, ready_ms, warned_ms, ended_ms, end_reason, ended_by_provider, launch_error, \
-     metadata_addr, agent_pid, stop_by_ms, launch_token";
+     metadata_addr, agent_pid, stop_by_ms, launch_token, bootstrap_hash, bootstrap_used_ms";
 
 fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
     let bad = |e: crate::market::InvalidValue| {
@@ -485,6 +501,8 @@ fn instance_from(r: InstanceRecord) -> Result<InstanceRow, StoreError> {
         agent_pid: r.agent_pid.and_then(|p| u32::try_from(p).ok()),
         stop_by: r.stop_by_ms.map(Timestamp::from_millis),
         launch_token: r.launch_token,
+        bootstrap_hash: r.bootstrap_hash,
+        bootstrap_used: r.bootstrap_used_ms.map(Timestamp::from_millis),
     })
 }
 
@@ -696,8 +714,8 @@ impl Store {
         let done = with_db!(self, |pool| {
             sqlx::query(
                 "INSERT INTO instances (id, job_id, cloud_id, availability_zone, instance_type, product, tier, \
-                     bid_usd, state, token_hash, requested_ms, launched_ms, launch_token) \
-                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $14 \
+                     bid_usd, state, token_hash, requested_ms, launched_ms, launch_token, bootstrap_hash) \
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $14, $15 \
                  WHERE ($13 IS NULL OR EXISTS (SELECT 1 FROM jobs WHERE id = $2 AND lease_token = $13))",
             )
             .bind(&i.id)
@@ -714,6 +732,7 @@ impl Store {
             .bind(i.launched.map(|t| t.millis()))
             .bind(token_of(lease))
             .bind(&i.launch_token)
+            .bind(&i.bootstrap_hash)
             .execute(pool)
             .await
             .context("recording an instance")?
@@ -889,6 +908,83 @@ impl Store {
         });
         self.fenced(lease, done).await?;
         Ok(())
+    }
+
+    /// A new bootstrap token for an intent relaunched from before bootstrap tokens were kept
+    /// (its user data and launch token with it).
+    pub async fn set_bootstrap(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        token: &str,
+        hash: &str,
+    ) -> Result<(), StoreError> {
+        let sql = format!(
+            "UPDATE instances SET launch_token = $2, bootstrap_hash = $3 WHERE id = $1 AND {}",
+            instances_fence(4)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(token)
+                .bind(hash)
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("recording a bootstrap token")?
+                .rows_affected()
+        });
+        self.fenced(lease, done).await?;
+        Ok(())
+    }
+
+    /// The one exchange of an instance's bootstrap token: sets its agent token's hash and marks
+    /// the bootstrap token used, only if it was not used before and the instance is the one
+    /// the cloud calls `cloud_id` and has not ended. False when any of that does not hold (or
+    /// the lease is stale: then the error).
+    pub async fn exchange_bootstrap(
+        &self,
+        lease: Option<&Lease>,
+        id: &str,
+        cloud_id: &str,
+        token_hash: &str,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE instances SET token_hash = $3, bootstrap_used_ms = $4 \
+             WHERE id = $1 AND cloud_id = $2 AND bootstrap_hash IS NOT NULL \
+             AND bootstrap_used_ms IS NULL AND ended_ms IS NULL AND {}",
+            instances_fence(5)
+        );
+        let done = with_db!(self, |pool| {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(cloud_id)
+                .bind(token_hash)
+                .bind(now.millis())
+                .bind(token_of(lease))
+                .execute(pool)
+                .await
+                .context("exchanging a bootstrap token")?
+                .rows_affected()
+        });
+        Ok(self.fenced(lease, done).await? == 1)
+    }
+
+    /// The instance whose bootstrap token hashes to `hash`, used or not.
+    pub async fn instance_by_bootstrap_hash(
+        &self,
+        hash: &str,
+    ) -> Result<Option<InstanceRow>, StoreError> {
+        let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE bootstrap_hash = $1");
+        let row: Option<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(hash)
+                .fetch_optional(pool)
+                .await
+                .context("looking up a bootstrap token")?
+        });
+        row.map(instance_from).transpose()
     }
 
     /// Where a locally started agent's metadata endpoint listens, and its process id: what any

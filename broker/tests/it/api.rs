@@ -92,9 +92,15 @@ impl TestServer {
         self.call(reqwest::Method::GET, path, Some(TOKEN), None)
             .await
     }
-    pub(crate) async fn delete(&self, path: &str) -> (u16, Value) {
-        self.call(reqwest::Method::DELETE, path, Some(TOKEN), None)
-            .await
+    /// `POST /v1/jobs/{id}/cancel`.
+    pub(crate) async fn cancel(&self, id: i64) -> (u16, Value) {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/jobs/{id}/cancel"),
+            Some(TOKEN),
+            None,
+        )
+        .await
     }
 
     /// Advances market time and runs one scheduler pass.
@@ -251,6 +257,8 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
             agent_pid: None,
             stop_by: None,
             launch_token: None,
+            bootstrap_hash: None,
+            bootstrap_used: None,
         };
         s.broker.store().insert_instance(None, &row).await.unwrap();
         let cloud_id = format!("i-test{}", id.0);
@@ -321,7 +329,12 @@ async fn tokens_are_checked_and_scoped_to_their_instance() {
         .await;
     assert_eq!(status, 403, "agent tokens cannot read the job API");
     let (status, _) = s
-        .call(reqwest::Method::DELETE, "/v1/jobs/1", Some(a_token), None)
+        .call(
+            reqwest::Method::POST,
+            "/v1/jobs/1/cancel",
+            Some(a_token),
+            None,
+        )
         .await;
     assert_eq!(status, 403);
     assert_eq!(
@@ -403,13 +416,13 @@ async fn submit_launch_cancel_releases_every_instance_and_closes_the_ledger() {
         "the cloud agrees with the store"
     );
 
-    let (status, view) = s.delete(&format!("/v1/jobs/{id}")).await;
+    let (status, view) = s.cancel(id).await;
     assert_eq!(
         (status, view["state"].as_str()),
         (200, Some("cancelled")),
         "{view}"
     );
-    let (status, _) = s.delete(&format!("/v1/jobs/{id}")).await;
+    let (status, _) = s.cancel(id).await;
     assert_eq!(status, 409, "cancelling twice is a conflict");
     s.step(1.0).await;
     let described = s.broker.cloud().describe().await.unwrap();

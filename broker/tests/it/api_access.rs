@@ -35,7 +35,7 @@ async fn agent_of(s: &TestServer, job: i64, k: usize) -> (String, String, String
             market: row.market.clone(),
             tier: Tier::Reliable,
             bid: None,
-            agent_token: token.clone(),
+            bootstrap_token: token.clone(),
         })
         .await
         .expect("the simulated cloud launches");
@@ -683,13 +683,18 @@ async fn the_document_says_what_handlers_require_and_cancel_keeps_the_job() {
     spec["policy"] = json!("");
     assert_eq!(s.post("/v1/jobs", spec).await.0, 422);
 
-    // Cancelling is `POST …/cancel`; the job stays readable. `DELETE` is its deprecated alias.
+    // Cancelling is `POST …/cancel`; the job stays readable. The `DELETE` that did the same
+    // (deprecated since issue 23: a `DELETE` promises the resource is gone) is retired.
     let cancel = &doc["paths"]["/v1/jobs/{id}/cancel"]["post"];
     assert!(
         cancel["security"].as_array().is_some_and(|s| !s.is_empty()),
         "{cancel}"
     );
-    assert_eq!(doc["paths"]["/v1/jobs/{id}"]["delete"]["deprecated"], true);
+    assert!(
+        doc["paths"]["/v1/jobs/{id}"].get("delete").is_none(),
+        "{}",
+        doc["paths"]["/v1/jobs/{id}"]
+    );
     let (_, view) = s.post("/v1/jobs", job("on-demand")).await;
     let id = view["id"].as_i64().unwrap();
     let (status, view) = s.post(&format!("/v1/jobs/{id}/cancel"), json!({})).await;
@@ -715,10 +720,15 @@ async fn the_document_says_what_handlers_require_and_cancel_keeps_the_job() {
         vec![],
     )
     .await;
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(headers["deprecation"], "true");
-    assert_eq!(
-        headers["link"],
-        format!("</v1/jobs/{other}/cancel>; rel=\"successor-version\"").as_str()
+    assert_eq!(status, 405, "{body}");
+    let allow = headers["allow"].to_str().unwrap_or_default();
+    assert!(
+        allow.contains("GET") && !allow.contains("DELETE"),
+        "{allow}"
+    );
+    assert_ne!(
+        s.get(&format!("/v1/jobs/{other}")).await.1["state"],
+        "cancelled",
+        "a refused DELETE cancels nothing"
     );
 }

@@ -250,7 +250,11 @@ async fn ending_a_large_job_costs_writes_in_proportion_and_other_jobs_are_still_
     let writes = WriteCounter::install(&s.db.url).await;
     let started = Instant::now();
     let (status, view) = s
-        .call(reqwest::Method::DELETE, &format!("/v1/jobs/{big}"), None)
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/jobs/{big}/cancel"),
+            None,
+        )
         .await;
     assert_eq!(
         (status, &view["state"]),

@@ -34,6 +34,8 @@ async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
         agent_pid: None,
         stop_by: None,
         launch_token: None,
+        bootstrap_hash: None,
+        bootstrap_used: None,
     };
     s.broker.store().insert_instance(None, &row).await.unwrap();
     let cloud_id = format!("i-graceful{n}");

@@ -31,7 +31,7 @@ async fn a_reused_client_token_with_other_parameters_is_refused_as_on_ec2() {
         market: Market::parse("us-east-1a/c3.xlarge").unwrap(),
         tier: Tier::Transient,
         bid: Some(UsdPerHour::new(2.0).unwrap()),
-        agent_token: "pa_first".into(),
+        bootstrap_token: "pa_first".into(),
     };
     let first = cloud.launch(&spec).await.unwrap();
     let again = cloud.launch(&spec).await.unwrap();
@@ -40,7 +40,7 @@ async fn a_reused_client_token_with_other_parameters_is_refused_as_on_ec2() {
         "the same launch, one instance"
     );
     let other_token = LaunchSpec {
-        agent_token: "pa_second".into(),
+        bootstrap_token: "pa_second".into(),
         ..spec.clone()
     };
     let other_bid = LaunchSpec {
