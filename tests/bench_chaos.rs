@@ -140,7 +140,7 @@ fn command_job() -> Value {
         "app": "command",
         "policy": "on-demand",
         "limits": {"max_instances": 1, "max_reliable_instances": 1},
-        "work": {"total_work": 1.0, "instance_types": ["c3.xlarge"], "startup_minutes": 0.0},
+        "work": {"total_work": 1.0, "instance_types": ["m5.large"], "startup_minutes": 0.0},
         "command": {
             "run": ["python3", example_program("train.py")],
             "checkpoint_interval_secs": 1,

@@ -1062,10 +1062,30 @@ impl Broker {
                 // Asked again at the cloud call (see `launch_recorded`).
                 self.fence(row.job_id)?;
                 super::metrics::Metrics::inc(&self.metrics.terminations);
-                if let Err(e) = self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
-                    tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry");
+                match self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
+                    Ok(()) => self.terminated(std::iter::once(row), reason).await?,
+                    Err(e) => {
+                        tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry")
+                    }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Instances whose termination the cloud accepted end now: EC2 stops billing an instance
+    /// once it is shutting down, which is what the accepted call means, while the listing that
+    /// would report the end comes up to `describe_every` (2 s) later.
+    async fn terminated<'r>(
+        &self,
+        rows: impl Iterator<Item = &'r InstanceRow>,
+        reason: &str,
+    ) -> Result<(), ServiceError> {
+        let now = self.clock.now();
+        for row in rows {
+            let mut row = row.clone();
+            row.end_reason = Some(reason.to_string());
+            self.on_ended(&row, now, false, now).await?;
         }
         Ok(())
     }
@@ -1113,11 +1133,19 @@ impl Broker {
         if let Some(r) = live.first() {
             self.fence(r.job_id)?;
         }
-        let cloud_ids: Vec<String> = launched.iter().map(|(_, c)| (*c).clone()).collect();
-        for batch in cloud_ids.chunks(TERMINATE_BATCH) {
+        let with_cloud_id: Vec<&InstanceRow> = live
+            .iter()
+            .copied()
+            .filter(|r| r.cloud_id.is_some())
+            .collect();
+        for batch in with_cloud_id.chunks(TERMINATE_BATCH) {
+            let cloud_ids: Vec<String> = batch.iter().filter_map(|r| r.cloud_id.clone()).collect();
             self.metrics.terminations.inc_by(batch.len() as u64);
-            if let Err(e) = self.cloud.terminate(batch).await {
-                tracing::warn!(instances = batch.len(), error = %e, "terminate failed; reconciliation will retry");
+            match self.cloud.terminate(&cloud_ids).await {
+                Ok(()) => self.terminated(batch.iter().copied(), reason).await?,
+                Err(e) => {
+                    tracing::warn!(instances = batch.len(), error = %e, "terminate failed; reconciliation will retry")
+                }
             }
         }
         Ok(())
