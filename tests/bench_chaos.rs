@@ -599,6 +599,28 @@ async fn run_once(root: &Path, run: usize, seed: u64) -> Result<RunOutcome, Stri
             .push("the command job's program did not print its end".into());
     }
 
+    // The EC2 faults took: calls were refused while they lasted (else the brokers never went
+    // through the proxy, and the run proved nothing about them).
+    let calls = std::fs::read_to_string(dir.join("cloud-proxy.log")).unwrap_or_default();
+    let refused = calls
+        .lines()
+        .filter(|l| l.ends_with(" throttle") || l.ends_with(" fail"))
+        .count();
+    eprintln!(
+        "  run {run}: {} EC2 calls through the proxy, {refused} refused",
+        calls.lines().count()
+    );
+    if refused == 0
+        && out
+            .faults
+            .iter()
+            .any(|f| matches!(f, Fault::Throttle | Fault::Fail5xx))
+    {
+        return Err("an EC2 fault was injected but no call was refused: the brokers do not go \
+                    through the cloud proxy"
+            .into());
+    }
+
     for b in &mut brokers {
         b.kill_agents();
     }
