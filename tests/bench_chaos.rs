@@ -616,9 +616,11 @@ async fn run_once(root: &Path, run: usize, seed: u64) -> Result<RunOutcome, Stri
             .iter()
             .any(|f| matches!(f, Fault::Throttle | Fault::Fail5xx))
     {
-        return Err("an EC2 fault was injected but no call was refused: the brokers do not go \
+        return Err(
+            "an EC2 fault was injected but no call was refused: the brokers do not go \
                     through the cloud proxy"
-            .into());
+                .into(),
+        );
     }
 
     for b in &mut brokers {

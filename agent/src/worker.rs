@@ -22,6 +22,8 @@ use tokio::sync::{mpsc, watch};
 
 const PULL_WAIT_MS: u32 = 300;
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a pull that keeps waiting for missing updates reports what is missing.
+const STALL_REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// What the worker tells the agent's control loop.
 #[derive(Debug, Clone)]
@@ -558,6 +560,10 @@ impl Worker {
             })
             .await;
         for s in (0..shards).filter(|s| !done.contains(s)) {
+            // A pull that waits long says what the shard lacks and why this worker sends none
+            // of it (not its partition, or a live helper's): what to read when a job stalls.
+            let waiting_since = Instant::now();
+            let mut told = Duration::ZERO;
             loop {
                 if self.my_partitions().is_none() {
                     return false;
@@ -575,6 +581,23 @@ impl Worker {
                     Ok(Response::Params { values, .. }) if values.len() as u64 == p.keys.len() => {
                         fresh[p.keys.start as usize..p.keys.end as usize].copy_from_slice(&values);
                         break;
+                    }
+                    Ok(Response::NotReady { missing })
+                        if waiting_since.elapsed() >= told + STALL_REPORT_EVERY =>
+                    {
+                        told = waiting_since.elapsed();
+                        let mine = self.my_partitions().unwrap_or_default();
+                        let helped: Vec<u32> = missing
+                            .iter()
+                            .copied()
+                            .filter(|m| {
+                                need.is_some_and(|c| self.ctx.board.given_away(c, *m, &self.view))
+                            })
+                            .collect();
+                        tracing::warn!(shard = s, clock = ?need, waited_s = told.as_secs(),
+                            missing = ?missing, mine = ?mine, given_to_live_helpers = ?helped,
+                            epoch = self.view.epoch, resend,
+                            "a pull has waited long: the shard lacks these partitions' updates");
                     }
                     Ok(Response::NotReady { .. }) if !resend => {}
                     Ok(Response::NotReady { missing }) => {

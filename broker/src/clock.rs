@@ -21,13 +21,37 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
 
 pub type SharedClock = Arc<dyn Clock>;
 
-/// Wall time.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct WallClock;
+/// Wall time as the brokers' shared database tells it: this machine's clock plus its offset to
+/// the database's clock, which the broker measures at start and keeps measuring
+/// (`startup::database_clock`). Brokers on one database then stamp launches, ends,
+/// jobs' ends and bills on one clock, whatever their machines' clocks say — a broker whose clock
+/// runs a minute slow would otherwise bill a job it takes over a minute less than its previous
+/// owner had. Never runs backwards (a new offset that would move it back holds it instead).
+#[derive(Debug, Default)]
+pub struct DatabaseClock {
+    offset_ms: std::sync::atomic::AtomicI64,
+    last_ms: std::sync::atomic::AtomicI64,
+}
 
-impl Clock for WallClock {
+impl DatabaseClock {
+    /// The database's clock minus this machine's, in milliseconds.
+    pub fn offset_ms(&self) -> i64 {
+        self.offset_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_offset_ms(&self, offset_ms: i64) {
+        self.offset_ms
+            .store(offset_ms, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Clock for DatabaseClock {
     fn now(&self) -> Timestamp {
-        Timestamp::now()
+        let t = Timestamp::now().millis() + self.offset_ms();
+        let before = self
+            .last_ms
+            .fetch_max(t, std::sync::atomic::Ordering::Relaxed);
+        Timestamp::from_millis(t.max(before))
     }
     fn speed(&self) -> f64 {
         1.0
@@ -146,6 +170,20 @@ impl Clock for ManualClock {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_database_clock_keeps_its_offset_and_never_runs_backwards() {
+        let c = DatabaseClock::default();
+        c.set_offset_ms(60_000);
+        let ahead = c.now();
+        assert!(ahead.millis() - Timestamp::now().millis() >= 59_000);
+        c.set_offset_ms(-60_000);
+        assert!(
+            c.now() >= ahead,
+            "a smaller offset holds the clock; it does not move it back"
+        );
+        assert_eq!(c.speed(), 1.0);
+    }
     use super::*;
 
     #[test]

@@ -10,7 +10,7 @@ use crate::api::tls::{self, ReloadingCert, TlsFiles};
 use crate::api::{AppState, router};
 use crate::billing::BillingModel;
 use crate::checkpoint::{CheckpointStore, ProgramStorage};
-use crate::clock::{SharedClock, SimClock, WallClock};
+use crate::clock::{DatabaseClock, SharedClock, SimClock};
 use crate::cloud::Cloud;
 use crate::cloud::faults::FaultyCloud;
 use crate::cloud::sim::SimCloud;
@@ -516,7 +516,7 @@ pub async fn start_with(
                     "no stored price history for {region}: run `proteus prices ingest --from-ec2` first"
                 );
             }
-            (Arc::new(history), Arc::new(WallClock))
+            (Arc::new(history), database_clock(&store).await)
         }
     };
     let cloud: Arc<dyn Cloud> = match (args.cloud, options.cloud.clone()) {
@@ -700,6 +700,54 @@ fn conn_limits(args: &ServeArgs) -> Result<ConnLimits> {
         body_read_timeout: secs("body-read-timeout-secs", args.body_read_timeout_secs)?,
         max_connections: args.max_connections,
     })
+}
+
+/// Wall time on the database's clock (see [`DatabaseClock`]): measured now, and again every
+/// [`CLOCK_SYNC_EVERY`] for as long as the clock is in use.
+async fn database_clock(store: &Store) -> SharedClock {
+    let clock = Arc::new(DatabaseClock::default());
+    match sync_clock(store, &clock).await {
+        Ok(()) if clock.offset_ms().abs() >= 1000 => tracing::warn!(
+            offset_secs = clock.offset_ms() as f64 / 1000.0,
+            "this machine's clock is off the database's: the broker keeps the database's time \
+             (set the machine's clock right: NTP, chrony)"
+        ),
+        Ok(()) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the database's clock yet; using this machine's")
+        }
+    }
+    let (store, weak) = (store.clone(), Arc::downgrade(&clock));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(CLOCK_SYNC_EVERY).await;
+            let Some(clock) = weak.upgrade() else {
+                return;
+            };
+            if let Err(e) = sync_clock(&store, &clock).await {
+                tracing::debug!(error = %e, "cannot read the database's clock; keeping the last offset");
+            }
+        }
+    });
+    clock
+}
+
+/// How often a broker measures its clock against the database's.
+const CLOCK_SYNC_EVERY: Duration = Duration::from_secs(10);
+
+/// Sets `clock`'s offset from one reading of the database's clock, taken as the midpoint of
+/// the round trip; a reading whose round trip took over a second is not trusted.
+async fn sync_clock(store: &Store, clock: &DatabaseClock) -> Result<()> {
+    let before = Timestamp::now().millis();
+    let db = store
+        .db_now_ms()
+        .await
+        .context("reading the database's clock")?;
+    let after = Timestamp::now().millis();
+    if after - before <= 1000 {
+        clock.set_offset_ms(db - (before + after) / 2);
+    }
+    Ok(())
 }
 
 /// What agents call: the flag's URL, or this listener's with the scheme it serves.

@@ -613,6 +613,7 @@ async fn a_broker_paused_mid_launch_and_woken_after_the_takeover_launches_no_twi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and_in_time() {
     let root = tempfile::tempdir().unwrap();
+    let began_ms = chrono::Utc::now().timestamp_millis();
     let deployment = unique("fo-skew");
     let db = ec2_database(root.path()).await;
     let lease = LEASE_SECS.to_string();
@@ -654,6 +655,24 @@ async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
+    // Every broker stamps on the database's clock, whatever its machine's says: each instance's
+    // request time, written by its job's owner, lies between this test's start and now (a
+    // minute off otherwise, and a job taken over by the slow broker billed a minute less).
+    let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    let stamps: Vec<(String, i64)> = sqlx::query_as("SELECT id, requested_ms FROM instances")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    assert!(!stamps.is_empty());
+    for (id, t) in &stamps {
+        assert!(
+            (began_ms - 2_000..=now_ms + 2_000).contains(t),
+            "instance {id} stamped {} s from the true time",
+            if *t > now_ms { t - now_ms } else { t - began_ms } as f64 / 1000.0
+        );
+    }
+    pool.close().await;
     // Every broker claims at each tick: over ten ticks of each (a few lease periods), no job
     // moves while its owner lives. (A claim judged on the fast broker's clock would take every
     // lease within its first tick: each looks a minute expired to it.)

@@ -51,6 +51,12 @@ pub struct Args {
     /// Read these stored jobs (`FIRST-LAST`, inclusive) instead of submitting one.
     #[arg(long, value_parser = parse_range)]
     pub jobs: Option<(i64, i64)>,
+    /// Also run the latency rounds, at the same rate with the same senders, on this path of
+    /// the same broker (e.g. `/v1/sim/clock`: authenticated, a few bytes of JSON, no job view):
+    /// the floor that the machine, the load generator, HTTP and authentication set, printed
+    /// beside the job view's figure. Not a target.
+    #[arg(long)]
+    pub floor_path: Option<String>,
 }
 
 fn parse_range(text: &str) -> Result<(i64, i64), String> {
@@ -176,6 +182,10 @@ pub async fn run(args: Args) -> Result<bool> {
         achieved.push(rps);
         all.merge(samples);
     }
+    let floor = match &args.floor_path {
+        Some(path) => Some(floor_rounds(&args, &clients, &auth, path).await),
+        None => None,
+    };
     for e in &all.first_errors {
         eprintln!("error: {e}");
     }
@@ -204,8 +214,64 @@ pub async fn run(args: Args) -> Result<bool> {
         args.target_p99_ms,
         p99 / args.target_p99_ms
     );
+    if let (Some(path), Some((p50, p99_floor, errors))) = (&args.floor_path, floor) {
+        println!(
+            "floor, GET {path} on the same broker at {:.0} req/s offered ({} x {:.0} s): median p50 {p50:.2} ms, \
+             median p99 {p99_floor:.2} ms ({errors} errors); the job view's p99 is {:.2}x the floor's",
+            args.rate,
+            args.rounds,
+            args.secs,
+            p99 / p99_floor
+        );
+    }
     println!("requests: {} answered, {} errors", all.count(), all.errors);
     Ok(rps >= args.target_rps && p99 < args.target_p99_ms && all.errors == 0)
+}
+
+/// The latency rounds on `path` instead of the job view: (median p50, median p99, errors).
+async fn floor_rounds(
+    args: &Args,
+    clients: &[reqwest::Client],
+    auth: &str,
+    path: &str,
+) -> (f64, f64, u64) {
+    let url = format!("{}{path}", args.url);
+    let request = {
+        let (clients, auth) = (clients.to_vec(), auth.to_string());
+        move |worker: usize, _seq: u64| {
+            let http = clients[worker % clients.len()].clone();
+            let (url, auth) = (url.clone(), auth.clone());
+            async move {
+                let resp = http
+                    .get(&url)
+                    .header("authorization", &auth)
+                    .send()
+                    .await
+                    .map_err(|e| format!("transport: {e}"))?;
+                let status = resp.status();
+                let body = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
+                if status.as_u16() != 200 {
+                    return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+                }
+                Ok(())
+            }
+        }
+    };
+    let interval = Duration::from_secs_f64(args.senders as f64 / args.rate);
+    let secs = Duration::from_secs_f64(args.secs);
+    let (mut p50s, mut p99s, mut errors) = (Vec::new(), Vec::new(), 0);
+    for round in 1..=args.rounds {
+        let (samples, _) = fixed_rate(args.senders, interval, secs, request.clone()).await;
+        let s = samples.summary();
+        eprintln!(
+            "floor round {round} ({path}): {s}; {} errors",
+            samples.errors
+        );
+        p50s.push(s.p50_ms);
+        p99s.push(s.p99_ms);
+        errors += samples.errors;
+    }
+    (median(&p50s), median(&p99s), errors)
 }
 
 fn gcd(a: u64, b: u64) -> u64 {

@@ -244,9 +244,25 @@ impl Broker {
     ) {
         tokio::pin!(shutdown);
         let every = self.membership.lease_period() / 4;
+        let mut failing = false;
         loop {
-            if let Err(e) = self.renew_leases().await {
-                tracing::warn!(error = %e, "cannot renew leases; retrying");
+            match self.renew_leases().await {
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot renew leases; retrying");
+                    failing = true;
+                }
+                // The database is back: the connections that idled through its outage are dead,
+                // and each would cost whoever takes it next a failed ping and a new connection
+                // (seconds, at a job's end, on a loaded machine). Replace them now.
+                Ok(()) if failing => {
+                    failing = false;
+                    let store = self.store.clone();
+                    tokio::spawn(async move {
+                        let replaced = store.recycle_idle_connections().await;
+                        tracing::info!(replaced, "the database is back; idle connections recycled");
+                    });
+                }
+                Ok(()) => {}
             }
             tokio::select! {
                 _ = &mut shutdown => return,

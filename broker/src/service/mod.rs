@@ -167,6 +167,9 @@ pub struct Broker {
     /// Instances whose launch the cloud is answering now (by instance id): a job's end leaves
     /// them to the launch, which terminates what it launched for a job that ended meanwhile.
     launches_in_flight: Mutex<std::collections::HashSet<String>>,
+    /// Instances in `terminating` this broker has seen, and when their termination was last
+    /// asked of the cloud (`Broker::retry_terminations`).
+    terminations_asked: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 impl Broker {
@@ -332,6 +335,7 @@ impl Broker {
             unrecorded_cloud_events: Mutex::new(Default::default()),
             membership,
             launches_in_flight: Mutex::new(Default::default()),
+            terminations_asked: Mutex::new(HashMap::new()),
         })
     }
 

@@ -81,6 +81,10 @@ impl Broker {
         if let Err(e) = self.finish_stops(now).await {
             tracing::warn!(error = %e, "cannot finish graceful stops; retrying next tick");
         }
+        // Terminations the cloud refused (throttled, failing) are asked again.
+        if let Err(e) = self.retry_terminations().await {
+            tracing::warn!(error = %e, "cannot retry terminations; retrying next tick");
+        }
         for job in leased {
             let lease = match self.fence(job.id) {
                 Ok(lease) => lease,
@@ -1065,8 +1069,60 @@ impl Broker {
                 match self.cloud.terminate(std::slice::from_ref(cloud_id)).await {
                     Ok(()) => self.terminated(std::iter::once(row), reason).await?,
                     Err(e) => {
-                        tracing::warn!(instance = %row.id, error = %e, "terminate failed; reconciliation will retry")
+                        tracing::warn!(instance = %row.id, error = %e, "terminate failed; asked again in {TERMINATE_RETRY:?}")
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks the cloud again to end the instances of this broker's jobs that are still
+    /// `terminating` (the call failed — throttled, 5xx, a timeout — or its answer was lost),
+    /// each at most every [`TERMINATE_RETRY`], until the cloud accepts or lists it gone. Without
+    /// it such an instance would run (and bill) until a restart or a takeover reconciled it.
+    async fn retry_terminations(&self) -> Result<(), ServiceError> {
+        let rows = self
+            .store
+            .terminating_instances(self.membership().id())
+            .await?;
+        let due: Vec<InstanceRow> = {
+            let mut asked = self
+                .terminations_asked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            asked.retain(|id, _| rows.iter().any(|r| &r.id == id));
+            let now = std::time::Instant::now();
+            rows.into_iter()
+                .filter(|r| r.cloud_id.is_some())
+                .filter(|r| {
+                    let last = asked.entry(r.id.clone()).or_insert(now);
+                    let due = now.duration_since(*last) >= TERMINATE_RETRY;
+                    if due {
+                        *last = now;
+                    }
+                    due
+                })
+                .collect()
+        };
+        for row in due {
+            let Some(cloud_id) = row.cloud_id.clone() else {
+                continue;
+            };
+            if self.fence(row.job_id).is_err() {
+                continue;
+            }
+            let reason = row
+                .end_reason
+                .clone()
+                .unwrap_or_else(|| "terminated".to_string());
+            match self.cloud.terminate(std::slice::from_ref(&cloud_id)).await {
+                Ok(()) => {
+                    tracing::info!(instance = %row.id, "terminate asked again; the cloud accepted it");
+                    self.terminated(std::iter::once(&row), &reason).await?
+                }
+                Err(e) => {
+                    tracing::warn!(instance = %row.id, error = %e, "terminate failed again; retrying")
                 }
             }
         }
@@ -1113,14 +1169,15 @@ impl Broker {
         for row in live.iter().filter(|r| r.cloud_id.is_none()) {
             self.end_unlaunched(row, reason).await?;
         }
-        let launched: Vec<(&str, &String)> = live
+        let launched: Vec<&InstanceRow> = live
             .iter()
-            .filter_map(|r| r.cloud_id.as_ref().map(|c| (r.id.as_str(), c)))
+            .copied()
+            .filter(|r| r.cloud_id.is_some())
             .collect();
         if launched.is_empty() {
             return Ok(());
         }
-        let ids: Vec<&str> = launched.iter().map(|(id, _)| *id).collect();
+        let ids: Vec<&str> = launched.iter().map(|r| r.id.as_str()).collect();
         // One job's instances (a job's end).
         let lease = match live.first() {
             Some(r) => Some(self.fence(r.job_id)?),
@@ -1133,18 +1190,13 @@ impl Broker {
         if let Some(r) = live.first() {
             self.fence(r.job_id)?;
         }
-        let with_cloud_id: Vec<&InstanceRow> = live
-            .iter()
-            .copied()
-            .filter(|r| r.cloud_id.is_some())
-            .collect();
-        for batch in with_cloud_id.chunks(TERMINATE_BATCH) {
+        for batch in launched.chunks(TERMINATE_BATCH) {
             let cloud_ids: Vec<String> = batch.iter().filter_map(|r| r.cloud_id.clone()).collect();
             self.metrics.terminations.inc_by(batch.len() as u64);
             match self.cloud.terminate(&cloud_ids).await {
                 Ok(()) => self.terminated(batch.iter().copied(), reason).await?,
                 Err(e) => {
-                    tracing::warn!(instances = batch.len(), error = %e, "terminate failed; reconciliation will retry")
+                    tracing::warn!(instances = batch.len(), error = %e, "terminate failed; asked again in {TERMINATE_RETRY:?}")
                 }
             }
         }
@@ -1393,6 +1445,9 @@ const STOP_UPLOAD_ALLOWANCE: Duration = Duration::from_secs(crate::job::STOP_UPL
 
 /// Most instances one terminate call names (EC2 takes up to 1000 per TerminateInstances).
 const TERMINATE_BATCH: usize = 500;
+
+/// How long a termination the cloud has not confirmed waits before it is asked again.
+const TERMINATE_RETRY: Duration = Duration::from_secs(5);
 
 /// How far ahead (market seconds) a job's budget is checked against the billing periods its
 /// instances are about to start: the engine's look interval, or two ticks if they are longer.

@@ -1134,6 +1134,27 @@ impl Store {
         rows.into_iter().map(instance_from).collect()
     }
 
+    /// Instances of jobs `owner` holds whose end was asked of the cloud and not yet seen.
+    pub async fn terminating_instances(&self, owner: &str) -> Result<Vec<InstanceRow>, StoreError> {
+        let columns = INSTANCE_COLUMNS
+            .split(',')
+            .map(|c| format!("i.{}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT {columns} FROM instances i JOIN jobs j ON j.id = i.job_id \
+             WHERE i.state = 'terminating' AND j.lease_owner = $1 ORDER BY i.id"
+        );
+        let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(owner)
+                .fetch_all(pool)
+                .await
+                .context("listing instances being terminated")?
+        });
+        rows.into_iter().map(instance_from).collect()
+    }
+
     /// Records that the broker asked the cloud to end an instance (the call may not have
     /// completed; reconciliation finishes the job).
     pub async fn mark_terminating(

@@ -26,3 +26,4 @@ mod store_leases;
 mod store_outputs;
 mod store_prices;
 mod takeover;
+mod terminate_retry;
