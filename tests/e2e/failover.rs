@@ -669,7 +669,12 @@ async fn brokers_whose_clocks_are_a_minute_off_take_over_only_expired_leases_and
         assert!(
             (began_ms - 2_000..=now_ms + 2_000).contains(t),
             "instance {id} stamped {} s from the true time",
-            if *t > now_ms { t - now_ms } else { t - began_ms } as f64 / 1000.0
+            if *t > now_ms {
+                t - now_ms
+            } else {
+                t - began_ms
+            } as f64
+                / 1000.0
         );
     }
     pool.close().await;

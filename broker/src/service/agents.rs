@@ -451,11 +451,14 @@ impl Broker {
         {
             detail = "ready to run the program".into();
         }
+        // Each of these may end something now (the job; a graceful stop waits for its agent
+        // to leave): the scheduler runs at once, not at its next tick.
         let wake = matches!(
             event,
             AgentEvent::TrainingComplete { .. }
                 | AgentEvent::InterruptionWarning { .. }
                 | AgentEvent::ProgramExited { .. }
+                | AgentEvent::Exit { .. }
         );
         let warning = matches!(event, AgentEvent::InterruptionWarning { .. });
         // The coordinator first: it refuses an instance that is not a member of the job (and
