@@ -37,9 +37,9 @@
 //!     proteus-bench-chaos [--runs N] [--seed S] [--json FILE]
 
 use proteus_e2e::{
-    BrokerProcess, PrivatePostgres, broker_id, example_program, job_over, job_views,
-    localstack_ec2, localstack_instances, localstack_url, mlr_job, proteus, skewed_clock,
-    start_ec2_broker_with, unique, write_small_prices,
+    BrokerProcess, PrivatePostgres, busiest_broker, example_program, ingest_small_prices, job_over,
+    job_views, localstack_ec2, localstack_instances, localstack_url, median, mlr_job, skewed_clock,
+    start_ec2_broker_with, unique, wait_moved,
 };
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -124,16 +124,6 @@ impl Drop for Helpers {
 /// An instance as stored: (id, job id, cloud id, state, ended_ms).
 type InstanceRecord = (String, i64, Option<String>, String, Option<i64>);
 
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 fn command_job() -> Value {
     json!({
         "name": "chaos-command",
@@ -155,49 +145,6 @@ fn signal(broker: &BrokerProcess, signal: i32) {
     unsafe {
         libc::kill(broker.pid(), signal);
     }
-}
-
-/// The live broker owning the most unfinished jobs, with those jobs.
-async fn busiest(brokers: &[BrokerProcess], alive: &[bool]) -> Option<(usize, String, Vec<i64>)> {
-    let v = job_views(brokers, alive).await;
-    (0..brokers.len())
-        .filter(|i| alive[*i])
-        .map(|i| {
-            let id = broker_id(&brokers[i]);
-            let jobs: Vec<i64> = v
-                .values()
-                .filter(|j| !job_over(j) && j["broker"] == id.as_str())
-                .filter_map(|j| j["id"].as_i64())
-                .collect();
-            (i, id, jobs)
-        })
-        .filter(|(_, _, jobs)| !jobs.is_empty())
-        .max_by_key(|(_, _, jobs)| jobs.len())
-}
-
-/// Seconds until none of `jobs` that is unfinished names `owner`, within `limit`.
-async fn wait_moved(
-    brokers: &[BrokerProcess],
-    alive: &[bool],
-    jobs: &[i64],
-    owner: &str,
-    limit: Duration,
-) -> Option<f64> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        let v = job_views(brokers, alive).await;
-        if !v.is_empty()
-            && jobs.iter().all(|id| {
-                v.get(id).is_none_or(|j| {
-                    job_over(j) || (j["broker"].is_string() && j["broker"] != owner)
-                })
-            })
-        {
-            return Some(start.elapsed().as_secs_f64());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    None
 }
 
 /// Polls every job's cost through every broker that answers; records each decrease seen in
@@ -254,22 +201,7 @@ async fn run_once(root: &Path, run: usize, seed: u64) -> Result<RunOutcome, Stri
     std::fs::create_dir_all(dir.join("pg")).map_err(|e| e.to_string())?;
     let mut pg = PrivatePostgres::init(&dir.join("pg"));
     let db = pg.url();
-    let (trace, od) = write_small_prices(&dir);
-    let (code, _, err) = proteus(
-        Some(&db),
-        &[
-            "prices",
-            "ingest",
-            "--file",
-            &trace.display().to_string(),
-            "--on-demand",
-            &od.display().to_string(),
-        ],
-        &[],
-    );
-    if code != 0 {
-        return Err(format!("ingesting prices: {err}"));
-    }
+    ingest_small_prices(&db, &dir)?;
 
     // The EC2 API, through the proxy that misbehaves when told.
     let control = dir.join("cloud-mode");
@@ -367,7 +299,7 @@ async fn run_once(root: &Path, run: usize, seed: u64) -> Result<RunOutcome, Stri
         );
         match fault {
             Fault::Kill9 | Fault::Stop => {
-                let Some((i, id, owned)) = busiest(&brokers, &alive).await else {
+                let Some((i, id, owned)) = busiest_broker(&brokers, &alive).await else {
                     continue;
                 };
                 if fault == Fault::Kill9 {

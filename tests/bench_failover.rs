@@ -21,11 +21,11 @@
 //! when a target is missed, 2 when the run fails.
 
 use proteus_e2e::{
-    BrokerProcess, broker_id, ec2_database, job_over as over, job_views as views, localstack_ec2,
-    localstack_instances, mlr_job, start_ec2_broker_on, unique,
+    busiest_broker, ec2_database, job_over as over, job_views as views, localstack_ec2,
+    localstack_instances, median, mlr_job, start_ec2_broker_on, unique, wait_moved,
 };
-use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
+use serde_json::json;
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -37,40 +37,6 @@ const RESTARTS: usize = 3;
 const TARGET_S: f64 = 30.0;
 /// Long enough for every kill to find jobs training (about three minutes on two cores).
 const EPOCHS: u32 = 200;
-
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-/// Waits until none of `jobs` that is unfinished names `owner`, or `limit` passes.
-async fn wait_moved(
-    brokers: &[BrokerProcess],
-    alive: &[bool],
-    jobs: &[i64],
-    owner: &str,
-    limit: Duration,
-) -> Option<f64> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        let v = views(brokers, alive).await;
-        if !v.is_empty()
-            && jobs.iter().all(|id| {
-                v.get(id)
-                    .is_none_or(|j| over(j) || (j["broker"].is_string() && j["broker"] != owner))
-            })
-        {
-            return Some(start.elapsed().as_secs_f64());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    None
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
@@ -115,27 +81,9 @@ async fn main() -> ExitCode {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
-    // The victim: the live broker owning the most unfinished jobs.
-    let victim = |v: &BTreeMap<i64, Value>, alive: &[bool], brokers: &[BrokerProcess]| {
-        (0..BROKERS)
-            .filter(|i| alive[*i])
-            .map(|i| {
-                let id = broker_id(&brokers[i]);
-                let jobs: Vec<i64> = v
-                    .values()
-                    .filter(|j| !over(j) && j["broker"] == id.as_str())
-                    .filter_map(|j| j["id"].as_i64())
-                    .collect();
-                (i, id, jobs)
-            })
-            .filter(|(_, _, jobs)| !jobs.is_empty())
-            .max_by_key(|(_, _, jobs)| jobs.len())
-    };
-
     let mut restarts = Vec::new();
     for round in 0..RESTARTS {
-        let v = views(&brokers, &alive).await;
-        let Some((i, id, jobs)) = victim(&v, &alive, &brokers) else {
+        let Some((i, id, jobs)) = busiest_broker(&brokers, &alive).await else {
             break;
         };
         brokers[i].kill9();
@@ -162,8 +110,7 @@ async fn main() -> ExitCode {
 
     let mut takeovers = Vec::new();
     for round in 0..KILLS {
-        let v = views(&brokers, &alive).await;
-        let Some((i, id, jobs)) = victim(&v, &alive, &brokers) else {
+        let Some((i, id, jobs)) = busiest_broker(&brokers, &alive).await else {
             break;
         };
         brokers[i].kill9();

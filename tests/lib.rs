@@ -747,9 +747,17 @@ pub fn aws_env() -> Vec<(&'static str, String)> {
 /// A fresh database holding a small price history of LocalStack's region.
 pub async fn ec2_database(dir: &std::path::Path) -> String {
     let db = fresh_pg_database().await;
+    if let Err(e) = ingest_small_prices(&db, dir) {
+        panic!("{e}");
+    }
+    db
+}
+
+/// Writes [`write_small_prices`]'s history into `dir` and ingests it into the database `db`.
+pub fn ingest_small_prices(db: &str, dir: &std::path::Path) -> Result<(), String> {
     let (trace, od) = write_small_prices(dir);
     let (code, _, err) = proteus(
-        Some(&db),
+        Some(db),
         &[
             "prices",
             "ingest",
@@ -760,8 +768,69 @@ pub async fn ec2_database(dir: &std::path::Path) -> String {
         ],
         &[],
     );
-    assert_eq!(code, 0, "{err}");
-    db
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(format!("ingesting prices: {err}"))
+    }
+}
+
+/// The median of `xs` (NaN when empty).
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The live broker (`alive`) owning the most unfinished jobs: (its index, its id, those jobs).
+pub async fn busiest_broker(
+    brokers: &[BrokerProcess],
+    alive: &[bool],
+) -> Option<(usize, String, Vec<i64>)> {
+    let v = job_views(brokers, alive).await;
+    (0..brokers.len())
+        .filter(|i| alive[*i])
+        .map(|i| {
+            let id = broker_id(&brokers[i]);
+            let jobs: Vec<i64> = v
+                .values()
+                .filter(|j| !job_over(j) && j["broker"] == id.as_str())
+                .filter_map(|j| j["id"].as_i64())
+                .collect();
+            (i, id, jobs)
+        })
+        .filter(|(_, _, jobs)| !jobs.is_empty())
+        .max_by_key(|(_, _, jobs)| jobs.len())
+}
+
+/// Seconds until none of `jobs` that is unfinished names `owner` (polled every 100 ms through
+/// the `alive` brokers), or None when `limit` passes first.
+pub async fn wait_moved(
+    brokers: &[BrokerProcess],
+    alive: &[bool],
+    jobs: &[i64],
+    owner: &str,
+    limit: Duration,
+) -> Option<f64> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let v = job_views(brokers, alive).await;
+        if !v.is_empty()
+            && jobs.iter().all(|id| {
+                v.get(id).is_none_or(|j| {
+                    job_over(j) || (j["broker"].is_string() && j["broker"] != owner)
+                })
+            })
+        {
+            return Some(start.elapsed().as_secs_f64());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
 }
 
 /// A broker on LocalStack on the database `db` (several may share it), plus `extra` flags.

@@ -91,10 +91,12 @@ async fn user_data_carries_a_one_time_token_and_its_script_boots_an_agent_that_t
             "/v1/jobs",
             json!({
                 "name": "bootstrap", "app": "mlr", "dataset": "digits", "policy": "on-demand",
-                "stop": {"epochs": 3},
+                "stop": {"epochs": 20},
                 "limits": {"max_instances": 1, "max_reliable_instances": 1},
                 "work": {"total_work": 1.0, "startup_minutes": 0.0},
-                "training": {"seed": 5}
+                // Paced (1,797 samples an epoch at 1,000 a second: half a minute in all), so
+                // that the job still runs while the test tries the spent token again.
+                "training": {"seed": 5, "pace_samples_per_sec": 1000}
             }),
         )
         .await["id"]

@@ -121,20 +121,7 @@ pub async fn run(args: Args) -> Result<bool> {
             let http = clients[worker % clients.len()].clone();
             let url = job_url(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
             let auth = auth.clone();
-            async move {
-                let resp = http
-                    .get(&url)
-                    .header("authorization", &auth)
-                    .send()
-                    .await
-                    .map_err(|e| format!("transport: {e}"))?;
-                let status = resp.status();
-                let body = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
-                if status.as_u16() != 200 {
-                    return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
-                }
-                Ok(())
-            }
+            async move { get_ok(&http, &url, &auth).await }
         }
     };
 
@@ -241,20 +228,7 @@ async fn floor_rounds(
         move |worker: usize, _seq: u64| {
             let http = clients[worker % clients.len()].clone();
             let (url, auth) = (url.clone(), auth.clone());
-            async move {
-                let resp = http
-                    .get(&url)
-                    .header("authorization", &auth)
-                    .send()
-                    .await
-                    .map_err(|e| format!("transport: {e}"))?;
-                let status = resp.status();
-                let body = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
-                if status.as_u16() != 200 {
-                    return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
-                }
-                Ok(())
-            }
+            async move { get_ok(&http, &url, &auth).await }
         }
     };
     let interval = Duration::from_secs_f64(args.senders as f64 / args.rate);
@@ -272,6 +246,22 @@ async fn floor_rounds(
         errors += samples.errors;
     }
     (median(&p50s), median(&p99s), errors)
+}
+
+/// One `GET` that must answer 200 (its body read whole); otherwise what went wrong.
+async fn get_ok(http: &reqwest::Client, url: &str, auth: &str) -> Result<(), String> {
+    let resp = http
+        .get(url)
+        .header("authorization", auth)
+        .send()
+        .await
+        .map_err(|e| format!("transport: {e}"))?;
+    let status = resp.status();
+    let body = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
+    if status.as_u16() != 200 {
+        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+    }
+    Ok(())
 }
 
 fn gcd(a: u64, b: u64) -> u64 {

@@ -222,8 +222,6 @@ impl Broker {
             .await?
             .ok_or_else(|| ServiceError::Unauthenticated("invalid bootstrap token".into()))?;
         let cloud_id = req.instance_id.0.as_str();
-        // Only the job's owner changes its instances; another broker sends the agent on (421).
-        let lease = self.fence(row.job_id)?;
         let refuse = |why: String| ServiceError::Forbidden(why);
         if row.state.is_final() {
             return Err(refuse(format!(
@@ -231,6 +229,8 @@ impl Broker {
                 row.id
             )));
         }
+        // Only the job's owner changes its instances; another broker sends the agent on (421).
+        let lease = self.fence(row.job_id)?;
         if row.cloud_id.as_deref() != Some(cloud_id) {
             let why = format!(
                 "a bootstrap token of instance {} ({}) was presented for instance {cloud_id}: refused",

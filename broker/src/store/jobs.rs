@@ -1114,28 +1114,35 @@ impl Store {
 
     /// Instances being stopped gracefully and not yet being ended, of jobs `owner` leases.
     pub async fn stopping_instances(&self, owner: &str) -> Result<Vec<InstanceRow>, StoreError> {
-        let columns = INSTANCE_COLUMNS
-            .split(',')
-            .map(|c| format!("i.{}", c.trim()))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let sql = format!(
-            "SELECT {columns} FROM instances i JOIN jobs j ON j.id = i.job_id \
-             WHERE i.stop_by_ms IS NOT NULL AND i.state IN ('requested', 'running', 'warned') \
-             AND j.lease_owner = $1 ORDER BY i.stop_by_ms, i.id"
-        );
-        let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
-            sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                .bind(owner)
-                .fetch_all(pool)
-                .await
-                .context("listing instances being stopped")?
-        });
-        rows.into_iter().map(instance_from).collect()
+        self.instances_of_jobs_held_by(
+            owner,
+            "i.stop_by_ms IS NOT NULL AND i.state IN ('requested', 'running', 'warned')",
+            "i.stop_by_ms, i.id",
+            "listing instances being stopped",
+        )
+        .await
     }
 
     /// Instances of jobs `owner` holds whose end was asked of the cloud and not yet seen.
     pub async fn terminating_instances(&self, owner: &str) -> Result<Vec<InstanceRow>, StoreError> {
+        self.instances_of_jobs_held_by(
+            owner,
+            "i.state = 'terminating'",
+            "i.id",
+            "listing instances being terminated",
+        )
+        .await
+    }
+
+    /// The instances matching `condition` (SQL over `i`, the instance) of the jobs `owner`
+    /// holds the lease of, in `order`; `what` names the query in errors.
+    async fn instances_of_jobs_held_by(
+        &self,
+        owner: &str,
+        condition: &'static str,
+        order: &'static str,
+        what: &'static str,
+    ) -> Result<Vec<InstanceRow>, StoreError> {
         let columns = INSTANCE_COLUMNS
             .split(',')
             .map(|c| format!("i.{}", c.trim()))
@@ -1143,14 +1150,14 @@ impl Store {
             .join(", ");
         let sql = format!(
             "SELECT {columns} FROM instances i JOIN jobs j ON j.id = i.job_id \
-             WHERE i.state = 'terminating' AND j.lease_owner = $1 ORDER BY i.id"
+             WHERE {condition} AND j.lease_owner = $1 ORDER BY {order}"
         );
         let rows: Vec<InstanceRecord> = with_db!(self, |pool| {
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(owner)
                 .fetch_all(pool)
                 .await
-                .context("listing instances being terminated")?
+                .context(what)?
         });
         rows.into_iter().map(instance_from).collect()
     }
