@@ -585,7 +585,8 @@ fn agent_token(headers: &HeaderMap) -> Option<&str> {
 #[utoipa::path(post, path = "/v1/agents/bootstrap", request_body = BootstrapRequest,
     responses((status = 200, body = BootstrapResponse), (status = 401, body = error::ErrorBody),
         (status = 403, body = error::ErrorBody, description = "already exchanged, another instance's, or the instance has ended"),
-        (status = 421, body = error::ErrorBody, description = "another broker owns the job: try the next broker URL")),
+        (status = 421, body = error::ErrorBody, description = "another broker owns the job: try the next broker URL"),
+        (status = 503, body = error::ErrorBody, description = "the instance's launch is not recorded yet: ask again shortly")),
     security(("bootstrap" = [])))]
 async fn agent_bootstrap(
     _: guard::BootstrapAuth,

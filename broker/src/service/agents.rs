@@ -222,6 +222,12 @@ impl Broker {
             .await?
             .ok_or_else(|| ServiceError::Unauthenticated("invalid bootstrap token".into()))?;
         let cloud_id = req.instance_id.0.as_str();
+        if !plausible_cloud_id(cloud_id) {
+            return Err(ServiceError::invalid(
+                "instance_id",
+                "the instance id from instance metadata (1–256 characters, no control character)",
+            ));
+        }
         let refuse = |why: String| ServiceError::Forbidden(why);
         if row.state.is_final() {
             return Err(refuse(format!(
@@ -231,11 +237,19 @@ impl Broker {
         }
         // Only the job's owner changes its instances; another broker sends the agent on (421).
         let lease = self.fence(row.job_id)?;
+        // Launched, but the answer not recorded yet (the broker crashed in between; recovery
+        // adopts the instance by its tag): the agent asks again.
+        if row.cloud_id.is_none() {
+            return Err(ServiceError::Unavailable(format!(
+                "the launch of instance {} is not recorded yet; ask again shortly",
+                row.id
+            )));
+        }
         if row.cloud_id.as_deref() != Some(cloud_id) {
             let why = format!(
                 "a bootstrap token of instance {} ({}) was presented for instance {cloud_id}: refused",
                 row.id,
-                row.cloud_id.as_deref().unwrap_or("not yet launched")
+                row.cloud_id.as_deref().unwrap_or_default()
             );
             self.record_refused_bootstrap(&lease, &row, &why).await?;
             return Err(refuse(why));
