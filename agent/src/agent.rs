@@ -14,7 +14,7 @@ use crate::transport::{DataPlane, Peers};
 use crate::worker::{self, SharedProgress, WorkerCtx, WorkerEvent, WorkerExit};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, BOOTSTRAP_TOKEN_PREFIX, BootstrapRequest, ClusterView, Command, ExitReason, Metric,
+    AgentEvent, BOOTSTRAP_TOKEN_PREFIX, BootstrapRequest, ClusterView, ExitReason, Metric,
     MetricKind, RegisterRequest, RegisterResponse,
 };
 use std::net::SocketAddr;
@@ -358,8 +358,8 @@ impl Agent {
         loop {
             tokio::select! {
                 Some(c) = self.control_rx.recv() => match c {
-                    Control::Command(Command::Configure(view)) => self.configure(view),
-                    Control::Command(Command::Stop { reason }) => {
+                    Control::Configure(view) => self.configure(*view),
+                    Control::Stop(reason) => {
                         tracing::info!(%reason, "stop command");
                         return self.exit(ExitReason::Stopped, Outcome::Stopped(reason)).await;
                     }
@@ -380,6 +380,9 @@ impl Agent {
                     WorkerEvent::PipelineResumed { segment, from, workers, pause } => {
                         let pause_ms = pause.as_millis() as u64;
                         self.event(AgentEvent::PipelineResumed { segment, from, workers, pause_ms }).await;
+                    }
+                    WorkerEvent::PipelineProfile(layers) => {
+                        self.event(AgentEvent::PipelineProfile { layers }).await;
                     }
                 },
                 Some(PsEvent::HandedOver { shard, to, seq }) = self.ps_rx.recv() => {
@@ -444,6 +447,7 @@ impl Agent {
             let ctx = member::MemberCtx {
                 me: self.me.clone(),
                 view,
+                views: self.views_tx.subscribe(),
                 peers: self.peers.clone(),
                 inbox,
                 job: job.clone(),

@@ -373,6 +373,8 @@ mod tests {
             epoch: 1,
             stage: Stage::Stage1,
             founders: Vec::new(),
+            pipeline: None,
+            profiler: None,
             members: hosts
                 .iter()
                 .enumerate()

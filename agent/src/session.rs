@@ -58,8 +58,10 @@ pub enum Outcome {
 
 /// What the session's loops tell the loop running the job.
 pub(crate) enum Control {
-    /// A command from the broker, in order.
-    Command(Command),
+    /// The broker's newest layout (boxed: a layout is large, the other messages small).
+    Configure(Box<proteus_wire::agent_api::ClusterView>),
+    /// The broker asks the agent to leave, saying why.
+    Stop(String),
     /// The broker answered that the job is over (409).
     JobOver,
     /// The broker no longer knows this instance (404; declared dead?).
@@ -123,7 +125,11 @@ pub(crate) async fn poll_commands(
                 delay = Duration::from_millis(200);
                 for c in cmds {
                     after = after.max(c.seq);
-                    if tx.send(Control::Command(c.command)).is_err() {
+                    let control = match c.command {
+                        Command::Configure(view) => Control::Configure(Box::new(view)),
+                        Command::Stop { reason } => Control::Stop(reason),
+                    };
+                    if tx.send(control).is_err() {
                         return;
                     }
                 }

@@ -34,6 +34,20 @@ impl CoordState {
     fn lock(&self) -> MutexGuard<'_, Coordinator> {
         self.coordinator.lock().unwrap_or_else(|e| e.into_inner())
     }
+    /// Runs `f` on the coordinator, plans an MLP job as the broker does once it can (see
+    /// [`crate::pipeline::planning::plan_if_due`]), and wakes the long polls.
+    fn update<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
+        let r = {
+            let mut c = self.lock();
+            let r = f(&mut c);
+            if let Some(Err(e)) = crate::pipeline::planning::plan_if_due(&mut c) {
+                tracing::error!("planning the pipeline: {e}");
+            }
+            r
+        };
+        self.changed.notify_waiters();
+        r
+    }
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
@@ -105,8 +119,7 @@ async fn register(
         Err(r) => return *r,
     };
     let now = st.now_ms();
-    let result = st.lock().register(req, tier, now);
-    st.changed.notify_waiters();
+    let result = st.update(|c| c.register(req, tier, now));
     match result {
         Ok(r) => Json(r).into_response(),
         Err(e) => coord_error(e),
@@ -141,8 +154,7 @@ async fn event(
         return *r;
     }
     let now = st.now_ms();
-    let result = st.lock().event(&id, ev, now);
-    st.changed.notify_waiters();
+    let result = st.update(|c| c.event(&id, ev, now));
     match result {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => coord_error(e),
@@ -227,7 +239,7 @@ impl TestCoordinator {
                 let dead = ticker_state.lock().tick(now);
                 if !dead.is_empty() {
                     tracing::warn!(?dead, "members declared dead");
-                    ticker_state.changed.notify_waiters();
+                    ticker_state.update(|_| ());
                 }
             }
         });
@@ -248,9 +260,7 @@ impl TestCoordinator {
 
     /// Run `f` on the coordinator (and wake long polls afterwards).
     pub fn with<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
-        let r = f(&mut self.state.lock());
-        self.state.changed.notify_waiters();
-        r
+        self.state.update(f)
     }
 
     /// The cloud says the instance is gone.

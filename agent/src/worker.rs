@@ -37,6 +37,9 @@ pub enum WorkerEvent {
         workers: u32,
         pause: Duration,
     },
+    /// Pipeline jobs: the profile this member measured, for the broker to plan from (see
+    /// [`proteus_wire::agent_api::AgentEvent::PipelineProfile`]).
+    PipelineProfile(Vec<proteus_wire::agent_api::LayerTiming>),
 }
 
 /// Shared, live progress of this agent's worker (read by the heartbeat).

@@ -189,7 +189,10 @@ impl std::fmt::Debug for BootstrapResponse {
 /// other later. Raised with any change an older peer would misread.
 /// Version 2: an instance's user data carries a bootstrap token, exchanged at the agent's first
 /// contact ([`paths::BOOTSTRAP`]).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Version 3: an MLP job's plans come from the broker in the view ([`ClusterView::pipeline`]);
+/// the member it names ([`ClusterView::profiler`]) sends its profile
+/// ([`AgentEvent::PipelineProfile`]).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 fn default_vcpus() -> u32 {
     1
@@ -644,10 +647,12 @@ pub struct PipelineOptions {
     #[serde(default = "default_snapshot_every")]
     pub snapshot_every: u32,
     /// A pinned profile, one `{forward_ms, backward_ms, update_ms}` per layer of `layers`
-    /// (milliseconds for one minibatch, each in [0, 3600000]): the partitioner plans from these
-    /// times instead of the leader's own measurement (PipeDream's profile file), so every run of
-    /// the job, and every job given the same profile, trains the same plans. Absent: the
-    /// pipeline's leader profiles on its machine and logs the profile in this form.
+    /// (milliseconds for one minibatch, each in [0, 3600000]): the broker plans from these
+    /// times instead of a member's measurement (PipeDream's profile file), so every run of the
+    /// job, and every job given the same profile, trains the same plans. Absent: one founder (a
+    /// reliable one when there is one) profiles the model on its machine and sends the profile
+    /// to the broker, which plans from it (the job's `pipeline_profile` event gives it in this
+    /// form).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<Vec<LayerTiming>>,
 }
@@ -669,9 +674,17 @@ impl PipelineOptions {
     /// A pinned profile fits a model of `layers` layers (one entry each), and its times are
     /// real durations, not all zero.
     pub fn check_profile(&self, layers: usize) -> Result<(), String> {
-        let Some(profile) = &self.profile else {
-            return Ok(());
-        };
+        match &self.profile {
+            Some(profile) => LayerTiming::check_profile(profile, layers),
+            None => Ok(()),
+        }
+    }
+}
+
+impl LayerTiming {
+    /// A profile fits a model of `layers` layers (one entry each), and its times are real
+    /// durations, not all zero: a pinned one, or one a member measured.
+    pub fn check_profile(profile: &[LayerTiming], layers: usize) -> Result<(), String> {
         if profile.len() != layers {
             return Err(format!(
                 "mlp pipeline profile has {} entries but the model {layers} layers (one entry \
@@ -691,9 +704,7 @@ impl PipelineOptions {
         }
         Ok(())
     }
-}
 
-impl LayerTiming {
     fn check(&self, layer: usize) -> Result<(), String> {
         for (name, v) in [
             ("forward_ms", self.forward_ms),
@@ -880,6 +891,16 @@ pub enum ImageDataset {
     Mnist,
     /// 1,797 images of 8×8; the last 20% (by file order) are the test set.
     Digits,
+}
+
+impl ImageDataset {
+    /// Pixels per image: an MLP's input width.
+    pub fn input_width(self) -> u32 {
+        match self {
+            ImageDataset::Mnist => 28 * 28,
+            ImageDataset::Digits => 8 * 8,
+        }
+    }
 }
 
 /// When a job's training is finished.
@@ -1400,6 +1421,68 @@ pub struct ClusterView {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
     pub founders: Vec<InstanceId>,
+    /// MLP jobs: the plans the broker computed for the founders, one per worker count; absent
+    /// until it has them. Every member trains these plans (re-planning is a lookup here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelinePlans>,
+    /// MLP pipeline jobs without a pinned profile, while the plans are absent: the founder
+    /// asked to profile the model and send it ([`AgentEvent::PipelineProfile`]) — a reliable
+    /// one whenever there is one, so the measurement is not lost with a spot instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub profiler: Option<InstanceId>,
+}
+
+/// The broker's plans for an MLP job: one per worker count `1..=plans.len()` (the founders'),
+/// in that order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PipelinePlans {
+    /// What the plans were computed from.
+    pub source: PlanSource,
+    pub plans: Vec<PipelinePlan>,
+}
+
+/// Where an MLP job's plans come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PlanSource {
+    /// Data parallelism: every worker computes every layer; no profile needed.
+    DataParallel,
+    /// The job's pinned profile (`training.pipeline.profile`).
+    Pinned,
+    /// A profile one member measured.
+    Measured {
+        #[cfg_attr(feature = "openapi", schema(value_type = String))]
+        by: InstanceId,
+        profile: Vec<LayerTiming>,
+    },
+}
+
+/// One plan: consecutive stages covering every layer, each on `replicas` workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PipelinePlan {
+    pub stages: Vec<PipelineStagePlan>,
+    /// The cost model's seconds per minibatch.
+    pub predicted_secs: f64,
+}
+
+/// A stage of a plan: layers `first_layer..end_layer` on `replicas` workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PipelineStagePlan {
+    pub first_layer: u32,
+    pub end_layer: u32,
+    pub replicas: u32,
+}
+
+impl PipelinePlan {
+    /// Workers the plan occupies.
+    pub fn workers(&self) -> u32 {
+        self.stages.iter().map(|s| s.replicas).sum()
+    }
 }
 
 impl ClusterView {
@@ -1486,6 +1569,9 @@ pub enum AgentEvent {
         workers: u32,
         pause_ms: u64,
     },
+    /// MLP pipeline jobs: the profile the view's `profiler` measured on its machine, one entry
+    /// per layer; the broker plans from it. Taken only from the profiler, once.
+    PipelineProfile { layers: Vec<LayerTiming> },
     /// The agent is about to exit.
     Exit { reason: ExitReason },
     /// A command job's agent applied layout `epoch`, which gives it no rank, and runs no

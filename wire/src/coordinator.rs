@@ -9,9 +9,10 @@
 //! [`Coordinator::commands_after`]; [`Coordinator::latest_seq`] tells whether anything is new.
 
 use crate::agent_api::{
-    AgentEvent, ClusterView, Command, CommandEnvelope, Heartbeat, KeyRange, MemberInfo, Metric,
-    PartitionRange, Progress, RegisterRequest, RegisterResponse, ShardPlacement, ShardSource,
-    Stage, StageThresholds, TrainingConfig, WorkerAssignment,
+    AgentEvent, AppConfig, ClusterView, Command, CommandEnvelope, Heartbeat, KeyRange, LayerTiming,
+    MemberInfo, Metric, Parallelism, PartitionRange, PipelinePlan, PipelinePlans, PlanSource,
+    Progress, RegisterRequest, RegisterResponse, ShardPlacement, ShardSource, Stage,
+    StageThresholds, TrainingConfig, WorkerAssignment,
 };
 use crate::agent_api::{ApiError, DataSecret, ExitReason};
 use crate::ids::{InstanceId, JobId, Tier};
@@ -35,6 +36,12 @@ pub enum CoordinatorError {
          (GET /v1/downloads/proteus-agent)"
     )]
     ProtocolMismatch { agent: u32, broker: u32 },
+    #[error("instance {0} is not the member asked to profile this job's pipeline")]
+    NotProfiler(InstanceId),
+    #[error("invalid pipeline profile: {0}")]
+    InvalidProfile(String),
+    #[error("plans refused: {0}")]
+    InvalidPlans(String),
 }
 
 impl CoordinatorError {
@@ -42,8 +49,13 @@ impl CoordinatorError {
     pub fn http_status(&self) -> u16 {
         match self {
             CoordinatorError::UnknownInstance(_) => 404,
-            CoordinatorError::JobOver(_) | CoordinatorError::ProtocolMismatch { .. } => 409,
-            CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => 400,
+            CoordinatorError::JobOver(_)
+            | CoordinatorError::ProtocolMismatch { .. }
+            | CoordinatorError::NotProfiler(_) => 409,
+            CoordinatorError::ModelMismatch { .. }
+            | CoordinatorError::InvalidConfig(_)
+            | CoordinatorError::InvalidProfile(_)
+            | CoordinatorError::InvalidPlans(_) => 400,
         }
     }
 
@@ -52,9 +64,11 @@ impl CoordinatorError {
             CoordinatorError::UnknownInstance(_) => "not_found",
             CoordinatorError::JobOver(_) => "job_over",
             CoordinatorError::ProtocolMismatch { .. } => "protocol_mismatch",
-            CoordinatorError::ModelMismatch { .. } | CoordinatorError::InvalidConfig(_) => {
-                "bad_request"
-            }
+            CoordinatorError::NotProfiler(_) => "not_profiler",
+            CoordinatorError::ModelMismatch { .. }
+            | CoordinatorError::InvalidConfig(_)
+            | CoordinatorError::InvalidProfile(_)
+            | CoordinatorError::InvalidPlans(_) => "bad_request",
         }
     }
 
@@ -304,6 +318,24 @@ pub struct Coordinator {
     /// MLP jobs: the workers of the first layout, in rank order (see [`ClusterView::founders`]).
     #[serde(default)]
     founders: Vec<InstanceId>,
+    /// MLP jobs: the plans the broker computed for the founders (see
+    /// [`Coordinator::planning_due`]), published in every view from then on.
+    #[serde(default)]
+    pipeline: Option<PipelinePlans>,
+    /// MLP pipeline jobs: the profile the profiler sent, until the plans are computed from it.
+    #[serde(default)]
+    measured_profile: Option<(InstanceId, Vec<LayerTiming>)>,
+    /// MLP jobs: the workers of the plan the pipeline trains now (its newest re-plan's).
+    #[serde(default)]
+    pipeline_workers: Option<u32>,
+}
+
+/// What the broker must plan an MLP job from: [`Coordinator::planning_due`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanningInput {
+    /// Plans for `1..=workers` workers are wanted.
+    pub workers: u32,
+    pub source: PlanSource,
 }
 
 impl Coordinator {
@@ -334,6 +366,9 @@ impl Coordinator {
             ranks: BTreeMap::new(),
             ranks_opened: 0,
             founders: Vec::new(),
+            pipeline: None,
+            measured_profile: None,
+            pipeline_workers: None,
         })
     }
 
@@ -580,7 +615,13 @@ impl Coordinator {
                     self.relayout();
                 }
             }
-            AgentEvent::HandoverComplete { .. } | AgentEvent::PipelineResumed { .. } => {}
+            AgentEvent::HandoverComplete { .. } => {}
+            AgentEvent::PipelineResumed { workers, .. } => {
+                if self.pipeline.is_some() {
+                    self.pipeline_workers = Some(workers);
+                }
+            }
+            AgentEvent::PipelineProfile { layers } => return self.take_profile(id, layers),
             AgentEvent::ProgramIdle { epoch } => {
                 // Only news about a layout newer than any that gave it a slot: an older one
                 // may predate a program it has started since.
@@ -801,6 +842,149 @@ impl Coordinator {
         }
     }
 
+    /// MLP jobs: when the founders are known and their plans are not, what to compute them from
+    /// — no profile for data parallelism, the pinned one, or the one the profiler sent. `None`
+    /// while a profile is awaited (or the job needs no plans). The broker computes the plans
+    /// (the partitioner, outside this pure type) and hands them to
+    /// [`Coordinator::set_pipeline_plans`].
+    pub fn planning_due(&self) -> Option<PlanningInput> {
+        let AppConfig::Mlp {
+            parallelism,
+            pipeline,
+            ..
+        } = &self.training.app
+        else {
+            return None;
+        };
+        if self.pipeline.is_some() || self.founders.is_empty() || self.state.is_over() {
+            return None;
+        }
+        let source = match (parallelism, &pipeline.profile, &self.measured_profile) {
+            (Parallelism::Data, _, _) => PlanSource::DataParallel,
+            (Parallelism::Pipeline, Some(_), _) => PlanSource::Pinned,
+            (Parallelism::Pipeline, None, Some((by, profile))) => PlanSource::Measured {
+                by: by.clone(),
+                profile: profile.clone(),
+            },
+            (Parallelism::Pipeline, None, None) => return None,
+        };
+        Some(PlanningInput {
+            workers: self.founders.len() as u32,
+            source,
+        })
+    }
+
+    /// Publishes an MLP job's plans (one per worker count up to the founders', in order, each
+    /// covering every layer) in a new view. Refused when they do not fit the job.
+    pub fn set_pipeline_plans(&mut self, plans: PipelinePlans) -> Result<(), CoordinatorError> {
+        let AppConfig::Mlp { layers, .. } = &self.training.app else {
+            return Err(CoordinatorError::InvalidPlans("not an MLP job".into()));
+        };
+        let layers = layers.len() as u32;
+        if plans.plans.len() != self.founders.len() {
+            return Err(CoordinatorError::InvalidPlans(format!(
+                "{} plans for {} founders",
+                plans.plans.len(),
+                self.founders.len()
+            )));
+        }
+        for (i, plan) in plans.plans.iter().enumerate() {
+            let mut next = 0;
+            for s in &plan.stages {
+                if s.first_layer != next || s.end_layer <= s.first_layer || s.replicas == 0 {
+                    return Err(CoordinatorError::InvalidPlans(format!(
+                        "plan {} has stage {s:?} after layer {next}",
+                        i + 1
+                    )));
+                }
+                next = s.end_layer;
+            }
+            if next != layers || plan.workers() != i as u32 + 1 {
+                return Err(CoordinatorError::InvalidPlans(format!(
+                    "plan {} covers {next} of {layers} layers on {} workers",
+                    i + 1,
+                    plan.workers()
+                )));
+            }
+        }
+        self.pipeline = Some(plans);
+        self.measured_profile = None;
+        self.relayout();
+        Ok(())
+    }
+
+    /// The plan an MLP job's pipeline trains now (the founders' until a re-plan resumed), when
+    /// the broker has planned it.
+    pub fn pipeline_plan(&self) -> Option<&PipelinePlan> {
+        let plans = &self.pipeline.as_ref()?.plans;
+        let workers = self.pipeline_workers.unwrap_or(plans.len() as u32);
+        plans.get(workers.checked_sub(1)? as usize)
+    }
+
+    /// The founder asked to profile an MLP pipeline job (see [`ClusterView::profiler`]): the
+    /// first active reliable founder, else the first active founder; none once a profile is
+    /// in or none is needed.
+    fn profiler(&self) -> Option<InstanceId> {
+        let AppConfig::Mlp {
+            parallelism: Parallelism::Pipeline,
+            pipeline,
+            ..
+        } = &self.training.app
+        else {
+            return None;
+        };
+        if pipeline.profile.is_some() || self.pipeline.is_some() || self.measured_profile.is_some()
+        {
+            return None;
+        }
+        let active = |id: &&InstanceId| {
+            self.members
+                .get(*id)
+                .is_some_and(|m| m.state == MemberState::Active)
+        };
+        let reliable =
+            |id: &&InstanceId| self.members.get(*id).map(|m| m.tier) == Some(Tier::Reliable);
+        self.founders
+            .iter()
+            .filter(active)
+            .find(reliable)
+            .or_else(|| self.founders.iter().find(active))
+            .cloned()
+    }
+
+    /// The profiler's profile: taken once, checked against the model. A repeat from the member
+    /// whose profile was taken is a duplicate and ignored.
+    fn take_profile(
+        &mut self,
+        id: &InstanceId,
+        profile: Vec<LayerTiming>,
+    ) -> Result<(), CoordinatorError> {
+        let sent_before = match (&self.measured_profile, &self.pipeline) {
+            (Some((by, _)), _) => by == id,
+            (
+                None,
+                Some(PipelinePlans {
+                    source: PlanSource::Measured { by, .. },
+                    ..
+                }),
+            ) => by == id,
+            _ => false,
+        };
+        if sent_before {
+            return Ok(());
+        }
+        if self.profiler().as_ref() != Some(id) {
+            return Err(CoordinatorError::NotProfiler(id.clone()));
+        }
+        let AppConfig::Mlp { layers, .. } = &self.training.app else {
+            return Err(CoordinatorError::NotProfiler(id.clone()));
+        };
+        LayerTiming::check_profile(&profile, layers.len())
+            .map_err(CoordinatorError::InvalidProfile)?;
+        self.measured_profile = Some((id.clone(), profile));
+        Ok(())
+    }
+
     /// Roles of `id` in the current view.
     pub fn roles_of(&self, id: &InstanceId) -> Roles {
         let Some(view) = &self.view else {
@@ -957,12 +1141,16 @@ impl Coordinator {
             num_partitions: self.training.num_partitions,
             model_len,
             founders: self.founders.clone(),
+            pipeline: self.pipeline.clone(),
+            profiler: self.profiler(),
         };
         let unchanged = self.view.as_ref().is_some_and(|old| {
             old.stage == view.stage
                 && old.members == view.members
                 && old.shards == view.shards
                 && old.workers == view.workers
+                && old.pipeline == view.pipeline
+                && old.profiler == view.profiler
         });
         self.shards = shards;
         if !unchanged {

@@ -28,7 +28,7 @@ use crate::session::{AgentOptions, Control, Outcome, heartbeats, now_unix, poll_
 use program::{Ended, Launch, OutputTail, RunAs, Running, SharedTail};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    AgentEvent, ClusterView, Command, CommandConfig, CommandLauncher, ExitReason, ProgramProgress,
+    AgentEvent, ClusterView, CommandConfig, CommandLauncher, ExitReason, ProgramProgress,
     RegisterResponse,
 };
 use std::collections::BTreeMap;
@@ -326,8 +326,8 @@ impl Runner {
         loop {
             tokio::select! {
                 Some(c) = control_rx.recv() => match c {
-                    Control::Command(Command::Configure(view)) => self.configure(view).await,
-                    Control::Command(Command::Stop { reason }) => {
+                    Control::Configure(view) => self.configure(*view).await,
+                    Control::Stop(reason) => {
                         return self.stop(&reason).await;
                     }
                     Control::JobOver => return self.stop("job over").await,

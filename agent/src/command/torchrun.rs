@@ -92,6 +92,8 @@ mod tests {
             epoch: 1,
             stage: Stage::Stage2,
             founders: Vec::new(),
+            pipeline: None,
+            profiler: None,
             members: members
                 .iter()
                 .enumerate()

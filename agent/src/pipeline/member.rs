@@ -1,14 +1,15 @@
 //! An agent's part in an MLP job: the pipeline (or data-parallel) worker the control loop runs
 //! instead of the parameter-server worker.
 //!
-//! The job's workers, in rank order, are the plan's workers. Rank 0 profiles the model on its
-//! machine, solves the partitioner for every worker count up to the job's, and sends the table
-//! to the others, so every worker runs the same plan and re-planning after a warning is a lookup.
+//! The job's workers, in rank order, are the plan's workers. The broker plans (see
+//! [`super::planning`]): from the job's pinned profile, or from the profile of the member its
+//! view names (a reliable one when there is one), which measures the model on its machine and
+//! sends it. The plans, one per worker count up to the founders', arrive in the view, so every
+//! worker runs the same plan and re-planning after a warning is a lookup in the broker's table.
 //! A warned agent tells the current leader (see [`super::stage::run`]); its stage's state moves to
 //! the survivors before it leaves. At the end, every stage sends its layers to the last leader,
 //! which evaluates the whole model and reports the job's final metric.
 
-use super::partition::{Link, Partitioner};
 use super::schedule::ScheduleKind;
 use super::stage::{self, AddressBook, Batches, Notices, RunConfig, StageCtx, StageError};
 use super::{PipeMsg, Plan, profile};
@@ -17,13 +18,13 @@ use crate::transport::{Handler, Peers, Request, Response};
 use crate::worker::{SharedProgress, WorkerEvent};
 use proteus_wire::InstanceId;
 use proteus_wire::agent_api::{
-    ClusterView, Metric, MetricKind, Parallelism, PipelineSchedule, StopCondition, TrainingConfig,
+    ClusterView, Metric, MetricKind, PipelineSchedule, StopCondition, TrainingConfig,
 };
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// The segment number of the final hand-in of layers to the leader.
 pub const FINAL_SEGMENT: u32 = u32::MAX;
@@ -58,6 +59,8 @@ impl Handler for Router {
 pub struct MemberCtx {
     pub me: InstanceId,
     pub view: Arc<ClusterView>,
+    /// Every view the agent applies (the broker's plans arrive in one).
+    pub views: watch::Receiver<Option<Arc<ClusterView>>>,
     pub peers: Arc<Peers>,
     pub inbox: mpsc::UnboundedReceiver<PipeMsg>,
     pub job: Arc<MlpJob>,
@@ -75,39 +78,60 @@ pub enum MemberExit {
     Evicted,
 }
 
-/// The plan table: data parallelism on every count, or the partitioner's plans from the job's
-/// pinned profile or, without one, a profile of this machine.
-fn solve(job: &MlpJob, workers: u32) -> BTreeMap<u32, Plan> {
-    let layers = job.shape.layers();
-    match job.parallelism {
-        Parallelism::Data => (1..=workers)
-            .map(|n| (n, Plan::data_parallel(layers, n, 0.0)))
-            .collect(),
-        Parallelism::Pipeline => {
-            let pinned = job.pipeline.profile.as_ref().and_then(|t| {
-                profile::pinned(&job.shape, job.batch, t)
-                    .inspect_err(|e| tracing::warn!("{e}: profiling this machine instead"))
-                    .ok()
-            });
-            let prof = match pinned {
-                Some(p) => p,
-                None => {
-                    let p = profile::profile(&job.shape, job.batch, 5, 1);
-                    tracing::info!(
-                        profile = %serde_json::to_string(&p.timings()).unwrap_or_default(),
-                        "pipeline profile measured (training.pipeline.profile pins it)"
-                    );
-                    p
-                }
-            };
-            let link = Link::new(
-                job.link_bytes_per_sec.unwrap_or(f64::INFINITY),
-                job.link_latency.map_or(0.0, |l| l.as_secs_f64()),
-            );
-            let part = Partitioner::solve(&prof, link, workers as usize);
-            (1..=workers)
-                .filter_map(|n| part.exact(n as usize).map(|p| (n, p.clone())))
-                .collect()
+/// How often the profiler sends its profile again while no plans arrive (an event is sent
+/// once, best effort; the broker ignores a repeat).
+const PROFILE_RESEND: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The broker's plans, from the views: waits for a view that carries them, up to
+/// [`stage::MESSAGE_TIMEOUT`] after the last sign of progress. When a view names this member
+/// the profiler, it measures the model on its machine and sends the profile.
+async fn broker_plans(ctx: &MemberCtx) -> Result<BTreeMap<u32, Plan>, StageError> {
+    let layers = ctx.job.shape.layers();
+    let mut views = ctx.views.clone();
+    let mut profile: Option<Vec<proteus_wire::agent_api::LayerTiming>> = None;
+    let mut deadline = tokio::time::Instant::now() + stage::MESSAGE_TIMEOUT;
+    loop {
+        let view = views.borrow_and_update().clone();
+        if let Some(view) = view {
+            if let Some(plans) = &view.pipeline {
+                return super::planning::from_wire(plans, layers)
+                    .map_err(|e| StageError::Config(format!("the broker's plans: {e}")));
+            }
+            if view.profiler.as_ref() == Some(&ctx.me) && profile.is_none() {
+                let job = ctx.job.clone();
+                let p = tokio::task::spawn_blocking(move || {
+                    profile::profile(&job.shape, job.batch, 5, 1)
+                })
+                .await
+                .map_err(|_| StageError::InboxClosed)?;
+                let timings = p.timings();
+                tracing::info!(
+                    profile = %serde_json::to_string(&timings).unwrap_or_default(),
+                    "pipeline profile measured, sent to the broker to plan from \
+                     (training.pipeline.profile pins it)"
+                );
+                profile = Some(timings);
+                deadline = tokio::time::Instant::now() + stage::MESSAGE_TIMEOUT;
+            }
+        }
+        if let Some(p) = &profile {
+            let _ = ctx.events.send(WorkerEvent::PipelineProfile(p.clone()));
+        }
+        let wait = if profile.is_some() {
+            deadline.min(tokio::time::Instant::now() + PROFILE_RESEND)
+        } else {
+            deadline
+        };
+        match tokio::time::timeout_at(wait, views.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(StageError::InboxClosed),
+            Err(_) if tokio::time::Instant::now() < deadline => {}
+            Err(_) => {
+                return Err(StageError::Timeout(
+                    stage::MESSAGE_TIMEOUT,
+                    "the broker's plans".into(),
+                ));
+            }
         }
     }
 }
@@ -132,31 +156,24 @@ struct Announce<'a> {
     notices: &'a Notices,
 }
 
-/// Wait for the plan table. A founder waits for rank 0's, up to [`stage::MESSAGE_TIMEOUT`]; a
-/// newcomer tells every worker it knows of that it is ready, again every [`ANNOUNCE_EVERY`],
-/// and waits for the leader's as long as it takes (its agent stops it when the job ends).
+/// A newcomer's wait for the plan table, which the pipeline's leader sends when it folds it
+/// in: it tells every worker it knows of that it is ready, again every [`ANNOUNCE_EVERY`], and
+/// waits as long as it takes (its agent stops it when the job ends).
 async fn await_plans(
     mut inbox: mpsc::UnboundedReceiver<PipeMsg>,
-    announce: Option<Announce<'_>>,
+    a: Announce<'_>,
 ) -> Result<Waited, StageError> {
     let mut early = Vec::new();
     let table = loop {
-        if let Some(a) = &announce {
-            if a.notices.is_warned(u32::MAX) {
-                return Ok(Waited::Warned);
-            }
-            let ready = PipeMsg::Ready { addr: a.me.clone() }.to_request();
-            for to in &a.to {
-                // Best effort: a worker that does not answer is leaving or not leading.
-                let _ = a.peers.call(to, &ready, ANNOUNCE_EVERY).await;
-            }
+        if a.notices.is_warned(u32::MAX) {
+            return Ok(Waited::Warned);
         }
-        let wait = if announce.is_some() {
-            ANNOUNCE_EVERY
-        } else {
-            stage::MESSAGE_TIMEOUT
-        };
-        let deadline = tokio::time::Instant::now() + wait;
+        let ready = PipeMsg::Ready { addr: a.me.clone() }.to_request();
+        for to in &a.to {
+            // Best effort: a worker that does not answer is leaving or not leading.
+            let _ = a.peers.call(to, &ready, ANNOUNCE_EVERY).await;
+        }
+        let deadline = tokio::time::Instant::now() + ANNOUNCE_EVERY;
         let got = loop {
             match tokio::time::timeout_at(deadline, inbox.recv()).await {
                 Ok(Some(PipeMsg::Plans { table })) => break Some(table),
@@ -165,15 +182,8 @@ async fn await_plans(
                 Err(_) => break None,
             }
         };
-        match got {
-            Some(table) => break table,
-            None if announce.is_some() => continue,
-            None => {
-                return Err(StageError::Timeout(
-                    stage::MESSAGE_TIMEOUT,
-                    "the plan table".into(),
-                ));
-            }
+        if let Some(table) = got {
+            break table;
         }
     };
     let (tx, rx) = mpsc::unbounded_channel();
@@ -231,38 +241,9 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
     let founder = founders.iter().position(|f| *f == ctx.me).map(|p| p as u32);
     let layers = ctx.job.shape.layers();
     let (rank, inbox, plans) = match founder {
-        Some(0) => {
-            let job = ctx.job.clone();
-            let plans = tokio::task::spawn_blocking(move || solve(&job, n))
-                .await
-                .map_err(|_| StageError::InboxClosed)?;
-            let table = super::encode_plans(plans.values());
-            for (w, addr) in book.iter().enumerate().skip(1) {
-                let msg = PipeMsg::Plans {
-                    table: table.clone(),
-                };
-                match ctx
-                    .peers
-                    .call(addr, &msg.to_request(), stage::MESSAGE_TIMEOUT)
-                    .await
-                {
-                    Ok(Response::Ack) => {}
-                    other => {
-                        return Err(StageError::Send {
-                            worker: w as u32,
-                            message: format!("plan table: {other:?}"),
-                        });
-                    }
-                }
-            }
-            (0, ctx.inbox, plans)
-        }
         Some(rank) => {
-            let Waited::Plans(table, inbox) = await_plans(ctx.inbox, None).await? else {
-                return Err(StageError::InboxClosed);
-            };
-            let plans = super::decode_plans(&table, layers).ok_or(StageError::Shape(0))?;
-            (rank, inbox, plans)
+            let plans = broker_plans(&ctx).await?;
+            (rank, ctx.inbox, plans)
         }
         None => {
             let me = addr_of(&ctx.me);
@@ -283,7 +264,7 @@ pub async fn run(ctx: MemberCtx) -> Result<MemberExit, StageError> {
                 me: me.clone(),
                 notices: &ctx.notices,
             };
-            let (table, inbox) = match await_plans(ctx.inbox, Some(announce)).await? {
+            let (table, inbox) = match await_plans(ctx.inbox, announce).await? {
                 Waited::Plans(table, inbox) => (table, inbox),
                 Waited::Warned => {
                     tracing::warn!("warned before joining the pipeline: leaving");

@@ -15,6 +15,7 @@
 pub mod local;
 pub mod member;
 pub mod partition;
+pub mod planning;
 pub mod profile;
 pub mod schedule;
 pub mod stage;

@@ -38,6 +38,8 @@ fn view(
         epoch,
         stage: Stage::Stage2,
         founders: Vec::new(),
+        pipeline: None,
+        profiler: None,
         members: addrs
             .iter()
             .map(|(n, a)| MemberInfo {

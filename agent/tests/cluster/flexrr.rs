@@ -82,6 +82,8 @@ async fn start(app: Arc<App>, cfg: TrainingConfig, slowdowns: &[f64]) -> InProce
         epoch: 1,
         stage: Stage::Stage1,
         founders: Vec::new(),
+        pipeline: None,
+        profiler: None,
         members: (0..n)
             .map(|i| MemberInfo {
                 instance_id: id(i),

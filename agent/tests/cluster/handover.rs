@@ -71,6 +71,8 @@ fn view(
         epoch,
         stage: Stage::Stage2,
         founders: Vec::new(),
+        pipeline: None,
+        profiler: None,
         members: members
             .iter()
             .map(|(n, a)| MemberInfo {

@@ -588,6 +588,7 @@ fn check_event_text(event: &AgentEvent) -> Result<(), ServiceError> {
         | AgentEvent::Ready { .. }
         | AgentEvent::TrainingComplete { .. }
         | AgentEvent::PipelineResumed { .. }
+        | AgentEvent::PipelineProfile { .. }
         | AgentEvent::ProgramIdle { .. }
         | AgentEvent::ProgramExited { .. } => None,
     };
@@ -660,6 +661,17 @@ fn describe(event: &AgentEvent) -> (&'static str, String) {
             format!(
                 "training again on plan {segment} (for {workers} workers) from minibatch {from}, \
                  {pause_ms} ms after the drain"
+            ),
+        ),
+        AgentEvent::PipelineProfile { layers } => (
+            "pipeline_profile",
+            format!(
+                "profile of {} layers: {:.2} ms a minibatch (forward, backward and update)",
+                layers.len(),
+                layers
+                    .iter()
+                    .map(|t| t.forward_ms + t.backward_ms + t.update_ms)
+                    .sum::<f64>()
             ),
         ),
         AgentEvent::Exit { reason } => ("agent_exit", format!("{reason:?}")),

@@ -36,11 +36,22 @@ pub struct JobControl {
 
 impl JobControl {
     /// Runs `f` on the coordinator and wakes every long-poll of the job, since any change may
-    /// have queued commands.
+    /// have queued commands. An MLP job is planned here as soon as it can be (its founders are
+    /// known and, for a pipeline, its profile is pinned or in): the broker owns the plans.
     pub fn update<R>(&self, f: impl FnOnce(&mut Coordinator) -> R) -> R {
         let r = {
             let mut c = self.coordinator.lock().unwrap_or_else(|e| e.into_inner());
-            f(&mut c)
+            let r = f(&mut c);
+            match proteus_agent::pipeline::planning::plan_if_due(&mut c) {
+                Some(Ok(())) => tracing::info!(
+                    job = %c.job_id(),
+                    plan = ?c.pipeline_plan(),
+                    "pipeline planned for the job's founders"
+                ),
+                Some(Err(e)) => tracing::error!(job = %c.job_id(), "planning the pipeline: {e}"),
+                None => {}
+            }
+            r
         };
         self.dirty.store(true, std::sync::atomic::Ordering::Release);
         self.changed.notify_waiters();

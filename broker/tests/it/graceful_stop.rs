@@ -8,9 +8,21 @@ use proteus_broker::store::InstanceState;
 use proteus_wire::JobId;
 use serde_json::{Value, json};
 
-/// A launched instance of job `id` whose agent token the test knows, registered and ready, as
-/// its agent would be.
+/// A launched reliable instance of job `id` whose agent token the test knows, registered and
+/// ready, as its agent would be.
 async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
+    agent_of(s, id, n, proteus_wire::Tier::Reliable, 1).await
+}
+
+/// A launched instance of job `id` in `tier` whose agent token the test knows, registered and
+/// ready with a model of `model_len` parameters, as its agent would be.
+pub(crate) async fn agent_of(
+    s: &TestServer,
+    id: JobId,
+    n: u32,
+    tier: proteus_wire::Tier,
+    model_len: u64,
+) -> (String, String, String) {
     let market = proteus_broker::market::Market::parse("us-east-1a/c3.xlarge").unwrap();
     let token = proteus_broker::api::auth::new_token("pa_");
     let row = proteus_broker::store::InstanceRow {
@@ -18,7 +30,7 @@ async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
         job_id: id,
         cloud_id: None,
         market,
-        tier: proteus_wire::Tier::Reliable,
+        tier,
         bid: None,
         state: InstanceState::Requested,
         token_hash: proteus_broker::api::auth::hash_token(&token),
@@ -57,25 +69,34 @@ async fn agent(s: &TestServer, id: JobId, n: u32) -> (String, String, String) {
         s,
         &cloud_id,
         &token,
-        json!({"type": "ready", "model_len": 1}),
+        json!({"type": "ready", "model_len": model_len}),
     )
     .await;
     (row.id, cloud_id, token)
 }
 
 async fn event(s: &TestServer, cloud_id: &str, token: &str, body: Value) {
-    let (status, answer) = s
-        .call(
-            reqwest::Method::POST,
-            &format!("/v1/agents/{cloud_id}/events"),
-            Some(token),
-            Some(body),
-        )
-        .await;
+    let (status, answer) = try_event(s, cloud_id, token, body).await;
     assert!(status < 300, "{status} {answer}");
 }
 
-async fn commands(s: &TestServer, cloud_id: &str, token: &str) -> Value {
+/// An event as an agent posts it: the status and the answer.
+pub(crate) async fn try_event(
+    s: &TestServer,
+    cloud_id: &str,
+    token: &str,
+    body: Value,
+) -> (u16, Value) {
+    s.call(
+        reqwest::Method::POST,
+        &format!("/v1/agents/{cloud_id}/events"),
+        Some(token),
+        Some(body),
+    )
+    .await
+}
+
+pub(crate) async fn commands(s: &TestServer, cloud_id: &str, token: &str) -> Value {
     s.call(
         reqwest::Method::GET,
         &format!("/v1/agents/{cloud_id}/commands?after=0&wait_ms=0"),

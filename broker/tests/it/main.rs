@@ -17,6 +17,7 @@ mod engine_restart;
 mod graceful_stop;
 mod job_spec_doc;
 mod launch_idempotency;
+mod pipeline_plans;
 mod read_freshness;
 mod sim_cli;
 mod sim_policies;
