@@ -38,7 +38,7 @@
 //!
 //! Usage: `cargo bench -p proteus-agent --bench straggler -- [--json FILE] [--plots DIR]
 //! [--clocks N] [--apps mlr,mf] [--patterns none,persistent,transient,disrupted]
-//! [--repeats N]` (runs per cell, default 1; the figures are medians).
+//! [--repeats N]` (runs per cell, default 3; the figures are medians).
 //! `disrupted` needs root (a cgroup per agent) and runs its own reference (`machines`);
 //! `persistent` and `transient` need `none` in the same run.
 
@@ -524,7 +524,7 @@ fn parse_args() -> Result<Args, String> {
         );
     }
     let repeats = match arg("--repeats").map(|c| c.parse::<usize>()) {
-        None => 1,
+        None => 3,
         Some(Ok(n)) if (1..=9).contains(&n) => n,
         Some(_) => return Err("--repeats must be a number from 1 to 9".into()),
     };

@@ -254,14 +254,18 @@ pub enum PipeMsg {
     /// A worker outside the pipeline (a replacement) can train and is reachable at `addr`: sent
     /// to every worker it knows of, so that whoever leads folds it in (see [`PipeMsg::Grow`]).
     Ready { addr: String },
-    /// A layer (weights and momentum) after every minibatch below `at`, from its stage's first
-    /// replica to the leader and the next member, so that a worker lost without warning can be
-    /// restored from it.
+    /// A piece of a layer's snapshot: its weights and then its momentum, flattened (`total`
+    /// floats, the first `weights_len` the weights), after every minibatch below `at`; this
+    /// piece holds `data` from `offset`. From its stage's first replica to the snapshot's two
+    /// keepers, in pieces in the transport's background lane, so that a worker lost without
+    /// warning can be restored from it without the snapshot delaying the pipeline.
     Snapshot {
         at: u64,
         layer: u32,
-        weights: Vec<f32>,
-        velocity: Vec<f32>,
+        offset: u32,
+        total: u32,
+        weights_len: u32,
+        data: Vec<f32>,
     },
     /// Worker `worker` stopped answering in segment `segment` (lost without warning): abandon
     /// the segment and wait for the first surviving member's [`PipeMsg::Restore`].
@@ -295,9 +299,7 @@ impl PipeMsg {
                 tensor.data.len() * 4
             }
             PipeMsg::Reduce { data, .. } => data.len() * 4,
-            PipeMsg::Snapshot {
-                weights, velocity, ..
-            } => (weights.len() + velocity.len()) * 4,
+            PipeMsg::Snapshot { data, .. } => data.len() * 4,
             PipeMsg::Lost { .. } | PipeMsg::Restore { .. } | PipeMsg::Ping => 0,
             PipeMsg::Drain { .. } | PipeMsg::Warn { .. } => 0,
             PipeMsg::Grow { members, addrs, .. } => {
@@ -401,14 +403,18 @@ impl PipeMsg {
             PipeMsg::Snapshot {
                 at,
                 layer,
-                weights,
-                velocity,
+                offset,
+                total,
+                weights_len,
+                data,
             } => {
                 e.u8(10);
                 e.u64(*at);
                 e.u32(*layer);
-                e.f32s(weights);
-                e.f32s(velocity);
+                e.u32(*offset);
+                e.u32(*total);
+                e.u32(*weights_len);
+                e.f32s(data);
             }
             PipeMsg::Lost { segment, worker } => {
                 e.u8(11);
@@ -494,12 +500,27 @@ impl PipeMsg {
                 }
             }
             9 => PipeMsg::Ready { addr: d.str()? },
-            10 => PipeMsg::Snapshot {
-                at: d.u64()?,
-                layer: d.u32()?,
-                weights: d.f32s()?,
-                velocity: d.f32s()?,
-            },
+            10 => {
+                let (at, layer, offset, total, weights_len) =
+                    (d.u64()?, d.u32()?, d.u32()?, d.u32()?, d.u32()?);
+                let data = d.f32s()?;
+                let end = u64::from(offset) + data.len() as u64;
+                if weights_len > total || end > u64::from(total) {
+                    return Err(AgentError::Frame(format!(
+                        "a snapshot piece of {} floats at {offset} of {total} ({weights_len} \
+                         weights) does not fit its layer",
+                        data.len()
+                    )));
+                }
+                PipeMsg::Snapshot {
+                    at,
+                    layer,
+                    offset,
+                    total,
+                    weights_len,
+                    data,
+                }
+            }
             11 => PipeMsg::Lost {
                 segment: d.u32()?,
                 worker: d.u32()?,
@@ -614,8 +635,10 @@ mod tests {
             PipeMsg::Snapshot {
                 at: 128,
                 layer: 2,
-                weights: vec![1.0, -2.0],
-                velocity: vec![0.5, 0.0],
+                offset: 1,
+                total: 4,
+                weights_len: 2,
+                data: vec![-2.0, 0.5, 0.0],
             },
             PipeMsg::Lost {
                 segment: 1,
@@ -649,6 +672,21 @@ mod tests {
         }
         .encode(&mut e);
         assert!(PipeMsg::decode(&mut Dec(&e.0)).is_err());
+        // A snapshot piece that reaches past its layer, or says the layer has more weights
+        // than floats, is refused.
+        for (offset, total, weights_len) in [(3, 4, 2), (0, 4, 5)] {
+            let mut e = Enc::default();
+            PipeMsg::Snapshot {
+                at: 8,
+                layer: 0,
+                offset,
+                total,
+                weights_len,
+                data: vec![1.0, 2.0],
+            }
+            .encode(&mut e);
+            assert!(PipeMsg::decode(&mut Dec(&e.0)).is_err(), "{offset} {total}");
+        }
     }
 
     #[test]

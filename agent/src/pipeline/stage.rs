@@ -740,6 +740,21 @@ pub(super) fn receive(inbox: &mpsc::UnboundedSender<PipeMsg>, payload: &[u8]) ->
 /// A layer's weights and momentum, flat.
 type LayerState = (Vec<f32>, Vec<f32>);
 
+/// A layer's snapshot while its pieces arrive (see [`PipeMsg::Snapshot`]).
+#[derive(Debug)]
+struct Pieces {
+    total: u32,
+    weights_len: u32,
+    buf: Vec<f32>,
+    /// Offsets of the pieces in, so that a piece sent again is not counted twice.
+    offsets: std::collections::HashSet<u32>,
+    filled: u64,
+}
+
+/// Floats per snapshot piece (16 KiB): an urgent frame waits at most this long behind one
+/// on its link.
+const SNAPSHOT_PIECE: usize = 4096;
+
 /// Messages received ahead of when the schedule needs them.
 struct Mailbox {
     rx: mpsc::UnboundedReceiver<PipeMsg>,
@@ -763,6 +778,8 @@ struct Mailbox {
     /// Layers' snapshots by the minibatch they were taken before (the newest complete one, and
     /// newer ones still arriving).
     snapshots: BTreeMap<u64, HashMap<u32, LayerState>>,
+    /// Layers' snapshots whose pieces are still arriving, by (minibatch, layer).
+    pieces: HashMap<(u64, u32), Pieces>,
     /// The model's layer count (a snapshot with every layer is complete).
     layers: usize,
     /// Workers lost without warning, by the segment they were lost in.
@@ -832,9 +849,11 @@ impl Mailbox {
             PipeMsg::Snapshot {
                 at,
                 layer,
-                weights,
-                velocity,
-            } => self.snapshot(at, layer, weights, velocity),
+                offset,
+                total,
+                weights_len,
+                data,
+            } => self.snapshot_piece(at, layer, offset, total, weights_len, data),
             PipeMsg::Lost { segment, worker } => {
                 self.lost.entry(segment).or_insert(worker);
             }
@@ -927,7 +946,55 @@ impl Mailbox {
         self.lost.get(&self.segment).copied()
     }
 
-    /// File a layer's snapshot; once one has every layer, older ones go.
+    /// File a piece of a layer's snapshot; the layer is filed once every piece is in. A piece
+    /// that contradicts the others' sizes, or of a snapshot older than the newest complete
+    /// one, is dropped.
+    fn snapshot_piece(
+        &mut self,
+        at: u64,
+        layer: u32,
+        offset: u32,
+        total: u32,
+        weights_len: u32,
+        data: Vec<f32>,
+    ) {
+        if self.newest_snapshot().is_some_and(|n| at < n) {
+            return;
+        }
+        let p = self.pieces.entry((at, layer)).or_insert_with(|| Pieces {
+            total,
+            weights_len,
+            buf: vec![0.0; total as usize],
+            offsets: Default::default(),
+            filled: 0,
+        });
+        let end = offset as usize + data.len();
+        if p.total != total || p.weights_len != weights_len || end > p.buf.len() {
+            tracing::warn!(
+                at,
+                layer,
+                offset,
+                total,
+                "a snapshot piece that does not fit"
+            );
+            return;
+        }
+        if !p.offsets.insert(offset) {
+            return;
+        }
+        p.buf[offset as usize..end].copy_from_slice(&data);
+        p.filled += data.len() as u64;
+        if p.filled < u64::from(p.total) {
+            return;
+        }
+        let Some(mut p) = self.pieces.remove(&(at, layer)) else {
+            return;
+        };
+        let velocity = p.buf.split_off(p.weights_len as usize);
+        self.snapshot(at, layer, p.buf, velocity);
+    }
+
+    /// File a layer's snapshot; once one has every layer, older ones (and their pieces) go.
     fn snapshot(&mut self, at: u64, layer: u32, weights: Vec<f32>, velocity: Vec<f32>) {
         self.snapshots
             .entry(at)
@@ -935,6 +1002,7 @@ impl Mailbox {
             .insert(layer, (weights, velocity));
         if let Some(newest) = self.newest_snapshot() {
             self.snapshots.retain(|&a, _| a >= newest);
+            self.pieces.retain(|&(a, _), _| a >= newest);
         }
     }
 
@@ -1124,11 +1192,28 @@ async fn deliver(
     to: u32,
     msg: PipeMsg,
 ) -> Result<(), StageError> {
+    deliver_in(peers, addr, me, to, msg, false).await
+}
+
+/// [`deliver`], in the transport's background lane when `background`.
+async fn deliver_in(
+    peers: Arc<Peers>,
+    addr: String,
+    me: u32,
+    to: u32,
+    msg: PipeMsg,
+    background: bool,
+) -> Result<(), StageError> {
     let req = msg.to_request();
     let mut delay = Duration::from_millis(20);
     let mut last = String::new();
     for _ in 0..6 {
-        match peers.call(&addr, &req, CALL_TIMEOUT).await {
+        let answer = if background {
+            peers.call_background(&addr, &req, CALL_TIMEOUT).await
+        } else {
+            peers.call(&addr, &req, CALL_TIMEOUT).await
+        };
+        match answer {
             Ok(Response::Ack) => return Ok(()),
             Ok(other) => last = format!("answered {other:?}"),
             Err(e) => last = e.to_string(),
@@ -1172,7 +1257,7 @@ impl Sender {
         Ok(())
     }
 
-    /// Send a snapshot in the background, best effort: one that does not arrive only leaves
+    /// Send a snapshot piece in the background lane, best effort: one that does not arrive only leaves
     /// the restart point at an older snapshot. A keeper that has finished the run (it runs a
     /// later stage, and the last snapshot can be taken a step or two before the end) no
     /// longer takes it; that is no loss, and a keeper that is really lost is found by the
@@ -1182,7 +1267,7 @@ impl Sender {
         let addr = self.addr(to)?;
         let (peers, me) = (self.peers.clone(), self.me);
         self.tasks.spawn(async move {
-            if let Err(e) = deliver(peers, addr, me, to, msg).await {
+            if let Err(e) = deliver_in(peers, addr, me, to, msg, true).await {
                 tracing::warn!(to, error = %e, "a snapshot did not reach its keeper");
             }
             Ok(())
@@ -1306,6 +1391,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         book: ctx.addrs.clone(),
         peers: ctx.peers.clone(),
         snapshots: BTreeMap::new(),
+        pieces: HashMap::new(),
         layers: cfg.shape.layers(),
         lost: HashMap::new(),
         restores: HashMap::new(),
@@ -1749,17 +1835,26 @@ async fn run_segment(
             .zip(&core.optimizer().velocity)
             .enumerate()
         {
-            let msg = PipeMsg::Snapshot {
+            let layer = (sp.layers.start + i) as u32;
+            let mut data = mlp::flatten(std::slice::from_ref(w));
+            let weights_len = data.len() as u32;
+            data.extend(mlp::flatten(std::slice::from_ref(v)));
+            let total = data.len() as u32;
+            let piece = |offset: usize, data: &[f32]| PipeMsg::Snapshot {
                 at,
-                layer: (sp.layers.start + i) as u32,
-                weights: mlp::flatten(std::slice::from_ref(w)),
-                velocity: mlp::flatten(std::slice::from_ref(v)),
+                layer,
+                offset: offset as u32,
+                total,
+                weights_len,
+                data: data.to_vec(),
             };
             for &to in &keepers {
                 if to == ctx.worker {
-                    mail.file(msg.clone());
+                    mail.file(piece(0, &data));
                 } else {
-                    out.send_snapshot(to, msg.clone())?;
+                    for (n, chunk) in data.chunks(SNAPSHOT_PIECE).enumerate() {
+                        out.send_snapshot(to, piece(n * SNAPSHOT_PIECE, chunk))?;
+                    }
                 }
             }
         }
