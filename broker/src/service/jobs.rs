@@ -766,6 +766,20 @@ impl Broker {
                 .map(|_| ()),
         };
         self.status_cache.invalidate();
+        // Once the end is recorded, the lease can go while this call still stops the job: the
+        // scheduler, seeing the job over, winds it down at its tick and gives the lease up once
+        // every instance has ended (or another broker took the job over). Whoever owns the job
+        // stops what is left; the cancel took, and the user is told so, not "ask another broker".
+        let finished = match finished {
+            Err(ServiceError::NotOwner { .. })
+            | Err(ServiceError::Store(crate::store::StoreError::Fenced { .. }))
+                if self.job_row(id).await?.state == JobState::Cancelled =>
+            {
+                tracing::debug!(job = %id, "cancel recorded; the job was wound down meanwhile");
+                Ok(())
+            }
+            other => other,
+        };
         finished?;
         self.nudge.notify_one();
         self.job_view(id).await
