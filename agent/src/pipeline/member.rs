@@ -89,6 +89,7 @@ async fn broker_plans(ctx: &MemberCtx) -> Result<BTreeMap<u32, Plan>, StageError
     let layers = ctx.job.shape.layers();
     let mut views = ctx.views.clone();
     let mut profile: Option<Vec<proteus_wire::agent_api::LayerTiming>> = None;
+    let mut sent: Option<tokio::time::Instant> = None;
     let mut deadline = tokio::time::Instant::now() + stage::MESSAGE_TIMEOUT;
     loop {
         let view = views.borrow_and_update().clone();
@@ -114,13 +115,16 @@ async fn broker_plans(ctx: &MemberCtx) -> Result<BTreeMap<u32, Plan>, StageError
                 deadline = tokio::time::Instant::now() + stage::MESSAGE_TIMEOUT;
             }
         }
-        if let Some(p) = &profile {
+        let now = tokio::time::Instant::now();
+        if let Some(p) = &profile
+            && sent.is_none_or(|at| now >= at + PROFILE_RESEND)
+        {
             let _ = ctx.events.send(WorkerEvent::PipelineProfile(p.clone()));
+            sent = Some(now);
         }
-        let wait = if profile.is_some() {
-            deadline.min(tokio::time::Instant::now() + PROFILE_RESEND)
-        } else {
-            deadline
+        let wait = match sent {
+            Some(at) => deadline.min(at + PROFILE_RESEND),
+            None => deadline,
         };
         match tokio::time::timeout_at(wait, views.changed()).await {
             Ok(Ok(())) => {}
