@@ -958,7 +958,14 @@ impl Mailbox {
         weights_len: u32,
         data: Vec<f32>,
     ) {
-        if self.newest_snapshot().is_some_and(|n| at < n) {
+        // Older than the newest complete snapshot, or a piece sent again after its layer was
+        // filed (its acknowledgement was lost): nothing to keep.
+        if self.newest_snapshot().is_some_and(|n| at < n)
+            || self
+                .snapshots
+                .get(&at)
+                .is_some_and(|l| l.contains_key(&layer))
+        {
             return;
         }
         let p = self.pieces.entry((at, layer)).or_insert_with(|| Pieces {
