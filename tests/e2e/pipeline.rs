@@ -17,9 +17,9 @@ const SPEED: f64 = 60.0;
 /// interrupted; wide layers behind 200 Mbit/s links so that the partitioner splits the model
 /// into stages (as in bench/pipeline); two epochs so that accuracy has mostly converged when the
 /// two runs are compared. The profile is pinned (as this machine's debug agents measure it, in
-/// round figures), so that both jobs train the same plans: measured by each job's leader, under
-/// load the two could differ, and a plan that replicates a stage more steps less often per
-/// epoch, which would confound the comparison.
+/// round figures), so that the broker plans both jobs from the same profile: measured by each
+/// job's profiler, under load the two could differ, and a plan that replicates a stage more
+/// steps less often per epoch, which would confound the comparison.
 fn spec(name: &str) -> String {
     spec_with(name, "")
 }
@@ -219,7 +219,7 @@ async fn an_interrupted_pipeline_stage_moves_to_the_survivors_and_the_job_matche
         .await;
     let reference_acc = job["metric"]["value"].as_f64().unwrap();
     eprintln!("accuracy: interrupted {interrupted_acc:.4}, uninterrupted {reference_acc:.4}");
-    // Both jobs' leaders planned from the pinned profile, not from a measurement of their own.
+    // The broker planned both jobs from the pinned profile; each leader trains that plan.
     let plans: Vec<String> = broker
         .agent_logs()
         .lines()
