@@ -295,6 +295,59 @@ mod tests {
     }
 
     #[test]
+    fn a_profiler_warned_before_it_sent_its_profile_is_replaced_and_its_profile_refused() {
+        use proteus_wire::agent_api::{AgentEvent, RegisterRequest};
+        use proteus_wire::ids::Tier;
+        let mut c = Coordinator::new(JobId(2), mlp(Parallelism::Pipeline, None)).unwrap();
+        let params = MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap().params() as u64;
+        for (i, tier) in [
+            ("a", Tier::Transient),
+            ("b", Tier::Reliable),
+            ("c", Tier::Transient),
+        ] {
+            let id = InstanceId(i.into());
+            let req = RegisterRequest {
+                instance_id: id.clone(),
+                data_addr: format!("127.0.0.1:{}", 9100 + i.len()),
+                vcpus: 2,
+                agent_version: String::new(),
+                protocol_version: proteus_wire::agent_api::PROTOCOL_VERSION,
+            };
+            c.register(req, tier, 0).unwrap();
+            c.event(&id, AgentEvent::Ready { model_len: params }, 0)
+                .unwrap();
+        }
+        assert_eq!(c.view().unwrap().profiler, Some(InstanceId("b".into())));
+        let warning = AgentEvent::InterruptionWarning {
+            action: "terminate".into(),
+            action_time: "2026-12-07T00:02:00Z".into(),
+        };
+        c.event(&InstanceId("b".into()), warning, 1).unwrap();
+        // No reliable founder left: the first active founder profiles.
+        assert_eq!(c.view().unwrap().profiler, Some(InstanceId("a".into())));
+        let profile = vec![timing(4.0), timing(1.0), timing(1.0), timing(0.5)];
+        let late = c.event(
+            &InstanceId("b".into()),
+            AgentEvent::PipelineProfile {
+                layers: profile.clone(),
+            },
+            2,
+        );
+        assert!(
+            late.is_err(),
+            "the warned member's late profile is not taken"
+        );
+        c.event(
+            &InstanceId("a".into()),
+            AgentEvent::PipelineProfile { layers: profile },
+            3,
+        )
+        .unwrap();
+        assert_eq!(plan_if_due(&mut c), Some(Ok(())));
+        assert!(c.view().unwrap().pipeline.is_some());
+    }
+
+    #[test]
     fn data_parallel_jobs_are_planned_without_a_profile() {
         let t = mlp(Parallelism::Data, None);
         let input = PlanningInput {
