@@ -1152,6 +1152,9 @@ pub struct StageOutcome {
     pub compute_secs: f64,
     /// From the first operation to the last.
     pub wall_secs: f64,
+    /// Every re-plan this worker trained again after, in order: the segment and its worker
+    /// count (what the agent reports as `pipeline_resumed`).
+    pub resumed: Vec<(u32, u32)>,
 }
 
 fn to_tensor(a: Array2<f32>) -> Tensor {
@@ -1339,9 +1342,13 @@ struct Totals {
     max_versions: usize,
     max_weight_copies: usize,
     busy: Duration,
-    /// When this worker learnt of the last drain (to log the pause when training resumes).
-    /// The segment that trains next, and when this worker learnt of the drain before it.
-    drained_at: Option<(u32, Instant)>,
+    /// Drains not yet followed by a step (to report the pause when training resumes): the
+    /// segment that trains next, and when this worker learnt of the drain before it. More
+    /// than one when a segment is drained again before its first step (a newcomer ready just
+    /// as a warned worker left): each segment still reports its own resumption.
+    drained_at: Vec<(u32, Instant)>,
+    /// Segments trained again after a re-plan, with their worker counts.
+    resumed: Vec<(u32, u32)>,
 }
 
 /// Run worker `ctx.worker` through the whole run: its stage replica's schedule under the first
@@ -1440,7 +1447,7 @@ async fn run_inner(mut ctx: StageCtx) -> Result<(StageOutcome, Mailbox), StageEr
         };
         ctx.worker = members.last().copied().unwrap_or(ctx.worker);
         out.me = ctx.worker;
-        totals.drained_at = Some((segment + 1, Instant::now()));
+        totals.drained_at.push((segment + 1, Instant::now()));
         let next = Segment {
             index: segment + 1,
             start: at,
@@ -1669,7 +1676,7 @@ async fn restart_without(
             _ => return Err(StageError::InboxClosed),
         }
     };
-    totals.drained_at = Some((seg.index + 1, Instant::now()));
+    totals.drained_at.push((seg.index + 1, Instant::now()));
     totals.minibatches.retain(|&m| m < at);
     let next = Segment {
         index: seg.index + 1,
@@ -1784,6 +1791,7 @@ fn outcome(
         max_weight_copies: t.max_weight_copies,
         compute_secs: t.busy.as_secs_f64(),
         wall_secs: started.elapsed().as_secs_f64(),
+        resumed: t.resumed,
     }
 }
 
@@ -1911,7 +1919,7 @@ async fn run_segment(
             && let Some((at, change)) = mail.drains.get(&seg.index).cloned()
         {
             drain = Some((at, change));
-            totals.drained_at = Some((seg.index + 1, Instant::now()));
+            totals.drained_at.push((seg.index + 1, Instant::now()));
             ops = schedule::ops(kind, at - seg.start, r, k, later);
             continue;
         }
@@ -2195,11 +2203,12 @@ async fn run_segment(
         totals.busy += t.elapsed();
         // The first step of a segment after a re-plan (steps that finish the minibatches
         // below a drain point still belong to the segment being drained).
-        if let Some((next, t)) = totals.drained_at
-            && next == seg.index
-        {
-            totals.drained_at = None;
+        if let Some(i) = totals.drained_at.iter().position(|(n, _)| *n == seg.index) {
+            let (_, t) = totals.drained_at.remove(i);
+            // Older segments that never stepped have nothing to report.
+            totals.drained_at.retain(|(n, _)| *n > seg.index);
             let pause = t.elapsed();
+            totals.resumed.push((seg.index, seg.members.len() as u32));
             tracing::info!(
                 segment = seg.index,
                 pause_ms = pause.as_millis() as u64,

@@ -1008,6 +1008,17 @@ fn a_replacement_that_says_it_is_ready_is_folded_in_once_a_plan_has_room() {
             (joined_at..70).collect::<Vec<_>>(),
             "{name}: the newcomer took the last stage from the join on"
         );
+        // The join was decided before the plan for three took its first step; every survivor
+        // still reports training again on it (what the agent sends as `pipeline_resumed`),
+        // then on the plan for four, which is all the newcomer trained.
+        for o in finished.clone() {
+            let want: &[(u32, u32)] = if o.worker == 4 {
+                &[(2, 4)]
+            } else {
+                &[(1, 3), (2, 4)]
+            };
+            assert_eq!(o.resumed, want, "{name}: worker {}", o.worker);
+        }
         assert_eq!(
             through_last_stages(&run),
             (0..70).collect::<Vec<_>>(),
