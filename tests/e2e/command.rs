@@ -1054,9 +1054,9 @@ async fn a_cancel_lets_every_program_save_and_upload_before_its_instance_ends() 
 
 /// A policy's release is graceful too, and its replacement resumes where the released program
 /// saved. Uniform Progress starts the job on on-demand while a price spike keeps spot away, and
-/// once the job is well ahead of its line it leaves on-demand for spot: it releases the
-/// on-demand instance (Uniform Progress does so even while the spike still refuses the spot
-/// launch, and then waits, as its line allows). The released program gets the notice file and
+/// once the job is well ahead of its line it tries spot at every look: the spike refuses it and
+/// on-demand stays; when a spot launch is granted, the on-demand instance is released at once
+/// (Uniform Progress as published: the switch pays the restart). The released program gets the notice file and
 /// its grace, saves (in 2 s) and its checkpoint is uploaded before the instance ends; the spot
 /// instance, once it runs, takes rank 0's lineage and resumes at exactly the saved step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -82,8 +82,10 @@ pub struct SimulateArgs {
     #[arg(long, value_enum, default_value_t = crate::sim::availability::Reading::Available)]
     pub availability_reading: crate::sim::availability::Reading,
     /// The hindsight optimum: the cheapest schedule that does the work by the deadline knowing
-    /// the whole trace (a lower bound, not a policy). With --availability (one file, one
-    /// instance, no --policy or --compare): its figures are printed as the asked policy's. With
+    /// the whole trace (a lower bound, not a policy). With --availability (one instance, every
+    /// zone given — a file per zone —, no --policy or --compare): its figures are printed as the
+    /// asked policy's; the restart overhead is exact and the last tick billed to the second
+    /// (see sim/optimal.rs). With
     /// --job on a 2015-style price trace (hourly-2015 billing): a `hindsight-optimal` row beside
     /// the compared policies, each start's deadline being --deadline (or the job's), else the
     /// time standard bidding took from that start (see sim/foresight.rs for its rules).

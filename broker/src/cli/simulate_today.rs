@@ -19,7 +19,7 @@ use crate::market_model::{HazardModel, HazardPrior};
 use crate::output::{Cell, Table, emit};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::availability::{Availability, AvailabilityTrace, origin_of};
-use crate::sim::optimal::{OptimalCase, Optimum, optimum};
+use crate::sim::optimal::{OptimalCase, Optimum, Solution, elastic_bound, solve, straddled};
 use crate::sim::sweep::{PolicyEntry, SweepOptions, run_sweep, start_times};
 use crate::sim::{Deadline, RunResult, Scenario, World};
 use anyhow::{Context, Result, bail};
@@ -119,6 +119,17 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         .first()
         .map(|p| origin_of(p))
         .context("no --availability file")?;
+    // The zones of one run are one period: files from different collections (their folders
+    // name the start date) would line up ticks of different days.
+    if let Some(other) = args.availability.iter().find(|p| origin_of(p) != origin) {
+        bail!(
+            "--availability {}: its traces start {} but {}'s start {}: the files of one run must              cover the same period",
+            other.display(),
+            origin_of(other),
+            args.availability[0].display(),
+            origin
+        );
+    }
     let files: Vec<String> = args
         .availability
         .iter()
@@ -162,12 +173,6 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         bail!(
             "--calibration is for a price trace (--job): the availability world has no eviction \
              estimates at launch to check"
-        );
-    }
-    if args.optimal && (args.availability.len() != 1 || n != 1) {
-        bail!(
-            "--optimal is computed for one zone and one instance: give one --availability file \
-             and --instances 1"
         );
     }
     let asked: Vec<String> = match &args.policy {
@@ -230,35 +235,74 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         .map(|(e, runs)| summarize(e, runs, &od_costs))
         .collect();
     if args.optimal {
-        let market = availability
-            .markets()
-            .next()
-            .context("no pool in the availability file")?
-            .clone();
-        let runs: Vec<TodayRun> = starts
-            .iter()
-            .map(|&start| {
-                let case = OptimalCase {
-                    capacity: availability.capacity_from(&market, start),
-                    gap_secs: availability.gap_secs(),
-                    work_secs: work_hours * 3600.0,
-                    deadline_secs: deadline_hours * 3600.0,
-                    overhead_secs: overhead_hours * 3600.0,
-                    spot_usd_per_hour: spot.get(),
-                    on_demand_usd_per_hour: on_demand.get(),
-                };
-                match optimum(&case) {
-                    Optimum::Cost(c) => TodayRun {
-                        cost_usd: c,
-                        done_work: work_hours,
-                        deadline_met: true,
-                    },
-                    Optimum::Infeasible => TodayRun {
-                        cost_usd: 0.0,
-                        done_work: 0.0,
-                        deadline_met: false,
-                    },
+        let markets: Vec<_> = availability.markets().cloned().collect();
+        let solve_at = |start: Timestamp| {
+            let straddles = availability.inside_tick(start);
+            let seen: Vec<Vec<u32>> = markets
+                .iter()
+                .map(|m| {
+                    let c = availability.capacity_from(m, start);
+                    if straddles { straddled(c) } else { c.to_vec() }
+                })
+                .collect();
+            let case = OptimalCase {
+                capacity: seen.iter().map(Vec::as_slice).collect(),
+                straddles,
+                gap_secs: availability.gap_secs(),
+                work_secs: work_hours * 3600.0,
+                deadline_secs: deadline_hours * 3600.0,
+                overhead_secs: overhead_hours * 3600.0,
+                spot_usd_per_hour: spot.get(),
+                on_demand_usd_per_hour: on_demand.get(),
+            };
+            if n == 1 {
+                solve(&case)
+            } else {
+                // Several instances: a relaxation (sim/optimal.rs), exact in nothing but a bound.
+                Solution {
+                    optimum: elastic_bound(&case, n),
+                    quanta_per_tick: 1,
+                    overhead_rounded: false,
                 }
+            }
+        };
+        // One start per thread at a time: a start is a few million states.
+        let solutions: Vec<Solution> = std::thread::scope(|scope| {
+            let chunk = starts.len().div_ceil(threads.max(1));
+            let handles: Vec<_> = starts
+                .chunks(chunk.max(1))
+                .map(|part| scope.spawn(|| part.iter().map(|&s| solve_at(s)).collect::<Vec<_>>()))
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        if solutions.len() != starts.len() {
+            bail!("the hindsight optimum failed on some starts");
+        }
+        if let Some(s) = solutions.first()
+            && s.overhead_rounded
+        {
+            tracing::warn!(
+                quanta_per_tick = s.quanta_per_tick,
+                "--optimal: no quantum up to a thousandth of a tick divides the restart overhead; \
+                 it is rounded down (the figure is still a lower bound, less tight)"
+            );
+        }
+        let runs: Vec<TodayRun> = solutions
+            .iter()
+            .map(|s| match s.optimum {
+                Optimum::Cost(c) => TodayRun {
+                    cost_usd: c,
+                    done_work: work_hours * n as f64,
+                    deadline_met: true,
+                },
+                Optimum::Infeasible => TodayRun {
+                    cost_usd: 0.0,
+                    done_work: 0.0,
+                    deadline_met: false,
+                },
             })
             .collect();
         policies.insert(

@@ -40,7 +40,7 @@ use crate::job::JobModel;
 use crate::market::{Market, Timestamp, Usd, UsdPerHour};
 use crate::policy::{
     Acquisition, Decision, DecisionContext, InstanceState, InstanceView, JobProgress, MarketView,
-    Policy, PolicyError, PolicyEvent, Purchase,
+    Policy, PolicyError, PolicyEvent, Purchase, ReplaceAt,
 };
 use proteus_wire::{InstanceId, Tier};
 use serde::{Deserialize, Serialize};
@@ -389,6 +389,8 @@ struct Round {
     awaiting: Option<Awaiting>,
     /// Instances the round's launches replace, in order ([`Decision::replace`]).
     replacing: VecDeque<InstanceId>,
+    /// When they go ([`Decision::replace_at`]).
+    replace_at: ReplaceAt,
 }
 
 #[derive(Debug)]
@@ -697,15 +699,27 @@ impl<'p> JobEngine<'p> {
                 if let Some(round) = &mut self.round {
                     round.committed += a.period;
                 }
-                let replaces = self.round.as_mut().and_then(|r| r.replacing.pop_front());
-                if let Some(old) = replaces
+                let replaces = self
+                    .round
+                    .as_mut()
+                    .and_then(|r| Some((r.replacing.pop_front()?, r.replace_at)));
+                if let Some((old, when)) = replaces
                     && let Some(m) = self
                         .state
                         .members
                         .iter_mut()
                         .find(|m| m.id == old && m.is_held() && m.replaced_by.is_none())
                 {
-                    m.replaced_by = Some(id.clone());
+                    match when {
+                        ReplaceAt::Ready => m.replaced_by = Some(id.clone()),
+                        ReplaceAt::Launch => {
+                            m.releasing = true;
+                            out.push(Command::Release { id: old });
+                            if self.config.pacing == Pacing::Modelled {
+                                self.state.work.released(at);
+                            }
+                        }
+                    }
                 }
                 self.state.members.push(Member {
                     id,
@@ -1310,6 +1324,7 @@ impl<'p> JobEngine<'p> {
                 budget_hold: None,
                 awaiting: None,
                 replacing,
+                replace_at: decision.replace_at,
             });
         }
     }

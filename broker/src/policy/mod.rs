@@ -363,11 +363,33 @@ pub struct Decision {
     /// or ends before it is ready, it stays.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub replace: Vec<InstanceId>,
+    /// When a replaced instance goes: when its replacement is ready (make before break, the
+    /// default), or as soon as the replacement's launch is granted (a switch that pays the
+    /// restart, and that a refusal still leaves undone).
+    #[serde(skip_serializing_if = "ReplaceAt::is_ready")]
+    pub replace_at: ReplaceAt,
     /// Ask again no later than this (in addition to the driver's own ticks and events).
     pub wake_at: Option<Timestamp>,
     /// Why: one reason per acquisition and release, for policies that weigh expectations.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub reasons: Vec<Reason>,
+}
+
+/// When an instance named in [`Decision::replace`] goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplaceAt {
+    /// When its replacement is ready: it works on meanwhile.
+    #[default]
+    Ready,
+    /// When its replacement's launch is granted.
+    Launch,
+}
+
+impl ReplaceAt {
+    fn is_ready(&self) -> bool {
+        *self == ReplaceAt::Ready
+    }
 }
 
 impl Decision {

@@ -294,6 +294,11 @@ impl Availability {
         (i < self.ticks).then_some(i)
     }
 
+    /// Whether `t` falls strictly inside a tick (not on its boundary).
+    pub fn inside_tick(&self, t: Timestamp) -> bool {
+        (t.millis() - self.origin.millis()).rem_euclid(self.gap_ms) != 0
+    }
+
     /// Instances the pool sells at `t` (0 outside the traces or for an unknown pool).
     pub fn capacity(&self, market: &Market, t: Timestamp) -> u32 {
         match (self.pools.get(market), self.tick(t)) {

@@ -1,26 +1,38 @@
-//! The hindsight optimum of a one-instance job with a deadline on one zone's availability trace:
-//! the cheapest schedule that finishes in time *knowing the whole trace*. A lower bound for
-//! every policy, not a policy (`proteus simulate --availability F --optimal`).
+//! The hindsight optimum of a one-instance job with a deadline on availability traces of one or
+//! several zones: the cheapest schedule that finishes in time *knowing the whole trace*. A lower
+//! bound for every policy, not a policy (`proteus simulate --availability F … --optimal`).
 //!
 //! The schedule is chosen tick by tick (availability only changes at ticks). In each tick the
-//! job is idle, on on-demand, or on spot (only while the zone has capacity). Entering on-demand
-//! or spot costs the restart overhead before work resumes. Billing is today's:
+//! job is idle, on on-demand, or on spot in one zone (only while that zone has capacity).
+//! Entering on-demand or spot costs the restart overhead before work resumes; an overhead longer
+//! than a tick carries into the next, and leaving a mode forfeits what is left of its overhead.
+//! Billing is today's:
 //!
-//! - every second on on-demand or spot is charged;
+//! - every second on on-demand or spot is charged, the last tick only up to the second the work
+//!   is done;
 //! - a spot life that EC2 interrupts within its first hour is free. The optimum takes such a
-//!   "free ride" whole: it launches at a tick whose capacity ends within the hour, and it gets
-//!   the work done between the end of the overhead and the interruption at no cost.
+//!   "free ride" whole: it launches at a tick whose zone's capacity ends within the hour, and it
+//!   gets the work done between the end of the overhead and the interruption at no cost.
 //!
-//! Dynamic programming over (tick, mode, progress). Progress is counted in quanta of a quarter
-//! tick. Each rounding favours the optimum: overheads are rounded down, the deadline's last
-//! partial tick counts whole, the 2-minute notice is worked through, and the last tick is billed
-//! whole. So the figure stays a lower bound on what the simulator charges any policy.
+//! Dynamic programming over (tick, mode, overhead still owed, progress). Progress is counted in
+//! quanta that divide both the tick and the restart overhead (e.g. 24 s for 10-minute ticks and a
+//! 72-s overhead), so the overhead is exact. What still favours the optimum, so that the figure
+//! stays a lower bound on what the simulator charges any policy: the deadline's last partial
+//! tick counts whole, the 2-minute notice is worked through, a ride whose interruption comes
+//! within the hour plus the notice is free, and a start inside a trace tick sees spot in each of
+//! its ticks when either trace tick it overlaps has it (see [`OptimalCase::straddles`]). An overhead no quantum up to a thousandth of a tick
+//! divides is rounded down to one (the figure says so: [`Solution::overhead_rounded`]).
 
 /// One case.
 #[derive(Debug, Clone)]
 pub struct OptimalCase<'a> {
-    /// Capacity per tick from the start's tick on (0: no spot).
-    pub capacity: &'a [u32],
+    /// Capacity per tick from the start's tick on (0: no spot), one slice per zone; the zones'
+    /// slices are of the same period.
+    pub capacity: Vec<&'a [u32]>,
+    /// The start falls inside a trace tick: the schedule's ticks straddle the trace's, so each
+    /// sees spot when either trace tick it overlaps has it ([`straddled`]) and a free ride may
+    /// last one tick longer — a relaxation, so the figure stays a bound.
+    pub straddles: bool,
     pub gap_secs: f64,
     /// Work to do, seconds on one instance.
     pub work_secs: f64,
@@ -39,111 +51,270 @@ pub enum Optimum {
     Infeasible,
 }
 
-const QUANTA_PER_TICK: usize = 4;
-const IDLE: usize = 0;
-const OD: usize = 1;
-const SPOT: usize = 2;
+/// The optimum and how exactly it was computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Solution {
+    pub optimum: Optimum,
+    /// Progress quanta per tick.
+    pub quanta_per_tick: usize,
+    /// The overhead was rounded down to whole quanta (no quantum divides it exactly).
+    pub overhead_rounded: bool,
+}
 
-/// Solves one case. Cost O(ticks × progress quanta).
+/// The capacity a schedule starting inside a tick sees per tick of its own: the larger of the two
+/// trace ticks each of its ticks overlaps (the first of `capacity` holds the start).
+pub fn straddled(capacity: &[u32]) -> Vec<u32> {
+    capacity
+        .iter()
+        .zip(capacity.iter().skip(1).chain(std::iter::once(&0)))
+        .map(|(a, b)| *a.max(b))
+        .collect()
+}
+
+/// Largest number of quanta a tick is cut into.
+const MAX_QUANTA_PER_TICK: usize = 1000;
+
+/// Quanta per tick: the fewest that make the overhead a whole number of quanta.
+fn quanta(gap_secs: f64, overhead_secs: f64) -> (usize, bool) {
+    if overhead_secs <= 0.0 {
+        return (1, false);
+    }
+    for k in 1..=MAX_QUANTA_PER_TICK {
+        let x = overhead_secs * k as f64 / gap_secs;
+        if (x - x.round()).abs() < 1e-6 {
+            return (k, false);
+        }
+    }
+    (MAX_QUANTA_PER_TICK, true)
+}
+
+/// Solves one case. Cost O(ticks × progress quanta × zones).
 pub fn optimum(case: &OptimalCase<'_>) -> Optimum {
+    solve(case).optimum
+}
+
+/// [`optimum`], with how it was computed.
+pub fn solve(case: &OptimalCase<'_>) -> Solution {
     let g = case.gap_secs;
-    let q = g / QUANTA_PER_TICK as f64;
-    let need = (case.work_secs / q).ceil().max(0.0) as usize;
+    let (k, overhead_rounded) = quanta(g, case.overhead_secs);
+    let q = g / k as f64;
+    let done = |optimum| Solution {
+        optimum,
+        quanta_per_tick: k,
+        overhead_rounded,
+    };
+    let need = (case.work_secs / q - 1e-9).ceil().max(0.0) as usize;
     if need == 0 {
-        return Optimum::Cost(0.0);
+        return done(Optimum::Cost(0.0));
     }
-    let ticks = ((case.deadline_secs / g).ceil() as usize).min(case.capacity.len());
-    let tick_gain = QUANTA_PER_TICK as i64;
-    let overhead = (case.overhead_secs / q).floor() as i64;
-    let spot_tick = case.spot_usd_per_hour * g / 3600.0;
-    let od_tick = case.on_demand_usd_per_hour * g / 3600.0;
-    // Progress is stored shifted by the overhead, so that a tick spent starting (progress
-    // below where it began) stays representable; it never goes below the shift.
-    let shift = overhead.max(0) as usize;
-    let width = need + shift + 1;
-    let idx = |p: i64| -> usize { (p + shift as i64).clamp(0, (need + shift) as i64) as usize };
-    let done = need + shift;
-    let mut now = vec![[f64::INFINITY; 3]; width];
-    now[shift][IDLE] = 0.0;
-    // Free rides end at a later tick: kept here until that tick comes.
-    let mut arrivals: Vec<Vec<(usize, f64)>> = vec![Vec::new(); ticks + 1];
-    let mut best = f64::INFINITY;
-    // The first tick at or after t without capacity, for every t.
-    let mut next_drop = vec![case.capacity.len(); case.capacity.len() + 1];
-    for t in (0..case.capacity.len()).rev() {
-        next_drop[t] = if case.capacity[t] == 0 {
-            t
+    let len = case.capacity.iter().map(|c| c.len()).min().unwrap_or(0);
+    let ticks = ((case.deadline_secs / g - 1e-9).ceil().max(0.0) as usize).min(len);
+    let tick = k;
+    let overhead = (case.overhead_secs / q + 1e-9).floor() as usize;
+    // Overhead still owed at the start of a tick: 0, or what an overhead longer than a tick
+    // leaves after 1, 2, … ticks.
+    let owed_levels: Vec<usize> = std::iter::once(0)
+        .chain(
+            (1..)
+                .map(|j| overhead.saturating_sub(j * tick))
+                .take_while(|&w| w > 0),
+        )
+        .collect();
+    let levels = owed_levels.len();
+    let level_of = |w: usize| owed_levels.iter().position(|&x| x == w).unwrap_or(0);
+    let zones = case.capacity.len();
+    // Modes: 0 idle, 1 on-demand, 2.. spot in zone z.
+    let modes = 2 + zones;
+    let price = |mode: usize| -> f64 {
+        let per_hour = if mode == 1 {
+            case.on_demand_usd_per_hour
         } else {
-            next_drop[t + 1]
+            case.spot_usd_per_hour
         };
-    }
-    let free_ticks = (3600.0 / g).ceil() as usize;
+        per_hour * g / 3600.0
+    };
+    // State index: (progress, mode, owed level); idle has only level 0.
+    let stride = modes * levels;
+    let at = |p: usize, m: usize, l: usize| p * stride + m * levels + l;
+    let mut now = vec![f64::INFINITY; need * stride];
+    now[at(0, 0, 0)] = 0.0;
+    let mut next = vec![f64::INFINITY; need * stride];
+    let mut best = f64::INFINITY;
+    // The first tick at or after t without capacity, per zone.
+    let next_drop: Vec<Vec<usize>> = case
+        .capacity
+        .iter()
+        .map(|cap| {
+            let mut d = vec![len; len + 1];
+            for t in (0..len).rev() {
+                d[t] = if cap[t] == 0 { t } else { d[t + 1] };
+            }
+            d
+        })
+        .collect();
+    let free_ticks = (3600.0 / g).ceil() as usize + usize::from(case.straddles);
+    // Free rides land idle at a later tick: by tick, the cheapest cost per progress.
+    let mut arrivals: std::collections::BTreeMap<usize, Vec<f64>> = Default::default();
+    let mut per_mode = vec![f64::INFINITY; modes];
+    // Ticks index several arrays (capacity and next drop per zone, arrivals): a range reads best.
+    #[allow(clippy::needless_range_loop)]
     for t in 0..ticks {
-        for &(p, c) in &arrivals[t] {
-            if c < now[p][IDLE] {
-                now[p][IDLE] = c;
+        if let Some(landed) = arrivals.remove(&t) {
+            for (p, c) in landed.into_iter().enumerate() {
+                let i = at(p, 0, 0);
+                if c < now[i] {
+                    now[i] = c;
+                }
             }
         }
-        let mut next = vec![[f64::INFINITY; 3]; width];
-        let spot_now = case.capacity[t] > 0;
-        for (p, modes) in now.iter().enumerate() {
-            for (m, &c) in modes.iter().enumerate() {
-                if !c.is_finite() {
+        // Only progress that can still finish in time, and that t ticks can have made.
+        let lo = need.saturating_sub((ticks - t) * tick);
+        let hi = (t * tick).min(need - 1);
+        let next_lo = need.saturating_sub((ticks - t - 1) * tick);
+        let next_hi = ((t + 1) * tick).min(need - 1);
+        if next_lo <= next_hi {
+            next[next_lo * stride..(next_hi + 1) * stride].fill(f64::INFINITY);
+        }
+        let up: Vec<bool> = (0..zones).map(|z| case.capacity[z][t] > 0).collect();
+        for p in lo..(hi + 1).max(lo) {
+            // The cheapest way to be at p in each mode (any owed level), and the two best modes.
+            let mut b1 = (f64::INFINITY, usize::MAX);
+            let mut b2 = f64::INFINITY;
+            for (m, slot) in per_mode.iter_mut().enumerate() {
+                let c = (0..levels)
+                    .map(|l| now[at(p, m, l)])
+                    .fold(f64::INFINITY, f64::min);
+                *slot = c;
+                if c < b1.0 {
+                    b2 = b1.0;
+                    b1 = (c, m);
+                } else if c < b2 {
+                    b2 = c;
+                }
+            }
+            if !b1.0.is_finite() {
+                continue;
+            }
+            // Idle: stopping is free (what is left of an overhead is forfeited).
+            let i = at(p, 0, 0);
+            next[i] = next[i].min(b1.0);
+            for y in 1..modes {
+                if y >= 2 && !up[y - 2] {
                     continue;
                 }
-                if p == done {
-                    best = best.min(c);
-                    continue;
+                let tick_cost = price(y);
+                // Entering y from another mode: the whole overhead.
+                let enter = if b1.1 == y { b2 } else { b1.0 };
+                // Staying in y, with what it still owes.
+                let stays = (0..levels).map(|l| (now[at(p, y, l)], owed_levels[l]));
+                for (c, owed) in std::iter::once((enter, overhead)).chain(stays) {
+                    if !c.is_finite() {
+                        continue;
+                    }
+                    let paid = owed.min(tick);
+                    let gain = tick - paid;
+                    if p + gain >= need {
+                        // Done inside this tick: billed to the second the work is done.
+                        let used = paid + (need - p);
+                        best = best.min(c + tick_cost * used as f64 / tick as f64);
+                        continue;
+                    }
+                    let j = at(p + gain, y, level_of(owed - paid));
+                    next[j] = next[j].min(c + tick_cost);
                 }
-                let at = p as i64 - shift as i64;
-                // Idle.
-                let slot = &mut next[p][IDLE];
-                *slot = slot.min(c);
-                // On-demand.
-                let gain = tick_gain - if m == OD { 0 } else { overhead };
-                let to = idx(at + gain);
-                next[to][OD] = next[to][OD].min(c + od_tick);
-                if spot_now {
-                    // Spot, paid by the second.
-                    let gain = tick_gain - if m == SPOT { 0 } else { overhead };
-                    let to = idx(at + gain);
-                    next[to][SPOT] = next[to][SPOT].min(c + spot_tick);
-                    // A free ride to an interruption within the hour.
-                    let end = next_drop[t];
-                    if m != SPOT && end < case.capacity.len() && end - t < free_ticks {
-                        let gain = ((end - t) as i64 * tick_gain - overhead).max(0);
-                        let to = idx(at.max(0) + gain);
-                        if end <= ticks {
-                            arrivals[end].push((to, c));
+                // A free ride: spot entered now in a zone whose capacity ends within the hour.
+                if y >= 2 && enter.is_finite() {
+                    let end = next_drop[y - 2][t];
+                    if end < len && end - t < free_ticks && end <= ticks {
+                        let gain = ((end - t) * tick).saturating_sub(overhead);
+                        if p + gain >= need {
+                            best = best.min(enter);
+                        } else {
+                            let landed = arrivals
+                                .entry(end)
+                                .or_insert_with(|| vec![f64::INFINITY; need]);
+                            if enter < landed[p + gain] {
+                                landed[p + gain] = enter;
+                            }
                         }
                     }
                 }
             }
         }
-        now = next;
-    }
-    for &(p, c) in &arrivals[ticks] {
-        if c < now[p][IDLE] {
-            now[p][IDLE] = c;
-        }
-    }
-    for cell in &now[done] {
-        best = best.min(*cell);
+        std::mem::swap(&mut now, &mut next);
     }
     if best.is_finite() {
-        Optimum::Cost(best)
+        done(Optimum::Cost(best))
     } else {
-        Optimum::Infeasible
+        done(Optimum::Infeasible)
     }
+}
+
+/// A lower bound for an elastic job of `instances` instances (each doing its share of the
+/// work, `case.work_secs` being the work at full width) on `case`'s zones. A relaxation, not a
+/// schedule: every instance-tick is priced on its own, the cheapest first —
+///
+/// - free: an instance-tick on a capacity level that ends within the hour (+ one tick): the
+///   simulator interrupts the newest instances first, so at most `cap(t) − min cap over the
+///   next hour` instances alive at `t` can end in a free first hour;
+/// - paid spot: the rest of the zones' capacity;
+/// - on-demand: the slots left, up to `instances` per tick —
+///
+/// and restart overheads are left out. So it is at or below what any policy pays.
+pub fn elastic_bound(case: &OptimalCase<'_>, instances: u32) -> Optimum {
+    let g = case.gap_secs;
+    let n = instances.max(1) as f64;
+    let need = case.work_secs * n / g;
+    if need <= 0.0 {
+        return Optimum::Cost(0.0);
+    }
+    let len = case.capacity.iter().map(|c| c.len()).min().unwrap_or(0);
+    let ticks = ((case.deadline_secs / g - 1e-9).ceil().max(0.0) as usize).min(len);
+    let window = (3600.0 / g).ceil() as usize + 1;
+    let (mut free, mut paid, mut od) = (0.0, 0.0, 0.0);
+    for t in 0..ticks {
+        let mut f = 0.0;
+        let mut p = 0.0;
+        for cap in &case.capacity {
+            let now = f64::from(cap[t]);
+            let low = cap[t..(t + window).min(len)]
+                .iter()
+                .copied()
+                .min()
+                .map_or(0.0, f64::from);
+            f += now - low.min(now);
+            p += low.min(now);
+        }
+        let f = f.min(n);
+        let p = p.min(n - f);
+        free += f;
+        paid += p;
+        od += n - f - p;
+    }
+    if need > free + paid + od + 1e-9 {
+        return Optimum::Infeasible;
+    }
+    let tick = |per_hour: f64| per_hour * g / 3600.0;
+    let on_spot = (need - free).clamp(0.0, paid);
+    let on_od = (need - free - paid).max(0.0);
+    Optimum::Cost(
+        on_spot * tick(case.spot_usd_per_hour) + on_od * tick(case.on_demand_usd_per_hour),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn case(capacity: &[u32], work_h: f64, deadline_h: f64, overhead_h: f64) -> OptimalCase<'_> {
+    fn case_in<'a>(
+        zones: &[&'a [u32]],
+        work_h: f64,
+        deadline_h: f64,
+        overhead_h: f64,
+    ) -> OptimalCase<'a> {
         OptimalCase {
-            capacity,
+            capacity: zones.to_vec(),
+            straddles: false,
             gap_secs: 600.0,
             work_secs: work_h * 3600.0,
             deadline_secs: deadline_h * 3600.0,
@@ -151,6 +322,10 @@ mod tests {
             spot_usd_per_hour: 1.0,
             on_demand_usd_per_hour: 3.0,
         }
+    }
+
+    fn case(capacity: &[u32], work_h: f64, deadline_h: f64, overhead_h: f64) -> OptimalCase<'_> {
+        case_in(&[capacity], work_h, deadline_h, overhead_h)
     }
 
     fn cost(o: Optimum) -> f64 {
@@ -193,5 +368,70 @@ mod tests {
         // With a tight deadline it must use on-demand for part of the work.
         let tight = cost(optimum(&case(&late, 2.0, 2.5, 1.0 / 6.0)));
         assert!(tight > loose && tight <= 6.5 + 1e-9, "{tight}");
+    }
+
+    #[test]
+    fn a_short_overhead_is_exact_and_the_last_tick_is_billed_to_the_second() {
+        // 72 s on 10-minute ticks: 24-s quanta, not rounded to nothing.
+        let always = vec![1; 60];
+        let s = solve(&case(&always, 2.0, 5.0, 0.02));
+        assert_eq!((s.quanta_per_tick, s.overhead_rounded), (25, false));
+        // 2 h of work + 72 s, every second at $1/h.
+        assert!((cost(s.optimum) - (2.0 + 0.02)).abs() < 1e-9, "{s:?}");
+        // An overhead longer than a tick (12 min on 10): carried into the next tick.
+        let s = solve(&case(&always, 2.0, 5.0, 0.2));
+        assert_eq!(s.quanta_per_tick, 5);
+        assert!((cost(s.optimum) - 2.2).abs() < 1e-9, "{s:?}");
+    }
+
+    #[test]
+    fn a_start_inside_a_tick_sees_either_overlapped_tick() {
+        assert_eq!(straddled(&[0, 1, 0, 0, 1]), vec![1, 1, 0, 1, 1]);
+        // A relaxation: never dearer than the aligned case.
+        let cap: Vec<u32> = [vec![0; 6], vec![1; 5], vec![0; 49]].concat();
+        let aligned = cost(optimum(&case(&cap, 2.0, 8.0, 0.1)));
+        let seen = straddled(&cap);
+        let mut inside = case(&seen, 2.0, 8.0, 0.1);
+        inside.straddles = true;
+        assert!(cost(optimum(&inside)) <= aligned + 1e-9);
+    }
+
+    #[test]
+    fn the_elastic_bound_prices_free_then_spot_then_on_demand_slots() {
+        // Two instances, 1 h of work at full width (2 instance-hours) in 3 h. Zone a: capacity
+        // 2 for 30 minutes then none (a free first hour for both); zone b: 1 for good.
+        let a: Vec<u32> = [vec![2; 3], vec![0; 57]].concat();
+        let b = vec![1u32; 60];
+        let c = case_in(&[&a, &b], 1.0, 3.0, 0.1);
+        // Free: 2 × 30 min; zone b is paid (it never drops): the other 1 h at $1/h.
+        let got = cost(elastic_bound(&c, 2));
+        assert!((got - 1.0).abs() < 1e-9, "{got}");
+        // Only zone b: 1 h of paid spot on one slot is not enough in 0.5 h; with 3 h, 1 slot
+        // of spot for 2 h would do, so $2.
+        let only_b = case_in(&[&b], 1.0, 3.0, 0.1);
+        assert!((cost(elastic_bound(&only_b, 2)) - 2.0).abs() < 1e-9);
+        // 1 h of work at full width in 30 minutes cannot be done.
+        let short = case_in(&[&b], 1.0, 0.5, 0.1);
+        assert_eq!(elastic_bound(&short, 2), Optimum::Infeasible);
+        // One instance: never above the exact optimum.
+        let one = case_in(&[&a, &b], 1.0, 3.0, 0.1);
+        assert!(cost(elastic_bound(&one, 1)) <= cost(optimum(&one)) + 1e-9);
+    }
+
+    #[test]
+    fn several_zones_let_the_optimum_move_where_spot_is_and_pay_the_move() {
+        // Zone a: spot for 2 h, then none; zone b: none for 2 h, then spot. 4 h of work.
+        let a: Vec<u32> = [vec![1; 12], vec![0; 48]].concat();
+        let b: Vec<u32> = [vec![0; 12], vec![1; 48]].concat();
+        let one = cost(optimum(&case_in(&[&a], 4.0, 6.0, 0.1)));
+        let both = cost(optimum(&case_in(&[&a, &b], 4.0, 6.0, 0.1)));
+        // Both zones, all spot: 2 h on a, then 2 h on b with a second 6-minute start costs
+        // $4.20; better still, a's last 50 minutes are a free ride (left and entered again).
+        assert!(both <= 4.2 + 1e-9, "{both}");
+        // One zone: a, then on-demand at $3/h for what is left.
+        assert!(both + 2.0 < one, "{both} vs {one}");
+        // The order of the zones does not matter.
+        let swapped = cost(optimum(&case_in(&[&b, &a], 4.0, 6.0, 0.1)));
+        assert!((swapped - both).abs() < 1e-9);
     }
 }

@@ -46,6 +46,23 @@ fn world(zones: &[(&str, &str)]) -> Arc<Availability> {
 }
 
 fn simulate(a: &Arc<Availability>, policy: &str, work_hours: f64, deadline_h: f64) -> RunResult {
+    simulate_file(
+        a,
+        policy,
+        &format!("kind = \"{policy}\"\n"),
+        work_hours,
+        deadline_h,
+    )
+}
+
+/// [`simulate`] with the policy file's text.
+fn simulate_file(
+    a: &Arc<Availability>,
+    policy: &str,
+    toml: &str,
+    work_hours: f64,
+    deadline_h: f64,
+) -> RunResult {
     let history =
         Arc::new(a.price_history(UsdPerHour::new(SPOT).unwrap(), UsdPerHour::new(OD).unwrap()));
     let spec = "name = \"t\"\ntotal_work = WORK\nreference_type = \"p3.2xlarge\"\n\
@@ -66,7 +83,7 @@ fn simulate(a: &Arc<Availability>, policy: &str, work_hours: f64, deadline_h: f6
         Box::new(HazardModel::new(HazardPrior::default())),
     )
     .unwrap();
-    let mut p = parse_policy(&format!("{policy}.toml"), &format!("kind = \"{policy}\"\n")).unwrap();
+    let mut p = parse_policy(&format!("{policy}.toml"), toml).unwrap();
     let options = RunOptions {
         deadline: Some(Deadline::After(deadline_h * H)),
         record_decisions: true,
@@ -157,15 +174,6 @@ fn uniform_progress_falls_back_to_on_demand_when_behind_and_skypilot_misses_the_
         "spot only, no deadline awareness"
     );
     assert_eq!(sky.instance_hours_reliable, 0.0);
-    // With slack to spare it moves to spot once spot is back, and pays less than on-demand.
-    let relaxed = simulate(&a, "uniform-progress", 4.0, 14.0);
-    assert_eq!(
-        relaxed.outcome,
-        Outcome::Completed,
-        "{}",
-        relaxed.end_reason
-    );
-    assert!(relaxed.instance_hours_transient > 0.0, "{relaxed:?}");
     let od = simulate(&a, "on-demand", 4.0, 6.0);
     assert_eq!(od.outcome, Outcome::Completed);
     assert!(
@@ -173,7 +181,95 @@ fn uniform_progress_falls_back_to_on_demand_when_behind_and_skypilot_misses_the_
         "{}",
         od.cost_usd.get()
     );
-    assert!(relaxed.cost_usd.get() < od.cost_usd.get());
+    // With slack to spare it still starts on on-demand (behind the line at the first look) and,
+    // as published, leaves it only for spot: 4 h of work are done on on-demand before spot is
+    // back at 5 h; 8 h of work move to spot then, and pay less than on-demand.
+    let relaxed = simulate(&a, "uniform-progress", 4.0, 14.0);
+    assert_eq!(relaxed.outcome, Outcome::Completed);
+    assert_eq!(
+        relaxed.instance_hours_transient, 0.0,
+        "{:?}",
+        relaxed.instances
+    );
+    let longer = simulate(&a, "uniform-progress", 8.0, 14.0);
+    assert_eq!(longer.outcome, Outcome::Completed, "{}", longer.end_reason);
+    assert!(
+        longer.instance_hours_transient > 0.0,
+        "{:?}",
+        longer.instances
+    );
+    let od_longer = simulate(&a, "on-demand", 8.0, 14.0);
+    assert!(longer.cost_usd.get() < od_longer.cost_usd.get());
+}
+
+/// Uniform Progress as published (§5.2.2): on on-demand it leaves only for spot, so a refused
+/// try keeps on-demand running (the hysteresis is done long before spot is back); the
+/// on-demand instance goes when the spot launch is granted, and the switch pays the restart.
+/// The make-before-break variant keeps on-demand working until the spot instance is ready.
+#[test]
+fn uniform_progress_keeps_on_demand_through_refused_tries_and_switches_when_spot_is_granted() {
+    // No spot for 3 h, then spot for good; 4 h of work in 6 h: behind the line from the start.
+    let a = world(&[(
+        "us-west-2a",
+        &format!("{}{}", "0".repeat(18), "1".repeat(60)),
+    )]);
+    let back = (3.0 * H * 1000.0) as i64;
+    let od_market = |r: &RunResult| -> Vec<(i64, i64)> {
+        r.instances
+            .iter()
+            .filter(|i| i.tier == proteus_broker::policy::Tier::Reliable)
+            .map(|i| (i.launch.millis(), i.end.millis()))
+            .collect()
+    };
+    let spot_launches = |r: &RunResult| -> Vec<i64> {
+        r.instances
+            .iter()
+            .filter(|i| i.tier == proteus_broker::policy::Tier::Transient)
+            .map(|i| i.launch.millis())
+            .collect()
+    };
+    let up = simulate(&a, "uniform-progress", 4.0, 6.0);
+    assert_eq!(up.outcome, Outcome::Completed, "{}", up.end_reason);
+    // The hysteresis is done at 0.7 h (cp >= ep(t + 2d)); from then on it tries spot at every
+    // look, refused for 2.3 h.
+    assert!(up.failed_launches > 100, "{}", up.failed_launches);
+    let od = od_market(&up);
+    assert_eq!(od.len(), 1, "one on-demand instance throughout: {od:?}");
+    let spot = spot_launches(&up);
+    assert_eq!(spot.len(), 1, "{:?}", up.instances);
+    assert!(spot[0] >= back, "spot only once it is back: {spot:?}");
+    assert_eq!(
+        od[0].1, spot[0],
+        "on-demand goes when the spot launch is granted"
+    );
+
+    let mbb = simulate_file(
+        &a,
+        "uniform-progress-mbb",
+        "kind = \"uniform-progress\"\nmake_before_break = true\n",
+        4.0,
+        6.0,
+    );
+    assert_eq!(mbb.outcome, Outcome::Completed, "{}", mbb.end_reason);
+    let (od, spot) = (od_market(&mbb), spot_launches(&mbb));
+    assert_eq!((od.len(), spot.len()), (1, 1), "{:?}", mbb.instances);
+    // The spot instance starts for 6 minutes beside the on-demand one, which then goes.
+    assert_eq!(od[0].1, spot[0] + 360_000, "{:?}", mbb.instances);
+    assert!(mbb.runtime_hours < up.runtime_hours, "{mbb:?} vs {up:?}");
+}
+
+/// Exploitation (§3.3): once on spot, the job stays there until it is preempted — the safety
+/// net applies off spot only, so a tight deadline does not make it leave a running spot
+/// instance for on-demand.
+#[test]
+fn uniform_progress_stays_on_spot_when_the_slack_falls_below_the_safety_net() {
+    // Spot throughout; 4 h of work in 4.25 h. After the 6-minute start the time left (4.15 h)
+    // is below the compute left plus two restarts and a look (4.21 h).
+    let a = world(&[("us-west-2a", &"1".repeat(60))]);
+    let up = simulate(&a, "uniform-progress", 4.0, 4.25);
+    assert_eq!(up.outcome, Outcome::Completed, "{}", up.end_reason);
+    assert_eq!(up.instance_hours_reliable, 0.0, "{:?}", up.instances);
+    assert_eq!(up.instances.len(), 1, "{:?}", up.instances);
 }
 
 #[test]
@@ -285,6 +381,149 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
     assert!(!gap.exists());
 }
 
+/// `--optimal` through the binary for every family: several zones (a move between zones pays
+/// the restart), an elastic job (a relaxation), each at or below every policy on every start
+/// that finished in time; files of different periods are refused, naming both.
+#[test]
+fn the_optimum_covers_every_zone_and_elastic_jobs_and_stays_below_every_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let period = dir.path().join("aws-02-15-2023");
+    std::fs::create_dir(&period).unwrap();
+    // Two zones whose outages alternate, 3 days of 10-minute ticks.
+    let write = |dir: &std::path::Path, zone: &str, phase: usize| {
+        let data: Vec<&str> = (0..432)
+            .map(|i| {
+                if (i / 18 + phase).is_multiple_of(2) {
+                    "1"
+                } else {
+                    "0"
+                }
+            })
+            .collect();
+        let file = dir.join(format!("{zone}_v100_1.json"));
+        std::fs::write(
+            &file,
+            format!(
+                "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
+                data.join(",")
+            ),
+        )
+        .unwrap();
+        file
+    };
+    let a = write(&period, "us-east-1a", 0);
+    let b = write(&period, "us-east-1b", 1);
+    let run = |files: &[&std::path::Path], args: &[&str]| -> serde_json::Value {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_proteus"));
+        cmd.arg("simulate");
+        for f in files {
+            cmd.arg("--availability").arg(f);
+        }
+        let out = cmd
+            .args([
+                "--work-hours",
+                "12",
+                "--deadline-hours",
+                "20",
+                "--restart-overhead-hours",
+                "0.02",
+                "--starts",
+                "6",
+                "--seed",
+                "2",
+                "--output",
+                "json",
+            ])
+            .args(args)
+            .env("PROTEUS_LOG", "warn")
+            .env_remove("PROTEUS_POLICIES_DIR")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let costs = |v: &serde_json::Value, policy: &str| -> Vec<(bool, f64)> {
+        v["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["policy"] == policy)
+            .unwrap_or_else(|| panic!("no {policy}: {v}"))["runs_by_start"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["deadline_met"].as_bool().unwrap(),
+                    r["cost_usd"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let policies = [
+        "bidbrain",
+        "uniform-progress-all-zones",
+        "uniform-progress-all-zones-mbb",
+        "skypilot-default",
+    ];
+    for instances in ["1", "3"] {
+        let both = run(&[&a, &b], &["--instances", instances, "--optimal"]);
+        let bound = costs(&both, "hindsight-optimal");
+        assert!(bound.iter().all(|(met, _)| *met), "{both}");
+        let ran = run(
+            &[&a, &b],
+            &[&["--instances", instances, "--compare"][..], &policies[..]].concat(),
+        );
+        for policy in policies {
+            for (i, ((_, best), (met, paid))) in bound.iter().zip(costs(&ran, policy)).enumerate() {
+                assert!(
+                    !met || *best <= paid + 1e-6,
+                    "{instances} instance(s), start {i}: the bound ${best} is above {policy}'s \
+                     ${paid}"
+                );
+            }
+        }
+        if instances == "1" {
+            // One zone alone: never cheaper than with both to move between.
+            let one = run(&[&a], &["--optimal"]);
+            for ((_, two), (_, single)) in bound.iter().zip(costs(&one, "hindsight-optimal")) {
+                assert!(*two <= single + 1e-9, "{two} vs {single}");
+            }
+            assert!(
+                bound
+                    .iter()
+                    .zip(costs(&one, "hindsight-optimal"))
+                    .any(|((_, two), (_, single))| *two < single - 1.0),
+                "moving between zones saves on some start"
+            );
+        }
+    }
+    // A file of another period: refused, naming both files.
+    let other = dir.path().join("aws-10-26-2022");
+    std::fs::create_dir(&other).unwrap();
+    let c = write(&other, "us-west-2a", 0);
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["simulate", "--availability"])
+        .arg(&a)
+        .arg("--availability")
+        .arg(&c)
+        .args(["--work-hours", "1", "--deadline-hours", "2", "--optimal"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("aws-10-26-2022")
+            && err.contains("us-east-1a_v100_1.json")
+            && err.contains("same period"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bidbrain_paces_against_the_deadline_on_spot_and_buys_on_demand_only_when_it_must() {
     // Spot for 2 h, none for 2 h, then spot again.
@@ -314,7 +553,8 @@ fn bidbrain_paces_against_the_deadline_on_spot_and_buys_on_demand_only_when_it_m
         .map(|c| c.to_digit(10).unwrap())
         .collect();
     let best = proteus_broker::sim::optimal::optimum(&proteus_broker::sim::optimal::OptimalCase {
-        capacity: &capacity,
+        capacity: vec![&capacity],
+        straddles: false,
         gap_secs: 600.0,
         work_secs: 4.0 * H,
         deadline_secs: 4.6 * H,
