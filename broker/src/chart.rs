@@ -2,7 +2,8 @@
 //! dashboard's pictures and PNGs for terminals and reports.
 //!
 //! - [`job_chart`]: a job's life on the market — the spot price of each market it used against
-//!   the bids it placed there (and the on-demand price), above the number of instances per tier.
+//!   the bids it placed there (and the on-demand price), or, on an availability market where
+//!   prices decide nothing, each pool's spot capacity — above the number of instances per tier.
 //! - [`price_chart`]: the spot price history of some markets over a window.
 //!
 //! Each chart is laid out once (steps, scales, legend: the `*Data` structs) and drawn on the
@@ -11,6 +12,7 @@
 
 use crate::market::{Market, Timestamp, UsdPerHour};
 use crate::prices::PriceHistory;
+use crate::sim::availability::Availability;
 use crate::store::InstanceRow;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -75,14 +77,16 @@ pub fn job_chart(
     format: Format,
     title: &str,
     history: &PriceHistory,
+    availability: Option<&Availability>,
     instances: &[InstanceRow],
     from: Timestamp,
     to: Timestamp,
 ) -> Result<Vec<u8>, ChartError> {
-    render(
-        format,
-        &JobChartData::new(title, history, instances, from, to),
-    )
+    let mut data = JobChartData::new(title, history, instances, from, to);
+    if let Some(a) = availability {
+        data.capacity = Some(CapacityPanel::new(a, instances, data.axis));
+    }
+    render(format, &data)
 }
 
 /// The spot price of `markets` over `[from, to]`, with their on-demand prices where they fit
@@ -312,6 +316,59 @@ struct BidLine {
     evicted: bool,
 }
 
+/// Each pool's spot capacity over the window (an availability market), with the job's
+/// interruptions marked on their pool's line.
+struct CapacityPanel {
+    pools: Vec<MarketLine>,
+    /// Interrupted spot instances: where they ended, and their pool's colour.
+    interruptions: Vec<(f64, f64, RGBColor)>,
+    max: f64,
+}
+
+impl CapacityPanel {
+    fn new(a: &Availability, instances: &[InstanceRow], axis: TimeAxis) -> Self {
+        let pools: Vec<MarketLine> = a
+            .markets()
+            .enumerate()
+            .map(|(k, m)| {
+                let (first, changes) = a.capacity_changes(m, axis.from, axis.to);
+                MarketLine {
+                    name: m.zone.to_string(),
+                    colour: COLOURS[k % COLOURS.len()],
+                    points: steps(
+                        Some(f64::from(first)),
+                        changes.into_iter().map(|(t, c)| (axis.x(t), f64::from(c))),
+                        axis.hours(),
+                    ),
+                    on_demand: None,
+                }
+            })
+            .collect();
+        let interruptions = instances
+            .iter()
+            .filter(|i| i.tier == Tier::Transient && i.ended_by_provider)
+            .filter_map(|i| {
+                let end = i.ended?;
+                let k = a.markets().position(|m| m.zone == i.market.zone)?;
+                Some((
+                    axis.x(end),
+                    f64::from(a.capacity(&i.market, end)),
+                    pools[k].colour,
+                ))
+            })
+            .collect();
+        let max = pools
+            .iter()
+            .flat_map(|p| p.points.iter().map(|q| q.1))
+            .fold(1.0, f64::max);
+        CapacityPanel {
+            pools,
+            interruptions,
+            max,
+        }
+    }
+}
+
 /// Everything [`job_chart`] draws, computed from the job's instances and the price history.
 struct JobChartData {
     title: String,
@@ -323,6 +380,8 @@ struct JobChartData {
     /// instances of either tier still running until they leave.
     tiers: [Vec<(f64, f64)>; 3],
     max_count: i32,
+    /// On an availability market: drawn in place of prices and bids.
+    capacity: Option<CapacityPanel>,
 }
 
 impl JobChartData {
@@ -404,6 +463,7 @@ impl JobChartData {
             prices,
             tiers,
             max_count,
+            capacity: None,
         }
     }
 }
@@ -413,8 +473,48 @@ impl Chart for JobChartData {
         canvas(root, &self.title)?;
         let (prices, counts) = root.split_vertically(340);
         let (price_plot, _) = prices.split_horizontally(WIDTH - LEGEND);
-        let (count_plot, _) = counts.split_horizontally(WIDTH - LEGEND);
         let hours = self.axis.hours();
+
+        if let Some(cap) = &self.capacity {
+            // Each pool's capacity: what decides a launch and an interruption on this market.
+            price_plot.draw(&Text::new(
+                "spot instances each pool would sell (capacity); ◉ an interruption of the job's",
+                (LEFT as i32, 34),
+                text(12, GREY),
+            ))?;
+            let mut chart = ChartBuilder::on(&price_plot)
+                .margin_top(50)
+                .margin_right(10)
+                .y_label_area_size(LEFT)
+                .build_cartesian_2d(0.0..hours, 0.0..cap.max * 1.1)?;
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .bold_line_style(MESH)
+                .light_line_style(WHITE)
+                .x_labels(0)
+                .y_labels(6)
+                .y_label_formatter(&|v| format!("{v:.0}"))
+                .label_style(text(12, GREY))
+                .draw()?;
+            for p in &cap.pools {
+                chart.draw_series(LineSeries::new(
+                    p.points.iter().copied(),
+                    p.colour.stroke_width(2),
+                ))?;
+            }
+            for &(x, c, colour) in &cap.interruptions {
+                chart.draw_series([
+                    Circle::new((x, c), 8, BLACK.stroke_width(2)),
+                    Circle::new((x, c), 6, colour.filled()),
+                ])?;
+            }
+            for (row, p) in cap.pools.iter().enumerate() {
+                legend(root, 50, row, Swatch::Line(p.colour), &p.name)?;
+            }
+            legend(root, 50, cap.pools.len(), Swatch::None, "◉ interruption")?;
+            return self.draw_counts(root, counts);
+        }
 
         // Spot prices, bids and on-demand prices.
         price_plot.draw(&Text::new(
@@ -472,8 +572,19 @@ impl Chart for JobChartData {
             row += 1;
         }
         legend(root, 50, row, Swatch::None, "◉ eviction")?;
+        self.draw_counts(root, counts)
+    }
+}
 
-        // Instances per tier.
+impl JobChartData {
+    /// The lower panel: instances per tier.
+    fn draw_counts<DB: DrawingBackend>(
+        &self,
+        root: &DrawingArea<DB, Shift>,
+        counts: DrawingArea<DB, Shift>,
+    ) -> Drawn<DB> {
+        let (count_plot, _) = counts.split_horizontally(WIDTH - LEGEND);
+        let hours = self.axis.hours();
         count_plot.draw(&Text::new(
             "instances per tier",
             (LEFT as i32, 4),
@@ -716,6 +827,71 @@ mod tests {
         )
     }
 
+    /// On an availability market the upper panel shows each pool's capacity, not prices: the
+    /// pools are named, an interruption sits on its pool's line at the capacity it dropped to.
+    #[test]
+    fn an_availability_market_charts_each_pools_capacity_instead_of_prices() {
+        use crate::sim::availability::{AvailabilityTrace, Reading};
+        let trace = |zone: &str, data: &str| {
+            AvailabilityTrace::parse(
+                std::path::Path::new(&format!("{zone}_v100_1.json")),
+                &format!("{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{data}]}}"),
+                Reading::Available,
+            )
+            .unwrap()
+        };
+        let a = Availability::new(
+            vec![
+                trace("us-west-2a", "3,3,3,0,0,2"),
+                trace("us-west-2c", "1,1,1,1,1,1"),
+            ],
+            crate::market::InstanceType::parse("p3.2xlarge").unwrap(),
+            Timestamp::from_millis(0),
+        )
+        .unwrap();
+        let (history, mut inst) = one_evicted_instance();
+        inst.market = Market::parse("us-west-2a/p3.2xlarge").unwrap();
+        inst.bid = None;
+        inst.ended = Some(Timestamp::from_millis(1_920_000));
+        let panel = CapacityPanel::new(
+            &a,
+            std::slice::from_ref(&inst),
+            TimeAxis::new(Timestamp::from_millis(0), Timestamp::from_millis(3_600_000)),
+        );
+        let names: Vec<&str> = panel.pools.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["us-west-2a", "us-west-2c"]);
+        // 2a: 3 until 30 min, 0 until 50 min, then 2.
+        assert_eq!(
+            panel.pools[0].points,
+            [
+                (0.0, 3.0),
+                (0.5, 3.0),
+                (0.5, 0.0),
+                (50.0 / 60.0, 0.0),
+                (50.0 / 60.0, 2.0),
+                (1.0, 2.0)
+            ]
+        );
+        assert_eq!(panel.interruptions, [(32.0 / 60.0, 0.0, COLOURS[0])]);
+        assert_eq!(panel.max, 3.0);
+        let svg = job_chart(
+            Format::Svg,
+            "today",
+            &history,
+            Some(&a),
+            &[inst],
+            Timestamp::from_millis(0),
+            Timestamp::from_millis(3_600_000),
+        )
+        .unwrap();
+        let svg = String::from_utf8(svg).unwrap();
+        assert!(
+            svg.contains("capacity") && svg.contains("us-west-2c"),
+            "{svg}"
+        );
+        assert!(!svg.contains("spot price"), "prices decide nothing here");
+    }
+
     #[test]
     fn job_chart_is_well_formed_svg_with_every_market() {
         let (history, inst) = one_evicted_instance();
@@ -723,6 +899,7 @@ mod tests {
             Format::Svg,
             "t <1>",
             &history,
+            None,
             &[inst],
             Timestamp::from_millis(0),
             Timestamp::from_millis(3_600_000),
@@ -818,6 +995,7 @@ mod tests {
             Format::Png,
             "png",
             &history,
+            None,
             std::slice::from_ref(&inst),
             Timestamp::from_millis(0),
             Timestamp::from_millis(3_600_000),

@@ -597,6 +597,7 @@ pub async fn start_with(
         .context("--workdir-buckets/--checkpoint-store")?,
         max_job_events: args.max_job_events,
         instance_cap: args.instance_cap,
+        availability: availability.clone(),
         default_budget,
     };
     let (auth, token) = user_auth(&store, args.token.as_deref(), clock.now()).await?;

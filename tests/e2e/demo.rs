@@ -141,6 +141,23 @@ async fn the_today_demo_meets_its_deadline_through_refusals_and_interruptions() 
         spent < on_demand,
         "spent ${spent} ≥ on-demand's ${on_demand}"
     );
+    // The counterfactuals replay the same capacity against the same deadline, with the
+    // baselines users run today (not standard bidding priced as if every launch were granted).
+    let baselines: Vec<&str> = cost["counterfactuals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        baselines,
+        ["on-demand", "uniform-progress", "skypilot-default"],
+        "{cost}"
+    );
+    for c in cost["counterfactuals"].as_array().unwrap() {
+        assert!(c["deadline_met"].is_boolean(), "{c}");
+        assert!(c["cost_usd"].as_f64().is_some(), "{c}");
+    }
 
     // The cloud refused spot for lack of capacity, as EC2 does, and the broker said so.
     let pool = sqlx::PgPool::connect(&db).await.unwrap();

@@ -235,8 +235,17 @@ pub(super) async fn job_chart(
     let to = job.finished.unwrap_or_else(|| s.broker.clock().now());
     let title = format!("job {} ({}), policy {}", job.id, job.name, job.policy);
     let data = s.broker.market_data();
+    let availability = s.broker.settings().availability.clone();
     let bytes = tokio::task::spawn_blocking(move || {
-        chart::job_chart(format, &title, &data.history, &instances, from, to)
+        chart::job_chart(
+            format,
+            &title,
+            &data.history,
+            availability.as_deref(),
+            &instances,
+            from,
+            to,
+        )
     })
     .await
     .map_err(ApiError::internal)?

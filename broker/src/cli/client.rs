@@ -852,13 +852,23 @@ pub fn cost_text(r: &CostReport) -> String {
     if let Some(note) = &r.work_note {
         out.push_str(&format!("note: {note}\n"));
     }
+    let with_deadline = r.counterfactuals.iter().any(|c| c.deadline_met.is_some());
     out.push_str(&format!(
-        "\nthe same work ({:.3} units) on the same prices:\n",
-        r.work_units
+        "\nthe same work ({:.3} units) on the same prices{}:\n",
+        r.work_units,
+        if with_deadline {
+            " and capacity, by the job's deadline"
+        } else {
+            ""
+        }
     ));
-    let mut t = Table::new(&["baseline", "cost", "runtime h", "evictions", "savings"]);
+    let mut head = vec!["baseline", "cost", "runtime h", "evictions", "savings"];
+    if with_deadline {
+        head.push("deadline");
+    }
+    let mut t = Table::new(&head);
     for c in &r.counterfactuals {
-        t.push(vec![
+        let mut row = vec![
             c.policy.clone(),
             c.cost_usd
                 .map(|c| c.to_string())
@@ -873,7 +883,15 @@ pub fn cost_text(r: &CostReport) -> String {
                 .get(&c.policy)
                 .map(|s| pct(*s))
                 .unwrap_or_else(|| c.note.clone().unwrap_or_else(|| "-".into())),
-        ]);
+        ];
+        if with_deadline {
+            row.push(match c.deadline_met {
+                Some(true) => "met".into(),
+                Some(false) => "missed".into(),
+                None => "-".into(),
+            });
+        }
+        t.push(row);
     }
     out.push_str(&t.render());
     out

@@ -263,6 +263,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
             format,
             &title,
             &broker.market_data().history,
+            broker.settings().availability.as_deref(),
             &instances,
             start,
             market_end,
@@ -616,14 +617,22 @@ fn summary(r: &DemoResult) -> String {
              evictions lose and is redone)\n",
         );
     }
+    // Against every baseline the report replayed (on today's market: the same capacity, by the
+    // job's deadline).
     let mut vs = Vec::new();
-    for (name, label) in [
-        ("on-demand", "on-demand"),
-        ("standard-bidding", "standard bidding"),
-    ] {
-        match r.cost.savings.get(name) {
-            Some(s) if *s >= 0.0 => vs.push(format!("{} cheaper than {label}", pct(*s))),
-            Some(s) => vs.push(format!("{} dearer than {label}", pct(-*s))),
+    for c in &r.cost.counterfactuals {
+        let label = match c.policy.as_str() {
+            "standard-bidding" => "standard bidding",
+            other => other,
+        };
+        let missed = if c.deadline_met == Some(false) {
+            " (which missed the deadline)"
+        } else {
+            ""
+        };
+        match r.cost.savings.get(&c.policy) {
+            Some(s) if *s >= 0.0 => vs.push(format!("{} cheaper than {label}{missed}", pct(*s))),
+            Some(s) => vs.push(format!("{} dearer than {label}{missed}", pct(-*s))),
             None => {}
         }
     }

@@ -95,6 +95,11 @@ pub struct SimulateArgs {
     /// time this compared policy took there, instead of standard bidding's.
     #[arg(long, value_name = "POLICY", requires = "optimal")]
     pub optimal_held_to: Option<String>,
+    /// With --job and --optimal (and no --deadline): hold the optimum to this multiple of the
+    /// held-to policy's runtime on each start (1.0 to 10; default 1.0): a point of the
+    /// cost–runtime frontier (bench/bidbrain-gap traces 1.00, 1.02, 1.05, 1.10 and 1.25).
+    #[arg(long, value_name = "F", default_value_t = 1.0, requires = "optimal")]
+    pub optimal_runtime_factor: f64,
     /// With --job and --optimal: write where each policy's money goes against the optimum
     /// (per start and in total, in dollars) to this JSON file.
     #[arg(long, value_name = "FILE", requires = "optimal")]
@@ -290,6 +295,19 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         check_policy(e, &history, &job, &trace_name)?;
     }
     // Said before the runs, not after them.
+    let factor = args.optimal_runtime_factor;
+    if !(factor.is_finite() && (1.0..=10.0).contains(&factor)) {
+        bail!(
+            "--optimal-runtime-factor {factor}: must be a number from 1.0 to 10 (the optimum's \
+             runtime as a multiple of the held-to policy's)"
+        );
+    }
+    if factor != 1.0 && deadline.is_some() {
+        bail!(
+            "--optimal-runtime-factor holds the optimum to a policy's runtime: it does not go with a \
+             deadline (--deadline or the job's)"
+        );
+    }
     if let Some(held_to) = &args.optimal_held_to
         && !entries.iter().any(|e| &e.name == held_to)
     {
@@ -427,7 +445,12 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
             .as_deref()
             .unwrap_or("standard-bidding");
         Some(foresight_runs(
-            &scenario, &results, &starts, deadline, held_to, threads,
+            &scenario,
+            &results,
+            &starts,
+            deadline,
+            (held_to, args.optimal_runtime_factor),
+            threads,
         )?)
     } else {
         None
@@ -585,7 +608,7 @@ fn foresight_runs(
     results: &[Vec<RunResult>],
     starts: &[Timestamp],
     deadline: Option<Deadline>,
-    held_to: &str,
+    (held_to, factor): (&str, f64),
     threads: usize,
 ) -> Result<Vec<OptimalRun>> {
     let standard = results
@@ -600,7 +623,7 @@ fn foresight_runs(
         }
         standard
             .and_then(|runs| runs.get(i))
-            .map(|r| r.end)
+            .map(|r| start.plus_secs(r.end.secs_since(start) * factor))
             .context("--optimal needs a deadline: --deadline, the job's, or a standard-bidding run")
     };
     let deadlines: Vec<Timestamp> = starts
@@ -860,7 +883,8 @@ fn write_gap(
             "Cost above the foresight optimum ({}), summed over {} starts",
             args.deadline.as_deref().map_or_else(
                 || format!(
-                    "held to {}'s runtime",
+                    "held to {:.2} × {}'s runtime",
+                    args.optimal_runtime_factor,
                     args.optimal_held_to
                         .as_deref()
                         .unwrap_or("standard-bidding")

@@ -201,7 +201,8 @@ pub struct CostReport {
     pub pacing: String,
     /// Set when the measured work and the estimate differ by more than 20%.
     pub work_note: Option<String>,
-    /// The same work under the baselines, on the same prices.
+    /// The same work under the baselines, on the same prices (on an availability market, the
+    /// same capacity, against the job's deadline).
     pub counterfactuals: Vec<ledger::Counterfactual>,
     /// `1 - total / counterfactual` for each baseline with a cost.
     pub savings: BTreeMap<String, f64>,
@@ -871,9 +872,13 @@ impl Broker {
                 let estimated = job.progress * model.total_work;
                 let start = job.started.unwrap_or(job.created);
                 let data = self.market_data();
+                let replay = ledger::Replay {
+                    deadline: job.deadline,
+                    availability: self.settings.availability.clone(),
+                };
                 // The counterfactuals run the simulator: keep it off the async workers.
                 let cf = tokio::task::spawn_blocking(move || {
-                    ledger::counterfactuals(&data, &model, units, billing, start)
+                    ledger::counterfactuals(&data, &model, units, billing, start, &replay)
                 })
                 .await
                 .unwrap_or_default();

@@ -10,10 +10,12 @@ use super::MarketData;
 use crate::billing::{BillingModel, EndedBy, LineItem, PriceSource};
 use crate::job::JobModel;
 use crate::market::{Timestamp, Usd};
-use crate::sim::{RunOptions, Scenario, World};
+use crate::sim::availability::Availability;
+use crate::sim::{Deadline, RunOptions, Scenario, World};
 use crate::store::{InstanceRow, LedgerLine};
 use proteus_wire::Tier;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Bills one instance up to `now` (or its end).
 pub fn bill_instance(
@@ -67,7 +69,8 @@ pub fn bill_instance(
         .collect())
 }
 
-/// What the job's work would have cost under a baseline policy, on the same prices.
+/// What the job's work would have cost under a baseline policy, on the same prices (and, on an
+/// availability market, the same capacity).
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Counterfactual {
     pub policy: String,
@@ -76,22 +79,41 @@ pub struct Counterfactual {
     pub cost_usd: Option<Usd>,
     pub runtime_hours: Option<f64>,
     pub evictions: Option<u32>,
+    /// With the job's deadline: whether the baseline met it (`None` without a deadline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_met: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
 
+/// The world a counterfactual replays: the job's deadline, and the capacity the simulated cloud
+/// plays on an availability market (`None`: the 2015 price market).
+#[derive(Debug, Clone, Default)]
+pub struct Replay {
+    pub deadline: Option<Timestamp>,
+    pub availability: Option<Arc<Availability>>,
+}
+
 /// Simulates the baselines doing `work_units` of the job's work from `start`, with the same
-/// price history the job ran on.
+/// price history the job ran on. On an availability market every baseline plays the same
+/// capacity (refusals and interruptions included), and the baselines are those users run
+/// today (on-demand, Uniform Progress, skypilot-default); on the 2015 market, on-demand and
+/// standard bidding.
 pub fn counterfactuals(
     data: &MarketData,
     job: &JobModel,
     work_units: f64,
     billing: BillingModel,
     start: Timestamp,
+    replay: &Replay,
 ) -> Vec<Counterfactual> {
-    ["on-demand", "standard-bidding"]
-        .into_iter()
-        .map(|name| simulate_baseline(data, job, work_units, billing, start, name))
+    let baselines: &[&str] = match replay.availability {
+        Some(_) => &["on-demand", "uniform-progress", "skypilot-default"],
+        None => &["on-demand", "standard-bidding"],
+    };
+    baselines
+        .iter()
+        .map(|name| simulate_baseline(data, job, work_units, billing, start, replay, name))
         .collect()
 }
 
@@ -101,6 +123,7 @@ fn simulate_baseline(
     work_units: f64,
     billing: BillingModel,
     start: Timestamp,
+    replay: &Replay,
     name: &str,
 ) -> Counterfactual {
     let failed = |note: String| Counterfactual {
@@ -108,6 +131,7 @@ fn simulate_baseline(
         cost_usd: None,
         runtime_hours: None,
         evictions: None,
+        deadline_met: None,
         note: Some(note),
     };
     if work_units <= 0.0 {
@@ -116,6 +140,7 @@ fn simulate_baseline(
             cost_usd: Some(Usd::ZERO),
             runtime_hours: Some(0.0),
             evictions: Some(0),
+            deadline_met: None,
             note: Some("no work done yet".into()),
         };
     }
@@ -131,22 +156,27 @@ fn simulate_baseline(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .boxed_clone();
-    let scenario = match Scenario::new(
-        data.history.clone(),
-        model,
-        billing,
-        World::Price,
-        market_model,
-    ) {
+    let world = match &replay.availability {
+        Some(a) => World::Availability(a.clone()),
+        None => World::Price,
+    };
+    let scenario = match Scenario::new(data.history.clone(), model, billing, world, market_model) {
         Ok(s) => s,
         Err(e) => return failed(e.to_string()),
     };
-    match crate::sim::run(&scenario, policy.as_mut(), start, &RunOptions::default()) {
+    let options = RunOptions {
+        deadline: replay.deadline.map(Deadline::At),
+        ..RunOptions::default()
+    };
+    match crate::sim::run(&scenario, policy.as_mut(), start, &options) {
         Ok(r) => Counterfactual {
             policy: name.to_string(),
             cost_usd: Some(r.cost_usd),
             runtime_hours: Some(r.runtime_hours),
             evictions: Some(r.evictions),
+            deadline_met: replay
+                .deadline
+                .map(|_| r.outcome == crate::engine::job_engine::Outcome::Completed),
             note: None,
         },
         Err(e) => failed(e.to_string()),

@@ -80,6 +80,9 @@ pub struct Settings {
     pub instance_cap: u32,
     /// The budget of a job whose spec sets none (`serve --default-budget-usd`).
     pub default_budget: Option<crate::market::Usd>,
+    /// The capacity the simulated cloud plays (`serve --cloud sim --availability`): the cost
+    /// report's counterfactuals replay it.
+    pub availability: Option<Arc<crate::sim::availability::Availability>>,
 }
 
 /// Agent events kept per job unless `--max-job-events` says otherwise: far more than a job's

@@ -9,7 +9,7 @@
 use super::control::wall_ms;
 use super::{Broker, JobRuntime, Pacing, ServiceError, ledger};
 use crate::billing::BillingModel;
-use crate::cloud::{CloudEvent, LaunchSpec};
+use crate::cloud::{CloudError, CloudEvent, LaunchSpec};
 use crate::engine::NOTICE_SECS;
 use crate::engine::job_engine::{Command, Ctx, Input, JobEnd, Member};
 use crate::engine::view::{FutureReads, TraceView};
@@ -896,7 +896,14 @@ impl Broker {
                         .await?;
                     detail.push_str(&format!("; market skipped until {until}"));
                 }
-                tracing::warn!(instance = %row.id, %detail, "launch failed");
+                // The market saying no (no capacity, a bid below the price) is a normal outcome
+                // on a spot market, recorded as the job's event; only a failed call is a warning.
+                match e {
+                    CloudError::InsufficientCapacity { .. } | CloudError::PriceTooLow { .. } => {
+                        tracing::info!(instance = %row.id, %detail, "launch refused by the market")
+                    }
+                    _ => tracing::warn!(instance = %row.id, %detail, "launch failed"),
+                }
                 self.store
                     .add_event(
                         Some(&lease),

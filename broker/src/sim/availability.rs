@@ -294,6 +294,28 @@ impl Availability {
         (i < self.ticks).then_some(i)
     }
 
+    /// The pool's capacity at `from`, and every change in `(from, to]` with its time.
+    pub fn capacity_changes(
+        &self,
+        market: &Market,
+        from: Timestamp,
+        to: Timestamp,
+    ) -> (u32, Vec<(Timestamp, u32)>) {
+        let at = |i: usize| Timestamp::from_millis(self.origin.millis() + i as i64 * self.gap_ms);
+        let changes = self
+            .changes
+            .get(market)
+            .zip(self.pools.get(market))
+            .map(|(idx, counts)| {
+                idx.iter()
+                    .map(|&i| (at(i), counts[i]))
+                    .filter(|(t, _)| *t > from && *t <= to)
+                    .collect()
+            })
+            .unwrap_or_default();
+        (self.capacity(market, from), changes)
+    }
+
     /// Whether `t` falls strictly inside a tick (not on its boundary).
     pub fn inside_tick(&self, t: Timestamp) -> bool {
         (t.millis() - self.origin.millis()).rem_euclid(self.gap_ms) != 0

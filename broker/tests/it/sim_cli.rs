@@ -391,6 +391,59 @@ fn optimal_on_the_2015_market_is_a_lower_bound_and_its_gap_adds_up() {
         "{}",
         stderr(&out)
     );
+    // The frontier: given 1.25 × standard bidding's runtime, the optimum costs no more than at
+    // 1.00 on the same starts (and so no more than standard bidding).
+    let median_at = |factor: &str| -> f64 {
+        let out = simulate(
+            &trace,
+            &od,
+            &job,
+            &[
+                "--compare",
+                "standard-bidding",
+                "--starts",
+                "3",
+                "--seed",
+                "7",
+                "--optimal",
+                "--optimal-runtime-factor",
+                factor,
+                "--output",
+                "json",
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        let opt = rows
+            .iter()
+            .find(|r| r["policy"] == "hindsight-optimal")
+            .unwrap();
+        assert_eq!(opt["completed_runs"], 3, "{opt}");
+        opt["median_cost_usd"].as_f64().unwrap()
+    };
+    let (tight, loose) = (median_at("1.0"), median_at("1.25"));
+    assert!(loose <= tight + 1e-9, "{loose} > {tight}");
+    // A factor below 1 or past 10: refused, saying what it must be.
+    for bad in ["0.9", "11", "NaN"] {
+        let out = simulate(
+            &trace,
+            &od,
+            &job,
+            &[
+                "--compare",
+                "standard-bidding",
+                "--optimal",
+                "--optimal-runtime-factor",
+                bad,
+            ],
+        );
+        assert!(!out.status.success());
+        assert!(
+            stderr(&out).contains("--optimal-runtime-factor") && stderr(&out).contains("1.0 to 10"),
+            "{bad}: {}",
+            stderr(&out)
+        );
+    }
 }
 
 #[test]
