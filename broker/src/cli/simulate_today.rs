@@ -19,7 +19,7 @@ use crate::market_model::{HazardModel, HazardPrior};
 use crate::output::{Cell, Table, emit};
 use crate::policy::{PolicyKind, resolve_policy_path};
 use crate::sim::availability::{Availability, AvailabilityTrace, origin_of};
-use crate::sim::optimal::{OptimalCase, Optimum, Solution, elastic_bound, solve, straddled};
+use crate::sim::optimal::{OptimalCase, Optimum, Solution, elastic_bound, solve};
 use crate::sim::sweep::{PolicyEntry, SweepOptions, run_sweep, start_times};
 use crate::sim::{Deadline, RunResult, Scenario, World};
 use anyhow::{Context, Result, bail};
@@ -53,6 +53,8 @@ pub struct TodaySummary {
 /// One run's figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct TodayRun {
+    /// When the run started (RFC 3339): `--start` replays it alone.
+    pub start: String,
     pub cost_usd: f64,
     /// Instance-hours of work done (the job's total when it met its deadline).
     pub done_work: f64,
@@ -237,17 +239,12 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     if args.optimal {
         let markets: Vec<_> = availability.markets().cloned().collect();
         let solve_at = |start: Timestamp| {
-            let straddles = availability.inside_tick(start);
-            let seen: Vec<Vec<u32>> = markets
-                .iter()
-                .map(|m| {
-                    let c = availability.capacity_from(m, start);
-                    if straddles { straddled(c) } else { c.to_vec() }
-                })
-                .collect();
             let case = OptimalCase {
-                capacity: seen.iter().map(Vec::as_slice).collect(),
-                straddles,
+                capacity: markets
+                    .iter()
+                    .map(|m| availability.capacity_from(m, start))
+                    .collect(),
+                offset_secs: availability.offset_in_tick(start),
                 gap_secs: availability.gap_secs(),
                 work_secs: work_hours * 3600.0,
                 deadline_secs: deadline_hours * 3600.0,
@@ -292,13 +289,16 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         }
         let runs: Vec<TodayRun> = solutions
             .iter()
-            .map(|s| match s.optimum {
+            .zip(&starts)
+            .map(|(s, start)| match s.optimum {
                 Optimum::Cost(c) => TodayRun {
+                    start: start.to_string(),
                     cost_usd: c,
                     done_work: work_hours * n as f64,
                     deadline_met: true,
                 },
                 Optimum::Infeasible => TodayRun {
+                    start: start.to_string(),
                     cost_usd: 0.0,
                     done_work: 0.0,
                     deadline_met: false,
@@ -388,6 +388,7 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
         runs_by_start: runs
             .iter()
             .map(|r| TodayRun {
+                start: r.start.to_string(),
                 cost_usd: r.cost_usd.get(),
                 done_work: r.done_work,
                 deadline_met: r.outcome == Outcome::Completed,

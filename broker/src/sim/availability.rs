@@ -316,9 +316,9 @@ impl Availability {
         (self.capacity(market, from), changes)
     }
 
-    /// Whether `t` falls strictly inside a tick (not on its boundary).
-    pub fn inside_tick(&self, t: Timestamp) -> bool {
-        (t.millis() - self.origin.millis()).rem_euclid(self.gap_ms) != 0
+    /// How far into its tick `t` falls, seconds (0 on a boundary).
+    pub fn offset_in_tick(&self, t: Timestamp) -> f64 {
+        (t.millis() - self.origin.millis()).rem_euclid(self.gap_ms) as f64 / 1000.0
     }
 
     /// Instances the pool sells at `t` (0 outside the traces or for an unknown pool).

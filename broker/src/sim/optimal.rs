@@ -14,25 +14,29 @@
 //!   "free ride" whole: it launches at a tick whose zone's capacity ends within the hour, and it
 //!   gets the work done between the end of the overhead and the interruption at no cost.
 //!
-//! Dynamic programming over (tick, mode, overhead still owed, progress). Progress is counted in
-//! quanta that divide both the tick and the restart overhead (e.g. 24 s for 10-minute ticks and a
-//! 72-s overhead), so the overhead is exact. What still favours the optimum, so that the figure
-//! stays a lower bound on what the simulator charges any policy: the deadline's last partial
-//! tick counts whole, the 2-minute notice is worked through, a ride whose interruption comes
-//! within the hour plus the notice is free, and a start inside a trace tick sees spot in each of
-//! its ticks when either trace tick it overlaps has it (see [`OptimalCase::straddles`]). An overhead no quantum up to a thousandth of a tick
-//! divides is rounded down to one (the figure says so: [`Solution::overhead_rounded`]).
+//! Dynamic programming over (tick, mode, overhead still owed, progress), on the traces' own
+//! ticks from the one holding the start. Progress is counted in quanta that divide both the tick
+//! and the restart overhead (e.g. 24 s for 10-minute ticks and a 72-s overhead), so the overhead
+//! is exact. What still favours the optimum, so that the figure stays a lower bound on what the
+//! simulator charges any policy (which acts at any second, not only at ticks):
+//!
+//! - the start's tick and the deadline's tick count whole;
+//! - every spot stint a drop ends gets the 2-minute notice's work on top, free;
+//! - a ride is free when its interruption comes within an hour plus the notice plus one tick of
+//!   the tick it entered (a policy entering late in that tick can still be inside the hour).
+//!
+//! An overhead no quantum up to a thousandth of a tick divides is rounded down to one (the figure
+//! says so: [`Solution::overhead_rounded`]).
 
 /// One case.
 #[derive(Debug, Clone)]
 pub struct OptimalCase<'a> {
-    /// Capacity per tick from the start's tick on (0: no spot), one slice per zone; the zones'
-    /// slices are of the same period.
+    /// Capacity per tick from the tick holding the start on (0: no spot), one slice per zone;
+    /// the zones' slices are of the same period.
     pub capacity: Vec<&'a [u32]>,
-    /// The start falls inside a trace tick: the schedule's ticks straddle the trace's, so each
-    /// sees spot when either trace tick it overlaps has it ([`straddled`]) and a free ride may
-    /// last one tick longer — a relaxation, so the figure stays a bound.
-    pub straddles: bool,
+    /// How far into its tick the job starts, seconds (the deadline is that much further into
+    /// the traces' ticks).
+    pub offset_secs: f64,
     pub gap_secs: f64,
     /// Work to do, seconds on one instance.
     pub work_secs: f64,
@@ -61,27 +65,40 @@ pub struct Solution {
     pub overhead_rounded: bool,
 }
 
-/// The capacity a schedule starting inside a tick sees per tick of its own: the larger of the two
-/// trace ticks each of its ticks overlaps (the first of `capacity` holds the start).
-pub fn straddled(capacity: &[u32]) -> Vec<u32> {
-    capacity
-        .iter()
-        .zip(capacity.iter().skip(1).chain(std::iter::once(&0)))
-        .map(|(a, b)| *a.max(b))
-        .collect()
+use crate::engine::NOTICE_SECS;
+
+/// A spot life EC2 ends within this many seconds is free.
+const FREE_SECS: f64 = crate::billing::FREE_INTERRUPTION_MS as f64 / 1000.0;
+
+/// A ride of spot entered at a tick is free when its capacity ends fewer than this many ticks
+/// later: an hour plus the notice, plus the tick itself (a policy may enter at its last second).
+/// Generous on purpose: the figure must stay a bound.
+fn free_ride_ticks(gap_secs: f64) -> usize {
+    ((FREE_SECS + NOTICE_SECS) / gap_secs + 1e-9).floor() as usize + 2
+}
+
+/// Ticks from the one holding the start to the one holding the deadline, both counted whole.
+fn window_ticks(case: &OptimalCase<'_>) -> usize {
+    ((case.offset_secs + case.deadline_secs) / case.gap_secs - 1e-9)
+        .ceil()
+        .max(0.0) as usize
 }
 
 /// Largest number of quanta a tick is cut into.
 const MAX_QUANTA_PER_TICK: usize = 1000;
 
-/// Quanta per tick: the fewest that make the overhead a whole number of quanta.
+/// Quanta per tick: the fewest that make the overhead (and, where one can, the notice) a whole
+/// number of quanta. A notice that is not one is rounded up (the figure stays a bound).
 fn quanta(gap_secs: f64, overhead_secs: f64) -> (usize, bool) {
-    if overhead_secs <= 0.0 {
-        return (1, false);
-    }
-    for k in 1..=MAX_QUANTA_PER_TICK {
-        let x = overhead_secs * k as f64 / gap_secs;
-        if (x - x.round()).abs() < 1e-6 {
+    let whole = |secs: f64, k: usize| {
+        let x = secs * k as f64 / gap_secs;
+        (x - x.round()).abs() < 1e-6
+    };
+    let overhead_secs = overhead_secs.max(0.0);
+    for wanted in [true, false] {
+        if let Some(k) = (1..=MAX_QUANTA_PER_TICK)
+            .find(|&k| whole(overhead_secs, k) && (!wanted || whole(NOTICE_SECS, k)))
+        {
             return (k, false);
         }
     }
@@ -108,7 +125,7 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
         return done(Optimum::Cost(0.0));
     }
     let len = case.capacity.iter().map(|c| c.len()).min().unwrap_or(0);
-    let ticks = ((case.deadline_secs / g - 1e-9).ceil().max(0.0) as usize).min(len);
+    let ticks = window_ticks(case).min(len);
     let tick = k;
     let overhead = (case.overhead_secs / q + 1e-9).floor() as usize;
     // Overhead still owed at the start of a tick: 0, or what an overhead longer than a tick
@@ -152,7 +169,18 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
             d
         })
         .collect();
-    let free_ticks = (3600.0 / g).ceil() as usize + usize::from(case.straddles);
+    let free_ticks = free_ride_ticks(g);
+    // The notice's work, in quanta (rounded up: a bound), earned by a stint a drop ends.
+    let notice = (NOTICE_SECS / q - 1e-9).ceil() as usize;
+    // Whether zone z drops after tick t (has capacity at t, none at t + 1).
+    let drops = |z: usize, t: usize| {
+        case.capacity[z][t] > 0 && (t + 1 >= len || case.capacity[z][t + 1] == 0)
+    };
+    // Progress the notices can add on top of the ticks' (for the pruning below).
+    let bonus = notice
+        * (0..ticks)
+            .filter(|&t| (0..zones).any(|z| drops(z, t)))
+            .count();
     // Free rides land idle at a later tick: by tick, the cheapest cost per progress.
     let mut arrivals: std::collections::BTreeMap<usize, Vec<f64>> = Default::default();
     let mut per_mode = vec![f64::INFINITY; modes];
@@ -168,10 +196,10 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
             }
         }
         // Only progress that can still finish in time, and that t ticks can have made.
-        let lo = need.saturating_sub((ticks - t) * tick);
-        let hi = (t * tick).min(need - 1);
-        let next_lo = need.saturating_sub((ticks - t - 1) * tick);
-        let next_hi = ((t + 1) * tick).min(need - 1);
+        let lo = need.saturating_sub((ticks - t) * tick + bonus);
+        let hi = (t * tick + bonus).min(need - 1);
+        let next_lo = need.saturating_sub((ticks - t - 1) * tick + bonus);
+        let next_hi = ((t + 1) * tick + bonus).min(need - 1);
         if next_lo <= next_hi {
             next[next_lo * stride..(next_hi + 1) * stride].fill(f64::INFINITY);
         }
@@ -203,6 +231,7 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
                     continue;
                 }
                 let tick_cost = price(y);
+                let dropping = y >= 2 && drops(y - 2, t);
                 // Entering y from another mode: the whole overhead.
                 let enter = if b1.1 == y { b2 } else { b1.0 };
                 // Staying in y, with what it still owes.
@@ -219,14 +248,26 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
                         best = best.min(c + tick_cost * used as f64 / tick as f64);
                         continue;
                     }
+                    // Spot that drops after this tick works through the notice, free.
+                    let gain = if dropping {
+                        gain + notice.saturating_sub(owed - paid)
+                    } else {
+                        gain
+                    };
+                    if p + gain >= need {
+                        best = best.min(c + tick_cost);
+                        continue;
+                    }
                     let j = at(p + gain, y, level_of(owed - paid));
                     next[j] = next[j].min(c + tick_cost);
                 }
-                // A free ride: spot entered now in a zone whose capacity ends within the hour.
+                // A free ride: spot entered now in a zone whose capacity ends within the hour
+                // (from spot in that zone too: a new instance in place of the one held).
+                let enter = b1.0;
                 if y >= 2 && enter.is_finite() {
                     let end = next_drop[y - 2][t];
                     if end < len && end - t < free_ticks && end <= ticks {
-                        let gain = ((end - t) * tick).saturating_sub(overhead);
+                        let gain = ((end - t) * tick + notice).saturating_sub(overhead);
                         if p + gain >= need {
                             best = best.min(enter);
                         } else {
@@ -254,9 +295,10 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
 /// work, `case.work_secs` being the work at full width) on `case`'s zones. A relaxation, not a
 /// schedule: every instance-tick is priced on its own, the cheapest first —
 ///
-/// - free: an instance-tick on a capacity level that ends within the hour (+ one tick): the
-///   simulator interrupts the newest instances first, so at most `cap(t) − min cap over the
-///   next hour` instances alive at `t` can end in a free first hour;
+/// - free: an instance-tick on a capacity level that ends within the hour (+ the notice and a
+///   tick): the simulator interrupts the newest instances first, so at most `cap(t) − min cap
+///   over the next hour` instances alive at `t` can end in a free first hour; and the notice of
+///   every instance a drop interrupts;
 /// - paid spot: the rest of the zones' capacity;
 /// - on-demand: the slots left, up to `instances` per tick —
 ///
@@ -269,8 +311,8 @@ pub fn elastic_bound(case: &OptimalCase<'_>, instances: u32) -> Optimum {
         return Optimum::Cost(0.0);
     }
     let len = case.capacity.iter().map(|c| c.len()).min().unwrap_or(0);
-    let ticks = ((case.deadline_secs / g - 1e-9).ceil().max(0.0) as usize).min(len);
-    let window = (3600.0 / g).ceil() as usize + 1;
+    let ticks = window_ticks(case).min(len);
+    let window = free_ride_ticks(g);
     let (mut free, mut paid, mut od) = (0.0, 0.0, 0.0);
     for t in 0..ticks {
         let mut f = 0.0;
@@ -287,7 +329,13 @@ pub fn elastic_bound(case: &OptimalCase<'_>, instances: u32) -> Optimum {
         }
         let f = f.min(n);
         let p = p.min(n - f);
-        free += f;
+        // Instances a drop after this tick interrupts work through their notice.
+        let dropped: f64 = case
+            .capacity
+            .iter()
+            .map(|cap| f64::from(cap[t].saturating_sub(cap.get(t + 1).copied().unwrap_or(0))))
+            .sum();
+        free += f + dropped.min(n) * NOTICE_SECS / g;
         paid += p;
         od += n - f - p;
     }
@@ -314,7 +362,7 @@ mod tests {
     ) -> OptimalCase<'a> {
         OptimalCase {
             capacity: zones.to_vec(),
-            straddles: false,
+            offset_secs: 0.0,
             gap_secs: 600.0,
             work_secs: work_h * 3600.0,
             deadline_secs: deadline_h * 3600.0,
@@ -351,11 +399,26 @@ mod tests {
         let always = vec![1; 60];
         // Spot throughout: 2 h of work + 10 min start = 13 ticks at $1/h.
         assert!((cost(optimum(&case(&always, 2.0, 5.0, 1.0 / 6.0))) - 13.0 / 6.0).abs() < 1e-9);
-        // Spot for 50 minutes, then none: the first 40 minutes of work are free (interrupted
-        // within the hour), the remaining 80 minutes on-demand with its start: 9 ticks at $0.50.
+        // Spot for 50 minutes, then none: 40 minutes of work and the 2-minute notice's are free
+        // (interrupted within the hour), the other 78 minutes on on-demand with its start: 88
+        // minutes at $3/h.
         let mut short = vec![1; 5];
         short.extend(vec![0; 55]);
-        assert!((cost(optimum(&case(&short, 2.0, 8.0, 1.0 / 6.0))) - 4.5).abs() < 1e-9);
+        assert!((cost(optimum(&case(&short, 2.0, 8.0, 1.0 / 6.0))) - 4.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_ride_of_a_whole_hour_of_ticks_is_free() {
+        // Spot for exactly 60 minutes, then none. A policy that enters a little after the tick
+        // is ended by EC2 inside its first hour: free in the simulator, so free here too, or the
+        // figure is no bound. 52 minutes of work free (with the notice's), the other 68 on
+        // on-demand with its start: 78 minutes at $3/h. (Rides of five ticks only would leave
+        // 88 minutes: $4.40.)
+        let hour: Vec<u32> = [vec![1; 6], vec![0; 54]].concat();
+        assert!((cost(optimum(&case(&hour, 2.0, 8.0, 1.0 / 6.0))) - 3.9).abs() < 1e-9);
+        // Seven ticks too: a policy entering in the tick's last minutes is inside the hour.
+        let longer: Vec<u32> = [vec![1; 7], vec![0; 53]].concat();
+        assert!((cost(optimum(&case(&longer, 2.0, 8.0, 1.0 / 6.0))) - 3.4).abs() < 1e-9);
     }
 
     #[test]
@@ -385,15 +448,29 @@ mod tests {
     }
 
     #[test]
-    fn a_start_inside_a_tick_sees_either_overlapped_tick() {
-        assert_eq!(straddled(&[0, 1, 0, 0, 1]), vec![1, 1, 0, 1, 1]);
-        // A relaxation: never dearer than the aligned case.
-        let cap: Vec<u32> = [vec![0; 6], vec![1; 5], vec![0; 49]].concat();
-        let aligned = cost(optimum(&case(&cap, 2.0, 8.0, 0.1)));
-        let seen = straddled(&cap);
-        let mut inside = case(&seen, 2.0, 8.0, 0.1);
-        inside.straddles = true;
-        assert!(cost(optimum(&inside)) <= aligned + 1e-9);
+    fn a_start_inside_a_tick_counts_its_tick_and_its_deadlines_tick_whole() {
+        // 2 h of work and a 10-minute start on on-demand need 13 ticks; a 2-h deadline from a
+        // tick's start gives 12, from 5 minutes into one it touches 13.
+        let none = vec![0; 60];
+        assert_eq!(
+            optimum(&case(&none, 2.0, 2.0, 1.0 / 6.0)),
+            Optimum::Infeasible
+        );
+        let mut inside = case(&none, 2.0, 2.0, 1.0 / 6.0);
+        inside.offset_secs = 300.0;
+        assert!((cost(optimum(&inside)) - 6.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn spot_a_drop_ends_works_through_the_notice() {
+        // Spot for 2 h, then none, 3 h of work, no overhead: 50 minutes of paid spot, then a
+        // free ride of the last 70 minutes and the notice's 2, then 58 minutes on on-demand.
+        let a: Vec<u32> = [vec![1; 12], vec![0; 48]].concat();
+        let got = cost(optimum(&case(&a, 3.0, 8.0, 0.0)));
+        assert!(
+            (got - (50.0 / 60.0 + 58.0 / 60.0 * 3.0)).abs() < 1e-9,
+            "{got}"
+        );
     }
 
     #[test]
@@ -403,9 +480,10 @@ mod tests {
         let a: Vec<u32> = [vec![2; 3], vec![0; 57]].concat();
         let b = vec![1u32; 60];
         let c = case_in(&[&a, &b], 1.0, 3.0, 0.1);
-        // Free: 2 × 30 min; zone b is paid (it never drops): the other 1 h at $1/h.
+        // Free: 2 × 30 min and both notices (2 × 2 min); zone b is paid (it never drops): the
+        // other 56 minutes at $1/h.
         let got = cost(elastic_bound(&c, 2));
-        assert!((got - 1.0).abs() < 1e-9, "{got}");
+        assert!((got - 56.0 / 60.0).abs() < 1e-9, "{got}");
         // Only zone b: 1 h of paid spot on one slot is not enough in 0.5 h; with 3 h, 1 slot
         // of spot for 2 h would do, so $2.
         let only_b = case_in(&[&b], 1.0, 3.0, 0.1);
