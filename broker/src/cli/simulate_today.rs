@@ -53,8 +53,6 @@ pub struct TodaySummary {
 /// One run's figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct TodayRun {
-    /// When the run started (RFC 3339): `--start` replays it alone.
-    pub start: String,
     pub cost_usd: f64,
     /// Instance-hours of work done (the job's total when it met its deadline).
     pub done_work: f64,
@@ -289,16 +287,13 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         }
         let runs: Vec<TodayRun> = solutions
             .iter()
-            .zip(&starts)
-            .map(|(s, start)| match s.optimum {
+            .map(|s| match s.optimum {
                 Optimum::Cost(c) => TodayRun {
-                    start: start.to_string(),
                     cost_usd: c,
                     done_work: work_hours * n as f64,
                     deadline_met: true,
                 },
                 Optimum::Infeasible => TodayRun {
-                    start: start.to_string(),
                     cost_usd: 0.0,
                     done_work: 0.0,
                     deadline_met: false,
@@ -388,7 +383,6 @@ fn summarize(entry: &PolicyEntry, runs: &[RunResult], od_costs: &[f64]) -> Today
         runs_by_start: runs
             .iter()
             .map(|r| TodayRun {
-                start: r.start.to_string(),
                 cost_usd: r.cost_usd.get(),
                 done_work: r.done_work,
                 deadline_met: r.outcome == Outcome::Completed,
