@@ -17,16 +17,21 @@ const H: f64 = 3600.0;
 const SPOT: f64 = 0.918;
 const OD: f64 = 3.06;
 
+/// An availability file's text: ten-minute ticks, `true` where spot can be had.
+fn trace_text(up: impl IntoIterator<Item = bool>) -> String {
+    let data: Vec<&str> = up.into_iter().map(|u| if u { "1" } else { "0" }).collect();
+    format!(
+        "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
+        data.join(",")
+    )
+}
+
 /// Zones of ten-minute ticks, `1` where spot can be had.
 fn world(zones: &[(&str, &str)]) -> Arc<Availability> {
     let traces = zones
         .iter()
         .map(|(zone, ticks)| {
-            let data: Vec<String> = ticks.chars().map(|c| c.to_string()).collect();
-            let text = format!(
-                "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
-                data.join(",")
-            );
+            let text = trace_text(ticks.chars().map(|c| c == '1'));
             AvailabilityTrace::parse(
                 Path::new(&format!("{zone}_v100_1.json")),
                 &text,
@@ -276,16 +281,9 @@ fn uniform_progress_stays_on_spot_when_the_slack_falls_below_the_safety_net() {
 fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("us-west-2a_v100_1.json");
-    let mut data = vec!["1"; 600];
-    for d in data.iter_mut().skip(100).take(50) {
-        *d = "0";
-    }
     std::fs::write(
         &file,
-        format!(
-            "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
-            data.join(",")
-        ),
+        trace_text((0..600).map(|i| !(100..150).contains(&i))),
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
@@ -391,16 +389,8 @@ fn the_optimum_covers_every_zone_and_elastic_jobs_and_stays_below_every_policy()
     std::fs::create_dir(&period).unwrap();
     // 3 days of 10-minute ticks.
     let write_ticks = |dir: &std::path::Path, zone: &str, up: &dyn Fn(usize) -> bool| {
-        let data: Vec<&str> = (0..432).map(|i| if up(i) { "1" } else { "0" }).collect();
         let file = dir.join(format!("{zone}_v100_1.json"));
-        std::fs::write(
-            &file,
-            format!(
-                "{{\"metadata\": {{\"gap_seconds\": 600}}, \"data\": [{}]}}",
-                data.join(",")
-            ),
-        )
-        .unwrap();
+        std::fs::write(&file, trace_text((0..432).map(up))).unwrap();
         file
     };
     // Two zones whose outages alternate.
