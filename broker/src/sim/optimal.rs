@@ -28,6 +28,8 @@
 //! An overhead no quantum up to a thousandth of a tick divides is rounded down to one (the figure
 //! says so: [`Solution::overhead_rounded`]).
 
+use crate::engine::NOTICE_SECS;
+
 /// One case.
 #[derive(Debug, Clone)]
 pub struct OptimalCase<'a> {
@@ -64,8 +66,6 @@ pub struct Solution {
     /// The overhead was rounded down to whole quanta (no quantum divides it exactly).
     pub overhead_rounded: bool,
 }
-
-use crate::engine::NOTICE_SECS;
 
 /// A spot life EC2 ends within this many seconds is free.
 const FREE_SECS: f64 = crate::billing::FREE_INTERRUPTION_MS as f64 / 1000.0;
