@@ -114,8 +114,12 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
-    if a.mbits.is_empty() || a.lrs.is_empty() || a.mbits.iter().any(|m| *m <= 0.0) {
-        return Err("--mbit and --lrs need at least one positive value".into());
+    if a.mbits.is_empty()
+        || a.lrs.is_empty()
+        || a.mbits.iter().any(|m| *m <= 0.0)
+        || a.lrs.iter().any(|l| !(*l > 0.0 && l.is_finite()))
+    {
+        return Err("--mbit and --lrs need at least one value, every one positive".into());
     }
     Ok(a)
 }
@@ -240,7 +244,13 @@ fn link(args: &Args, mbit: f64) -> Link {
     Link::new(mbit * 1e6 / 8.0, args.latency_ms / 1e3)
 }
 
-/// The learning rate of the grid whose one-epoch run is most accurate, and every result.
+/// Most rates added beyond the grid's edges while tuning one mode.
+const MAX_WIDENINGS: usize = 4;
+
+/// The learning rate whose one-epoch run is most accurate, every result, and whether that rate
+/// lies inside the rates tried. The grid is widened (halving below its lowest rate, doubling
+/// above its highest) while the best is at an edge, at most [`MAX_WIDENINGS`] times.
+#[allow(clippy::too_many_arguments)]
 fn tune(
     name: &str,
     plan: &Plan,
@@ -249,10 +259,10 @@ fn tune(
     data: &Data,
     link: Link,
     per_epoch: u64,
-) -> Result<(f64, Vec<serde_json::Value>), String> {
-    let mut best = (args.lrs[0], f64::MIN);
+) -> Result<(f64, bool, Vec<serde_json::Value>), String> {
+    let mut tried: Vec<(f64, f64)> = Vec::new();
     let mut rows = Vec::new();
-    for &lr in &args.lrs {
+    let mut try_rate = |lr: f64, tried: &mut Vec<(f64, f64)>| -> Result<(), String> {
         let m = run_mode(name, plan.clone(), shape, args, lr, per_epoch, data, link)?;
         println!(
             "  tuning {name}: lr {lr}: test accuracy {:.4} after one epoch",
@@ -261,11 +271,33 @@ fn tune(
         rows.push(
             json!({"mode": name, "lr": lr, "accuracy_after_one_epoch": m.accuracy_after_one_epoch}),
         );
-        if m.accuracy_after_one_epoch > best.1 {
-            best = (lr, m.accuracy_after_one_epoch);
-        }
+        tried.push((lr, m.accuracy_after_one_epoch));
+        tried.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Ok(())
+    };
+    for &lr in &args.lrs {
+        try_rate(lr, &mut tried)?;
     }
-    Ok((best.0, rows))
+    let best = |tried: &[(f64, f64)]| {
+        tried
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.1.total_cmp(&b.1.1))
+            .map(|(i, &(lr, _))| (i, lr))
+            .unwrap_or((0, args.lrs[0]))
+    };
+    for _ in 0..MAX_WIDENINGS {
+        let (i, lr) = best(&tried);
+        if tried.len() > 1 && i > 0 && i + 1 < tried.len() {
+            break;
+        }
+        let next = if i == 0 { lr / 2.0 } else { lr * 2.0 };
+        println!("  tuning {name}: the best rate {lr} is at the grid's edge: trying {next}");
+        try_rate(next, &mut tried)?;
+    }
+    let (i, lr) = best(&tried);
+    let inside = i > 0 && i + 1 < tried.len();
+    Ok((lr, inside, rows))
 }
 
 fn run() -> Result<ExitCode, String> {
@@ -322,7 +354,7 @@ fn run() -> Result<ExitCode, String> {
     let fastest = args.mbits.iter().copied().fold(f64::MIN, f64::max);
     let fast = link(&args, fastest);
     println!("tuning the learning rates at {fastest} Mbit/s: test accuracy after one epoch");
-    let (pipe_lr, mut tuning) = tune(
+    let (pipe_lr, pipe_inside, mut tuning) = tune(
         "pipeline",
         &plan_for(&prof, fast)?,
         &shape,
@@ -331,7 +363,7 @@ fn run() -> Result<ExitCode, String> {
         fast,
         per_epoch,
     )?;
-    let (dp_lr, dp_rows) = tune(
+    let (dp_lr, dp_inside, dp_rows) = tune(
         "data-parallel",
         &dp_plan(fast),
         &shape,
@@ -341,7 +373,18 @@ fn run() -> Result<ExitCode, String> {
         per_epoch,
     )?;
     tuning.extend(dp_rows);
-    println!("learning rates: pipeline {pipe_lr}, data parallelism {dp_lr}");
+    let edge = |inside: bool| {
+        if inside {
+            "inside the rates tried"
+        } else {
+            "at an edge"
+        }
+    };
+    println!(
+        "learning rates: pipeline {pipe_lr} ({}), data parallelism {dp_lr} ({})",
+        edge(pipe_inside),
+        edge(dp_inside)
+    );
 
     let mut sweep = Vec::new();
     let mut errors = Vec::new();
@@ -470,6 +513,8 @@ fn run() -> Result<ExitCode, String> {
             "sweep": sweep,
             "dp_learning_rate": dp_lr,
             "pipeline_learning_rate": pipe_lr,
+            "pipeline_learning_rate_inside_grid": pipe_inside,
+            "dp_learning_rate_inside_grid": dp_inside,
             "learning_rate_sweep": tuning,
         });
         let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
