@@ -286,9 +286,10 @@ fn tune(
             .map(|(i, &(lr, _))| (i, lr))
             .unwrap_or((0, args.lrs[0]))
     };
+    let inside = |i: usize, tried: &[(f64, f64)]| i > 0 && i + 1 < tried.len();
     for _ in 0..MAX_WIDENINGS {
         let (i, lr) = best(&tried);
-        if tried.len() > 1 && i > 0 && i + 1 < tried.len() {
+        if inside(i, &tried) {
             break;
         }
         let next = if i == 0 { lr / 2.0 } else { lr * 2.0 };
@@ -296,8 +297,7 @@ fn tune(
         try_rate(next, &mut tried)?;
     }
     let (i, lr) = best(&tried);
-    let inside = i > 0 && i + 1 < tried.len();
-    Ok((lr, inside, rows))
+    Ok((lr, inside(i, &tried), rows))
 }
 
 fn run() -> Result<ExitCode, String> {

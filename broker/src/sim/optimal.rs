@@ -263,19 +263,19 @@ pub fn solve(case: &OptimalCase<'_>) -> Solution {
                 }
                 // A free ride: spot entered now in a zone whose capacity ends within the hour
                 // (from spot in that zone too: a new instance in place of the one held).
-                let enter = b1.0;
-                if y >= 2 && enter.is_finite() {
+                let ride_from = b1.0;
+                if y >= 2 && ride_from.is_finite() {
                     let end = next_drop[y - 2][t];
                     if end < len && end - t < free_ticks && end <= ticks {
                         let gain = ((end - t) * tick + notice).saturating_sub(overhead);
                         if p + gain >= need {
-                            best = best.min(enter);
+                            best = best.min(ride_from);
                         } else {
                             let landed = arrivals
                                 .entry(end)
                                 .or_insert_with(|| vec![f64::INFINITY; need]);
-                            if enter < landed[p + gain] {
-                                landed[p + gain] = enter;
+                            if ride_from < landed[p + gain] {
+                                landed[p + gain] = ride_from;
                             }
                         }
                     }
