@@ -97,6 +97,15 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    // One worker of a pipeline run of worker processes, driven over stdin and stdout by its
+    // launcher (`pipeline::processes`; benchmarks and tests), not a broker.
+    if args
+        .get(1)
+        .is_some_and(|a| a == crate::pipeline::processes::WORKER_COMMAND)
+    {
+        return crate::pipeline::processes::worker_main();
+    }
     let cli = Cli::parse_from(args);
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))

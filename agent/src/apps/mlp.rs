@@ -273,7 +273,7 @@ pub fn accuracy(layers: &[Dense], set: &ImageSet) -> f64 {
 }
 
 /// Step size, optionally decayed by `factor` every `every_epochs` epochs.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LrSchedule {
     pub base: f32,
     pub every_epochs: u32,

@@ -10,12 +10,14 @@
 //! - [`stage`]: a stage replica at run time: compute, stashing, messages, weight sync;
 //! - [`member`]: an agent's pipeline worker (plan from rank 0, final evaluation);
 //! - [`local`]: a whole pipeline of workers on this machine (one runtime and one TCP endpoint
-//!   per worker), for tests and benchmarks.
+//!   per worker), for tests and benchmarks;
+//! - [`processes`]: the same with every worker its own agent process.
 
 pub mod local;
 pub mod member;
 pub mod partition;
 pub mod planning;
+pub mod processes;
 pub mod profile;
 pub mod schedule;
 pub mod stage;
@@ -27,7 +29,7 @@ use std::fmt;
 use std::ops::Range;
 
 /// One stage of a plan: a contiguous run of layers and how many workers replicate it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StagePlan {
     pub layers: Range<usize>,
     pub replicas: u32,

@@ -28,7 +28,7 @@ pub enum Op {
 }
 
 /// Which schedule a pipeline runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ScheduleKind {
     /// PipeDream's 1F1B with weight stashing.
     OneFOneB,

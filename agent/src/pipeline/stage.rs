@@ -600,6 +600,35 @@ impl Checkpoints {
         }
     }
 
+    /// Every layer recorded, by checkpoint: minibatch, layer, when, weights (for moving a
+    /// worker process's records to its launcher).
+    pub fn records(&self) -> Vec<(u64, usize, Instant, Dense)> {
+        let Ok(t) = self.taken.lock() else {
+            return Vec::new();
+        };
+        t.iter()
+            .flat_map(|(&m, slots)| {
+                slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(l, s)| s.as_ref().map(|(at, d)| (m, l, *at, d.clone())))
+            })
+            .collect()
+    }
+
+    /// Layer `layer`'s weights after minibatch `m`, recorded at `at` by another process; of
+    /// two records of one layer (its stage's replicas), the later stays, as in [`Self::record`].
+    pub fn insert(&self, m: u64, layer: usize, at: Instant, weights: Dense) {
+        if let Ok(mut t) = self.taken.lock() {
+            let e = t.entry(m).or_insert_with(|| vec![None; self.layers]);
+            if let Some(slot) = e.get_mut(layer)
+                && slot.as_ref().is_none_or(|(was, _)| *was <= at)
+            {
+                *slot = Some((at, weights));
+            }
+        }
+    }
+
     fn event(&self, e: Event) {
         if let Ok(mut ev) = self.events.lock() {
             if matches!(e, Event::Resumed { .. }) && ev.iter().any(|x| x.0 == e) {

@@ -1,4 +1,5 @@
-//! Pipeline mode end to end: every worker its own runtime and TCP endpoint on loopback, the
+//! Pipeline mode end to end: every worker its own runtime and TCP endpoint on loopback (threads
+//! of one process, or agent processes), the
 //! real stage runtime, against single-process SGD on the same minibatches.
 
 use crate::support::log_field;
@@ -6,7 +7,7 @@ use proteus_agent::apps::mlp::{self, Dense, LrSchedule, MlpShape};
 use proteus_agent::data;
 use proteus_agent::pipeline::schedule::ScheduleKind;
 use proteus_agent::pipeline::stage::{Batches, RunConfig, train_sgd};
-use proteus_agent::pipeline::{Plan, StagePlan, local};
+use proteus_agent::pipeline::{Plan, StagePlan, local, processes};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -1254,4 +1255,87 @@ fn a_run_whose_last_snapshot_is_taken_a_step_before_its_end_finishes() {
     let run = local::run(cfg, Arc::new(train), Some(link))
         .expect("the run finishes though the last snapshot's keeper is done");
     assert_eq!(through_last_stages(&run), (0..41).collect::<Vec<u64>>());
+}
+
+/// The schedule tests' setting with a replicated last stage and checkpoints, as a spec for
+/// worker processes.
+fn digits_process_spec() -> processes::ProcessSpec {
+    processes::ProcessSpec {
+        data: processes::DataSet::Digits,
+        data_dir: Path::new(super::support::DATA_DIR).to_path_buf(),
+        widths: vec![64, 48, 32, 24, 10],
+        stages: plan(&[(0, 2, 1), (2, 3, 1), (3, 4, 2)], 4)
+            .stages()
+            .to_vec(),
+        predicted_secs: 0.0,
+        schedule: ScheduleKind::OneFOneB,
+        batch: 16,
+        batch_seed: 3,
+        minibatches: 60,
+        lr: LrSchedule::constant(0.05),
+        momentum: 0.9,
+        seed: 11,
+        checkpoint_every: 10,
+        snapshot_every: 0,
+        allreduce_bucket_bytes: proteus_agent::pipeline::stage::DEFAULT_BUCKET_BYTES,
+        vertical_sync: false,
+        link: Some((2e6, 0.001)),
+    }
+}
+
+#[test]
+fn worker_processes_train_the_same_model_as_worker_threads() {
+    let spec = digits_process_spec();
+    let agent = Path::new(env!("CARGO_BIN_EXE_proteus-agent"));
+    let run = processes::run(agent, &spec).expect("the worker processes run");
+    let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
+    let cfg = spec.config(train.len()).expect("a valid spec");
+    let link = proteus_agent::pipeline::partition::Link::new(2e6, 0.001);
+    let threads = local::run(cfg, Arc::new(train), Some(link)).expect("the worker threads run");
+
+    // One outcome per worker process, every minibatch through the last stage exactly once.
+    assert_eq!(run.outcomes.len(), 4);
+    assert_eq!(through_last_stages(&run), (0..60).collect::<Vec<_>>());
+    assert!(run.outcomes.iter().all(|o| o.compute_secs > 0.0));
+    // Every checkpoint crossed the process boundary whole, on the launcher's clock, in order.
+    let (got, want) = (run.checkpoints.complete(), threads.checkpoints.complete());
+    assert_eq!(
+        got.iter().map(|c| c.minibatch).collect::<Vec<_>>(),
+        vec![9, 19, 29, 39, 49, 59]
+    );
+    assert!(got.windows(2).all(|w| w[0].at <= w[1].at));
+    assert!(got.iter().all(|c| c.at >= run.started));
+    for (a, b) in got.iter().zip(&want) {
+        let d = max_rel_diff(&a.layers, &b.layers);
+        assert!(d < 1e-5, "after minibatch {}: differs by {d}", a.minibatch);
+    }
+    let d = max_rel_diff(&run.model(), &threads.model());
+    assert!(d < 1e-5, "the final models differ by {d}");
+    assert!(
+        max_rel_diff(&run.model(), &spec_init()) > 1e-3,
+        "the model trained"
+    );
+}
+
+fn spec_init() -> Vec<Dense> {
+    MlpShape::new(vec![64, 48, 32, 24, 10]).unwrap().init(11)
+}
+
+#[test]
+fn a_worker_process_that_cannot_start_is_named_with_why() {
+    let agent = Path::new(env!("CARGO_BIN_EXE_proteus-agent"));
+    // A plan with a gap is refused before any process starts.
+    let mut bad = digits_process_spec();
+    bad.stages[1].layers = 3..3;
+    let e = processes::run(agent, &bad).expect_err("a plan with a gap");
+    assert!(e.to_string().contains("plan"), "{e}");
+    // Data that is not there: each worker says so, and the launcher names the first.
+    let mut missing = digits_process_spec();
+    missing.data_dir = std::env::temp_dir().join("proteus-no-such-data-dir");
+    let e = processes::run(agent, &missing).expect_err("no data");
+    let text = e.to_string();
+    assert!(
+        text.starts_with("worker 0:") && text.contains("proteus-no-such-data-dir"),
+        "{text}"
+    );
 }
