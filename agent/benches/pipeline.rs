@@ -4,18 +4,27 @@
 //! time to the target MNIST test accuracy for each mode, the plan chosen, and the predicted
 //! against the measured time per minibatch.
 //!
-//! - **Workers:** every worker is its own tokio runtime and TCP endpoint on loopback (threads
-//!   of this process, not agent processes). Each connection is limited by a token bucket
-//!   (both directions together) to the sweep's rate and delays every message by the latency.
+//! - **Workers:** every worker is its own `proteus-agent pipeline-worker` process with its own
+//!   TCP endpoint on loopback (`pipeline::processes`). Each connection is limited by a token
+//!   bucket (both directions together) to the sweep's rate and delays every message by the
+//!   latency.
 //! - **Model:** an MLP of 8 uneven layers (`--layers`), so that the plan is not one layer per
 //!   stage and where the cuts fall matters.
 //! - **Learning rates:** each mode gets its own, chosen from the same grid by test accuracy
 //!   after one epoch on the fastest link (reported; the one sweep for both, so neither is
-//!   tuned on the other's behalf).
+//!   tuned on the other's behalf); the grid is widened while a mode's best is at its edge.
+//! - **The cost model, calibrated as the workers run:** the layers are profiled first (all
+//!   emulated workers computing at once); then, at every bandwidth, the plan the profile gives
+//!   runs a warm-up of half an epoch (`--warmup-minibatches`), and the model is fitted to what
+//!   the workers measured (`pipeline::calibration`: each layer's compute scale, and processor
+//!   time per byte of messages); a plan the calibrated model then picks that no warm-up ran is
+//!   warmed up too and the model refitted to every warm-up (at most 3 rounds). The sweep's
+//!   plans are chosen on, and predicted by, the calibrated model; the static profile's
+//!   prediction of the same plan is printed beside.
 //! - **Runs:** the pipeline trains up to `--epochs` epochs; data parallelism as many, but at
 //!   most `--dp-budget-secs` of predicted time (a run that does not reach the target in it
 //!   gives a lower bound on the speed-up, said so). Test accuracy is evaluated afterwards from
-//!   in-memory checkpoints, 8 per epoch (no evaluation on the clock).
+//!   checkpoints, 8 per epoch (no evaluation on the clock).
 //!
 //! Targets: prediction within 20% of measured at every bandwidth; at the slowest bandwidth the
 //! pipeline reaches the target accuracy at least 2× sooner than data parallelism. Exit 1 when
@@ -23,17 +32,19 @@
 //!
 //! Usage: `cargo bench -p proteus-agent --bench pipeline -- [--json FILE]
 //! [--mbit 50,100,200,400,1000] [--latency-ms 2] [--layers 784,512,...,10] [--batch 64]
-//! [--epochs 3] [--dp-budget-secs 240] [--lrs 0.01,0.02,0.05,0.1]`
+//! [--epochs 3] [--dp-budget-secs 240] [--lrs 0.01,0.02,0.05,0.1] [--warmup-minibatches N]`
 
 mod common;
 
 use proteus_agent::apps::mlp::{self, LrSchedule, MlpShape};
 use proteus_agent::data;
+use proteus_agent::pipeline::calibration::{self, Warmup};
 use proteus_agent::pipeline::partition::{self, Link, Partitioner};
+use proteus_agent::pipeline::processes::{self, DataSet, ProcessSpec};
 use proteus_agent::pipeline::profile::{self, Profile};
 use proteus_agent::pipeline::schedule::ScheduleKind;
-use proteus_agent::pipeline::stage::{Batches, DEFAULT_BUCKET_BYTES, RunConfig};
-use proteus_agent::pipeline::{Plan, local};
+use proteus_agent::pipeline::stage::{Batches, DEFAULT_BUCKET_BYTES};
+use proteus_agent::pipeline::Plan;
 use serde_json::json;
 use std::path::Path;
 use std::process::ExitCode;
@@ -55,6 +66,8 @@ struct Args {
     dp_budget_secs: f64,
     lrs: Vec<f64>,
     momentum: f32,
+    /// Minibatches of each warm-up run (0: half an epoch).
+    warmup_minibatches: u64,
 }
 
 fn list<T: std::str::FromStr>(name: &str, v: &str) -> Result<Vec<T>, String>
@@ -81,6 +94,7 @@ fn parse_args() -> Result<Args, String> {
         dp_budget_secs: 240.0,
         lrs: vec![0.01, 0.02, 0.05, 0.1],
         momentum: 0.9,
+        warmup_minibatches: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -110,6 +124,11 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|e| format!("--dp-budget-secs: {e}"))?
             }
             "--lrs" => a.lrs = list("--lrs", &val("--lrs")?)?,
+            "--warmup-minibatches" => {
+                a.warmup_minibatches = val("--warmup-minibatches")?
+                    .parse()
+                    .map_err(|e| format!("--warmup-minibatches: {e}"))?
+            }
             "--bench" => {} // cargo bench passes this
             other => return Err(format!("unknown argument `{other}`")),
         }
@@ -134,6 +153,8 @@ struct Measured {
     /// Steady state: wall time between the first and last checkpoint per minibatch.
     ms_per_minibatch: f64,
     wall_secs: f64,
+    /// Per stage of the plan: its replicas' computing seconds per minibatch, summed.
+    stage_compute_secs: Vec<f64>,
 }
 
 struct Data {
@@ -152,36 +173,34 @@ fn run_mode(
     data: &Data,
     link: Link,
 ) -> Result<Measured, String> {
-    let batches = Batches::new(data.train.len(), args.batch, 1);
-    let per_epoch = batches.per_epoch();
+    let per_epoch = Batches::new(data.train.len(), args.batch, 1).per_epoch();
     let every = (per_epoch / CHECKPOINTS_PER_EPOCH).max(1);
-    let cfg = RunConfig {
-        shape: shape.clone(),
-        plan,
+    let spec = ProcessSpec {
+        data: DataSet::Mnist,
+        data_dir: Path::new(common::DATA_DIR).to_path_buf(),
+        widths: shape.widths().to_vec(),
+        stages: plan.stages().to_vec(),
+        predicted_secs: plan.predicted_secs,
         schedule: ScheduleKind::OneFOneB,
-        batches: batches.clone(),
+        batch: args.batch,
+        batch_seed: 1,
         minibatches,
         lr: LrSchedule::constant(lr as f32),
         momentum: args.momentum,
         seed: 7,
         checkpoint_every: every,
-        replans: Default::default(),
-        warn_at: None,
-        drain_at: None,
-        join_at: None,
         snapshot_every: 0,
-        kill_at: None,
         allreduce_bucket_bytes: DEFAULT_BUCKET_BYTES,
         vertical_sync: false,
+        link: Some((link.bytes_per_sec, link.latency_secs)),
     };
     println!(
-        "  {name}: {} at lr {lr}, {minibatches} minibatches ({:.2} epochs) of {}",
-        cfg.plan,
+        "  {name}: {plan} at lr {lr}, {minibatches} minibatches ({:.2} epochs) of {}",
         minibatches as f64 / per_epoch as f64,
         args.batch
     );
-    let run =
-        local::run(cfg, data.train.clone(), Some(link)).map_err(|e| format!("{name}: {e}"))?;
+    let agent = Path::new(env!("CARGO_BIN_EXE_proteus-agent"));
+    let run = processes::run(agent, &spec).map_err(|e| format!("{name}: {e}"))?;
     let cps = run.checkpoints.complete();
     let mut secs_to_target = None;
     let mut after_one = None;
@@ -221,12 +240,19 @@ fn run_mode(
         run.wall_secs,
         busy.join(", ")
     );
+    let mut stage_compute_secs = vec![0.0; plan.stages().len()];
+    for o in &run.outcomes {
+        if let Some(s) = stage_compute_secs.get_mut(o.stage) {
+            *s += o.compute_secs / minibatches as f64;
+        }
+    }
     Ok(Measured {
         secs_to_target,
         final_accuracy,
         accuracy_after_one_epoch: after_one.unwrap_or(final_accuracy),
         ms_per_minibatch,
         wall_secs: run.wall_secs,
+        stage_compute_secs,
     })
 }
 
@@ -246,6 +272,9 @@ fn link(args: &Args, mbit: f64) -> Link {
 
 /// Most rates added beyond the grid's edges while tuning one mode.
 const MAX_WIDENINGS: usize = 4;
+
+/// Most rounds of warm-ups while calibrating the cost model.
+const WARMUP_ROUNDS: usize = 3;
 
 /// The learning rate whose one-epoch run is most accurate, every result, and whether that rate
 /// lies inside the rates tried. The grid is widened (halving below its lowest rate, doubling
@@ -386,19 +415,130 @@ fn run() -> Result<ExitCode, String> {
         edge(dp_inside)
     );
 
+    // The cost model calibrated from warm-ups: the profile's plan at every bandwidth first;
+    // then, while the calibrated model picks a plan no warm-up ran, that plan too (at most
+    // WARMUP_ROUNDS rounds), each round refitting the model to every warm-up so far.
+    let warmup_minibatches = if args.warmup_minibatches == 0 {
+        (per_epoch / 2).max(1)
+    } else {
+        args.warmup_minibatches
+    };
+    println!(
+        "warm-up: {warmup_minibatches} minibatches of a plan at a time, to calibrate the cost \
+         model (the profile's plan at every bandwidth, then any plan the calibrated model picks \
+         that no warm-up ran; at most {WARMUP_ROUNDS} rounds)"
+    );
+    let mut warmups: Vec<Warmup> = Vec::new();
+    let mut warmup_mbits: Vec<f64> = Vec::new();
+    for round in 0..WARMUP_ROUNDS {
+        let model = if warmups.is_empty() {
+            prof.clone()
+        } else {
+            calibration::calibrate(&prof, &warmups)
+                .map_err(|e| e.to_string())?
+                .profile
+        };
+        let mut ran = false;
+        for &mbit in &args.mbits {
+            let l = link(&args, mbit);
+            let plan = plan_for(&model, l)?;
+            if warmups
+                .iter()
+                .any(|w| w.link == l && w.stages.as_slice() == plan.stages())
+            {
+                continue;
+            }
+            ran = true;
+            let m = run_mode(
+                "warm-up",
+                plan.clone(),
+                &shape,
+                &args,
+                pipe_lr,
+                warmup_minibatches,
+                &data,
+                l,
+            )?;
+            println!(
+                "  warm-up round {round} at {mbit} Mbit/s: {plan}: measured {:.2} ms/minibatch, \
+                 the profile predicted {:.2}; computing per stage (ms): {}",
+                m.ms_per_minibatch,
+                partition::predicted_1f1b_secs(&prof, l, plan.stages()) * 1e3,
+                m.stage_compute_secs
+                    .iter()
+                    .map(|s| format!("{:.2}", s * 1e3))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            warmups.push(Warmup {
+                link: l,
+                stages: plan.stages().to_vec(),
+                stage_compute_secs: m.stage_compute_secs,
+                secs_per_minibatch: m.ms_per_minibatch / 1e3,
+            });
+            warmup_mbits.push(mbit);
+        }
+        if !ran {
+            break;
+        }
+    }
+    let cal = calibration::calibrate(&prof, &warmups).map_err(|e| e.to_string())?;
+    println!(
+        "calibrated: {:.2} ns of processor time per byte of messages; compute scale per layer {}; \
+         warm-ups fitted within {}",
+        cal.profile.message_secs_per_byte * 1e9,
+        cal.compute_scale
+            .iter()
+            .map(|k| format!("{k:.2}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        cal.fitted
+            .iter()
+            .map(|(p, m)| format!("{:+.0}%", (p / m - 1.0) * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let warmup_json: Vec<serde_json::Value> = warmups
+        .iter()
+        .zip(&warmup_mbits)
+        .zip(&cal.fitted)
+        .map(|((w, mbit), (fit, _))| {
+            json!({
+                "link_mbit_per_sec": mbit,
+                "stages": w.stages.len(),
+                "measured_ms_per_minibatch": w.secs_per_minibatch * 1e3,
+                "profile_predicted_ms_per_minibatch":
+                    partition::predicted_1f1b_secs(&prof, w.link, &w.stages) * 1e3,
+                "calibrated_ms_per_minibatch": fit * 1e3,
+                "stage_compute_ms": w.stage_compute_secs.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+
     let mut sweep = Vec::new();
     let mut errors = Vec::new();
     let mut slow_end = None;
     let slowest = args.mbits.iter().copied().fold(f64::MAX, f64::min);
     for &mbit in &args.mbits {
         let l = link(&args, mbit);
-        let plan = plan_for(&prof, l)?;
+        let plan = plan_for(&cal.profile, l)?;
         let predicted_ms = plan.predicted_secs * 1e3;
+        let static_ms = partition::predicted_1f1b_secs(&prof, l, plan.stages()) * 1e3;
+        let warmed = warmups
+            .iter()
+            .any(|w| w.link == l && w.stages.as_slice() == plan.stages());
+        // Data parallelism's budget in the profile's predicted time, as before calibration.
         let dp_pred = partition::data_parallel_secs(&prof, l, WORKERS as usize);
         println!(
-            "{mbit} Mbit/s, {} ms: plan {plan} predicted {predicted_ms:.2} ms/minibatch; data \
-             parallelism predicted {:.2} ms/minibatch",
+            "{mbit} Mbit/s, {} ms: plan {plan} ({}) predicted {predicted_ms:.2} ms/minibatch by \
+             the calibrated model ({static_ms:.2} by the profile alone); data parallelism \
+             predicted {:.2} ms/minibatch",
             args.latency_ms,
+            if warmed {
+                "a warm-up ran it"
+            } else {
+                "no warm-up ran it"
+            },
             dp_pred * 1e3
         );
         let epochs = per_epoch * args.epochs;
@@ -466,6 +606,8 @@ fn run() -> Result<ExitCode, String> {
             "dp_reached_target": dp.secs_to_target.is_some(),
             "speedup": speedup,
             "predicted_ms_per_minibatch": predicted_ms,
+            "profile_predicted_ms_per_minibatch": static_ms,
+            "plan_warmed_up": warmed,
             "measured_ms_per_minibatch": pipe.ms_per_minibatch,
             "dp_predicted_ms_per_minibatch": dp_pred * 1e3,
             "dp_measured_ms_per_minibatch": dp.ms_per_minibatch,
@@ -516,6 +658,11 @@ fn run() -> Result<ExitCode, String> {
             "pipeline_learning_rate_inside_grid": pipe_inside,
             "dp_learning_rate_inside_grid": dp_inside,
             "learning_rate_sweep": tuning,
+            "workers": "processes",
+            "warmup_minibatches": warmup_minibatches,
+            "warmup": warmup_json,
+            "message_ns_per_byte": cal.profile.message_secs_per_byte * 1e9,
+            "compute_scale": cal.compute_scale,
         });
         let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("{path}: {e}"))?;

@@ -5,6 +5,7 @@
 //!
 //! - [`profile`]: per-layer compute time, activation and parameter bytes on this machine;
 //! - [`partition`]: the cost model, and the plan it predicts fastest for every worker count;
+//! - [`calibration`]: the cost model fitted to what warm-up runs of the workers measured;
 //! - [`schedule`]: the order of forward and backward passes of a stage replica, and when it
 //!   steps (pure);
 //! - [`stage`]: a stage replica at run time: compute, stashing, messages, weight sync;
@@ -15,6 +16,7 @@
 
 pub mod local;
 pub mod member;
+pub mod calibration;
 pub mod partition;
 pub mod planning;
 pub mod processes;

@@ -6,11 +6,13 @@
 //! parameter bytes `w_l`, and a link of `B` bytes/s (both directions of a connection share it)
 //! and latency `L`:
 //!
-//! - a stage of layers `i..j` on one worker takes `Σ F_l + Σ B_l + Σ U_l` per minibatch (under
-//!   1F1B it steps after every minibatch);
+//! - a stage of layers `i..j` on one worker takes `Σ F_l + Σ B_l + Σ U_l + H_ij` per minibatch
+//!   (under 1F1B it steps after every minibatch), where `H_ij = h · 2 (a_{i−1} + a_j)` is the
+//!   processor time of handling the activations and gradients it sends and receives, at `h`
+//!   seconds per byte (0 unless calibrated: [`super::calibration`]);
 //! - replicated on `r` workers, each replica runs its own minibatch and the replicas then sum
 //!   their gradients with a bucketed ring all-reduce that overlaps the backward pass:
-//!   `T(i..j, r) = (Σ F_l + max(Σ B_l, S) + Σ U_l) / r` with `S = d · 2 (r − 1) Σ w_l / (B r) + 2 (r − 1) L`
+//!   `T(i..j, r) = (Σ F_l + max(Σ B_l, S) + Σ U_l + H_ij) / r` with `S = d · 2 (r − 1) Σ w_l / (B r) + 2 (r − 1) L`
 //!   (each replica sends and receives `2 (r − 1) / r` of the weights in `2 (r − 1)` steps that
 //!   each pay the latency; `d = 2` for two replicas, whose one connection carries both
 //!   directions, else 1: a longer ring sends on one connection and receives on another);
@@ -90,6 +92,8 @@ struct Sums {
     u: Vec<f64>,
     w: Vec<f64>,
     a: Vec<f64>,
+    /// Seconds per byte of a message a stage sends or receives.
+    h: f64,
 }
 
 impl Sums {
@@ -107,11 +111,19 @@ impl Sums {
             u: prefix(&|l| l.update_secs),
             w: prefix(&|l| l.param_bytes as f64),
             a: p.layers.iter().map(|l| l.activation_bytes as f64).collect(),
+            h: p.message_secs_per_byte.max(0.0),
         }
     }
 
     fn compute(&self, k: usize, j: usize) -> f64 {
-        self.f[j] - self.f[k] + self.b[j] - self.b[k] + self.u[j] - self.u[k]
+        self.f[j] - self.f[k] + self.b[j] - self.b[k] + self.u[j] - self.u[k] + self.handling(k, j)
+    }
+
+    /// `H_kj`: handling the activation and gradient across each boundary of layers `k..j`.
+    fn handling(&self, k: usize, j: usize) -> f64 {
+        let before = if k > 0 { self.a[k - 1] } else { 0.0 };
+        let after = if j < self.a.len() { self.a[j - 1] } else { 0.0 };
+        self.h * 2.0 * (before + after)
     }
 }
 
@@ -131,7 +143,7 @@ fn stage_cost(s: &Sums, link: Link, k: usize, j: usize, r: usize) -> f64 {
     let directions = if r == 2 { 2.0 } else { 1.0 };
     let sync = directions * 2.0 * (rf - 1.0) * link.secs(s.w[j] - s.w[k]) / rf
         + 2.0 * (rf - 1.0) * link.latency_secs;
-    (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync) + s.u[j] - s.u[k]) / rf
+    (s.f[j] - s.f[k] + (s.b[j] - s.b[k]).max(sync) + s.u[j] - s.u[k] + s.handling(k, j)) / rf
 }
 
 /// Time per minibatch the model predicts for data parallelism on `m` workers.
@@ -408,6 +420,7 @@ mod tests {
                     param_bytes: rng.random_range(1_000..4_000_000),
                 })
                 .collect(),
+            message_secs_per_byte: 0.0,
         }
     }
 
@@ -462,6 +475,7 @@ mod tests {
         let p = Profile {
             batch: 64,
             layers: vec![layer; 4],
+            message_secs_per_byte: 0.0,
         };
         let stages = (0..4)
             .map(|i| StagePlan {
@@ -492,6 +506,7 @@ mod tests {
                 };
                 4
             ],
+            message_secs_per_byte: 0.0,
         };
         let s_fast = 2.0 * 3.0 * 400_000.0 / 1e7 / 4.0;
         let want_fast = (0.04 + f64::max(0.08, s_fast)) / 4.0;
@@ -555,6 +570,7 @@ mod tests {
         let p = Profile {
             batch: 64,
             layers: vec![layer(100_000, 4_000_000); 4],
+            message_secs_per_byte: 0.0,
         };
         let slow = Partitioner::solve(&p, Link::new(1e7, 0.0), 4);
         let plan = slow.exact(4).unwrap();

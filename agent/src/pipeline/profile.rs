@@ -36,6 +36,10 @@ impl LayerProfile {
 pub struct Profile {
     pub batch: usize,
     pub layers: Vec<LayerProfile>,
+    /// A stage's processor time per byte of the activations and gradients it sends and
+    /// receives across its boundaries (encoding, decoding, copying: on the cores its compute
+    /// uses). 0 in a profile of the layers alone; [`super::calibration`] measures it.
+    pub message_secs_per_byte: f64,
 }
 
 impl Profile {
@@ -96,7 +100,11 @@ pub fn pinned(
             }
         })
         .collect();
-    Ok(Profile { batch, layers })
+    Ok(Profile {
+        batch,
+        layers,
+        message_secs_per_byte: 0.0,
+    })
 }
 
 /// Layer `l`'s output bytes for one minibatch and its parameter bytes (f32).
@@ -185,7 +193,11 @@ pub fn profile(shape: &MlpShape, batch: usize, reps: usize, concurrency: usize) 
             }
         })
         .collect();
-    Profile { batch, layers }
+    Profile {
+        batch,
+        layers,
+        message_secs_per_byte: 0.0,
+    }
 }
 
 #[cfg(test)]

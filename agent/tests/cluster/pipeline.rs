@@ -1,6 +1,6 @@
 //! Pipeline mode end to end: every worker its own runtime and TCP endpoint on loopback (threads
-//! of one process, or agent processes), the
-//! real stage runtime, against single-process SGD on the same minibatches.
+//! of one process, or agent processes), the real stage runtime, against single-process SGD on
+//! the same minibatches.
 
 use crate::support::log_field;
 use proteus_agent::apps::mlp::{self, Dense, LrSchedule, MlpShape};
