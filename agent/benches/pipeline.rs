@@ -38,13 +38,13 @@ mod common;
 
 use proteus_agent::apps::mlp::{self, LrSchedule, MlpShape};
 use proteus_agent::data;
+use proteus_agent::pipeline::Plan;
 use proteus_agent::pipeline::calibration::{self, Warmup};
 use proteus_agent::pipeline::partition::{self, Link, Partitioner};
 use proteus_agent::pipeline::processes::{self, DataSet, ProcessSpec};
 use proteus_agent::pipeline::profile::{self, Profile};
 use proteus_agent::pipeline::schedule::ScheduleKind;
 use proteus_agent::pipeline::stage::{Batches, DEFAULT_BUCKET_BYTES};
-use proteus_agent::pipeline::Plan;
 use serde_json::json;
 use std::path::Path;
 use std::process::ExitCode;

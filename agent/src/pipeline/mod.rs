@@ -14,9 +14,9 @@
 //!   per worker), for tests and benchmarks;
 //! - [`processes`]: the same with every worker its own agent process.
 
+pub mod calibration;
 pub mod local;
 pub mod member;
-pub mod calibration;
 pub mod partition;
 pub mod planning;
 pub mod processes;
