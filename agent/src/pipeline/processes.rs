@@ -260,24 +260,39 @@ pub fn run(agent: &Path, spec: &ProcessSpec) -> Result<super::local::LocalRun, P
             },
         )?;
     }
-    // A run has no deadline of its own; a worker that dies closes its stdout.
-    let mut first_err = None;
+    // A run has no deadline of its own; a worker that dies closes its stdout. Every worker is
+    // heard at once, so that the first to fail ends the run (its peers may be waiting on it).
+    let (tx, rx) = std::sync::mpsc::channel();
     for w in 0..n {
-        match workers.hear(w, Duration::MAX) {
-            Ok(Said::Done(_)) => {}
-            Ok(other) => {
-                first_err.get_or_insert(unexpected(w, &other));
-            }
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
-        }
+        let mut stdout = workers.take_stdout(w)?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let said = match stdout.read_line(&mut line) {
+                Ok(0) => Err("ended without answering (its stderr says why)".to_string()),
+                Ok(_) => serde_json::from_str::<Said>(&line)
+                    .map_err(|e| format!("unreadable answer {:?}: {e}", line.trim())),
+                Err(e) => Err(format!("reading from it: {e}")),
+            };
+            let _ = tx.send((w, said));
+        });
+    }
+    drop(tx);
+    for _ in 0..n {
+        let failed = match rx.recv() {
+            Ok((_, Ok(Said::Done(_)))) => continue,
+            Ok((w, Ok(other))) => unexpected(w, &other),
+            Ok((worker, Err(what))) => ProcessError::Worker { worker, what },
+            Err(_) => ProcessError::Worker {
+                worker: 0,
+                what: "every worker's output closed".into(),
+            },
+        };
+        // `workers` kills every process still running as it goes.
+        return Err(failed);
     }
     let wall_secs = started.elapsed().as_secs_f64();
     workers.stop();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
     let checkpoints = Checkpoints::new(shape.layers());
     let mut outcomes = Vec::new();
     for w in 0..n {
@@ -368,22 +383,19 @@ impl Workers {
             .ok_or_else(|| err("stdout closed".into()))?;
         let pid = p.child.id();
         let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let watchdog = (timeout != Duration::MAX).then(|| {
-            std::thread::spawn(move || {
-                if rx.recv_timeout(timeout).is_err() {
-                    // SAFETY: kill(2) on our own child's pid; no memory is touched.
-                    unsafe {
-                        libc::kill(pid as libc::pid_t, libc::SIGKILL);
-                    }
+        let watchdog = std::thread::spawn(move || {
+            if rx.recv_timeout(timeout).is_err() {
+                // SAFETY: kill(2) on our own child, not yet waited for (so its pid is still
+                // ours); no memory is touched.
+                unsafe {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
                 }
-            })
+            }
         });
         let mut line = String::new();
         let read = stdout.read_line(&mut line);
         let _ = tx.send(());
-        if let Some(h) = watchdog {
-            let _ = h.join();
-        }
+        let _ = watchdog.join();
         match read {
             Ok(0) => {
                 let status = p.child.wait().map(|s| s.to_string()).unwrap_or_default();
@@ -395,6 +407,17 @@ impl Workers {
                 .map_err(|e| err(format!("unreadable answer {:?}: {e}", line.trim()))),
             Err(e) => Err(err(format!("reading from it: {e}"))),
         }
+    }
+
+    /// Worker `w`'s stdout, for reading on another thread.
+    fn take_stdout(&mut self, w: u32) -> Result<BufReader<ChildStdout>, ProcessError> {
+        self.0
+            .get_mut(w as usize)
+            .and_then(|p| p.stdout.take())
+            .ok_or_else(|| ProcessError::Worker {
+                worker: w,
+                what: "stdout closed".into(),
+            })
     }
 
     /// Closes every worker's stdin (its signal to exit) and waits for it.

@@ -4,9 +4,9 @@ use crate::billing::BillingModel;
 use crate::data;
 use crate::engine::view::FutureReads;
 use crate::job::{JobModel, WorkModelSpec};
-use crate::market::{Region, Timestamp};
+use crate::market::{Market, Region, Timestamp};
 use crate::market_model::{
-    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
+    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig, learned::{self, EvictionModelFile, LearnedModel},
 };
 use crate::output::{Cell, OutputFormat, Table, emit, json_table};
 use crate::policy::{PolicyKind, resolve_policy_path};
@@ -113,6 +113,17 @@ pub struct SimulateArgs {
     /// and a reliability table (see sim/calibration.rs).
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// With --job: fit the learned eviction model (logistic regression on what a broker knows at
+    /// launch: see market_model/learned.rs) to the outcomes of every spot instance the policies
+    /// launched in this run's period, and write it to this file (with --starts-until, only
+    /// launches whose first hour ends by then). Fit on March–April 2015; load it with
+    /// --eviction-model on another period.
+    #[arg(long, value_name = "FILE", conflicts_with = "eviction_model")]
+    pub fit_eviction: Option<PathBuf>,
+    /// With --job on the 2015 market: the eviction estimates come from this learned model file
+    /// (written by --fit-eviction) instead of the price replay alone.
+    #[arg(long, value_name = "FILE")]
+    pub eviction_model: Option<PathBuf>,
     /// With --availability: fit the availability model BidBrain plans with (the pools' spot
     /// capacity coming and going, on 10-minute steps) to these traces, and print it as the
     /// `[today.availability]` table of a policy file (JSON with --output json). Runs nothing.
@@ -331,6 +342,13 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     if !(lookback_secs.is_finite() && lookback_secs > 0.0) {
         bail!("--lookback-days must be positive");
     }
+    if kind != ModelChoice::Price && (args.eviction_model.is_some() || args.fit_eviction.is_some())
+    {
+        bail!(
+            "--fit-eviction and --eviction-model are for the 2015 market, where evictions follow \
+             the price (--billing hourly-2015, --market-model price or auto)"
+        );
+    }
     let (model, world): (Box<dyn MarketModel>, World) = match kind {
         ModelChoice::Price => {
             let m = PriceDrivenModel::new(
@@ -340,7 +358,23 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
                     ..PriceModelConfig::default()
                 },
             );
-            (Box::new(m), World::Price)
+            match &args.eviction_model {
+                Some(path) => {
+                    let file = EvictionModelFile::read(path)?;
+                    let learned = LearnedModel::new(history.clone(), Box::new(m), file, path)?;
+                    let unknown = learned.unknown_markets();
+                    if !unknown.is_empty() {
+                        eprintln!(
+                            "note: {} has no launches of {} to learn from: answered as the \
+                             average market",
+                            path.display(),
+                            unknown.join(", ")
+                        );
+                    }
+                    (Box::new(learned), World::Price)
+                }
+                None => (Box::new(m), World::Price),
+            }
         }
         _ => {
             let prior = HazardPrior {
@@ -422,12 +456,21 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         threads,
         future_reads: FutureReads::Refuse,
         // The instances' estimates at launch come with the decisions.
-        record_decisions: args.record_decisions || args.calibration.is_some(),
+        record_decisions: args.record_decisions
+            || args.calibration.is_some()
+            || args.fit_eviction.is_some(),
         budget,
         deadline,
     };
     let mut results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
+    if let Some(path) = &args.fit_eviction {
+        let until = match &args.starts_until {
+            Some(u) => Some(Timestamp::parse(u).context("--starts-until")?),
+            None => None,
+        };
+        fit_eviction(path, &history, scenario.model(), &results, until)?;
+    }
     if let Some(path) = &args.calibration {
         write_calibration(path, &results)?;
         if !args.record_decisions {
@@ -705,6 +748,55 @@ impl OptimalSummary {
     }
 }
 
+/// `--fit-eviction FILE`: the learned eviction model fitted to every spot instance's outcome
+/// within its first hour (every policy and start pooled; censored instances left out).
+fn fit_eviction(
+    path: &Path,
+    history: &crate::prices::PriceHistory,
+    replay: &dyn MarketModel,
+    results: &[Vec<RunResult>],
+    until: Option<Timestamp>,
+) -> Result<()> {
+    use crate::sim::calibration;
+    let mut launches = Vec::new();
+    let mut past_until = 0;
+    for i in results.iter().flatten().flat_map(|r| &r.instances) {
+        // Only outcomes known before `until` (a run started before it may go on after it).
+        if until.is_some_and(|u| i.launch.plus_secs(calibration::HORIZON_SECS) > u) {
+            past_until += 1;
+            continue;
+        }
+        let (Some(bid), Some(price), Some(evicted)) =
+            (i.bid, i.price_at_launch, calibration::observed(i))
+        else {
+            continue;
+        };
+        let market: Market = i
+            .market
+            .parse()
+            .with_context(|| format!("the launch record's market {:?}", i.market))?;
+        launches.push(learned::Launch {
+            market,
+            at: i.launch,
+            bid_delta_usd: (bid.get() - price.get()).max(0.0),
+            evicted,
+        });
+    }
+    launches.sort_by(|a, b| a.at.cmp(&b.at).then_with(|| a.market.to_string().cmp(&b.market.to_string())));
+    let file = learned::fit(history, replay, &launches)?;
+    eprintln!(
+        "fitted the eviction model on {} spot launches ({} to {}), {:.3} evicted within the \
+         hour; {past_until} launches whose hour ends after --starts-until left out",
+        file.samples,
+        file.trained_from.to_datetime().format("%Y-%m-%d %H:%M"),
+        file.trained_to.to_datetime().format("%Y-%m-%d %H:%M"),
+        file.evicted_rate
+    );
+    let text = serde_json::to_string_pretty(&file).context("encoding the eviction model")?;
+    std::fs::write(path, text + "\n")
+        .with_context(|| format!("writing the eviction model to {}", path.display()))
+}
+
 /// `--calibration FILE`: the eviction estimates' calibration per policy (every start pooled).
 fn write_calibration(path: &Path, results: &[Vec<RunResult>]) -> Result<()> {
     use crate::sim::calibration::{self, Calibration};
@@ -735,14 +827,19 @@ fn write_calibration(path: &Path, results: &[Vec<RunResult>]) -> Result<()> {
         let c = &p.calibration;
         eprintln!(
             "{}'s eviction estimates: {} spot instances ({} censored), mean estimate {:.3}, \
-             evicted within the hour {:.3}; Brier {:.4} (constant forecast {:.4})",
+             evicted within the hour {:.3}; Brier {:.4} (constant forecast {:.4}: skill {:.1}%)",
             p.policy,
             c.outcomes,
             c.censored,
             c.mean_estimate,
             c.observed_rate,
             c.brier,
-            c.climatology_brier
+            c.climatology_brier,
+            if c.climatology_brier > 0.0 {
+                (1.0 - c.brier / c.climatology_brier) * 100.0
+            } else {
+                0.0
+            }
         );
     }
     let file = File {

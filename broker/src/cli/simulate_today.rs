@@ -169,6 +169,12 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     if args.gap.is_some() || args.gap_chart.is_some() {
         bail!("--gap and --gap-chart are for a price trace (--job), not --availability");
     }
+    if args.fit_eviction.is_some() || args.eviction_model.is_some() {
+        bail!(
+            "--fit-eviction and --eviction-model are for the 2015 price trace (--job): evictions \
+             there follow the price; the availability world's follow capacity"
+        );
+    }
     if args.calibration.is_some() {
         bail!(
             "--calibration is for a price trace (--job): the availability world has no eviction \

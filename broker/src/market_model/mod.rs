@@ -12,12 +12,17 @@
 //!   per-pool (availability zone × instance type) interruption rate with a configurable prior,
 //!   updated from the interruptions the broker observes ([`MarketModel::observe`]).
 //!
-//! Both answer the same question, [`MarketModel::eviction`]: for an instance in `market` whose
+//! - [`learned::LearnedModel`] for the 2015 market too: logistic regression on features a
+//!   broker has at launch (the replay's estimate among them), fitted on earlier launches'
+//!   outcomes and loaded from a file.
+//!
+//! All answer the same question, [`MarketModel::eviction`]: for an instance in `market` whose
 //! bid is `bid_delta` above the current price, the probability of eviction within a horizon and
 //! the expected time it keeps running within that horizon.
 
 pub mod availability;
 mod hazard;
+pub mod learned;
 mod price;
 
 pub use hazard::{HazardModel, HazardPrior};

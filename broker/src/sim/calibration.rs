@@ -49,11 +49,16 @@ pub struct Calibration {
 /// The outcome of one instance: `Some(true)` evicted within its hour, `Some(false)` held through
 /// it, `None` censored or without an estimate.
 fn outcome(i: &InstanceRecord) -> Option<(f64, bool)> {
-    let p = i.predicted_probability?;
+    Some((i.predicted_probability?, observed(i)?))
+}
+
+/// Whether an instance was evicted within its first hour: `None` when censored (see the module
+/// documentation).
+pub fn observed(i: &InstanceRecord) -> Option<bool> {
     let held = i.end.secs_since(i.launch);
     match i.ended_by {
-        EndedBy::Provider => Some((p, held <= HORIZON_SECS)),
-        EndedBy::User if held >= OBSERVED_SECS => Some((p, false)),
+        EndedBy::Provider => Some(held <= HORIZON_SECS),
+        EndedBy::User if held >= OBSERVED_SECS => Some(false),
         EndedBy::User => None,
     }
 }

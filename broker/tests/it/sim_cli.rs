@@ -517,3 +517,130 @@ fn calibration_scores_each_policys_eviction_estimates_against_what_happened() {
     let run: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
     assert!(run.get("decisions").is_none() && run.get("instances").is_none());
 }
+
+/// `--fit-eviction` on March–April's launches writes a model file that `--eviction-model`
+/// loads on May–June, where `--calibration` scores it; a file of the wrong shape, or for other
+/// markets, is refused saying what and where.
+#[test]
+fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
+    let (trace, od, job) = (
+        trace_2015(),
+        on_demand_2015(),
+        repo("examples/jobs/reference-2015.toml"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("eviction.json");
+    let model_arg = model.display().to_string();
+    let out = simulate(
+        &trace,
+        &od,
+        &job,
+        &[
+            "--policy",
+            "bidbrain",
+            "--starts",
+            "2",
+            "--seed",
+            "3",
+            "--starts-until",
+            "2015-05-01",
+            "--fit-eviction",
+            &model_arg,
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("fitted the eviction model on"),
+        "{}",
+        stderr(&out)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&model).unwrap()).unwrap();
+    assert_eq!(v["kind"], "proteus-eviction-model");
+    assert!(v["samples"].as_u64().unwrap() >= 100, "{}", v["samples"]);
+    // Learned from March–April only: every launch's hour ended by May.
+    let may = 1_430_438_400_000i64; // 2015-05-01T00:00:00Z
+    assert!(v["trained_to"].as_i64().unwrap() + 3_600_000 <= may);
+    let features = v["features"].as_array().unwrap().len();
+    assert_eq!(v["coefficients"].as_array().unwrap().len(), features);
+    assert!(!v["markets"].as_array().unwrap().is_empty());
+
+    // Loaded on May–June: the estimates scored are the learned model's, not the replay's.
+    let score = |extra: &[&str]| {
+        let cal = dir.path().join("calibration.json");
+        let cal_arg = cal.display().to_string();
+        let args = [
+            &[
+                "--policy",
+                "bidbrain",
+                "--starts",
+                "1",
+                "--seed",
+                "3",
+                "--starts-from",
+                "2015-05-01",
+                "--calibration",
+                &cal_arg,
+            ][..],
+            extra,
+        ]
+        .concat();
+        let out = simulate(&trace, &od, &job, &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cal).unwrap()).unwrap();
+        c["policies"][0].clone()
+    };
+    let learned = score(&["--eviction-model", &model_arg]);
+    let replay = score(&[]);
+    assert!(learned["outcomes"].as_u64().unwrap() > 0, "{learned}");
+    let brier = learned["brier"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&brier), "{learned}");
+    assert_ne!(learned["mean_estimate"], replay["mean_estimate"]);
+
+    // A file of the wrong shape: one coefficient short.
+    let refused = |file: &serde_json::Value, name: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, file.to_string()).unwrap();
+        let out = simulate(
+            &trace,
+            &od,
+            &job,
+            &[
+                "--policy",
+                "bidbrain",
+                "--starts",
+                "1",
+                "--eviction-model",
+                &path.display().to_string(),
+            ],
+        );
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains(name), "{err}");
+        err
+    };
+    let mut short = v.clone();
+    short["coefficients"].as_array_mut().unwrap().pop();
+    let err = refused(&short, "short.json");
+    assert!(err.contains("coefficients"), "{err}");
+    // A field of the wrong type is named by its path.
+    let mut wrong = v.clone();
+    wrong["intercept"] = serde_json::json!("high");
+    let err = refused(&wrong, "wrong.json");
+    assert!(err.contains("intercept"), "{err}");
+    // Fitted for other markets: the trace's are named.
+    let mut other = v.clone();
+    let n = other["markets"].as_array().unwrap().len();
+    let renamed: Vec<String> = (0..n).map(|i| format!("us-west-9{i}:c9.large")).collect();
+    other["features"] = serde_json::json!(
+        other["features"].as_array().unwrap()[..features - n]
+            .iter()
+            .cloned()
+            .chain(renamed.iter().map(|m| serde_json::json!(format!("market={m}"))))
+            .collect::<Vec<_>>()
+    );
+    other["markets"] = serde_json::json!(renamed);
+    let err = refused(&other, "other.json");
+    assert!(err.contains("does not know"), "{err}");
+}
