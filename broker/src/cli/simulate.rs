@@ -4,9 +4,10 @@ use crate::billing::BillingModel;
 use crate::data;
 use crate::engine::view::FutureReads;
 use crate::job::{JobModel, WorkModelSpec};
-use crate::market::{Market, Region, Timestamp};
+use crate::market::{Region, Timestamp};
 use crate::market_model::{
-    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig, learned::{self, EvictionModelFile, LearnedModel},
+    HazardModel, HazardPrior, MarketModel, PriceDrivenModel, PriceModelConfig,
+    learned::{self, EvictionModelFile, LearnedModel},
 };
 use crate::output::{Cell, OutputFormat, Table, emit, json_table};
 use crate::policy::{PolicyKind, resolve_policy_path};
@@ -61,7 +62,7 @@ pub struct SimulateArgs {
         long,
         value_name = "POLICY",
         conflicts_with = "compare",
-        required_unless_present_any = ["compare", "availability", "optimal"]
+        required_unless_present_any = ["compare", "availability", "optimal", "fit_eviction"]
     )]
     pub policy: Option<String>,
     /// Several policies, run on the same start times.
@@ -114,10 +115,11 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
     /// With --job: fit the learned eviction model (logistic regression on what a broker knows at
-    /// launch: see market_model/learned.rs) to the outcomes of every spot instance the policies
-    /// launched in this run's period, and write it to this file (with --starts-until, only
-    /// launches whose first hour ends by then). Fit on March–April 2015; load it with
-    /// --eviction-model on another period.
+    /// launch: see market_model/learned.rs) to launches replayed in every market every 10
+    /// minutes at BidBrain's bid deltas over the start window (--starts-from/--starts-until,
+    /// each launch's hour inside it), write it to this file, and run nothing. Fit on
+    /// March–April 2015 (--starts-until 2015-05-01); load it with --eviction-model on another
+    /// period.
     #[arg(long, value_name = "FILE", conflicts_with = "eviction_model")]
     pub fit_eviction: Option<PathBuf>,
     /// With --job on the 2015 market: the eviction estimates come from this learned model file
@@ -439,6 +441,20 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         }
     };
 
+    if let Some(path) = &args.fit_eviction {
+        // The start window: from the first time with a look-back behind it (or --starts-from)
+        // to the trace's end (or --starts-until).
+        let mut from = Timestamp::from_millis(first.millis() + lookback_secs as i64 * 1000);
+        if let Some(f) = &args.starts_from {
+            from = from.max(Timestamp::parse(f).context("--starts-from")?);
+        }
+        let to = match &args.starts_until {
+            Some(u) => last.min(Timestamp::parse(u).context("--starts-until")?),
+            None => last,
+        };
+        return fit_eviction(path, &history, scenario.model(), from, to)
+            .map(|()| ExitCode::SUCCESS);
+    }
     let total_runs = (starts.len() * entries.len()) as u64;
     let bar = indicatif::ProgressBar::new(total_runs);
     if total_runs < 30 {
@@ -456,21 +472,12 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         threads,
         future_reads: FutureReads::Refuse,
         // The instances' estimates at launch come with the decisions.
-        record_decisions: args.record_decisions
-            || args.calibration.is_some()
-            || args.fit_eviction.is_some(),
+        record_decisions: args.record_decisions || args.calibration.is_some(),
         budget,
         deadline,
     };
     let mut results = run_sweep(&scenario, &entries, &starts, &options, &|| bar.inc(1))?;
     bar.finish_and_clear();
-    if let Some(path) = &args.fit_eviction {
-        let until = match &args.starts_until {
-            Some(u) => Some(Timestamp::parse(u).context("--starts-until")?),
-            None => None,
-        };
-        fit_eviction(path, &history, scenario.model(), &results, until)?;
-    }
     if let Some(path) = &args.calibration {
         write_calibration(path, &results)?;
         if !args.record_decisions {
@@ -748,48 +755,27 @@ impl OptimalSummary {
     }
 }
 
-/// `--fit-eviction FILE`: the learned eviction model fitted to every spot instance's outcome
-/// within its first hour (every policy and start pooled; censored instances left out).
+/// `--fit-eviction FILE`: the learned eviction model fitted to launches replayed from `from` to
+/// `to` (every market every 10 minutes, at BidBrain's default bid deltas).
 fn fit_eviction(
     path: &Path,
     history: &crate::prices::PriceHistory,
     replay: &dyn MarketModel,
-    results: &[Vec<RunResult>],
-    until: Option<Timestamp>,
+    from: Timestamp,
+    to: Timestamp,
 ) -> Result<()> {
-    use crate::sim::calibration;
-    let mut launches = Vec::new();
-    let mut past_until = 0;
-    for i in results.iter().flatten().flat_map(|r| &r.instances) {
-        // Only outcomes known before `until` (a run started before it may go on after it).
-        if until.is_some_and(|u| i.launch.plus_secs(calibration::HORIZON_SECS) > u) {
-            past_until += 1;
-            continue;
-        }
-        let (Some(bid), Some(price), Some(evicted)) =
-            (i.bid, i.price_at_launch, calibration::observed(i))
-        else {
-            continue;
-        };
-        let market: Market = i
-            .market
-            .parse()
-            .with_context(|| format!("the launch record's market {:?}", i.market))?;
-        launches.push(learned::Launch {
-            market,
-            at: i.launch,
-            bid_delta_usd: (bid.get() - price.get()).max(0.0),
-            evicted,
-        });
-    }
-    launches.sort_by(|a, b| a.at.cmp(&b.at).then_with(|| a.market.to_string().cmp(&b.market.to_string())));
+    const STEP_SECS: f64 = 600.0;
+    const DELTAS: [f64; 9] = [0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0];
+    let launches = learned::replayed_launches(history, from, to, STEP_SECS, &DELTAS);
     let file = learned::fit(history, replay, &launches)?;
     eprintln!(
-        "fitted the eviction model on {} spot launches ({} to {}), {:.3} evicted within the \
-         hour; {past_until} launches whose hour ends after --starts-until left out",
+        "fitted the eviction model on {} launches replayed in {} markets ({} to {}, every 10 \
+         minutes at {} bid deltas), {:.3} evicted within the hour",
         file.samples,
+        file.markets.len(),
         file.trained_from.to_datetime().format("%Y-%m-%d %H:%M"),
         file.trained_to.to_datetime().format("%Y-%m-%d %H:%M"),
+        DELTAS.len(),
         file.evicted_rate
     );
     let text = serde_json::to_string_pretty(&file).context("encoding the eviction model")?;

@@ -1,6 +1,7 @@
 //! A learned eviction model for the 2015 market: the probability that a spot instance is evicted
 //! within its first hour, by logistic regression on features a broker has at launch, fitted on
-//! what happened to earlier launches (`proteus simulate --fit-eviction FILE`) and loaded from
+//! what happened to launches in a training period ([`replayed_launches`]: every market every 10
+//! minutes at the policy's bid deltas; `proteus simulate --fit-eviction FILE`) and loaded from
 //! that file (`--eviction-model FILE`).
 //!
 //! **Features** (all from prices at or before the launch; [`FEATURES`]):
@@ -97,6 +98,52 @@ pub struct Launch {
     /// The bid above the price at launch, USD/h.
     pub bid_delta_usd: f64,
     pub evicted: bool,
+}
+
+/// The launches a fit learns from: every market of `history`, every `step_secs` from `from` to
+/// `to` (each launch's hour inside it), at each bid `delta` (a fraction of the market's
+/// on-demand price) above the price then, each labelled by the 2015 market's own rule: evicted
+/// if the price rises above the bid within the hour (what the simulator's world does). A
+/// regular grid rather than one policy's launches, so that the model has seen every market and
+/// state a policy may launch into, not only those its training-time estimates favoured.
+pub fn replayed_launches(
+    history: &PriceHistory,
+    from: Timestamp,
+    to: Timestamp,
+    step_secs: f64,
+    deltas: &[f64],
+) -> Vec<Launch> {
+    let mut out = Vec::new();
+    let step = (step_secs.max(1.0) * 1000.0) as i64;
+    for series in history.series() {
+        let market = series.market();
+        let Some(od) = history
+            .on_demand()
+            .for_market(market)
+            .map(|o| o.on_demand.get())
+        else {
+            continue;
+        };
+        let mut t = from.millis();
+        while t + (HORIZON_SECS * 1000.0) as i64 <= to.millis() {
+            let at = Timestamp::from_millis(t);
+            if let Some(price) = series.price_at(at) {
+                for d in deltas {
+                    let bid = price.get() + d * od;
+                    out.push(Launch {
+                        market: market.clone(),
+                        at,
+                        bid_delta_usd: d * od,
+                        evicted: series
+                            .first_above(at, bid, at.plus_secs(HORIZON_SECS))
+                            .is_some(),
+                    });
+                }
+            }
+            t += step;
+        }
+    }
+    out
 }
 
 fn feature_names(markets: &[String]) -> Vec<String> {
@@ -209,21 +256,36 @@ pub fn fit(
     launches: &[Launch],
 ) -> Result<EvictionModelFile, LearnedError> {
     use linfa::prelude::*;
-    if launches.len() < 100 {
+    // A launch the replay has too little history for has no estimate at launch: left out, as a
+    // broker could not have judged it either.
+    let mut kept: Vec<(&Launch, [f64; FEATURES.len()])> = Vec::with_capacity(launches.len());
+    for l in launches {
+        match base_features(history, replay, &l.market, l.bid_delta_usd, l.at) {
+            Ok(f) => kept.push((l, f)),
+            Err(ModelError::NotEnoughHistory { .. }) => {}
+            Err(e) => {
+                return Err(LearnedError::Fit(format!(
+                    "the launch at {}: {e}",
+                    l.at.to_datetime()
+                )));
+            }
+        }
+    }
+    if kept.len() < 100 {
         return Err(LearnedError::Fit(format!(
-            "{} launches with an outcome; at least 100 are needed",
-            launches.len()
+            "{} launches with an outcome and an estimate at launch; at least 100 are needed",
+            kept.len()
         )));
     }
-    let evicted = launches.iter().filter(|l| l.evicted).count();
-    if evicted == 0 || evicted == launches.len() {
+    let evicted = kept.iter().filter(|(l, _)| l.evicted).count();
+    if evicted == 0 || evicted == kept.len() {
         return Err(LearnedError::Fit(format!(
             "all {} launches had the same outcome (evicted: {})",
-            launches.len(),
+            kept.len(),
             evicted > 0
         )));
     }
-    let mut markets: Vec<String> = launches.iter().map(|l| l.market.to_string()).collect();
+    let mut markets: Vec<String> = kept.iter().map(|(l, _)| l.market.to_string()).collect();
     markets.sort();
     markets.dedup();
     let index: HashMap<&str, usize> = markets
@@ -232,15 +294,13 @@ pub fn fit(
         .map(|(i, m)| (m.as_str(), i))
         .collect();
     let width = FEATURES.len() + markets.len();
-    let mut rows = Vec::with_capacity(launches.len() * width);
-    for l in launches {
-        let base = base_features(history, replay, &l.market, l.bid_delta_usd, l.at)
-            .map_err(|e| LearnedError::Fit(format!("the launch at {}: {e}", l.at.to_datetime())))?;
-        rows.extend_from_slice(&base);
+    let mut rows = Vec::with_capacity(kept.len() * width);
+    for (l, base) in &kept {
+        rows.extend_from_slice(base);
         let m = index.get(l.market.to_string().as_str()).copied();
         rows.extend((0..markets.len()).map(|i| if Some(i) == m { 1.0 } else { 0.0 }));
     }
-    let n = launches.len();
+    let n = kept.len();
     let mut x = ndarray_linfa::Array2::from_shape_vec((n, width), rows)
         .map_err(|e| LearnedError::Fit(e.to_string()))?;
     let mut means = Vec::with_capacity(width);
@@ -254,16 +314,17 @@ pub fn fit(
         means.push(mean);
         scales.push(scale);
     }
-    let y = ndarray_linfa::Array1::from_iter(launches.iter().map(|l| l.evicted));
+    let y = ndarray_linfa::Array1::from_iter(kept.iter().map(|(l, _)| l.evicted));
     let data = Dataset::new(x, y);
     let fitted = linfa_logistic::LogisticRegression::default()
         .alpha(1.0)
         .max_iterations(500)
         .fit(&data)
         .map_err(|e| LearnedError::Fit(e.to_string()))?;
-    let (from, to) = launches
+    let sign = if fitted.labels().pos.class { 1.0 } else { -1.0 };
+    let (from, to) = kept
         .iter()
-        .fold((Timestamp::MAX, Timestamp::MIN), |(a, b), l| {
+        .fold((Timestamp::MAX, Timestamp::MIN), |(a, b), (l, _)| {
             (a.min(l.at), b.max(l.at))
         });
     Ok(EvictionModelFile {
@@ -278,8 +339,10 @@ pub fn fit(
         markets,
         means,
         scales,
-        intercept: fitted.intercept(),
-        coefficients: fitted.params().to_vec(),
+        // linfa's positive class is the first label it met, not `true`: turn the model round
+        // when it learned the odds of staying.
+        intercept: sign * fitted.intercept(),
+        coefficients: fitted.params().iter().map(|c| sign * c).collect(),
     })
 }
 
@@ -292,8 +355,8 @@ impl EvictionModelFile {
         };
         let text = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
         let de = &mut serde_json::Deserializer::from_slice(&text);
-        let f: EvictionModelFile =
-            serde_path_to_error::deserialize(de).map_err(|e| bad(format!("at {}: {}", e.path(), e.inner())))?;
+        let f: EvictionModelFile = serde_path_to_error::deserialize(de)
+            .map_err(|e| bad(format!("at {}: {}", e.path(), e.inner())))?;
         f.check().map_err(bad)?;
         Ok(f)
     }
@@ -571,6 +634,19 @@ mod tests {
             .partition(|l| l.at < Timestamp::from_millis(30 * 1440 * MIN));
         let file = fit(&history, &replay, &train).expect("fits");
         assert!(file.check().is_ok());
+        // The same launches with the first outcome the other one: the same model (the
+        // learning crate takes the first label it meets as its positive class).
+        let mut swapped = train.clone();
+        let k = swapped
+            .iter()
+            .position(|l| l.evicted != swapped[0].evicted)
+            .expect("both outcomes");
+        swapped.swap(0, k);
+        let again = fit(&history, &replay, &swapped).expect("fits");
+        for (a, b) in again.coefficients.iter().zip(&file.coefficients) {
+            assert!((a - b).abs() < 0.01 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert!((again.intercept - file.intercept).abs() < 0.01 * (1.0 + file.intercept.abs()));
         assert_eq!(file.markets, vec![market.to_string()]);
         let model = LearnedModel::new(
             history.clone(),
@@ -596,7 +672,12 @@ mod tests {
         }
         let n = test.len() as f64;
         assert!(brier < constant, "Brier {brier} against {constant}");
-        assert!((mean_p / n - rate / n).abs() < 0.1, "{} vs {}", mean_p / n, rate / n);
+        assert!(
+            (mean_p / n - rate / n).abs() < 0.1,
+            "{} vs {}",
+            mean_p / n,
+            rate / n
+        );
         // A shorter horizon is less likely to see an eviction.
         let l = &test[0];
         let hour = model.eviction(&l.market, 0.0, HORIZON_SECS, l.at).unwrap();
@@ -621,10 +702,18 @@ mod tests {
         let mut other = file.clone();
         other.markets = vec!["us-west-2a/m4.large".into()];
         other.features = feature_names(&other.markets);
-        let e = LearnedModel::new(history, Box::new(replay), other, std::path::Path::new("x.json"))
-            .err()
-            .expect("refused");
-        assert!(e.to_string().contains("x.json") && e.to_string().contains("c3.xlarge"), "{e}");
+        let e = LearnedModel::new(
+            history,
+            Box::new(replay),
+            other,
+            std::path::Path::new("x.json"),
+        )
+        .err()
+        .expect("refused");
+        assert!(
+            e.to_string().contains("x.json") && e.to_string().contains("c3.xlarge"),
+            "{e}"
+        );
         // Too few launches to fit.
         let (history, market) = self::market();
         let few: Vec<Launch> = launches(&history, &market).into_iter().take(20).collect();

@@ -518,8 +518,8 @@ fn calibration_scores_each_policys_eviction_estimates_against_what_happened() {
     assert!(run.get("decisions").is_none() && run.get("instances").is_none());
 }
 
-/// `--fit-eviction` on March–April's launches writes a model file that `--eviction-model`
-/// loads on May–June, where `--calibration` scores it; a file of the wrong shape, or for other
+/// `--fit-eviction` on March–April's replayed launches writes a model file that
+/// `--eviction-model` loads on May–June, where `--calibration` scores it; a file of the wrong shape, or for other
 /// markets, is refused saying what and where.
 #[test]
 fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
@@ -538,10 +538,8 @@ fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
         &[
             "--policy",
             "bidbrain",
-            "--starts",
-            "2",
-            "--seed",
-            "3",
+            "--starts-from",
+            "2015-04-24",
             "--starts-until",
             "2015-05-01",
             "--fit-eviction",
@@ -553,6 +551,12 @@ fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
         stderr(&out).contains("fitted the eviction model on"),
         "{}",
         stderr(&out)
+    );
+    // It ran no policy: no summary on stdout.
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
     );
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&model).unwrap()).unwrap();
@@ -637,7 +641,11 @@ fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
         other["features"].as_array().unwrap()[..features - n]
             .iter()
             .cloned()
-            .chain(renamed.iter().map(|m| serde_json::json!(format!("market={m}"))))
+            .chain(
+                renamed
+                    .iter()
+                    .map(|m| serde_json::json!(format!("market={m}")))
+            )
             .collect::<Vec<_>>()
     );
     other["markets"] = serde_json::json!(renamed);
