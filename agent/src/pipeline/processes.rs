@@ -163,35 +163,15 @@ enum Said {
     Error(String),
 }
 
-/// A worker's results file (`worker-N.json`); the weights are in `worker-N.f32`, little-endian,
-/// in the order listed: the final layers, then every checkpoint's.
+/// A worker's results file (`worker-N.json`): its outcome without the layers, which are in
+/// `worker-N.f32`, little-endian, in the order listed: the final layers, then every
+/// checkpoint's. Written from a borrowed outcome, read into an owned one.
 #[derive(Debug, Serialize, Deserialize)]
-struct Results {
-    outcome: Outcome,
+struct Results<O> {
+    outcome: O,
     /// Rows and columns of each final layer's weights (its bias has `cols` values).
     final_layers: Vec<(usize, usize)>,
     checkpoints: Vec<CheckpointPart>,
-}
-
-/// [`StageOutcome`] without its layers.
-#[derive(Debug, Serialize, Deserialize)]
-struct Outcome {
-    worker: u32,
-    stage: usize,
-    replica: u32,
-    first_layer: usize,
-    evicted: bool,
-    lost: bool,
-    final_members: Vec<u32>,
-    loss_sum: f64,
-    correct: usize,
-    samples: usize,
-    minibatches: Vec<u64>,
-    max_versions: usize,
-    max_weight_copies: usize,
-    compute_secs: f64,
-    wall_secs: f64,
-    resumed: Vec<(u32, u32)>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -452,7 +432,7 @@ fn read_results(
     let err = |what: String| ProcessError::Worker { worker: w, what };
     let meta = dir.join(format!("worker-{w}.json"));
     let text = std::fs::read(&meta).map_err(|e| err(format!("{}: {e}", meta.display())))?;
-    let r: Results =
+    let r: Results<StageOutcome> =
         serde_json::from_slice(&text).map_err(|e| err(format!("{}: {e}", meta.display())))?;
     let bin = dir.join(format!("worker-{w}.f32"));
     let mut floats = std::io::BufReader::new(
@@ -484,26 +464,9 @@ fn read_results(
         let d = dense(cp.rows, cp.cols)?;
         checkpoints.insert(cp.minibatch, cp.layer, at(cp.at_unix_secs), d);
     }
-    let o = r.outcome;
-    Ok(StageOutcome {
-        worker: o.worker,
-        stage: o.stage,
-        replica: o.replica,
-        first_layer: o.first_layer,
-        layers,
-        evicted: o.evicted,
-        lost: o.lost,
-        final_members: o.final_members,
-        loss_sum: o.loss_sum,
-        correct: o.correct,
-        samples: o.samples,
-        minibatches: o.minibatches,
-        max_versions: o.max_versions,
-        max_weight_copies: o.max_weight_copies,
-        compute_secs: o.compute_secs,
-        wall_secs: o.wall_secs,
-        resumed: o.resumed,
-    })
+    let mut outcome = r.outcome;
+    outcome.layers = layers;
+    Ok(outcome)
 }
 
 /// `proteus-agent pipeline-worker`: one worker of a [`run`], driven over stdin and stdout.
@@ -646,24 +609,7 @@ fn write_results(
     }
     floats.flush().map_err(write_err)?;
     let results = Results {
-        outcome: Outcome {
-            worker: o.worker,
-            stage: o.stage,
-            replica: o.replica,
-            first_layer: o.first_layer,
-            evicted: o.evicted,
-            lost: o.lost,
-            final_members: o.final_members.clone(),
-            loss_sum: o.loss_sum,
-            correct: o.correct,
-            samples: o.samples,
-            minibatches: o.minibatches.clone(),
-            max_versions: o.max_versions,
-            max_weight_copies: o.max_weight_copies,
-            compute_secs: o.compute_secs,
-            wall_secs: o.wall_secs,
-            resumed: o.resumed.clone(),
-        },
+        outcome: o,
         final_layers: o
             .layers
             .iter()

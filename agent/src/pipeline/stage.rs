@@ -1153,14 +1153,16 @@ pub struct StageCtx {
     pub resumed: Option<mpsc::UnboundedSender<crate::worker::WorkerEvent>>,
 }
 
-/// What a stage replica reports at the end.
-#[derive(Debug)]
+/// What a stage replica reports at the end (serialised without its layers, which a worker
+/// process writes apart: [`super::processes`]).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct StageOutcome {
     pub worker: u32,
     /// Stage, replica and layers in the last segment this worker took part in.
     pub stage: usize,
     pub replica: u32,
     pub first_layer: usize,
+    #[serde(skip)]
     pub layers: Vec<Dense>,
     /// The worker left after a warning (its state moved to the survivors).
     pub evicted: bool,
