@@ -539,7 +539,7 @@ fn an_eviction_model_fitted_on_march_april_is_loaded_and_scored_on_may_june() {
             "--policy",
             "bidbrain",
             "--starts-from",
-            "2015-04-24",
+            "2015-04-28",
             "--starts-until",
             "2015-05-01",
             "--fit-eviction",
