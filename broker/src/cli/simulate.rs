@@ -765,8 +765,8 @@ fn fit_eviction(
     to: Timestamp,
 ) -> Result<()> {
     const STEP_SECS: f64 = 600.0;
-    const DELTAS: [f64; 9] = [0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0];
-    let launches = learned::replayed_launches(history, from, to, STEP_SECS, &DELTAS);
+    let deltas = crate::policy::BidBrainConfig::default_bid_deltas();
+    let launches = learned::replayed_launches(history, from, to, STEP_SECS, &deltas);
     let file = learned::fit(history, replay, &launches)?;
     eprintln!(
         "fitted the eviction model on {} launches replayed in {} markets ({} to {}, every 10 \
@@ -775,7 +775,7 @@ fn fit_eviction(
         file.markets.len(),
         file.trained_from.to_datetime().format("%Y-%m-%d %H:%M"),
         file.trained_to.to_datetime().format("%Y-%m-%d %H:%M"),
-        DELTAS.len(),
+        deltas.len(),
         file.evicted_rate
     );
     let text = serde_json::to_string_pretty(&file).context("encoding the eviction model")?;

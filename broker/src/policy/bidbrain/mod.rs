@@ -267,6 +267,13 @@ impl From<ReliableTypeChoice> for String {
 fn default_deltas() -> Vec<f64> {
     vec![0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 }
+
+impl BidBrainConfig {
+    /// The bid deltas BidBrain searches unless its policy file says otherwise.
+    pub fn default_bid_deltas() -> Vec<f64> {
+        default_deltas()
+    }
+}
 fn default_horizon() -> f64 {
     60.0
 }
