@@ -10,7 +10,7 @@ use proteus_wire::agent_api::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Makes `builder` verify HTTPS servers against the PEM CA certificates in `ca_file` only (a
@@ -39,11 +39,18 @@ pub fn trust(
 /// turn. The agent stays with the one that answers; it moves to the next when that one cannot
 /// be reached or says the job is another broker's (421), which is how it follows its job when
 /// the broker that owned it dies and another takes it over.
+///
+/// A broker that did not answer the last time it was asked (down, or paused and accepting
+/// connections it never serves) is asked last in a search, so that finding the job's new
+/// owner costs at most one wait on it, not one per pass over the brokers.
 #[derive(Clone)]
 pub struct Broker {
     http: reqwest::Client,
     bases: Arc<Vec<String>>,
     current: Arc<AtomicUsize>,
+    /// Per base: it did not answer the last request sent to it (no connection, or no answer
+    /// within the request's timeout).
+    unanswered: Arc<Vec<AtomicBool>>,
     token: String,
 }
 
@@ -75,6 +82,13 @@ fn elsewhere(e: &AgentError) -> bool {
                 ..
             }
     )
+}
+
+/// Whether, in a search for the job's owner, the brokers not yet asked should be: `e` is
+/// [`elsewhere`], or the broker's lease on the job lapsed (503) — it cannot say whether the job
+/// is still its own, and another broker may have taken it over while it was stalled.
+fn maybe_elsewhere(e: &AgentError) -> bool {
+    elsewhere(e) || matches!(e, AgentError::BrokerStatus { status: 503, .. })
 }
 
 /// Whether `ev` is the one that ends the job when the broker records it.
@@ -109,6 +123,7 @@ impl Broker {
         }
         Ok(Broker {
             http,
+            unanswered: Arc::new(bases.iter().map(|_| AtomicBool::new(false)).collect()),
             bases: Arc::new(bases),
             current: Arc::new(AtomicUsize::new(0)),
             token: token.to_string(),
@@ -137,14 +152,31 @@ impl Broker {
         }
     }
 
-    /// Sends the request built for the current broker's URL by `build`.
+    /// Sends the request built for the current broker's URL by `build`; moves on to the next
+    /// broker when this one cannot be reached or says the job is another's.
     async fn send<T: DeserializeOwned>(
         &self,
         build: impl FnOnce(&str) -> reqwest::RequestBuilder,
         timeout: Duration,
     ) -> Result<Option<T>> {
         let used = self.current.load(Ordering::Relaxed);
-        let base = self.base_at(used);
+        let answer = self.send_at(used, build, timeout).await;
+        if answer.as_ref().is_err_and(elsewhere) {
+            self.next_broker(used);
+        }
+        answer
+    }
+
+    /// Sends the request built by `build` to the broker at `i` (modulo their number), and
+    /// remembers whether it answered.
+    async fn send_at<T: DeserializeOwned>(
+        &self,
+        i: usize,
+        build: impl FnOnce(&str) -> reqwest::RequestBuilder,
+        timeout: Duration,
+    ) -> Result<Option<T>> {
+        let base = self.base_at(i);
+        let unanswered = &self.unanswered[i % self.bases.len()];
         let resp = match build(&base)
             .bearer_auth(&self.token)
             .timeout(timeout)
@@ -154,15 +186,13 @@ impl Broker {
             Ok(resp) => resp,
             Err(e) => {
                 if e.is_connect() || e.is_timeout() {
-                    self.next_broker(used);
+                    unanswered.store(true, Ordering::Relaxed);
                 }
                 return Err(AgentError::Broker(format!("{base}: {}", error_chain(&e))));
             }
         };
+        unanswered.store(false, Ordering::Relaxed);
         let status = resp.status();
-        if status.as_u16() == NOT_OWNER {
-            self.next_broker(used);
-        }
         if status.is_success() {
             if status == reqwest::StatusCode::NO_CONTENT {
                 return Ok(None);
@@ -188,23 +218,66 @@ impl Broker {
         })
     }
 
-    /// [`Self::send`], tried at each broker of the deployment in turn while the one asked cannot
-    /// be reached or says another broker runs the job: a checkpoint or an output tail is not
-    /// lost because the job was moving between brokers when it was sent.
+    /// The order in which to look for the job's owner, from the broker at `from`: that one,
+    /// then the others in turn, those that did not answer when last asked at the end.
+    fn search_order(&self, from: usize) -> Vec<usize> {
+        let n = self.bases.len();
+        let (mut answered, unanswered): (Vec<usize>, Vec<usize>) =
+            (from + 1..from + n).partition(|i| !self.unanswered[i % n].load(Ordering::Relaxed));
+        answered.insert(0, from);
+        answered.extend(unanswered);
+        answered
+    }
+
+    /// [`Self::send`], asked of each broker of the deployment in turn (see
+    /// [`Self::search_order`]) while the one asked cannot be reached, says another broker runs
+    /// the job or that its own lease on the job lapsed: a heartbeat, a checkpoint or an output
+    /// tail is not lost because the job was moving between brokers when it was sent. The agent
+    /// stays with the broker that took it; when none did, with the first that answered with
+    /// something other than "not mine" (it may own the job), or else the next in turn.
     async fn send_to_owner<T: DeserializeOwned>(
         &self,
         build: impl Fn(&str) -> reqwest::RequestBuilder,
         timeout: Duration,
     ) -> Result<Option<T>> {
-        let mut left = self.bases.len();
-        loop {
-            left -= 1;
-            match self.send(&build, timeout).await {
-                Err(e) if left > 0 && elsewhere(&e) => {
+        let used = self.current.load(Ordering::Relaxed);
+        let mut kept: Option<(usize, AgentError)> = None;
+        let mut last = None;
+        for i in self.search_order(used) {
+            match self.send_at(i, &build, timeout).await {
+                Err(e) if maybe_elsewhere(&e) => {
                     tracing::debug!(error = %e, "asking the next broker");
+                    if !elsewhere(&e) && kept.is_none() {
+                        kept = Some((i, e));
+                    } else {
+                        last = Some(e);
+                    }
                 }
-                answer => return answer,
+                answer => {
+                    self.stay_with(used, i);
+                    return answer;
+                }
             }
+        }
+        if let Some((i, e)) = kept {
+            self.stay_with(used, i);
+            return Err(e);
+        }
+        self.next_broker(used);
+        Err(last.unwrap_or_else(|| AgentError::Broker("no broker URL to ask".into())))
+    }
+
+    /// Makes the broker at `to` the current one, unless another request moved on from `used`
+    /// in the meantime.
+    fn stay_with(&self, used: usize, to: usize) {
+        let to = to % self.bases.len();
+        if to != used % self.bases.len()
+            && self
+                .current
+                .compare_exchange(used, to, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::info!(from = %self.base_at(used), to = %self.base_at(to), "following the job to another broker");
         }
     }
 
@@ -270,13 +343,16 @@ impl Broker {
         }
     }
 
-    /// One heartbeat. It waits 5 s at most: a broker that accepts connections but does not
-    /// answer (paused, overloaded) must not keep the agent silent past its dead-member timeout
-    /// (10 s by default) while another broker has taken its job over.
+    /// One heartbeat, sent on to the other brokers in the same call while the one asked is not
+    /// the job's owner ([`Self::send_to_owner`]): an agent whose job moved finds its new owner
+    /// within one heartbeat, not one broker per heartbeat interval. Each broker asked gets 5 s
+    /// at most: one that accepts connections but does not answer (paused, overloaded) must not
+    /// keep the agent silent past its dead-member timeout (10 s by default) while another
+    /// broker has taken its job over; and it is asked last in later searches.
     pub async fn heartbeat(&self, id: &InstanceId, hb: &Heartbeat) -> Result<()> {
         let http = &self.http;
         let path = paths::heartbeat(id);
-        self.send::<serde_json::Value>(
+        self.send_to_owner::<serde_json::Value>(
             |base| http.post(format!("{base}{path}")).json(hb),
             HEARTBEAT_TIMEOUT,
         )
@@ -526,6 +602,150 @@ mod tests {
             matches!(e, AgentError::BrokerStatus { status: 421, .. }),
             "{e}"
         );
+    }
+
+    /// A broker that accepts connections and never answers (a paused process): returns its
+    /// URL and how many connections it took.
+    async fn broker_not_answering() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = count.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::SeqCst);
+                held.push(conn);
+            }
+        });
+        (url, count)
+    }
+
+    /// A broker whose answer (status line, body) can be changed while it runs.
+    async fn broker_switching(
+        answer: Arc<std::sync::Mutex<(&'static str, &'static str)>>,
+    ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                seen.fetch_add(1, Ordering::SeqCst);
+                let (status, body) = *answer.lock().unwrap();
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(reply.as_bytes()).await;
+            }
+        });
+        (url, count)
+    }
+
+    const OK: (&str, &str) = ("200 OK", "{}");
+    const NOT_MINE: (&str, &str) = (
+        "421 Misdirected Request",
+        r#"{"code":"not_owner","message":"job 1 is run by another broker"}"#,
+    );
+
+    /// The broker that ran the job is paused (it takes connections and never answers) and
+    /// another took the job over: one heartbeat finds the new owner, waiting once on the
+    /// paused broker; and when the job moves again, the search asks the paused broker last and
+    /// does not wait on it.
+    #[tokio::test]
+    async fn a_heartbeat_follows_its_job_past_a_paused_broker_within_one_call() {
+        let (paused, paused_asked) = broker_not_answering().await;
+        let first = Arc::new(std::sync::Mutex::new(NOT_MINE));
+        let (moved, moved_asked) = broker_switching(first.clone()).await;
+        let second = Arc::new(std::sync::Mutex::new(OK));
+        let (owner, owner_asked) = broker_switching(second.clone()).await;
+        let broker = Broker::new(&format!("{paused},{moved},{owner}"), "t", None).unwrap();
+        let id = InstanceId("pi-1-a".into());
+        let hb = Heartbeat::default();
+
+        let started = std::time::Instant::now();
+        broker
+            .heartbeat(&id, &hb)
+            .await
+            .expect("the owner takes it");
+        let took = started.elapsed();
+        assert!(
+            took >= HEARTBEAT_TIMEOUT,
+            "it waited on the paused broker: {took:?}"
+        );
+        assert!(took < 2 * HEARTBEAT_TIMEOUT, "it waited once: {took:?}");
+        let asked = |c: &Arc<AtomicUsize>| c.load(Ordering::SeqCst);
+        assert_eq!(
+            (
+                asked(&paused_asked),
+                asked(&moved_asked),
+                asked(&owner_asked)
+            ),
+            (1, 1, 1)
+        );
+        assert_eq!(broker.url(), owner, "the agent stays with the owner");
+
+        // The next heartbeat goes straight to the owner.
+        broker.heartbeat(&id, &hb).await.unwrap();
+        assert_eq!(
+            (
+                asked(&paused_asked),
+                asked(&moved_asked),
+                asked(&owner_asked)
+            ),
+            (1, 1, 2)
+        );
+
+        // The job moves to the second broker: the paused one, asked last, is not waited on.
+        *second.lock().unwrap() = NOT_MINE;
+        *first.lock().unwrap() = OK;
+        let started = std::time::Instant::now();
+        broker
+            .heartbeat(&id, &hb)
+            .await
+            .expect("the new owner takes it");
+        assert!(
+            started.elapsed() < HEARTBEAT_TIMEOUT,
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            (
+                asked(&paused_asked),
+                asked(&moved_asked),
+                asked(&owner_asked)
+            ),
+            (1, 2, 3)
+        );
+        assert_eq!(broker.url(), moved);
+
+        // A broker whose lease lapsed (503) may have lost the job: the others are asked; with
+        // none taking it, the agent stays with the one that may own it, and the 503 is the
+        // answer.
+        let lapsed_answer = Arc::new(std::sync::Mutex::new((
+            "503 Service Unavailable",
+            r#"{"code":"lease_lapsed","message":"lease lapsed"}"#,
+        )));
+        let (lapsed, _) = broker_switching(lapsed_answer).await;
+        let (other, other_asked) = broker_answering(NOT_MINE.0, NOT_MINE.1).await;
+        let broker = Broker::new(&format!("{lapsed},{other}"), "t", None).unwrap();
+        let e = broker.heartbeat(&id, &hb).await.unwrap_err();
+        assert!(
+            matches!(e, AgentError::BrokerStatus { status: 503, .. }),
+            "{e}"
+        );
+        assert_eq!(asked(&other_asked), 1);
+        assert_eq!(broker.url(), lapsed);
     }
 
     #[tokio::test]

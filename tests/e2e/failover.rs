@@ -340,7 +340,15 @@ async fn three_brokers_share_jobs_and_a_killed_brokers_jobs_move_without_duplica
             .iter()
             .filter(|e| e["kind"] == "agent_lost")
             .collect();
-        assert!(lost.is_empty(), "job {id}: agents lost in a move: {lost:?}");
+        assert!(
+            lost.is_empty(),
+            "job {id}: agents lost in a move: {lost:?}\ntakeovers (s): {takeovers:?}\n{}",
+            brokers
+                .iter()
+                .map(|b| b.log_text())
+                .collect::<Vec<_>>()
+                .join("\n----\n")
+        );
     }
     assert!(
         taken_over >= takeovers.len(),

@@ -741,3 +741,68 @@ fn bidbrain_asks_its_releases_early_enough_to_end_before_the_billing_boundary() 
         }
     }
 }
+
+/// `runtime_vs_standard` holds BidBrain to a runtime: on May 2015 starts of the reference job,
+/// held to standard bidding's runtime (1.0) every run ends within 1.1 × that runtime, where on
+/// cost alone (`inf`) BidBrain runs longer on every start; and holding it costs more. Behind its
+/// line, the held policy buys spot at bids expected to last the hour: it is evicted less.
+#[test]
+fn bidbrain_held_to_a_runtime_keeps_to_it_and_pays_for_it() {
+    let history =
+        Arc::new(load_history(&data(TRACE_2015), &data(ON_DEMAND_2015), &region()).unwrap());
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/jobs/reference-2015.toml"),
+    )
+    .unwrap();
+    let job = job(&text, &history);
+    let standard_secs = proteus_broker::policy::standard_runtime_secs(&job);
+    let sc = price_world(&history, job);
+    let held = "kind = \"bidbrain\"\nruntime_vs_standard = 1.0\n";
+    let free = "kind = \"bidbrain\"\nruntime_vs_standard = inf\n";
+    let (mut held_cost, mut free_cost, mut held_evictions, mut free_evictions) = (0.0, 0.0, 0, 0);
+    for day in [3, 10, 17, 24] {
+        let start = Timestamp::parse(&format!("2015-05-{day:02}T06:00:00Z")).unwrap();
+        let options = RunOptions {
+            seed: 1,
+            ..RunOptions::default()
+        };
+        let mut policy = parse_policy("held.toml", held).unwrap();
+        let h = run(&sc, policy.as_mut(), start, &options).unwrap();
+        let mut policy = parse_policy("free.toml", free).unwrap();
+        let f = run(&sc, policy.as_mut(), start, &options).unwrap();
+        let (held_secs, free_secs) = (h.end.secs_since(start), f.end.secs_since(start));
+        assert!(
+            held_secs <= 1.1 * standard_secs,
+            "{start}: held to standard bidding's {standard_secs:.0} s, ran {held_secs:.0} s"
+        );
+        assert!(
+            held_secs < free_secs,
+            "{start}: held {held_secs:.0} s, on cost alone {free_secs:.0} s"
+        );
+        held_cost += h.cost_usd.get();
+        free_cost += f.cost_usd.get();
+        held_evictions += h.evictions;
+        free_evictions += f.evictions;
+    }
+    assert!(
+        held_cost > free_cost,
+        "held ${held_cost:.2}, free ${free_cost:.2}"
+    );
+    assert!(
+        held_evictions < free_evictions,
+        "evictions held {held_evictions}, free {free_evictions}"
+    );
+}
+
+#[test]
+fn a_runtime_below_standard_biddings_is_refused_naming_the_key() {
+    for bad in ["0.9", "-1", "nan"] {
+        let text = format!("kind = \"bidbrain\"\nruntime_vs_standard = {bad}\n");
+        let e = parse_policy("p.toml", &text).err().expect(bad).to_string();
+        assert!(
+            e.contains("runtime_vs_standard") && e.contains("p.toml"),
+            "{bad}: {e}"
+        );
+    }
+}

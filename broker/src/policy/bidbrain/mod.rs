@@ -130,6 +130,12 @@ pub struct BidBrainConfig {
     /// less than one restart at full speed, Uniform Progress's own.
     #[serde(default = "default_ahead_stint_restarts")]
     pub ahead_stint_restarts: f64,
+    /// The runtime the user accepts, as a multiple of standard bidding's on the same job (a
+    /// number ≥ 1; `inf`: cost alone). A job without a deadline is paced, as one with a
+    /// deadline is, against the line to `start + runtime_vs_standard × standard bidding's
+    /// runtime` ([`standard_runtime_secs`]); a deadline of the job's own comes first.
+    #[serde(default = "default_runtime_vs_standard")]
+    pub runtime_vs_standard: f64,
     /// The reliable (on-demand) tier for backup parameter-server shards.
     #[serde(default)]
     pub reliable: ReliableTier,
@@ -303,6 +309,33 @@ fn default_ahead_stint_restarts() -> f64 {
     10.0
 }
 
+/// Held to a runtime (`runtime_vs_standard`) and behind its line on the 2015 market, BidBrain
+/// buys spot only at bids whose estimated chance of an eviction within the horizon is at most
+/// this. Fixed before any run, not tuned.
+pub const BEHIND_MAX_EVICTION: f64 = 0.1;
+
+/// Chosen in sample (March–April 2015, 100 starts × seeds 1–2) by a rule fixed before the runs:
+/// the cheapest of 1.0, 1.02, 1.05, 1.1, 1.15, 1.25 and `inf` whose median per-start runtime is
+/// at most 1.10 × standard bidding's (the runtime at the default): 1.1 (runtime 1.097 /
+/// 1.096, cost 0.988 / 1.001 × standard's; 1.15 ran 1.135 / 1.121). See `docs/bidbrain-gap.md`,
+/// *BidBrain on the frontier*.
+fn default_runtime_vs_standard() -> f64 {
+    1.1
+}
+
+/// Standard bidding's runtime on a job over its runtime at full speed on instances never
+/// evicted (start-up plus the work at full speed): 15.94 h against 15.71 h for the reference job
+/// on every one of 300 March–April 2015 starts (in sample; seeds 1–3), so 1.015.
+pub const STANDARD_OVER_FULL_SPEED: f64 = 1.015;
+
+/// Standard bidding's expected runtime on `job`, seconds: the job at full speed from one
+/// start-up, stretched by what standard bidding's evictions cost it
+/// ([`STANDARD_OVER_FULL_SPEED`]).
+pub fn standard_runtime_secs(job: &JobModel) -> f64 {
+    (job.startup_secs + job.total_work / job.full_speed().max(1e-9) * 3600.0)
+        * STANDARD_OVER_FULL_SPEED
+}
+
 impl BidBrainConfig {
     /// Checks values serde cannot: returns (key, problem, allowed).
     pub(crate) fn validate(&self) -> Result<Vec<Market>, (String, String, String)> {
@@ -331,6 +364,16 @@ impl BidBrainConfig {
                 "deadline_allowance",
                 format!("{} is not a share between 0 and 1", self.deadline_allowance),
                 "a number from 0 to 1",
+            );
+        }
+        if self.runtime_vs_standard.is_nan() || self.runtime_vs_standard < 1.0 {
+            return bad(
+                "runtime_vs_standard",
+                format!(
+                    "{} is below 1: no runtime shorter than standard bidding's can be asked for",
+                    self.runtime_vs_standard
+                ),
+                "a number ≥ 1, or inf for cost alone",
             );
         }
         if !(self.ahead_stint_restarts.is_finite() && self.ahead_stint_restarts >= 0.0) {
@@ -614,10 +657,22 @@ impl BidBrain {
         }
     }
 
+    /// The deadline the job is paced against: its own, or else the runtime the policy accepts
+    /// (`runtime_vs_standard` × standard bidding's) from its start.
+    fn deadline(&self, ctx: &DecisionContext<'_>) -> Option<Timestamp> {
+        let f = self.config.runtime_vs_standard;
+        ctx.progress.deadline.or_else(|| {
+            f.is_finite().then(|| {
+                let secs = f * standard_runtime_secs(ctx.job);
+                Timestamp::from_millis(ctx.progress.started_at.millis() + (secs * 1000.0) as i64)
+            })
+        })
+    }
+
     /// Where the job stands against its deadline (see [`Plan`]). The line runs straight from
     /// (start, nothing done) to (deadline, all done), as Uniform Progress draws it.
     fn plan(&mut self, ctx: &DecisionContext<'_>, tick_secs: f64) -> Plan {
-        let Some(deadline) = ctx.progress.deadline else {
+        let Some(deadline) = self.deadline(ctx) else {
             return Plan::Free;
         };
         let now = ctx.now();
@@ -626,7 +681,11 @@ impl BidBrain {
         let speed = job.full_speed().max(1e-9);
         let overhead = job.startup_secs;
         let slack = deadline.secs_since(now) - remaining / speed * 3600.0;
-        if self.committed || slack <= 2.0 * overhead + tick_secs {
+        // The safety net is on-demand to the end: only where on-demand can carry the job
+        // (a job held to a runtime may have a reliable limit far below its instances; there,
+        // being behind is as far as it goes).
+        let can_commit = ctx.progress.deadline.is_some();
+        if can_commit && (self.committed || slack <= 2.0 * overhead + tick_secs) {
             self.committed = true;
             return Plan::Commit;
         }
@@ -672,11 +731,14 @@ impl BidBrain {
     }
 
     /// Every allocation BidBrain could make now, cheapest per unit of work first: per market,
-    /// an on-demand worker and the best `allocations_per_market` spot bids.
+    /// an on-demand worker and the best `allocations_per_market` spot bids. `lasting`: only
+    /// bids expected to last the horizon are spot candidates (an eviction chance of at most
+    /// [`BEHIND_MAX_EVICTION`]; in a market with none, its bid least likely to be evicted).
     fn gather_candidates<'v>(
         &mut self,
         ctx: &DecisionContext<'v>,
         costs: &JobCosts,
+        lasting: bool,
     ) -> Result<Vec<Candidate<'v>>, PolicyError> {
         let view = ctx.market;
         let job = ctx.job;
@@ -734,6 +796,14 @@ impl BidBrain {
                     rate,
                     per_instance: costs.new_spot(ctx.billing, price, est, rate),
                 });
+            }
+            if lasting {
+                let least = spot
+                    .iter()
+                    .map(|c| c.per_instance.p_evict)
+                    .fold(f64::INFINITY, f64::min);
+                let limit = least.max(BEHIND_MAX_EVICTION);
+                spot.retain(|c| c.per_instance.p_evict <= limit);
             }
             spot.sort_by(|a, b| a.per_instance.cpw().total_cmp(&b.per_instance.cpw()));
             candidates.extend(spot.drain(..).take(keep));
@@ -1023,7 +1093,13 @@ impl Policy for BidBrain {
         let mut costs = self.job_costs(ctx, working_rate);
         self.refused.retain(|_, at| now.secs_since(*at) < tick_secs);
         let plan = self.plan(ctx, tick_secs);
-        let mut candidates = self.gather_candidates(ctx, &costs)?;
+        // Held to a runtime on a market whose evictions follow the bid: behind the line, spot
+        // at bids expected to last the horizon (standard bidding's way to keep pace), and
+        // every free slot filled under the ceiling, however it compares with the best.
+        let held_behind = plan == Plan::Behind
+            && ctx.progress.deadline.is_none()
+            && ctx.market.model_kind() == ModelKind::PriceDriven;
+        let mut candidates = self.gather_candidates(ctx, &costs, held_behind)?;
         match plan {
             Plan::Free | Plan::Behind => {}
             Plan::Ahead | Plan::Keep => candidates.retain(|c| c.purchase != Purchase::OnDemand),
@@ -1260,7 +1336,11 @@ impl Policy for BidBrain {
             return Ok(decision);
         }
         let mut used_markets: Vec<&Market> = Vec::new();
-        let fill_ceiling = ceiling.min(best_new * (1.0 + self.config.fill_slack));
+        let fill_ceiling = if held_behind {
+            ceiling
+        } else {
+            ceiling.min(best_new * (1.0 + self.config.fill_slack))
+        };
         for pass in 0..2 {
             for cand in &candidates {
                 if slots == 0 || (!commit && fp_work >= remaining) {
