@@ -54,7 +54,7 @@ fn outcome(i: &InstanceRecord) -> Option<(f64, bool)> {
 
 /// Whether an instance was evicted within its first hour: `None` when censored (see the module
 /// documentation).
-pub fn observed(i: &InstanceRecord) -> Option<bool> {
+fn observed(i: &InstanceRecord) -> Option<bool> {
     let held = i.end.secs_since(i.launch);
     match i.ended_by {
         EndedBy::Provider => Some(held <= HORIZON_SECS),

@@ -761,10 +761,12 @@ fn bidbrain_held_to_a_runtime_keeps_to_it_and_pays_for_it() {
     let held = "kind = \"bidbrain\"\nruntime_vs_standard = 1.0\n";
     let free = "kind = \"bidbrain\"\nruntime_vs_standard = inf\n";
     let (mut held_cost, mut free_cost, mut held_evictions, mut free_evictions) = (0.0, 0.0, 0, 0);
+    let mut said_behind = 0;
     for day in [3, 10, 17, 24] {
         let start = Timestamp::parse(&format!("2015-05-{day:02}T06:00:00Z")).unwrap();
         let options = RunOptions {
             seed: 1,
+            record_decisions: true,
             ..RunOptions::default()
         };
         let mut policy = parse_policy("held.toml", held).unwrap();
@@ -780,11 +782,26 @@ fn bidbrain_held_to_a_runtime_keeps_to_it_and_pays_for_it() {
             held_secs < free_secs,
             "{start}: held {held_secs:.0} s, on cost alone {free_secs:.0} s"
         );
+        // A spot purchase made behind the line says so.
+        let behind = |r: &proteus_broker::sim::RunResult| {
+            r.decisions
+                .iter()
+                .flat_map(|(_, d)| &d.reasons)
+                .filter(|reason| reason.rule.contains("runtime_vs_standard"))
+                .count()
+        };
+        said_behind += behind(&h);
+        assert_eq!(
+            behind(&f),
+            0,
+            "{start}: on cost alone nothing is behind a line"
+        );
         held_cost += h.cost_usd.get();
         free_cost += f.cost_usd.get();
         held_evictions += h.evictions;
         free_evictions += f.evictions;
     }
+    assert!(said_behind > 0, "no purchase was made behind the line");
     assert!(
         held_cost > free_cost,
         "held ${held_cost:.2}, free ${free_cost:.2}"

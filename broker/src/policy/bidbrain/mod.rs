@@ -1404,6 +1404,13 @@ impl Policy for BidBrain {
                 if count == 0 {
                     continue;
                 }
+                let rule = if held_behind && cand.purchase != Purchase::OnDemand {
+                    format!(
+                        "{rule}; behind the line to the runtime asked (runtime_vs_standard),                          at a bid expected to last the hour"
+                    )
+                } else {
+                    rule
+                };
                 let acquisition = Acquisition {
                     market: cand.market.clone(),
                     purchase: cand.purchase,
