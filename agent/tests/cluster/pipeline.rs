@@ -1339,3 +1339,94 @@ fn a_worker_process_that_cannot_start_is_named_with_why() {
         "{text}"
     );
 }
+
+/// The worker processes this test process started and has not reaped: (pid, state).
+fn worker_children() -> Vec<(i32, char)> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid …: comm may hold spaces, so split after its closing paren.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if fields.get(1) == Some(&me.as_str())
+            && String::from_utf8_lossy(&cmdline).contains("pipeline-worker")
+        {
+            found.push((pid, fields[0].chars().next().unwrap_or('?')));
+        }
+    }
+    found.sort();
+    found
+}
+
+/// How many sockets process `pid` holds open.
+fn sockets_of(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.flatten()
+                .filter(|fd| {
+                    std::fs::read_link(fd.path())
+                        .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A worker process killed in the middle of a run (SIGKILL, after the workers have connected to
+/// each other): the launcher ends the run with an error that names a worker, within a bound,
+/// and leaves no worker process behind — not the killed one's peers waiting on it, nor a zombie.
+#[test]
+fn a_worker_process_killed_mid_run_ends_the_run_and_leaves_no_process() {
+    let agent = Path::new(env!("CARGO_BIN_EXE_proteus-agent"));
+    let mut spec = digits_process_spec();
+    // Long enough that the run is still going when the kill comes (minutes at this link).
+    spec.minibatches = 200_000;
+    spec.checkpoint_every = 0;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let launcher = std::thread::spawn(move || {
+        let _ = tx.send(processes::run(agent, &spec));
+    });
+    // Once the run has begun, a worker past the first stage holds its listener and at least
+    // two peer connections (the stage before, and the one after or its replica); before the
+    // launcher's go, only the listener. Bounded wait, polled.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let victim = loop {
+        let children = worker_children();
+        if let Some((pid, _)) = children.iter().find(|(pid, _)| sockets_of(*pid) >= 3) {
+            break *pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the workers never connected: {children:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // SAFETY: signalling a process this test started.
+    assert_eq!(unsafe { libc::kill(victim, libc::SIGKILL) }, 0);
+    let result = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the launcher returns within a minute of the kill");
+    launcher.join().unwrap();
+    match result {
+        Err(processes::ProcessError::Worker { worker, what }) => {
+            assert!(worker < 4, "{worker}: {what}");
+            assert!(!what.is_empty());
+            eprintln!("the run ended: worker {worker}: {what}");
+        }
+        other => panic!("expected a worker's failure, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(
+        worker_children(),
+        Vec::new(),
+        "worker processes left behind"
+    );
+}
