@@ -159,7 +159,8 @@ struct Go {
 #[serde(rename_all = "lowercase")]
 enum Said {
     Addr(String),
-    Done(bool),
+    /// Its stage ended at this Unix time (seconds); its results are written.
+    Done(f64),
     Error(String),
 }
 
@@ -258,9 +259,15 @@ pub fn run(agent: &Path, spec: &ProcessSpec) -> Result<super::local::LocalRun, P
         });
     }
     drop(tx);
+    // The run's wall time ends when the last stage does, not when the last worker has
+    // written its results (for data parallelism, hundreds of MB of checkpoints).
+    let mut last_end = started_unix;
     for _ in 0..n {
         let failed = match rx.recv() {
-            Ok((_, Ok(Said::Done(_)))) => continue,
+            Ok((_, Ok(Said::Done(ended)))) => {
+                last_end = last_end.max(ended);
+                continue;
+            }
             Ok((w, Ok(other))) => unexpected(w, &other),
             Ok((worker, Err(what))) => ProcessError::Worker { worker, what },
             Err(_) => ProcessError::Worker {
@@ -271,7 +278,7 @@ pub fn run(agent: &Path, spec: &ProcessSpec) -> Result<super::local::LocalRun, P
         // `workers` kills every process still running as it goes.
         return Err(failed);
     }
-    let wall_secs = started.elapsed().as_secs_f64();
+    let wall_secs = last_end - started_unix;
     workers.stop();
     let checkpoints = Checkpoints::new(shape.layers());
     let mut outcomes = Vec::new();
@@ -564,9 +571,10 @@ fn worker(input: &mut impl BufRead, say: &mut impl FnMut(&Said)) -> Result<(), S
             stage::run(ctx).await
         }
     });
+    let ended = unix_secs(SystemTime::now());
     let outcome = result.map_err(|e| format!("worker {w}: {e}"))?;
     write_results(&setup.out_dir, w, &outcome, &checkpoints)?;
-    say(&Said::Done(true));
+    say(&Said::Done(ended));
     // Stay up, answering late messages, until the launcher says every worker is done.
     let mut rest = String::new();
     while matches!(input.read_line(&mut rest), Ok(n) if n > 0) {

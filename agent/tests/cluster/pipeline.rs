@@ -1287,7 +1287,24 @@ fn digits_process_spec() -> processes::ProcessSpec {
 fn worker_processes_train_the_same_model_as_worker_threads() {
     let spec = digits_process_spec();
     let agent = Path::new(env!("CARGO_BIN_EXE_proteus-agent"));
+    let launched = std::time::Instant::now();
     let run = processes::run(agent, &spec).expect("the worker processes run");
+    // The run's wall time spans every worker's stage (first operation to last), and not the
+    // processes' start nor the results' reading.
+    assert!(
+        run.wall_secs > 0.0 && run.wall_secs < launched.elapsed().as_secs_f64(),
+        "{}",
+        run.wall_secs
+    );
+    for o in &run.outcomes {
+        assert!(
+            o.wall_secs <= run.wall_secs + 0.01,
+            "worker {}: {} s of {} s",
+            o.worker,
+            o.wall_secs,
+            run.wall_secs
+        );
+    }
     let (train, _) = data::load_digits(Path::new(super::support::DATA_DIR)).expect("digits");
     let cfg = spec.config(train.len()).expect("a valid spec");
     let link = proteus_agent::pipeline::partition::Link::new(2e6, 0.001);
