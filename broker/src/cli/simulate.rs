@@ -146,6 +146,16 @@ pub struct SimulateArgs {
     /// With --availability: time from each launch to useful work, hours.
     #[arg(long, value_name = "HOURS", default_value_t = 0.02)]
     pub restart_overhead_hours: f64,
+    /// With --availability: every start begins a fleet of K jobs of the job's shape, started
+    /// a deadline ÷ K apart, that share one pool book: what any job's spot launches,
+    /// refusals and interruptions show of a pool, every job's plan reads, and each pool's
+    /// availability model is learned from it (docs/today.md). The report covers every job of
+    /// every fleet. Without it each start is run alone.
+    #[arg(long, value_name = "K", requires = "availability")]
+    pub fleet: Option<usize>,
+    /// With --fleet: share beliefs only; every pool keeps the policy's prior model.
+    #[arg(long, requires = "fleet")]
+    pub no_pool_learning: bool,
     /// With --availability: the spot price of every pool, USD/h (the traces carry none).
     #[arg(long, value_name = "USD", default_value_t = crate::sim::availability::TRACE_SPOT_USD_PER_HOUR)]
     pub spot_price: f64,

@@ -59,6 +59,18 @@ pub struct TodayRun {
     pub deadline_met: bool,
 }
 
+/// With `--fleet K`: how the fleets were run, and what the first fleet's book learned of each
+/// pool, per BidBrain policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct FleetReport {
+    pub jobs: usize,
+    /// Between one job's start and the next's.
+    pub gap_hours: f64,
+    pub pool_learning: bool,
+    pub first_fleet_pools:
+        std::collections::BTreeMap<String, Vec<crate::market_model::pool_book::PoolSummary>>,
+}
+
 /// What `--output json` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct TodayReport {
@@ -72,6 +84,8 @@ pub struct TodayReport {
     pub spot_usd_per_hour: f64,
     pub on_demand_usd_per_hour: f64,
     pub starts: Vec<Timestamp>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<FleetReport>,
     pub policies: Vec<TodaySummary>,
     /// The asked policy's figures (`--policy`), also at the top level for scripts.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -211,8 +225,18 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         Box::new(HazardModel::new(HazardPrior::default())),
     )?;
     let (first, last) = availability.span();
+    let fleet = match args.fleet {
+        Some(0) => bail!("--fleet must be at least 1 job"),
+        Some(k) if k > 64 => bail!("--fleet {k}: at most 64 jobs per fleet"),
+        other => other,
+    };
+    // A fleet's jobs start a deadline ÷ K apart.
+    let gap_hours = fleet.map_or(0.0, |k| deadline_hours / k as f64);
+    let spread_hours = fleet.map_or(0.0, |k| gap_hours * (k - 1) as f64);
     // Every start leaves the deadline (and a day to spare for runs that miss it) in the traces.
-    let hi = Timestamp::from_millis(last.millis() - ((deadline_hours + 24.0) * 3_600_000.0) as i64);
+    let hi = Timestamp::from_millis(
+        last.millis() - ((deadline_hours + 24.0 + spread_hours) * 3_600_000.0) as i64,
+    );
     if hi <= first {
         bail!(
             "the availability traces cover {:.1} days; a job with a {deadline_hours} h deadline \
@@ -223,7 +247,15 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
     if args.starts == 0 {
         bail!("--starts must be at least 1");
     }
-    let starts = start_times(first, hi, args.starts, args.seed);
+    let fleet_starts = start_times(first, hi, args.starts, args.seed);
+    let fleets: Vec<Vec<Timestamp>> = match fleet {
+        Some(k) => fleet_starts
+            .iter()
+            .map(|&s| crate::sim::fleet::staggered(s, k, gap_hours * 3600.0))
+            .collect(),
+        None => fleet_starts.iter().map(|&s| vec![s]).collect(),
+    };
+    let starts: Vec<Timestamp> = fleets.iter().flatten().copied().collect();
     let threads = args.threads();
     let options = SweepOptions {
         seed: args.seed,
@@ -233,7 +265,39 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         budget: None,
         deadline: Some(Deadline::After(deadline_hours * 3600.0)),
     };
-    let results = run_sweep(&scenario, &entries, &starts, &options, &|| {})?;
+    let (results, fleet_report) = match fleet {
+        None => (
+            run_sweep(&scenario, &entries, &starts, &options, &|| {})?,
+            None,
+        ),
+        Some(k) => {
+            // The book's prior: the first BidBrain's model (a policy on another model ignores
+            // the book), else the default.
+            let prior = entries
+                .iter()
+                .find_map(|e| e.availability_model().cloned())
+                .unwrap_or_else(|| crate::policy::TodayConfig::default().availability);
+            let learn = !args.no_pool_learning;
+            let (runs, pools) = crate::sim::fleet::run_fleet_sweep(
+                &scenario, &entries, &fleets, &options, &prior, learn,
+            )?;
+            let pools = entries
+                .iter()
+                .zip(pools)
+                .filter(|(e, _)| e.kind == PolicyKind::BidBrain)
+                .map(|(e, p)| (e.name.clone(), p))
+                .collect();
+            (
+                runs,
+                Some(FleetReport {
+                    jobs: k,
+                    gap_hours,
+                    pool_learning: learn,
+                    first_fleet_pools: pools,
+                }),
+            )
+        }
+    };
     let od_costs: Vec<f64> = results[od_index].iter().map(|r| r.cost_usd.get()).collect();
     let mut policies: Vec<TodaySummary> = entries
         .iter()
@@ -325,6 +389,7 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
         spot_usd_per_hour: spot.get(),
         on_demand_usd_per_hour: on_demand.get(),
         starts,
+        fleet: fleet_report,
         deadline_met_rate: asked_summary.as_ref().map(|s| s.deadline_met_rate),
         cost_vs_on_demand: asked_summary.as_ref().map(|s| s.cost_vs_on_demand),
         median_cost_usd: asked_summary.as_ref().map(|s| s.median_cost_usd),

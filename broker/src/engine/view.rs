@@ -3,6 +3,7 @@
 //! prices arrive), with the market model's eviction estimates.
 
 use crate::market::{Market, Timestamp, UsdPerHour};
+use crate::market_model::pool_book::PoolBook;
 use crate::market_model::{EvictionEstimate, MarketModel, ModelError, ModelKind};
 use crate::policy::{MarketView, ViewError};
 use crate::prices::{PriceHistory, PriceSeries};
@@ -86,6 +87,7 @@ pub struct TraceView<'a> {
     markets: &'a TraceMarkets,
     model: &'a dyn MarketModel,
     future: FutureReads,
+    book: Option<&'a PoolBook>,
 }
 
 impl<'a> TraceView<'a> {
@@ -100,7 +102,14 @@ impl<'a> TraceView<'a> {
             markets,
             model,
             future,
+            book: None,
         }
+    }
+
+    /// The view with the fleet's pool book (a fleet of jobs run together).
+    pub fn with_book(mut self, book: Option<&'a PoolBook>) -> Self {
+        self.book = book;
+        self
     }
 
     fn guard(&self, market: &Market, at: Timestamp) -> Result<(), ViewError> {
@@ -122,6 +131,10 @@ impl<'a> TraceView<'a> {
 impl MarketView for TraceView<'_> {
     fn now(&self) -> Timestamp {
         self.now
+    }
+
+    fn pool_book(&self) -> Option<&PoolBook> {
+        self.book
     }
 
     fn markets(&self) -> Vec<&Market> {

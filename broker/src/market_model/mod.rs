@@ -23,6 +23,7 @@
 pub mod availability;
 mod hazard;
 pub mod learned;
+pub mod pool_book;
 mod price;
 
 pub use hazard::{HazardModel, HazardPrior};

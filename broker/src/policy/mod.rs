@@ -198,6 +198,11 @@ pub trait MarketView {
     ) -> Result<Option<UsdPerHour>, ViewError>;
     /// The on-demand price of the market's instance type in its region.
     fn on_demand_price(&self, market: &Market) -> Option<UsdPerHour>;
+    /// What the whole fleet has seen of today's spot pools, when the driver keeps a book
+    /// ([`crate::market_model::pool_book`]): every job's launches, refusals and interruptions.
+    fn pool_book(&self) -> Option<&crate::market_model::pool_book::PoolBook> {
+        None
+    }
     /// Which market model answers [`MarketView::eviction`].
     fn model_kind(&self) -> ModelKind;
     /// Eviction risk over `horizon_secs` from `now()` of an instance whose bid is

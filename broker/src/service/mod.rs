@@ -17,6 +17,7 @@ pub mod jobs;
 pub mod ledger;
 pub mod membership;
 pub mod metrics;
+pub mod pools;
 pub mod programs;
 pub mod recovery;
 pub mod scheduler;
@@ -173,6 +174,8 @@ pub struct Broker {
     /// Instances in `terminating` this broker has seen, and when their termination was last
     /// asked of the cloud (`Broker::retry_terminations`).
     terminations_asked: Mutex<HashMap<String, std::time::Instant>>,
+    /// What every job saw of each spot pool ([`pools`]).
+    pools: Mutex<pools::Pools>,
 }
 
 impl Broker {
@@ -339,6 +342,7 @@ impl Broker {
             membership,
             launches_in_flight: Mutex::new(Default::default()),
             terminations_asked: Mutex::new(HashMap::new()),
+            pools: Mutex::new(pools::Pools::new()),
         })
     }
 

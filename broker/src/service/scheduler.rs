@@ -15,6 +15,7 @@ use crate::engine::job_engine::{Command, Ctx, Input, JobEnd, Member};
 use crate::engine::view::{FutureReads, TraceView};
 use crate::launcher::metadata::InstanceFacts;
 use crate::market::{Market, Timestamp, Usd, UsdPerHour};
+use crate::market_model::pool_book::Seen;
 use crate::market_model::{EvictionEstimate, ModelError, ModelKind};
 use crate::policy::{MarketView, Purchase, ViewError};
 use crate::store::{
@@ -58,6 +59,8 @@ impl Broker {
         self.control.sweep(Duration::from_secs(30));
         // First what the cloud did (held, in order, while the database is away).
         self.apply_cloud_events(now).await?;
+        // What every job (of every broker) saw of the spot pools, for this tick's decisions.
+        self.refresh_pools().await;
         // Jobs whose owner died (or left) become this broker's, reconciled with the cloud
         // before anything is decided for them.
         let claimed = self.claim_share().await?;
@@ -260,6 +263,9 @@ impl Broker {
         {
             return Ok(());
         }
+        if row.tier == Tier::Transient {
+            self.saw_pool(&row.market, at, Seen::Interrupted).await;
+        }
         if let Some(runtime) = self.runtime(row.job_id) {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
             rt.arrivals.push(Input::Warned {
@@ -332,6 +338,9 @@ impl Broker {
         }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
+        } else if row.tier == Tier::Transient && row.cloud_id.is_some() {
+            // Let go by its job while the pool still had it: up until now.
+            self.saw_pool(&row.market, at, Seen::Released).await;
         }
         if let Some(runtime) = self.runtime(row.job_id) {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
@@ -677,8 +686,10 @@ impl Broker {
     ) -> Result<Vec<Command>, ServiceError> {
         let data = self.market_data();
         let model = data.model.lock().unwrap_or_else(|e| e.into_inner());
+        let pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
         let view = LiveView {
-            inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse),
+            inner: TraceView::new(now, &data.markets, model.as_ref(), FutureReads::Refuse)
+                .with_book(Some(pools.book())),
             cooled,
         };
         let ctx = Ctx {
@@ -832,6 +843,10 @@ impl Broker {
                     )
                     .await?;
                 super::metrics::Metrics::inc(&self.metrics.launches);
+                if row.tier == Tier::Transient {
+                    self.saw_pool(&row.market, ci.launched.unwrap_or(now), Seen::Granted)
+                        .await;
+                }
                 self.remember_agent(&ci.cloud_id, row);
                 let what = match row.bid {
                     Some(b) => format!("{} spot, bid {b} ({})", row.market, ci.cloud_id),
@@ -873,6 +888,11 @@ impl Broker {
                     .mark_launch_failed(Some(&lease), &row.id, &e.to_string(), now)
                     .await?;
                 super::metrics::Metrics::inc(&self.metrics.launch_failures);
+                if row.tier == Tier::Transient
+                    && matches!(e, CloudError::InsufficientCapacity { .. })
+                {
+                    self.saw_pool(&row.market, now, Seen::Refused).await;
+                }
                 let mut detail = format!("{}: {}: {e}", row.market, e.reason());
                 if e.cools_down_market() {
                     let until = now.plus_secs(self.settings.cooldown_secs);
@@ -1482,6 +1502,9 @@ impl LiveView<'_> {
 impl MarketView for LiveView<'_> {
     fn now(&self) -> Timestamp {
         self.inner.now()
+    }
+    fn pool_book(&self) -> Option<&crate::market_model::pool_book::PoolBook> {
+        self.inner.pool_book()
     }
     fn markets(&self) -> Vec<&Market> {
         self.inner

@@ -18,6 +18,7 @@
 
 pub mod availability;
 pub mod calibration;
+pub mod fleet;
 pub mod foresight;
 pub mod gap;
 pub mod inputs;
@@ -33,11 +34,13 @@ use crate::engine::view::{FutureReads, TraceMarkets, TraceView};
 use crate::job::JobModel;
 use crate::market::{Market, Timestamp, Usd, UsdPerHour};
 use crate::market_model::MarketModel;
+use crate::market_model::pool_book::{PoolBook, PoolObservation, Seen};
 use crate::policy::{Decision, InstanceId, Policy, PolicyError, PolicyKind, Purchase, Tier};
 use crate::prices::PriceHistory;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use thiserror::Error;
@@ -307,7 +310,7 @@ pub fn run(
     if start < first || start >= last {
         return Err(SimError::StartOutsideTrace { start, first, last });
     }
-    Run::new(scenario, Box::new(policy), start, options).run()
+    Run::new(scenario, Box::new(policy), start, options, None).run()
 }
 
 /// What the simulated world holds for one instance: when the provider will warn it and, once
@@ -337,6 +340,13 @@ struct Run<'a> {
     /// The model's estimate at launch (probability, seconds), when recording.
     predicted: HashMap<InstanceId, (f64, f64)>,
     next_id: u64,
+    /// The current instant, and the events played so far.
+    now: Timestamp,
+    steps: u64,
+    /// The fleet's pool book, when several jobs run together ([`fleet`]): what this job's
+    /// spot launches, refusals, interruptions and releases show of the pools goes into it, and
+    /// every decision's view reads it.
+    book: Option<&'a RefCell<PoolBook>>,
 }
 
 impl<'a> Run<'a> {
@@ -345,6 +355,7 @@ impl<'a> Run<'a> {
         policy: Box<dyn Policy + 'a>,
         start: Timestamp,
         options: &'a RunOptions,
+        book: Option<&'a RefCell<PoolBook>>,
     ) -> Self {
         let hazard = match &sc.world {
             World::Price | World::Availability(_) => None,
@@ -373,45 +384,76 @@ impl<'a> Run<'a> {
             fates: BTreeMap::new(),
             predicted: HashMap::new(),
             next_id: 0,
+            now: start,
+            steps: 0,
+            book,
         }
     }
 
     fn run(mut self) -> Result<RunResult, SimError> {
-        let mut now = self.start;
-        self.step(now, Input::Tick)?;
-        let mut steps = 0u64;
-        while self.engine.end().is_none() {
-            steps += 1;
-            if steps > MAX_STEPS {
-                return Err(SimError::Runaway(MAX_STEPS));
-            }
-            let world = self
-                .fates
-                .values()
-                .filter_map(|f| f.terminate_at.or(f.warn_at))
-                .chain(self.capacity_changes(now))
-                .min();
-            let Some(t) = [self.engine.next_wake(now), world]
-                .into_iter()
-                .flatten()
-                .min()
-            else {
-                return Err(SimError::Runaway(steps));
-            };
-            let t = t.max(now);
-            if t > self.sc.end {
-                return Err(SimError::TraceTooShort {
-                    start: self.start,
-                    trace_end: self.sc.end,
-                    done: self.engine.done_work(),
-                    total: self.sc.job.total_work,
-                });
-            }
-            now = t;
-            self.world_at(now)?;
-            self.step(now, Input::Tick)?;
+        self.begin()?;
+        while let Some(t) = self.next_at()? {
+            self.advance(t)?;
         }
         self.finish()
+    }
+
+    /// The job is submitted at its start.
+    fn begin(&mut self) -> Result<(), SimError> {
+        self.step(self.start, Input::Tick)
+    }
+
+    /// When the next thing happens to the job (`None`: it has ended).
+    fn next_at(&mut self) -> Result<Option<Timestamp>, SimError> {
+        if self.engine.end().is_some() {
+            return Ok(None);
+        }
+        let now = self.now;
+        self.steps += 1;
+        if self.steps > MAX_STEPS {
+            return Err(SimError::Runaway(MAX_STEPS));
+        }
+        let world = self
+            .fates
+            .values()
+            .filter_map(|f| f.terminate_at.or(f.warn_at))
+            .chain(self.capacity_changes(now))
+            .min();
+        let Some(t) = [self.engine.next_wake(now), world]
+            .into_iter()
+            .flatten()
+            .min()
+        else {
+            return Err(SimError::Runaway(self.steps));
+        };
+        let t = t.max(now);
+        if t > self.sc.end {
+            return Err(SimError::TraceTooShort {
+                start: self.start,
+                trace_end: self.sc.end,
+                done: self.engine.done_work(),
+                total: self.sc.job.total_work,
+            });
+        }
+        Ok(Some(t))
+    }
+
+    /// Plays the world and the job at `t` (from [`Run::next_at`]).
+    fn advance(&mut self, t: Timestamp) -> Result<(), SimError> {
+        self.now = t;
+        self.world_at(t)?;
+        self.step(t, Input::Tick)
+    }
+
+    /// Tells the fleet's book what was seen of a pool (spot only, on today's market).
+    fn seen(&self, market: &Market, at: Timestamp, seen: Seen) {
+        if let (Some(book), World::Availability(_)) = (self.book, &self.sc.world) {
+            book.borrow_mut().observe(&PoolObservation {
+                market: market.clone(),
+                at,
+                seen,
+            });
+        }
     }
 
     /// The next change of capacity in a pool where the job holds spot instances.
@@ -489,6 +531,10 @@ impl<'a> Run<'a> {
             };
             f.terminate_at = Some(terminate_at);
             let id = f.id.clone();
+            if f.spot {
+                let market = f.market.clone();
+                self.seen(&market, now, Seen::Interrupted);
+            }
             self.step(
                 now,
                 Input::Warned {
@@ -508,12 +554,14 @@ impl<'a> Run<'a> {
         let mut ends = Vec::new();
         while let Some(input) = next.take() {
             let commands = {
+                let book = self.book.map(|b| b.borrow());
                 let view = TraceView::new(
                     now,
                     &self.sc.markets,
                     self.model.as_ref(),
                     self.options.future_reads,
-                );
+                )
+                .with_book(book.as_deref());
                 let ctx = Ctx {
                     view: &view,
                     markets: &self.sc.markets,
@@ -536,7 +584,17 @@ impl<'a> Run<'a> {
             }
         }
         for id in ends {
+            let released: Vec<Market> = self
+                .fates
+                .values()
+                .filter(|f| f.id == id && f.spot && f.warn_at.is_none())
+                .map(|f| f.market.clone())
+                .collect();
+            for market in released {
+                self.seen(&market, now, Seen::Released);
+            }
             self.fates.retain(|_, f| f.id != id);
+            let book = self.book.map(|b| b.borrow());
             self.engine
                 .step(
                     now,
@@ -551,7 +609,8 @@ impl<'a> Run<'a> {
                             &self.sc.markets,
                             self.model.as_ref(),
                             self.options.future_reads,
-                        ),
+                        )
+                        .with_book(book.as_deref()),
                         markets: &self.sc.markets,
                     },
                 )
@@ -589,6 +648,7 @@ impl<'a> Run<'a> {
         if let (World::Availability(a), Purchase::Spot { .. }) = (&self.sc.world, purchase) {
             let capacity = a.capacity(market, now) as usize;
             if self.held(market).count() >= capacity {
+                self.seen(market, now, Seen::Refused);
                 return refused(format!(
                     "InsufficientInstanceCapacity: {} has no spare spot capacity \
                      ({capacity} available, the job holds {})",
@@ -607,6 +667,9 @@ impl<'a> Run<'a> {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        if matches!(purchase, Purchase::Spot { .. }) {
+            self.seen(market, now, Seen::Granted);
+        }
         self.next_id += 1;
         let id = InstanceId(format!("sim-{}", self.next_id));
         if let (true, Purchase::Spot { bid }, Some(p)) =

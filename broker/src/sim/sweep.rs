@@ -45,6 +45,16 @@ impl PolicyEntry {
         })
     }
 
+    /// The availability model the policy plans today's market with (BidBrain's), if any.
+    pub fn availability_model(
+        &self,
+    ) -> Option<&crate::market_model::availability::AvailabilityModel> {
+        match &self.spec {
+            PolicySpec::BidBrain(c) => Some(&c.today.availability),
+            _ => None,
+        }
+    }
+
     /// A fresh instance of the policy.
     pub fn build(&self) -> Result<Box<dyn Policy>, PolicyLoadError> {
         let stem = Path::new(&self.file)

@@ -9,6 +9,7 @@ mod exclusive;
 mod jobs;
 mod leases;
 mod outputs;
+mod pools;
 mod prices;
 
 pub use exclusive::{PgExclusive, Refused};

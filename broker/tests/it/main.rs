@@ -18,6 +18,7 @@ mod graceful_stop;
 mod job_spec_doc;
 mod launch_idempotency;
 mod pipeline_plans;
+mod pool_book;
 mod read_freshness;
 mod sim_cli;
 mod sim_policies;

@@ -68,6 +68,18 @@ fn simulate_file(
     work_hours: f64,
     deadline_h: f64,
 ) -> RunResult {
+    let sc = scenario(a, work_hours);
+    let mut p = parse_policy(&format!("{policy}.toml"), toml).unwrap();
+    let options = RunOptions {
+        deadline: Some(Deadline::After(deadline_h * H)),
+        record_decisions: true,
+        ..RunOptions::default()
+    };
+    run(&sc, p.as_mut(), Timestamp::from_millis(0), &options).unwrap()
+}
+
+/// A one-instance p3.2xlarge job of `work_hours` (6-minute start-up) on the availability world.
+fn scenario(a: &Arc<Availability>, work_hours: f64) -> Scenario {
     let history =
         Arc::new(a.price_history(UsdPerHour::new(SPOT).unwrap(), UsdPerHour::new(OD).unwrap()));
     let spec = "name = \"t\"\ntotal_work = WORK\nreference_type = \"p3.2xlarge\"\n\
@@ -80,21 +92,14 @@ fn simulate_file(
         .unwrap()
         .resolve("t", history.on_demand(), &region)
         .unwrap();
-    let sc = Scenario::new(
+    Scenario::new(
         history,
         job,
         BillingModel::PerSecond,
         World::Availability(a.clone()),
         Box::new(HazardModel::new(HazardPrior::default())),
     )
-    .unwrap();
-    let mut p = parse_policy(&format!("{policy}.toml"), toml).unwrap();
-    let options = RunOptions {
-        deadline: Some(Deadline::After(deadline_h * H)),
-        record_decisions: true,
-        ..RunOptions::default()
-    };
-    run(&sc, p.as_mut(), Timestamp::from_millis(0), &options).unwrap()
+    .unwrap()
 }
 
 fn spot_cost(hours: f64) -> f64 {
@@ -639,4 +644,109 @@ fn the_deadline_plan_waits_out_a_short_outage_and_leaves_on_demand_without_a_gap
         .filter(|r| r.rule.starts_with("deadline plan:"))
         .count();
     assert!(planned > 0, "{:?}", bb.decisions);
+}
+
+/// The chance of the pool being up that a BidBrain decision's rule states ("pool up with
+/// probability 0.76").
+fn stated_p_up(r: &RunResult) -> f64 {
+    let rule = r
+        .decisions
+        .iter()
+        .flat_map(|(_, d)| &d.reasons)
+        .map(|x| x.rule.as_str())
+        .find(|x| x.contains("pool up with probability"))
+        .unwrap_or_else(|| panic!("no plan decision in {:?}", r.decisions));
+    let tail = &rule[rule.find("probability ").unwrap() + "probability ".len()..];
+    tail[..4].parse().unwrap_or_else(|e| panic!("{rule}: {e}"))
+}
+
+fn fleet(
+    sc: &Scenario,
+    starts_h: &[f64],
+    deadline_h: f64,
+    learn: bool,
+) -> proteus_broker::sim::fleet::FleetResult {
+    let jobs = starts_h
+        .iter()
+        .map(|&h| {
+            (
+                parse_policy("bidbrain.toml", "kind = \"bidbrain\"\n").unwrap(),
+                Timestamp::from_millis((h * H * 1000.0) as i64),
+            )
+        })
+        .collect();
+    let options: Vec<RunOptions> = starts_h
+        .iter()
+        .map(|_| RunOptions {
+            deadline: Some(Deadline::After(deadline_h * H)),
+            record_decisions: true,
+            ..RunOptions::default()
+        })
+        .collect();
+    proteus_broker::sim::fleet::run_fleet(
+        sc,
+        jobs,
+        &options,
+        proteus_broker::policy::TodayConfig::default().availability,
+        learn,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_job_of_a_fleet_knows_what_another_jobs_interruption_said_of_the_pool() {
+    // Up 3 h, then down 6 h, then up for good. Job A starts at 0 and runs on spot until the
+    // pool goes at 3 h; job B starts at 3 h 5 min.
+    let a = world(&[(
+        "us-west-2a",
+        &format!("{}{}{}", "1".repeat(18), "0".repeat(36), "1".repeat(200)),
+    )]);
+    let sc = scenario(&a, 4.0);
+    let alone = fleet(&sc, &[3.0 + 5.0 / 60.0], 12.0, false);
+    let together = fleet(&sc, &[0.0, 3.0 + 5.0 / 60.0], 12.0, false);
+    for r in alone.runs.iter().chain(&together.runs) {
+        assert_eq!(r.outcome, Outcome::Completed, "{}", r.end_reason);
+    }
+    // Alone, B knows nothing of the pool: the model's long-run mix, mostly up. In the fleet it
+    // knows the pool went down five minutes ago: a fresh outage.
+    let b_alone = stated_p_up(&alone.runs[0]);
+    let b_fleet = stated_p_up(&together.runs[1]);
+    assert!(b_alone > 0.6, "alone: {b_alone}");
+    assert!(b_fleet < 0.4, "in the fleet: {b_fleet}");
+    // The book saw both jobs: A's launch and interruption, B's tries.
+    let pool = &together.pools[0];
+    let launches: u32 = together
+        .runs
+        .iter()
+        .map(|r| r.launches + r.failed_launches)
+        .sum();
+    assert!(pool.observations >= 2 && pool.up.ends >= 1.0, "{pool:?}");
+    assert!(
+        pool.observations <= u64::from(launches) * 2,
+        "{pool:?} from {launches} launches"
+    );
+}
+
+#[test]
+fn a_fleet_learns_a_pool_whose_up_runs_outlast_the_prior() {
+    // Up 12 h, down 20 min, over and over: the prior (fitted on 2022 pools whose up runs last
+    // 3–4 h) expects several ends per run. Four jobs, 8 h of work, 12 h deadlines, 6 h apart.
+    let cycle = format!("{}{}", "1".repeat(72), "0".repeat(2));
+    let a = world(&[("us-west-2a", &cycle.repeat(20))]);
+    let sc = scenario(&a, 8.0);
+    let starts = [0.0, 6.0, 12.0, 18.0, 24.0, 30.0, 36.0, 42.0];
+    let learned = fleet(&sc, &starts, 12.0, true);
+    let fixed = fleet(&sc, &starts, 12.0, false);
+    for r in learned.runs.iter().chain(&fixed.runs) {
+        assert_eq!(r.outcome, Outcome::Completed, "{}", r.end_reason);
+    }
+    let pool = &learned.pools[0];
+    assert!(pool.up.ends >= 2.0, "{pool:?}");
+    assert!(
+        pool.up.expected > pool.up.ends,
+        "the prior expected more ends than were seen: {pool:?}"
+    );
+    assert!(pool.up_multiplier < 1.0, "{pool:?}");
+    assert!(pool.up_share > fixed.pools[0].up_share, "{pool:?}");
+    assert_eq!(fixed.pools[0].up_multiplier, 1.0);
 }

@@ -13,7 +13,7 @@
 
 use super::TodayConfig;
 use crate::market::{Market, Timestamp};
-use crate::market_model::availability::Belief;
+use crate::market_model::availability::{AvailabilityModel, Belief};
 use crate::policy::deadline_plan::{Action, Choice, DeadlinePlan, Mode, PlanSpec};
 use crate::policy::{
     Acquisition, Decision, DecisionContext, Expectation, InstanceId, InstanceState, PolicyError,
@@ -105,6 +105,20 @@ impl Today {
             return Ok(None);
         }
         let model = &config.availability;
+        // What the whole fleet has seen of each pool (every job's launches, refusals and
+        // interruptions, this one's among them), when the broker keeps a book on this model.
+        let book = ctx
+            .market
+            .pool_book()
+            .filter(|b| b.prior() == &config.availability);
+        if let Some(book) = book {
+            for m in pools {
+                if let Some(belief) = book.belief(m, now) {
+                    let w = self.watch(config, m, now);
+                    w.belief = belief;
+                }
+            }
+        }
         // What each pool was seen doing: a spot instance running there, or taken away.
         let active: Vec<_> = ctx.footprint.iter().filter(|i| i.is_active()).collect();
         for i in ctx.footprint {
@@ -169,11 +183,26 @@ impl Today {
         let transition = model.transition();
         let hour_steps = ((3600.0 / model.step_secs()).round() as usize).max(1);
         let o_h = overhead / 3600.0;
+        // Each pool's own model, when the fleet has learned one.
+        let learned: BTreeMap<&Market, (&AvailabilityModel, Vec<f64>)> = book
+            .map(|b| {
+                pools
+                    .iter()
+                    .map(|m| b.model(m))
+                    .zip(pools.iter())
+                    .filter(|(pm, _)| *pm != model)
+                    .map(|(pm, m)| (*m, (pm, pm.transition())))
+                    .collect()
+            })
+            .unwrap_or_default();
         let stint = |m: &Market| -> Option<Stint> {
             let w = self.pools.get(m)?;
             let price = spot_price(m)?;
+            let (model, transition) = learned
+                .get(m)
+                .map_or((model, &transition), |(pm, t)| (*pm, t));
             let p_up = w.belief.up(model);
-            let (p_end, up_steps) = w.belief.up_run_within(model, &transition, hour_steps)?;
+            let (p_end, up_steps) = w.belief.up_run_within(model, transition, hour_steps)?;
             // Hours up within the hour, and the first hour's bill if it lasts.
             let up_h = up_steps * model.step_secs() / 3600.0;
             let paid = (1.0 - p_end) * price;
