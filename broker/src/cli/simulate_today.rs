@@ -278,7 +278,7 @@ pub fn sweep(args: &SimulateArgs) -> Result<TodayReport> {
                 .find_map(|e| e.availability_model().cloned())
                 .unwrap_or_else(|| crate::policy::TodayConfig::default().availability);
             let learn = !args.no_pool_learning;
-            let (runs, pools) = crate::sim::fleet::run_fleet_sweep(
+            let crate::sim::fleet::FleetSweep { runs, pools } = crate::sim::fleet::run_fleet_sweep(
                 &scenario, &entries, &fleets, &options, &prior, learn,
             )?;
             let pools = entries

@@ -166,7 +166,7 @@ impl PoolBook {
                 _ => None,
             }
         };
-        advance(pool, prior, prior_t, at, watched);
+        advance(pool, prior, at, watched);
         let recent = |pool: &Pool, up: bool| matches!(pool.last, Some((t, s)) if s == up && at.secs_since(t) <= step);
         match o.seen {
             Seen::Granted => {
@@ -179,7 +179,10 @@ impl PoolBook {
                 pool.last = Some((at, true));
             }
             Seen::Refused => {
-                let went = pool.held == 0 && recent(pool, true);
+                // Watched up until now (an instance is held, or a look within a step said up):
+                // the up run ended.
+                let went = pool.last.is_some_and(|(_, up)| up)
+                    && (pool.held > 0 || recent(pool, true));
                 if went {
                     pool.exposure[1].ends += 1.0;
                 }
@@ -254,13 +257,7 @@ impl PoolBook {
 
 /// Brings a pool's belief to `at`, counting the watched time's expected run ends (under the
 /// prior, from the belief's ages) when the pool was watched in one state throughout.
-fn advance(
-    pool: &mut Pool,
-    prior: &AvailabilityModel,
-    prior_t: &[f64],
-    at: Timestamp,
-    watched: Option<bool>,
-) {
+fn advance(pool: &mut Pool, prior: &AvailabilityModel, at: Timestamp, watched: Option<bool>) {
     let steps = at.secs_since(pool.at) / pool.model.step_secs();
     if steps <= 0.0 {
         return;
@@ -285,7 +282,6 @@ fn advance(
                 left -= dt;
             }
             pool.belief.see(&pool.model, up, false);
-            let _ = prior_t;
         }
     }
     pool.at = at;

@@ -66,15 +66,12 @@ pub fn run_fleet<'a>(
     // Per job: not begun (its start), going (its next instant), or ended.
     let mut next: Vec<Option<Timestamp>> = runs.iter().map(|r| Some(r.start)).collect();
     let mut begun = vec![false; runs.len()];
-    loop {
-        let Some((i, t)) = next
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| t.map(|t| (i, t)))
-            .min_by_key(|&(i, t)| (t, i))
-        else {
-            break;
-        };
+    while let Some((i, t)) = next
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.map(|t| (i, t)))
+        .min_by_key(|&(i, t)| (t, i))
+    {
         let run = &mut runs[i];
         if begun[i] {
             run.advance(t)?;
@@ -98,9 +95,17 @@ pub fn run_fleet<'a>(
     Ok(FleetResult { runs, pools })
 }
 
+/// What [`run_fleet_sweep`] returns, per policy.
+#[derive(Debug)]
+pub struct FleetSweep {
+    /// Every job's run, in the order of the fleets and their starts.
+    pub runs: Vec<Vec<RunResult>>,
+    /// What the first fleet's book saw of each pool.
+    pub pools: Vec<Vec<PoolSummary>>,
+}
+
 /// Every policy over the same fleets: each fleet (a list of job starts) is run once per
-/// policy, all its jobs that policy's. Returns, per policy, every job's run in the order of
-/// the fleets and their starts, and the pools the first fleet's book saw (per policy).
+/// policy, all its jobs that policy's.
 pub fn run_fleet_sweep(
     scenario: &Scenario,
     policies: &[super::sweep::PolicyEntry],
@@ -108,7 +113,7 @@ pub fn run_fleet_sweep(
     sweep: &super::sweep::SweepOptions,
     prior: &AvailabilityModel,
     learn: bool,
-) -> Result<(Vec<Vec<RunResult>>, Vec<Vec<PoolSummary>>), SimError> {
+) -> Result<FleetSweep, SimError> {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let work: Vec<(usize, usize)> = (0..fleets.len())
@@ -171,5 +176,5 @@ pub fn run_fleet_sweep(
             None => return Err(SimError::Runaway(0)),
         }
     }
-    Ok((runs, pools))
+    Ok(FleetSweep { runs, pools })
 }
