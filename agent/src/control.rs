@@ -548,31 +548,7 @@ mod tests {
         status: &'static str,
         body: impl Into<String>,
     ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
-        let body: String = body.into();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let seen = count.clone();
-        tokio::spawn(async move {
-            while let Ok((mut conn, _)) = listener.accept().await {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                seen.fetch_add(1, Ordering::SeqCst);
-                let reply = format!(
-                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
-                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = conn.write_all(reply.as_bytes()).await;
-            }
-        });
-        (url, count)
+        broker_switching(Arc::new(std::sync::Mutex::new((status, body.into())))).await
     }
 
     #[tokio::test]
@@ -623,7 +599,7 @@ mod tests {
 
     /// A broker whose answer (status line, body) can be changed while it runs.
     async fn broker_switching(
-        answer: Arc<std::sync::Mutex<(&'static str, &'static str)>>,
+        answer: Arc<std::sync::Mutex<(&'static str, String)>>,
     ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -640,7 +616,7 @@ mod tests {
                     }
                 }
                 seen.fetch_add(1, Ordering::SeqCst);
-                let (status, body) = *answer.lock().unwrap();
+                let (status, body) = answer.lock().unwrap().clone();
                 let reply = format!(
                     "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
                      content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -653,6 +629,10 @@ mod tests {
     }
 
     const OK: (&str, &str) = ("200 OK", "{}");
+
+    fn reply((status, body): (&'static str, &str)) -> (&'static str, String) {
+        (status, body.to_string())
+    }
     const NOT_MINE: (&str, &str) = (
         "421 Misdirected Request",
         r#"{"code":"not_owner","message":"job 1 is run by another broker"}"#,
@@ -665,9 +645,9 @@ mod tests {
     #[tokio::test]
     async fn a_heartbeat_follows_its_job_past_a_paused_broker_within_one_call() {
         let (paused, paused_asked) = broker_not_answering().await;
-        let first = Arc::new(std::sync::Mutex::new(NOT_MINE));
+        let first = Arc::new(std::sync::Mutex::new(reply(NOT_MINE)));
         let (moved, moved_asked) = broker_switching(first.clone()).await;
-        let second = Arc::new(std::sync::Mutex::new(OK));
+        let second = Arc::new(std::sync::Mutex::new(reply(OK)));
         let (owner, owner_asked) = broker_switching(second.clone()).await;
         let broker = Broker::new(&format!("{paused},{moved},{owner}"), "t", None).unwrap();
         let id = InstanceId("pi-1-a".into());
@@ -707,8 +687,8 @@ mod tests {
         );
 
         // The job moves to the second broker: the paused one, asked last, is not waited on.
-        *second.lock().unwrap() = NOT_MINE;
-        *first.lock().unwrap() = OK;
+        *second.lock().unwrap() = reply(NOT_MINE);
+        *first.lock().unwrap() = reply(OK);
         let started = std::time::Instant::now();
         broker
             .heartbeat(&id, &hb)
@@ -732,10 +712,10 @@ mod tests {
         // A broker whose lease lapsed (503) may have lost the job: the others are asked; with
         // none taking it, the agent stays with the one that may own it, and the 503 is the
         // answer.
-        let lapsed_answer = Arc::new(std::sync::Mutex::new((
+        let lapsed_answer = Arc::new(std::sync::Mutex::new(reply((
             "503 Service Unavailable",
             r#"{"code":"lease_lapsed","message":"lease lapsed"}"#,
-        )));
+        ))));
         let (lapsed, _) = broker_switching(lapsed_answer).await;
         let (other, other_asked) = broker_answering(NOT_MINE.0, NOT_MINE.1).await;
         let broker = Broker::new(&format!("{lapsed},{other}"), "t", None).unwrap();

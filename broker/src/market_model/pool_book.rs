@@ -181,8 +181,8 @@ impl PoolBook {
             Seen::Refused => {
                 // Watched up until now (an instance is held, or a look within a step said up):
                 // the up run ended.
-                let went = pool.last.is_some_and(|(_, up)| up)
-                    && (pool.held > 0 || recent(pool, true));
+                let went =
+                    pool.last.is_some_and(|(_, up)| up) && (pool.held > 0 || recent(pool, true));
                 if went {
                     pool.exposure[1].ends += 1.0;
                 }

@@ -59,8 +59,7 @@ mod standard;
 mod uniform_progress;
 
 pub use bidbrain::{
-    BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice, STANDARD_OVER_FULL_SPEED,
-    TodayConfig, standard_runtime_secs,
+    BidBrain, BidBrainConfig, ReliableTier, ReliableTypeChoice, TodayConfig, standard_runtime_secs,
 };
 pub use config::{
     PolicyLoadError, PolicySpec, load_policy_file, parse_policy, policies_dir, resolve_policy_path,
