@@ -381,7 +381,66 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
     let err = refused(&file, &[&work[..], &["--calibration", &gap_arg]].concat());
     assert!(err.contains("--calibration is for a price trace"), "{err}");
     assert!(!gap.exists());
-    assert!(!gap.exists());
+    // A fleet of no jobs, or of more than a broker would plan together.
+    for k in ["0", "65"] {
+        let err = refused(&file, &[&work[..], &["--fleet", k]].concat());
+        assert!(
+            err.contains(&format!("--fleet {k}")) || err.contains("--fleet must"),
+            "{err}"
+        );
+    }
+
+    // A fleet: every job of every fleet is reported, staggered a deadline ÷ K apart, with what
+    // the first fleet's book learned of the pool.
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["simulate", "--availability"])
+        .arg(&file)
+        .args([
+            "--work-hours",
+            "10",
+            "--deadline-hours",
+            "14",
+            "--restart-overhead-hours",
+            "0.2",
+            "--compare",
+            "bidbrain",
+            "uniform-progress",
+            "--fleet",
+            "4",
+            "--starts",
+            "2",
+            "--output",
+            "json",
+        ])
+        .env("PROTEUS_LOG", "warn")
+        .env_remove("PROTEUS_POLICIES_DIR")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let starts: Vec<Timestamp> = serde_json::from_value(v["starts"].clone()).unwrap();
+    assert_eq!(starts.len(), 8, "{v}");
+    for fleet in starts.chunks(4) {
+        for pair in fleet.windows(2) {
+            assert!(
+                (pair[1].secs_since(pair[0]) - 3.5 * H).abs() < 1.0,
+                "{fleet:?}"
+            );
+        }
+    }
+    assert_eq!(v["fleet"]["jobs"], 4);
+    let pools = v["fleet"]["first_fleet_pools"]["bidbrain"]
+        .as_array()
+        .unwrap();
+    assert_eq!(pools.len(), 1, "{v}");
+    assert!(pools[0]["observations"].as_u64().unwrap() > 0, "{v}");
+    for p in v["policies"].as_array().unwrap() {
+        assert_eq!(p["runs_by_start"].as_array().unwrap().len(), 8, "{p}");
+    }
 }
 
 /// `--optimal` through the binary for every family: several zones (a move between zones pays
