@@ -338,9 +338,16 @@ impl Broker {
         }
         if by_provider {
             super::metrics::Metrics::inc(&self.metrics.evictions);
-        } else if row.tier == Tier::Transient && row.cloud_id.is_some() {
-            // Let go by its job while the pool still had it: up until now.
-            self.saw_pool(&row.market, at, Seen::Released).await;
+        }
+        // A warned instance's pool was seen going at the notice. Otherwise: taken without a
+        // notice, the pool went now; let go by its job, it was up until now.
+        if row.tier == Tier::Transient && row.cloud_id.is_some() && row.warned.is_none() {
+            let seen = if by_provider {
+                Seen::Interrupted
+            } else {
+                Seen::Released
+            };
+            self.saw_pool(&row.market, at, seen).await;
         }
         if let Some(runtime) = self.runtime(row.job_id) {
             let mut rt = runtime.lock().unwrap_or_else(|e| e.into_inner());
