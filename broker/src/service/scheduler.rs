@@ -59,8 +59,6 @@ impl Broker {
         self.control.sweep(Duration::from_secs(30));
         // First what the cloud did (held, in order, while the database is away).
         self.apply_cloud_events(now).await?;
-        // What every job (of every broker) saw of the spot pools, for this tick's decisions.
-        self.refresh_pools().await;
         // Jobs whose owner died (or left) become this broker's, reconciled with the cloud
         // before anything is decided for them.
         let claimed = self.claim_share().await?;
@@ -88,6 +86,10 @@ impl Broker {
         if let Err(e) = self.retry_terminations().await {
             tracing::warn!(error = %e, "cannot retry terminations; retrying next tick");
         }
+        // What every job (of every broker) saw of the spot pools, for this tick's decisions.
+        // After the reads above: while the database is away the tick has stopped before this,
+        // and a tick holding cloud events does not wait on the pool a second time.
+        self.refresh_pools().await;
         for job in leased {
             let lease = match self.fence(job.id) {
                 Ok(lease) => lease,
