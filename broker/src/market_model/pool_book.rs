@@ -236,6 +236,13 @@ impl PoolBook {
         self.pools.get(market).map_or(&self.prior, |p| &p.model)
     }
 
+    /// The one-step transition of [`PoolBook::model`] (kept with it, not recomputed).
+    pub fn transition(&self, market: &Market) -> &[f64] {
+        self.pools
+            .get(market)
+            .map_or(&self.prior_transition, |p| &p.transition)
+    }
+
     /// Every pool the fleet has seen, at `now`.
     pub fn summary(&self, now: Timestamp) -> Vec<PoolSummary> {
         self.pools

@@ -114,66 +114,36 @@ pub fn run_fleet_sweep(
     prior: &AvailabilityModel,
     learn: bool,
 ) -> Result<FleetSweep, SimError> {
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let work: Vec<(usize, usize)> = (0..fleets.len())
         .flat_map(|f| (0..policies.len()).map(move |p| (p, f)))
         .collect();
-    let next = AtomicUsize::new(0);
-    let slots: Mutex<Vec<Option<Result<FleetResult, SimError>>>> =
-        Mutex::new((0..work.len()).map(|_| None).collect());
-    let worker = || {
-        loop {
-            let j = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&(p, f)) = work.get(j) else { break };
-            let fleet = &fleets[f];
-            let before: usize = fleets[..f].iter().map(Vec::len).sum();
-            let options: Vec<RunOptions> = (0..fleet.len())
-                .map(|i| RunOptions {
-                    seed: super::sweep::run_seed(sweep.seed, before + i),
-                    future_reads: sweep.future_reads,
-                    record_decisions: sweep.record_decisions,
-                    budget: sweep.budget,
-                    deadline: sweep.deadline,
-                })
-                .collect();
-            let outcome = fleet
-                .iter()
-                .map(|&start| {
-                    policies[p]
-                        .build()
-                        .map(|policy| (policy, start))
-                        .map_err(|e| SimError::PolicyFile(e.to_string()))
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .and_then(|jobs| run_fleet(scenario, jobs, &options, prior.clone(), learn));
-            if let Ok(mut s) = slots.lock() {
-                s[j] = Some(outcome);
-            }
-        }
-    };
-    let threads = sweep.threads.clamp(1, work.len().max(1));
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            scope.spawn(worker);
-        }
-        worker();
+    let outcomes = super::sweep::in_parallel(&work, sweep.threads, |&(p, f)| {
+        let fleet = &fleets[f];
+        let before: usize = fleets[..f].iter().map(Vec::len).sum();
+        let options: Vec<RunOptions> = (0..fleet.len())
+            .map(|i| sweep.run_options(before + i))
+            .collect();
+        fleet
+            .iter()
+            .map(|&start| {
+                policies[p]
+                    .build()
+                    .map(|policy| (policy, start))
+                    .map_err(|e| SimError::PolicyFile(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(|jobs| run_fleet(scenario, jobs, &options, prior.clone(), learn))
     });
-    let slots = slots
-        .into_inner()
-        .unwrap_or_else(|poison| poison.into_inner());
+    if outcomes.len() != work.len() {
+        return Err(SimError::Runaway(0));
+    }
     let mut runs: Vec<Vec<RunResult>> = policies.iter().map(|_| Vec::new()).collect();
     let mut pools: Vec<Vec<PoolSummary>> = policies.iter().map(|_| Vec::new()).collect();
-    for (slot, &(p, f)) in slots.into_iter().zip(&work) {
-        match slot {
-            Some(Ok(r)) => {
-                runs[p].extend(r.runs);
-                if f == 0 {
-                    pools[p] = r.pools;
-                }
-            }
-            Some(Err(e)) => return Err(e),
-            None => return Err(SimError::Runaway(0)),
+    for (outcome, &(p, f)) in outcomes.into_iter().zip(&work) {
+        let r = outcome?;
+        runs[p].extend(r.runs);
+        if f == 0 {
+            pools[p] = r.pools;
         }
     }
     Ok(FleetSweep { runs, pools })

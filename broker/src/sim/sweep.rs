@@ -106,6 +106,53 @@ pub struct SweepOptions {
     pub deadline: Option<super::Deadline>,
 }
 
+impl SweepOptions {
+    /// The options of run `k` of the sweep (its seed is [`run_seed`]`(seed, k)`).
+    pub fn run_options(&self, k: usize) -> RunOptions {
+        RunOptions {
+            seed: run_seed(self.seed, k),
+            future_reads: self.future_reads,
+            record_decisions: self.record_decisions,
+            budget: self.budget,
+            deadline: self.deadline,
+        }
+    }
+}
+
+/// Calls `work` on every item on `threads` threads (at least 1), taking the next item as each
+/// finishes; the answers come back in the items' order, whatever the threads did.
+pub fn in_parallel<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    work: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let slots: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
+    let worker = || {
+        loop {
+            let j = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(j) else { break };
+            let answer = work(item);
+            if let Ok(mut s) = slots.lock() {
+                s[j] = Some(answer);
+            }
+        }
+    };
+    let threads = threads.clamp(1, items.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(worker);
+        }
+        worker();
+    });
+    slots
+        .into_inner()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
 /// Runs every policy from every start time. `results[p][k]` is policy `p` from start `k`;
 /// results do not depend on the number of threads. `on_done` is called after each run.
 pub fn run_sweep(
@@ -118,50 +165,23 @@ pub fn run_sweep(
     let jobs: Vec<(usize, usize)> = (0..starts.len())
         .flat_map(|k| (0..policies.len()).map(move |p| (p, k)))
         .collect();
-    let next = AtomicUsize::new(0);
-    let slots: Mutex<Vec<Option<Result<RunResult, SimError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
-    let worker = || {
-        loop {
-            let j = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&(p, k)) = jobs.get(j) else { break };
-            let options = RunOptions {
-                seed: run_seed(sweep.seed, k),
-                future_reads: sweep.future_reads,
-                record_decisions: sweep.record_decisions,
-                budget: sweep.budget,
-                deadline: sweep.deadline,
-            };
-            let outcome = match policies[p].build() {
-                Ok(mut policy) => run(scenario, policy.as_mut(), starts[k], &options),
-                Err(e) => Err(SimError::PolicyFile(e.to_string())),
-            };
-            if let Ok(mut s) = slots.lock() {
-                s[j] = Some(outcome);
-            }
-            on_done();
-        }
-    };
-    let threads = sweep.threads.clamp(1, jobs.len().max(1));
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            scope.spawn(worker);
-        }
-        worker();
+    let outcomes = in_parallel(&jobs, sweep.threads, |&(p, k)| {
+        let outcome = match policies[p].build() {
+            Ok(mut policy) => run(scenario, policy.as_mut(), starts[k], &sweep.run_options(k)),
+            Err(e) => Err(SimError::PolicyFile(e.to_string())),
+        };
+        on_done();
+        outcome
     });
-    let slots = slots
-        .into_inner()
-        .unwrap_or_else(|poison| poison.into_inner());
+    if outcomes.len() != jobs.len() {
+        return Err(SimError::Runaway(0));
+    }
     let mut results: Vec<Vec<RunResult>> = policies
         .iter()
         .map(|_| Vec::with_capacity(starts.len()))
         .collect();
-    for (slot, &(p, _)) in slots.into_iter().zip(&jobs) {
-        match slot {
-            Some(Ok(r)) => results[p].push(r),
-            Some(Err(e)) => return Err(e),
-            None => return Err(SimError::Runaway(0)),
-        }
+    for (outcome, &(p, _)) in outcomes.into_iter().zip(&jobs) {
+        results[p].push(outcome?);
     }
     Ok(results)
 }

@@ -282,6 +282,26 @@ fn uniform_progress_stays_on_spot_when_the_slack_falls_below_the_safety_net() {
     assert_eq!(up.instances.len(), 1, "{:?}", up.instances);
 }
 
+/// `proteus simulate --availability FILE ARGS --output json` with the shipped policies: it must
+/// succeed; its report.
+fn simulate_json(file: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
+        .args(["simulate", "--availability"])
+        .arg(file)
+        .args(args)
+        .args(["--output", "json"])
+        .env("PROTEUS_LOG", "warn")
+        .env_remove("PROTEUS_POLICIES_DIR")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
     let dir = tempfile::tempdir().unwrap();
@@ -291,10 +311,9 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
         trace_text((0..600).map(|i| !(100..150).contains(&i))),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
-        .args(["simulate", "--availability"])
-        .arg(&file)
-        .args([
+    let v = simulate_json(
+        &file,
+        &[
             "--instance-type",
             "p3.2xlarge",
             "--instances",
@@ -311,19 +330,8 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
             "5",
             "--seed",
             "3",
-            "--output",
-            "json",
-        ])
-        .env("PROTEUS_LOG", "warn")
-        .env_remove("PROTEUS_POLICIES_DIR")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in ["deadline_met_rate", "cost_vs_on_demand", "median_cost_usd"] {
         assert!(v[key].is_number(), "{key} missing: {v}");
     }
@@ -392,10 +400,9 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
 
     // A fleet: every job of every fleet is reported, staggered a deadline ÷ K apart, with what
     // the first fleet's book learned of the pool.
-    let out = Command::new(env!("CARGO_BIN_EXE_proteus"))
-        .args(["simulate", "--availability"])
-        .arg(&file)
-        .args([
+    let v = simulate_json(
+        &file,
+        &[
             "--work-hours",
             "10",
             "--deadline-hours",
@@ -409,19 +416,8 @@ fn simulate_availability_prints_the_documented_keys_and_explains_bad_input() {
             "4",
             "--starts",
             "2",
-            "--output",
-            "json",
-        ])
-        .env("PROTEUS_LOG", "warn")
-        .env_remove("PROTEUS_POLICIES_DIR")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let starts: Vec<Timestamp> = serde_json::from_value(v["starts"].clone()).unwrap();
     assert_eq!(starts.len(), 8, "{v}");
     for fleet in starts.chunks(4) {

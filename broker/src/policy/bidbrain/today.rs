@@ -184,14 +184,12 @@ impl Today {
         let hour_steps = ((3600.0 / model.step_secs()).round() as usize).max(1);
         let o_h = overhead / 3600.0;
         // Each pool's own model, when the fleet has learned one.
-        let learned: BTreeMap<&Market, (&AvailabilityModel, Vec<f64>)> = book
+        let learned: BTreeMap<&Market, (&AvailabilityModel, &[f64])> = book
             .map(|b| {
                 pools
                     .iter()
-                    .map(|m| b.model(m))
-                    .zip(pools.iter())
-                    .filter(|(pm, _)| *pm != model)
-                    .map(|(pm, m)| (*m, (pm, pm.transition())))
+                    .filter(|m| b.model(m) != model)
+                    .map(|m| (*m, (b.model(m), b.transition(m))))
                     .collect()
             })
             .unwrap_or_default();
@@ -200,7 +198,7 @@ impl Today {
             let price = spot_price(m)?;
             let (model, transition) = learned
                 .get(m)
-                .map_or((model, &transition), |(pm, t)| (*pm, t));
+                .map_or((model, transition.as_slice()), |(pm, t)| (*pm, *t));
             let p_up = w.belief.up(model);
             let (p_end, up_steps) = w.belief.up_run_within(model, transition, hour_steps)?;
             // Hours up within the hour, and the first hour's bill if it lasts.
